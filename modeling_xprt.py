@@ -182,9 +182,15 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
     """
     if not _dist_on():
         return t
+    import warnings
+
     import torch.distributed.nn.functional as dist_fn
 
-    return torch.cat(dist_fn.all_gather(t.contiguous()), dim=0)
+    with warnings.catch_warnings():
+        # Deprecated in favour of _functional_collectives, whose backward is a reduce_scatter that
+        # gloo (CPU) lacks; this one runs on gloo and NCCL alike.
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.cat(dist_fn.all_gather(t.contiguous()), dim=0)
 
 
 def gather_no_grad(t: torch.Tensor) -> torch.Tensor:
@@ -588,6 +594,13 @@ class XPRTModel(nn.Module):
         self.decoder = ConditionedDecoder(cfg, num_condition_vectors, decoder_layers)
         # BERT's init (N(0, 0.02) linear weights, LayerNorm 1/0) for the fresh decoder, as RetroMAE does.
         self.decoder.apply(mlm_model._init_weights)
+        # Our choice: start the linear map as C stacked identities (+ the N(0, 0.02) noise above, so
+        # the C vectors differ). The mean-pooled vector then enters the decoder at the scale of the
+        # (LayerNorm-ed) token embeddings; with N(0, 0.02) alone it would be ~0.02 sqrt(H) times
+        # smaller and the decoder would start out ignoring it.
+        with torch.no_grad():
+            hsz = cfg.hidden_size
+            self.decoder.condition.weight += torch.eye(hsz).repeat(num_condition_vectors, 1)
         self.num_condition_vectors = num_condition_vectors
         self.decoder_layers = decoder_layers
 

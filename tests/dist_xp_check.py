@@ -1,0 +1,61 @@
+"""Run by tests/test_modeling.py under `torchrun --nproc_per_node 2` (gloo, CPU).
+
+Each process holds half of a fixed batch, encodes it with a shared linear "encoder" W, computes
+xp_loss (candidates gathered across processes WITH gradients), backpropagates, and averages W's
+gradient over processes as DDP does. Rank 0 writes the mean loss and the averaged gradient to
+argv[1] (safetensors) for the test to compare with one process holding the whole batch.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from modeling_xprt import pair_p_loss, pair_q_loss, xp_loss  # noqa: E402
+
+
+def fixed_batch():
+    """Same tensors on every process and in the test: 8 groups, hidden 6, docs with repeats."""
+    g = torch.Generator().manual_seed(0)
+    xa, xs = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+    w = torch.randn(6, 6, generator=g)
+    docs = torch.tensor([0, 1, 2, 0, 3, 1, 4, 5])  # groups 0/3 and 1/5 share documents across processes
+    xq, xp = torch.randn(8, 6, generator=g), torch.randn(8, 3, 6, generator=g)
+    return xa, xs, w, docs, xq, xp
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert world == 2, f"expected 2 processes, got {world}"
+    xa, xs, w0, docs, xq, xp = fixed_batch()
+    n = xa.shape[0] // world
+    sl = slice(rank * n, (rank + 1) * n)
+    out = {}
+    for name in ("xp", "pair_q", "pair_p"):
+        w = w0.clone().requires_grad_(True)
+        if name == "xp":
+            loss = xp_loss(xa[sl] @ w, xs[sl] @ w, docs[sl], tau=0.05)
+        elif name == "pair_q":
+            loss = pair_q_loss(xq[sl] @ w, xp[sl] @ w, tau=0.05)
+        else:
+            loss = pair_p_loss(xq[sl] @ w, xp[sl] @ w, tau=0.05)
+        loss.backward()
+        grad = w.grad.clone()
+        dist.all_reduce(grad)  # DDP: average of the per-process parameter gradients
+        grad /= world
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        mean_loss /= world
+        out[f"{name}_loss"], out[f"{name}_grad"] = mean_loss, grad
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in out.items()}, sys.argv[1])
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

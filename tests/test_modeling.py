@@ -1,0 +1,512 @@
+"""modeling_xprt.py: every loss term against an independent plain computation, the decoder, the
+collators, save/load, and a 2-process gathering check. Tiny random BERT unless stated."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import modeling_xprt as mx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model gains nothing from threads, and on a shared CPU they oversubscribe it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def toy_rows(n=6, docs=None, seed=0):
+    """Groups whose related passages share most of their words with the anchor."""
+    g = torch.Generator().manual_seed(seed)
+    words = ("baseball pitcher game perfect inning rule catcher umpire league season team score runner base "
+             "bat glove field strike ball walk history record").split()
+    rows = []
+    for i in range(n):
+        pick = lambda k: " ".join(words[j] for j in torch.randint(len(words), (k,), generator=g).tolist())  # noqa: E731
+        anchor = pick(12)
+        rows.append({
+            "doc_id": f"doc{docs[i] if docs else i}",
+            "anchor": anchor,
+            "related": [anchor.split(" ", 3)[-1] + " " + pick(3) for _ in range(4)],
+            "random_passage": pick(10),
+        })
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_bert):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_bert)
+
+
+def make_model(tiny_bert, objective="xprt", **kw):
+    torch.manual_seed(0)
+    mlm, _ = mx.load_mlm_encoder(str(tiny_bert))
+    return mx.XPRTModel(mlm, objective=objective, **kw)
+
+
+def plain_infonce(q, k, tau, allowed=None):
+    """Loop form: mean_i -log exp(s_ii) / sum_{j allowed} exp(s_ij), s = cos / tau."""
+    total = 0.0
+    for i in range(q.shape[0]):
+        s = [F.cosine_similarity(q[i], k[j], dim=0) / tau for j in range(k.shape[0])]
+        den = sum(torch.exp(s[j]) for j in range(k.shape[0]) if allowed is None or allowed(i, j))
+        total = total - torch.log(torch.exp(s[i]) / den)
+    return total / q.shape[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# contrastive terms
+# ------------------------------------------------------------------------------------------------
+
+
+def test_infonce_worked_example():
+    """Paper: 3 groups, cos 0.8 to the own s1 and 0.5 to the other two, tau 0.05 -> p = 0.995."""
+    u = torch.tensor([1.0, 0.0])
+    at = lambda c: torch.tensor([c, math.sqrt(1 - c * c)])  # noqa: E731  unit vector with cos c to u
+    logits = torch.stack([F.cosine_similarity(u, at(c), dim=0) for c in (0.8, 0.5, 0.5)]) / 0.05
+    p = torch.softmax(logits, 0)[0].item()
+    assert abs(p - math.exp(16) / (math.exp(16) + 2 * math.exp(10))) < 1e-4
+    assert round(p, 3) == 0.995
+    loss = mx.info_nce(u.unsqueeze(0), torch.stack([at(0.8), at(0.5), at(0.5)]), torch.tensor([0]), 0.05)
+    assert abs(loss.item() + math.log(p)) < 1e-4
+
+
+def test_xp_loss_matches_plain_loop_with_same_document_mask():
+    torch.manual_seed(1)
+    a, s = torch.randn(6, 16), torch.randn(6, 16)
+    docs = torch.tensor([0, 1, 0, 2, 1, 3])
+    allowed = lambda i, j: i == j or docs[i] != docs[j]  # noqa: E731
+    ref = 0.5 * (plain_infonce(a, s, 0.05, allowed) + plain_infonce(s, a, 0.05, allowed))
+    assert torch.allclose(mx.xp_loss(a, s, docs, 0.05), ref, atol=1e-5)
+
+
+def test_same_document_groups_are_never_negatives():
+    """Moving a same-document group's s1 anywhere never changes the anchor's term."""
+    torch.manual_seed(2)
+    a, s = torch.randn(4, 8), torch.randn(4, 8, requires_grad=True)
+    docs = torch.tensor([7, 7, 8, 9])
+    logits_row0 = lambda s_: F.normalize(a[:1], dim=-1) @ F.normalize(s_, dim=-1).t() / 0.05  # noqa: E731
+    # anchor 0 -> s1: gradient of the a->s direction w.r.t. s[1] (same doc) must be zero
+    all_s = s
+    same = docs.unsqueeze(1) == docs.unsqueeze(0)
+    same.fill_diagonal_(False)
+    lg = (F.normalize(a, dim=-1) @ F.normalize(all_s, dim=-1).t() / 0.05).masked_fill(same, float("-inf"))
+    F.cross_entropy(lg[:1], torch.tensor([0])).backward()
+    assert s.grad[1].abs().max() == 0 and s.grad[2].abs().max() > 0
+    # and xp_loss's anchor-0 row equals the row computed without group 1 at all
+    keep = torch.tensor([0, 2, 3])
+    row = F.cross_entropy(logits_row0(s.detach()[keep]), torch.tensor([0]))
+    full = mx.info_nce(a[:1], s.detach(), torch.tensor([0]), 0.05, (docs[:1].unsqueeze(1) == docs.unsqueeze(0)) & (torch.arange(4) != 0))
+    assert torch.allclose(row, full, atol=1e-6)
+
+
+def test_all_different_documents_equals_plain_symmetric_infonce():
+    torch.manual_seed(3)
+    a, s = torch.randn(5, 12), torch.randn(5, 12)
+    logits = F.normalize(a, dim=-1) @ F.normalize(s, dim=-1).t() / 0.05
+    ref = 0.5 * (F.cross_entropy(logits, torch.arange(5)) + F.cross_entropy(logits.t(), torch.arange(5)))
+    assert torch.allclose(mx.xp_loss(a, s, torch.arange(5), 0.05), ref, atol=1e-6)
+
+
+def test_uniformity_equals_reference_formula():
+    torch.manual_seed(4)
+    x = torch.randn(7, 10)
+    xn = F.normalize(x, dim=-1)
+    ref = torch.log(torch.exp(-2 * torch.pdist(xn).pow(2)).mean())  # Wang & Isola's reference code
+    assert torch.allclose(mx.uniformity_loss(x), ref, atol=1e-6)
+
+
+def test_retention_zero_when_student_equals_teacher_and_matches_plain():
+    torch.manual_seed(5)
+    a, r = torch.randn(6, 8), torch.randn(6, 8)
+    assert mx.retention_loss(a, r, a.clone(), r.clone()).abs().item() < 1e-6
+    ta, tr = torch.randn(6, 8), torch.randn(6, 8)
+    s = F.normalize(a, dim=-1) @ F.normalize(r, dim=-1).t() / 0.05
+    t = F.normalize(ta, dim=-1) @ F.normalize(tr, dim=-1).t() / 0.05
+
+    def kl_rows(tm, sm):
+        pt, ps = torch.softmax(tm, -1), torch.softmax(sm, -1)
+        return (pt * (pt.log() - ps.log())).sum(-1).mean()
+
+    ref = 0.5 * (kl_rows(t, s) + kl_rows(t.t(), s.t()))
+    got = mx.retention_loss(a, r, ta, tr)
+    assert got > 0 and torch.allclose(got, ref, atol=1e-5)
+
+
+def test_pair_losses_against_independent_computation():
+    torch.manual_seed(6)
+    b, n, h, tau = 3, 2, 8, 0.05
+    q, p = torch.randn(b, h), torch.randn(b, 1 + n, h)
+    f = lambda x, y: F.cosine_similarity(x, y, dim=0) / tau  # noqa: E731
+    negs = [p[i, j] for i in range(b) for j in range(1, 1 + n)]
+    every = [p[i, j] for i in range(b) for j in range(1 + n)]
+    # L_Q: q_i picks p_i+ among every passage of the batch
+    lq = sum(-f(q[i], p[i, 0]) + torch.logsumexp(torch.stack([f(q[i], x) for x in every]), 0) for i in range(b)) / b
+    # L_P (paper / official code): p_i+ picks its own query q_i against all negative passages
+    lp = sum(-f(p[i, 0], q[i]) + torch.logsumexp(torch.stack([f(p[i, 0], q[i])] + [f(p[i, 0], x) for x in negs]), 0)
+             for i in range(b)) / b
+    assert torch.allclose(mx.pair_q_loss(q, p, tau), lq, atol=1e-5)
+    assert torch.allclose(mx.pair_p_loss(q, p, tau), lp, atol=1e-5)
+    assert torch.allclose(mx.pair_loss(lq, lp, 0.1), 0.9 * lq + 0.1 * lp)
+    with pytest.raises(ValueError):
+        mx.pair_p_loss(q, p[:, :1], tau)
+
+
+def test_contrastive_random_span_is_one_direction_infonce():
+    torch.manual_seed(7)
+    v1, v2 = torch.randn(4, 8), torch.randn(4, 8)
+    assert torch.allclose(mx.contrastive_random_span(v1, v2), plain_infonce(v1, v2, 0.05), atol=1e-5)
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_fused_vocab_loss_equals_plain(soft):
+    """Chunked projection + CE/KL: same loss and gradients as full logits."""
+    torch.manual_seed(8)
+    n, h, v = 37, 16, 101
+    hid = torch.randn(n, h, requires_grad=True)
+    w = torch.randn(v, h, requires_grad=True)
+    b = torch.randn(v, requires_grad=True)
+    tgt = torch.randint(v, (n,))
+    teacher = torch.randn(n, h) if soft else None
+    results = []
+    for fused in (False, True):
+        for t in (hid, w, b):
+            t.grad = None
+        loss = mx.vocab_loss(hid, w, b, targets=None if soft else tgt, teacher_hidden=teacher, fused=fused, chunk_size=8)
+        (2.5 * loss).backward()
+        results.append([loss.detach()] + [t.grad.clone() for t in (hid, w, b)])
+    for x, y in zip(*results):
+        assert torch.allclose(x, y, atol=1e-5, rtol=1e-4)
+    if soft:  # KL to itself is zero
+        assert mx.vocab_loss(teacher, w, b, teacher_hidden=teacher).abs().item() < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# the model
+# ------------------------------------------------------------------------------------------------
+
+
+def test_batched_forward_matches_loops_of_single_passes(tiny_bert, tok):
+    """Every xPRT term of one forward == an independent per-group / per-pass computation with full
+    vocabulary logits from the stock HF heads (eval mode: no dropout)."""
+    model = make_model(tiny_bert, fused_vocab_loss=True).eval()
+    batch = mx.XPRTCollator(tok, seed=1)(toy_rows(3, docs=[0, 0, 1]))
+    out = model(batch)
+    enc, head = model.encoder, model.encoder.cls
+    g, p, l = batch["input_ids"].shape
+    source, target, kind = mx.decoder_pass_plan(p - 1)
+    with torch.no_grad():
+        # MLM: HF's own masked-LM loss on every passage at once
+        ref_mlm = enc(input_ids=batch["input_ids"].view(-1, l), attention_mask=batch["attention_mask"].view(-1, l),
+                      labels=batch["mlm_labels"].view(-1, l)).loss
+        assert torch.allclose(out["mlm_loss"], ref_mlm, atol=1e-4)
+        vecs, enc_logits = [], []
+        for gi in range(g):  # encoder one group at a time
+            o = enc(input_ids=batch["input_ids"][gi], attention_mask=batch["attention_mask"][gi], output_hidden_states=True)
+            vecs.append(mx.mean_pool(o.hidden_states[-1], batch["attention_mask"][gi]))
+            enc_logits.append(o.logits)
+        vec = torch.stack(vecs)  # (G, P, H)
+        ref_xp = mx.xp_loss(vec[:, 0], vec[:, 1], batch["doc_ids"])
+        assert torch.allclose(out["xp_loss"], ref_xp, atol=1e-5)
+        ce_sum, ce_n, kl_sum, kl_n = 0.0, 0, 0.0, 0
+        c = model.num_condition_vectors
+        for gi in range(g):
+            for d in range(len(source)):  # one decoder pass at a time
+                ids = batch["dec_input_ids"][gi, d : d + 1]
+                am = batch["attention_mask"][gi, target[d]].unsqueeze(0)
+                x = model.decode(vec[gi, source[d]].unsqueeze(0), ids, am)[0]
+                tokens = torch.cat([x[:1], x[1 + c :]])  # drop the conditioning slots: (L, H)
+                logits = head(tokens)
+                lab = batch["dec_labels"][gi, d]
+                pos = lab != -100
+                if kind[d] == "cross":
+                    ce_sum += F.cross_entropy(logits[pos], lab[pos], reduction="sum")
+                    ce_n += int(pos.sum())
+                else:
+                    pt = torch.softmax(enc_logits[gi][target[d]][pos], -1)
+                    kl_sum += (pt * (pt.log() - torch.log_softmax(logits[pos], -1))).sum()
+                    kl_n += int(pos.sum())
+    assert torch.allclose(out["cross_fill_loss"], ce_sum / ce_n, atol=1e-4)
+    assert torch.allclose(out["self_fill_loss"], kl_sum / kl_n, atol=1e-5)
+    # and the weighted sum
+    w = model.weights
+    total = (w.xp * out["xp_loss"] + w.cross * out["cross_fill_loss"] + w.self_fill * out["self_fill_loss"]
+             + w.mlm * out["mlm_loss"] + w.unif * out["uniformity_loss"])
+    assert torch.allclose(out["loss"].detach(), total, atol=1e-5)
+
+
+def test_fused_and_plain_model_forward_agree(tiny_bert, tok):
+    batch = mx.XPRTCollator(tok, seed=2)(toy_rows(4))
+    grads = []
+    for fused in (True, False):
+        model = make_model(tiny_bert, fused_vocab_loss=fused).eval()
+        out = model(batch)
+        out["loss"].backward()
+        grads.append((out, {k: q.grad.clone() for k, q in model.named_parameters() if q.grad is not None}))
+    (o1, g1), (o2, g2) = grads
+    for k in o1:
+        assert torch.allclose(o1[k].detach(), o2[k].detach(), atol=1e-5), k
+    assert set(g1) == set(g2)
+    for k in g1:
+        assert torch.allclose(g1[k], g2[k], atol=1e-5, rtol=1e-3), k
+
+
+def test_shared_weights_are_one_tensor(tiny_bert):
+    model = make_model(tiny_bert)
+    w, b = model.projection()
+    assert w is model.encoder.get_input_embeddings().weight
+    assert w.data_ptr() == model.base.embeddings.word_embeddings.weight.data_ptr()
+    assert b is model.encoder.cls.predictions.bias
+    # the decoder owns no embedding table nor head of its own
+    names = [k for k, _ in model.decoder.named_parameters()]
+    assert not any("embeddings" in k or "predictions" in k for k in names)
+    # one tensor: each parameter counted once
+    ids = [id(q) for q in model.parameters()]
+    assert len(ids) == len(set(ids))
+
+
+def test_decoder_really_uses_the_conditioning(tiny_bert, tok):
+    """4 groups, each written with its own 5 words: once trained a little, filling the anchor's
+    related passages is much easier with the true anchor vectors than with another group's."""
+    vocab = ("baseball pitcher game perfect inning rule catcher umpire league season team score runner base "
+             "bat glove field strike ball walk").split()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(4):
+        words = vocab[5 * i : 5 * i + 5]
+        mk = lambda: " ".join(words[j] for j in torch.randint(5, (12,), generator=gen).tolist())  # noqa: E731
+        rows.append({"doc_id": f"d{i}", "anchor": mk(), "related": [mk() for _ in range(4)], "random_passage": mk()})
+    model = make_model(tiny_bert, weights=mx.LossWeights(xp=1.0, cross=1.0, self_fill=0, mlm=0, unif=0))
+    batch = mx.XPRTCollator(tok, seed=3)(rows)
+    g, p, l = batch["input_ids"].shape
+    source, target, kind = mx.decoder_pass_plan(p - 1)
+    cross = [i for i, k in enumerate(kind) if k == "cross" and source[i] == 0]  # anchor -> related
+
+    # gradients reach the encoder's Transformer layers through the conditioning vectors alone
+    only_cross = make_model(tiny_bert, weights=mx.LossWeights(xp=0, cross=1.0, self_fill=0, mlm=0, unif=0))
+    only_cross(batch)["loss"].backward()
+    layer_w = only_cross.base.encoder.layer[-1].output.dense.weight
+    assert layer_w.grad is not None and layer_w.grad.abs().sum() > 0
+    only_cross.zero_grad()
+    with torch.no_grad():
+        only_cross.decoder.condition.weight.zero_()  # cut the conditioning: no more gradient there
+    only_cross(batch)["loss"].backward()
+    assert layer_w.grad is None or layer_w.grad.abs().sum() == 0
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(20):
+        opt.zero_grad()
+        model(batch)["loss"].backward()
+        opt.step()
+    model.eval()
+
+    def fill_loss(perm):
+        with torch.no_grad():
+            _, vec = model.encode(batch["input_ids"].view(g * p, l), batch["attention_mask"].view(g * p, l))
+            anchors = vec.view(g, p, -1)[:, 0][perm]
+            idx = torch.tensor(cross)
+            ids = batch["dec_input_ids"][:, idx].reshape(-1, l)
+            labels = batch["dec_labels"][:, idx].reshape(-1, l)
+            am = batch["attention_mask"][:, torch.tensor([target[i] for i in cross])].reshape(-1, l)
+            x = model.decode(anchors.repeat_interleave(len(cross), 0), ids, am)
+            return model._vocab(mx.cross_fill_loss, x[model._decoder_positions(labels)], targets=labels[labels != -100])
+
+    true, shuffled = fill_loss(torch.arange(g)), fill_loss(torch.roll(torch.arange(g), 1))
+    assert true < shuffled - 0.3, (true, shuffled)
+
+
+@pytest.mark.parametrize("objective", ["xprt", "contrastive_random_span", "self_reconstruction", "pair"])
+def test_each_objective_loss_falls_on_a_repeated_batch(tiny_bert, tok, objective):
+    torch.manual_seed(0)
+    model = make_model(tiny_bert, objective)
+    if objective == "pair":
+        rows = [{"query": f"{r['anchor'].split()[0]} {r['anchor'].split()[1]}", "positive": r["anchor"],
+                 "negatives": [r["random_passage"]]} for r in toy_rows(4)]
+        batch = mx.PairCollator(tok, num_negatives=1)(rows)
+    else:
+        batch = mx.XPRTCollator(tok, objective=objective, seed=4)(toy_rows(4))
+    teacher = mx.load_teacher(str(tiny_bert))
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        out = model(batch, teacher=teacher, retention_weight=1.0, pair_alpha=0.1)
+        out["loss"].backward()
+        opt.step()
+        losses.append(out["loss"].item())
+    expected = {"xprt": {"xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity_loss", "retention_loss"},
+                "contrastive_random_span": {"contrastive_loss", "retention_loss"},
+                "self_reconstruction": {"recon_loss", "mlm_loss", "retention_loss"},
+                "pair": {"pair_q_loss", "pair_p_loss"}}[objective]
+    assert set(out) == expected | {"loss"}
+    assert all(not v.requires_grad for k, v in out.items() if k != "loss")
+    assert losses[-1] < losses[0] * 0.95 and losses[-1] == min(losses), losses
+
+
+def test_fill_in_off_drops_only_the_cross_term(tiny_bert, tok):
+    model = make_model(tiny_bert, fill_in=False).eval()
+    batch = mx.XPRTCollator(tok, seed=5)(toy_rows(3))
+    out = model(batch)
+    assert "cross_fill_loss" not in out and "self_fill_loss" in out
+    full = make_model(tiny_bert).eval()(batch)
+    assert torch.allclose(out["self_fill_loss"], full["self_fill_loss"], atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# collators
+# ------------------------------------------------------------------------------------------------
+
+
+def test_xprt_collator_masks_and_resume(tok):
+    rows = toy_rows(5, docs=[0, 0, 1, 2, 3])
+    col = mx.XPRTCollator(tok, seed=7)
+    state = col.state_dict()
+    b = col(rows)
+    g, p, l = b["input_ids"].shape
+    assert (g, p) == (5, 5) and b["dec_input_ids"].shape == (5, 10, l)
+    assert b["doc_ids"][0] == b["doc_ids"][1] != b["doc_ids"][2]
+    clean = tok([t for r in rows for t in [r["anchor"]] + r["related"]], padding=True, return_tensors="pt")["input_ids"].view(g, p, l)
+    special = torch.isin(clean, torch.tensor(tok.all_special_ids))
+    lab = b["mlm_labels"]
+    assert ((lab != -100) & special).sum() == 0  # never mask [CLS], [SEP], padding
+    assert torch.equal(lab[lab != -100], clean[lab != -100])
+    assert torch.equal(b["input_ids"][lab == -100], clean[lab == -100])
+    real = (~special).sum().item()
+    assert 0.08 < (lab != -100).sum().item() / real < 0.25  # ~15%
+    _, target, _ = mx.decoder_pass_plan(4)
+    dtarget = clean[:, torch.tensor(target)]
+    dl = b["dec_labels"]
+    assert torch.equal(b["dec_input_ids"][dl == -100], dtarget[dl == -100])
+    assert (b["dec_input_ids"][dl != -100] == tok.mask_token_id).all()
+    assert 0.5 < (dl != -100).sum().item() / (~torch.isin(dtarget, torch.tensor(tok.all_special_ids))).sum().item() < 0.7
+    assert torch.equal(b["retain_input_ids"][:, 0, : l], clean[:, 0, : b["retain_input_ids"].shape[2]])
+    # the generator state restores the exact batch (resume)
+    col2 = mx.XPRTCollator(tok, seed=123)
+    col2.load_state_dict(state)
+    b2 = col2(rows)
+    assert all(torch.equal(b[k], b2[k]) for k in b)
+    # positive="random" puts the random passage in slot 1
+    br = mx.XPRTCollator(tok, positive="random", seed=7)(rows)
+    rnd = tok([r["random_passage"] for r in rows], padding=True, return_tensors="pt")["input_ids"]
+    assert torch.equal(br["retain_input_ids"][:, 1, : rnd.shape[1]], rnd)
+
+
+def test_random_span_crops(tok):
+    rows = toy_rows(6)
+    b = mx.XPRTCollator(tok, objective="contrastive_random_span", seed=0)(rows)
+    n_tok = [len(tok(r["anchor"], add_special_tokens=False)["input_ids"]) for r in rows]
+    lens = b["attention_mask"].sum(-1) - 2  # (G, 2) crop lengths without [CLS]/[SEP]
+    for i, n in enumerate(n_tok):
+        for v in range(2):
+            assert max(1, round(0.1 * n)) <= lens[i, v] <= round(0.5 * n)
+    assert not torch.equal(b["input_ids"][:, 0], b["input_ids"][:, 1])
+
+
+def test_self_reconstruction_collator_uses_retromae_rates(tok):
+    col = mx.XPRTCollator(tok, objective="self_reconstruction")
+    assert (col.encoder_mask_rate, col.decoder_mask_rate) == (0.30, 0.50)
+    b = col(toy_rows(3))
+    assert b["input_ids"].shape[1] == 1 and b["dec_input_ids"].shape[1] == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# loading and saving
+# ------------------------------------------------------------------------------------------------
+
+
+def test_load_mlm_encoder_without_head_and_head_from_other_checkpoint(tiny_bert, tmp_path):
+    from transformers import BertModel
+
+    base_only = tmp_path / "base-only"
+    BertModel.from_pretrained(tiny_bert).save_pretrained(base_only)
+    model, msg = mx.load_mlm_encoder(str(base_only))
+    assert "no MLM head" in msg and "tied" in msg
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    donor, _ = mx.load_mlm_encoder(str(tiny_bert))
+    model2, msg2 = mx.load_mlm_encoder(str(base_only), mlm_head_from=str(tiny_bert))
+    assert "copied" in msg2
+    for k, v in mx._head_params(donor).items():
+        assert torch.equal(mx._head_params(model2)[k], v)
+    assert model2.get_output_embeddings().weight is model2.get_input_embeddings().weight
+
+
+def test_save_load_roundtrip_restores_every_tensor(tiny_bert, tok, tmp_path):
+    model = make_model(tiny_bert)
+    with torch.no_grad():  # move every tensor away from its initial value
+        for q in model.parameters():
+            q.add_(torch.randn_like(q) * 0.01)
+    model.save_pretrained(str(tmp_path / "out"), tok)
+    files = set(os.listdir(tmp_path / "out"))
+    assert {"model.safetensors", "xprt_heads.safetensors", "xprt_config.json", "modules.json"} <= files
+    loaded = mx.XPRTModel.from_pretrained(str(tmp_path / "out"))
+    a, b = model.state_dict(), loaded.state_dict()
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    w, _ = loaded.projection()
+    assert w is loaded.encoder.get_input_embeddings().weight  # still tied after loading
+
+
+def test_saved_encoder_loads_in_sentence_transformers(tiny_bert, tok, tmp_path):
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+
+    model = make_model(tiny_bert)
+    model.save_pretrained(str(tmp_path / "st"), tok)
+    texts = ["the perfect game in baseball", "a pitcher retires every batter", "hi"]
+    ours = mx.embed_texts(model.encoder.eval(), tok, texts)
+    st = SentenceTransformer(str(tmp_path / "st"), device="cpu")
+    ref = torch.from_numpy(st.encode(texts))
+    assert torch.allclose(ours, ref, atol=1e-5)
+    auto = mx.embed_texts(AutoModel.from_pretrained(str(tmp_path / "st")).eval(), tok, texts)
+    assert torch.allclose(ours, auto, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# distributed gathering: 2 gloo processes == 1 process with the whole batch
+# ------------------------------------------------------------------------------------------------
+
+
+def test_two_process_gather_equals_single_process(tmp_path):
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from dist_xp_check import fixed_batch
+
+    out = tmp_path / "dist.safetensors"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "dist_xp_check.py"), str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = load_file(str(out))
+    xa, xs, w0, docs, xq, xp = fixed_batch()
+    for name in ("xp", "pair_q", "pair_p"):
+        w = w0.clone().requires_grad_(True)
+        if name == "xp":
+            loss = mx.xp_loss(xa @ w, xs @ w, docs, 0.05)
+        elif name == "pair_q":
+            loss = mx.pair_q_loss(xq @ w, xp @ w, 0.05)
+        else:
+            loss = mx.pair_p_loss(xq @ w, xp @ w, 0.05)
+        loss.backward()
+        assert torch.allclose(got[f"{name}_loss"], loss.detach(), atol=1e-5), name
+        assert torch.allclose(got[f"{name}_grad"], w.grad, atol=1e-5, rtol=1e-4), name
