@@ -63,8 +63,11 @@ def parse_args(argv=None):
     g.add_argument("--groups_dir", default=None, help="folder of parquet shards written by select_groups.py")
     g.add_argument("--num_related", type=int, default=4, help="related passages per group (paper: 4)")
     g.add_argument("--max_length", type=int, default=128, help="max tokens per passage")
-    g.add_argument("--encoder_mask_rate", type=float, default=0.15, help="mask rate of the encoder passes (paper: 15%%)")
-    g.add_argument("--decoder_mask_rate", type=float, default=0.60, help="mask rate of the decoder inputs (paper: 60%%)")
+    g.add_argument("--encoder_mask_rate", type=float, default=None,
+                   help="mask rate of the encoder passes (default: the objective's; xprt 15%% as in the paper, "
+                        "self_reconstruction 30%% as RetroMAE)")
+    g.add_argument("--decoder_mask_rate", type=float, default=None,
+                   help="mask rate of the decoder inputs (default: the objective's; xprt 60%%, self_reconstruction 50%%)")
     g.add_argument("--max_groups", type=int, default=None, help="use only the first N groups (debugging)")
 
     g = p.add_argument_group("fine-tuning data (--stage finetune)")
@@ -150,7 +153,7 @@ def parse_args(argv=None):
     if args.generate_pseudo_queries and not (args.generator_model and args.cross_encoder_model):
         raise SystemExit("--generate_pseudo_queries needs --generator_model and --cross_encoder_model")
     for name in ("encoder_mask_rate", "decoder_mask_rate", "warmup_ratio"):
-        if not 0.0 <= getattr(args, name) < 1.0:
+        if getattr(args, name) is not None and not 0.0 <= getattr(args, name) < 1.0:
             raise SystemExit(f"--{name} must be in [0, 1)")
     if not 0.0 <= args.pair_alpha <= 1.0:
         raise SystemExit("--pair_alpha must be in [0, 1]")
@@ -281,11 +284,12 @@ class RowsDataset(torch.utils.data.Dataset):
         return {"__index__": i, **self.rows[i]}
 
 
-def padding_efficiency(batch) -> tuple[int, int]:
-    """(real tokens, processed tokens) over every *attention_mask tensor of a collated batch."""
+def padding_efficiency(batch, skip=()) -> tuple[int, int]:
+    """(real tokens, processed tokens) over every *attention_mask tensor of a collated batch (keys starting with
+    one of `skip` left out: the retention inputs are not processed when retention is off)."""
     real = proc = 0
     for k, v in batch.items():
-        if k.endswith("attention_mask") and torch.is_tensor(v):
+        if k.endswith("attention_mask") and torch.is_tensor(v) and not k.startswith(tuple(skip)):
             real += int(v.sum())
             proc += v.numel()
     return real, proc
@@ -396,7 +400,7 @@ def generate_pseudo_queries(generator, gen_tokenizer, passages, num_per_passage=
     for s in range(0, len(passages), batch_size):
         chunk = passages[s:s + batch_size]
         enc = gen_tokenizer(chunk, truncation=True, max_length=passage_max_length, padding=True, return_tensors="pt").to(device)
-        ids = generator.generate(**enc, do_sample=True, top_k=10, max_new_tokens=max_new_tokens,
+        ids = generator.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], do_sample=True, top_k=10, max_new_tokens=max_new_tokens,
                                  num_return_sequences=num_per_passage)
         texts = gen_tokenizer.batch_decode(ids, skip_special_tokens=True)
         out += [(s + j // num_per_passage, t.strip()) for j, t in enumerate(texts)]
@@ -697,6 +701,9 @@ def main(argv=None):
     for epoch in range(state.epoch, num_epochs):
         if state.completed_steps >= stop_at:
             break
+        # accelerate's loader re-sets the sampler's epoch from its own iteration counter on every __iter__; a resumed
+        # run must move that counter too, or epochs after the resumed one would replay epoch 0's order
+        dataloader.set_epoch(epoch)
         batch_sampler.set_epoch(epoch)
         skip = state.batches_in_epoch if epoch == state.epoch else 0
         state.epoch, state.batches_in_epoch = epoch, skip
@@ -709,7 +716,7 @@ def main(argv=None):
             else:
                 rows_b = [{k: v for k, v in r.items() if k != "__index__"} for r in rows_b]
             batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in collator(rows_b).items()}
-            real, proc = padding_efficiency(batch)
+            real, proc = padding_efficiency(batch, skip=() if teacher is not None else ("retain_",))
             real_log, proc_log = real_log + real, proc_log + proc
             if not first_step_printed:
                 accelerator.print(f"tokens per step: ~{real * args.gradient_accumulation_steps * world} real, "

@@ -165,3 +165,178 @@ def test_flags_fail_early():
     assert a.learning_rate == 1e-6 and a.model_name_or_path == "intfloat/e5-base-unsupervised"
     assert a.retention_weight == 40.0 and a.retention_final_weight == 0.0
     assert train.parse_args(["--output_dir", "x", "--stage", "finetune", "--beir_dir", "b"]).learning_rate == 3e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every objective and ablation trains: its loss falls on a repeated batch
+# ---------------------------------------------------------------------------------------------------------------
+OBJECTIVE_RUNS = {
+    "xprt": {},
+    "contrastive_random_span": {"--objective": "contrastive_random_span"},
+    "self_reconstruction": {"--objective": "self_reconstruction"},
+    "no_fill_in": {"--no_fill_in": True},
+    "positive_random": {"--positive": "random"},
+}
+EXPECTED_TERMS = {
+    "xprt": {"xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity_loss", "retention_loss"},
+    "contrastive_random_span": {"contrastive_loss", "retention_loss"},
+    "self_reconstruction": {"recon_loss", "mlm_loss", "retention_loss"},
+    "no_fill_in": {"xp_loss", "self_fill_loss", "mlm_loss", "uniformity_loss", "retention_loss"},
+    "positive_random": {"xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity_loss", "retention_loss"},
+}
+
+
+@pytest.mark.parametrize("name", [n if n == "xprt" else pytest.param(n, marks=pytest.mark.slow) for n in OBJECTIVE_RUNS])
+def test_every_objective_and_ablation_loss_falls_on_a_repeated_batch(name, tiny_bert, groups, tmp_path):
+    """4 groups = one batch, seen 10 times (fresh masks / crops each time), with the retention term on (constant
+    weight 1 so that the decay of the weight cannot make the total fall by itself). 2 related passages per group
+    keep it fast (the 4-related xprt path runs in the other tests)."""
+    out = tmp_path / name
+    argv = base_args(tiny_bert, groups, out, **{"--max_groups": 4, "--max_train_steps": 10, "--learning_rate": 2e-3,
+                                               "--num_related": 2, "--max_length": 24,
+                                               "--lr_scheduler_type": "constant", "--warmup_ratio": 0.0,
+                                               "--retention_weight": 1.0, "--retention_schedule": "constant",
+                                               "--no_save_model": True}, **OBJECTIVE_RUNS[name])
+    res = run(argv)
+    assert res["completed_steps"] == 10
+    log = read_log(out)
+    terms = {k for k in log[1] if k.endswith("_loss")}
+    assert terms == EXPECTED_TERMS[name]
+    first = sum(log[s]["loss"] for s in (1, 2, 3)) / 3
+    last = sum(log[s]["loss"] for s in (8, 9, 10)) / 3
+    assert last < first - 0.05 * abs(first), (name, first, last)
+    assert all(math.isfinite(log[s][k]) for s in log for k in terms)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# resume: stop at step k, resume, and the losses from k on equal an uninterrupted run's
+# ---------------------------------------------------------------------------------------------------------------
+def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(tiny_bert, groups, tmp_path):
+    """24 groups, batch 4, accumulation 2 -> 3 steps per epoch; 7 steps cross two epoch boundaries. Run B stops
+    at step 4 (mid-epoch 2, after checkpoints at 2 and 4) and resumes from 'latest'. Dropout, masks, data order,
+    optimiser moments, lr and the retention weight must all continue exactly."""
+    common = {"--max_train_steps": 7, "--gradient_accumulation_steps": 2, "--learning_rate": 1e-3,
+              "--warmup_ratio": 0.3, "--checkpointing_steps": 2, "--checkpoints_total_limit": 2}
+    run(base_args(tiny_bert, groups, tmp_path / "a", **common))
+    r1 = run(base_args(tiny_bert, groups, tmp_path / "b", **common, **{"--stop_after_steps": 4}))
+    assert r1["completed_steps"] == 4 and not (tmp_path / "b" / "model").exists()
+    ckpts = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
+    assert ckpts == ["step_2", "step_4"]
+    r2 = run(base_args(tiny_bert, groups, tmp_path / "b", **common, **{"--resume_from_checkpoint": "latest"}))
+    assert r2["completed_steps"] == 7
+    a, b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
+    assert sorted(b) == list(range(1, 8))
+    keys = [k for k in a[1] if k.endswith("_loss") or k in ("loss", "lr", "retention_weight")]
+    for s in range(1, 8):
+        for k in keys:
+            assert a[s][k] == pytest.approx(b[s][k], rel=1e-5, abs=1e-6), (s, k, a[s][k], b[s][k])
+    assert a[5]["loss"] != a[4]["loss"]  # the steps after k differ from each other: the comparison has teeth
+    # and the final weights agree
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(tmp_path / "a" / "model" / "model.safetensors"), load_file(tmp_path / "b" / "model" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+    # rotation kept the last two: step_4 and step_6
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_4", "step_6"]
+
+
+@pytest.mark.slow
+def test_existing_output_is_refused_without_overwrite(tiny_bert, groups, tmp_path):
+    argv = base_args(tiny_bert, groups, tmp_path / "o", **{"--max_train_steps": 1, "--max_groups": 4})
+    run(argv)
+    with pytest.raises(SystemExit, match="--overwrite"):
+        run(argv)
+    run(argv + ["--overwrite"])
+    assert (tmp_path / "o" / "model" / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# non-finite losses
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def nan_at_step_3(monkeypatch):
+    """Make the model's cross_fill_loss (and so the total) NaN on the 3rd forward call."""
+    import modeling_xprt
+
+    orig = modeling_xprt.XPRTModel.forward
+    calls = {"n": 0}
+
+    def forward(self, batch, **kw):
+        out = orig(self, batch, **kw)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            out["cross_fill_loss"] = out["cross_fill_loss"] * float("nan")
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+    monkeypatch.setattr(modeling_xprt.XPRTModel, "forward", forward)
+
+
+def test_nonfinite_loss_stops_naming_step_and_term_and_writes_no_model(nan_at_step_3, tiny_bert, groups, tmp_path):
+    argv = base_args(tiny_bert, groups, tmp_path / "n", **{"--max_train_steps": 5, "--max_groups": 8})
+    with pytest.raises(FloatingPointError, match=r"step 3 .*cross_fill_loss"):
+        run(argv)
+    assert not (tmp_path / "n" / "model").exists()
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_can_be_skipped(nan_at_step_3, tiny_bert, groups, tmp_path):
+    out = tmp_path / "s"
+    res = run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 5, "--max_groups": 8, "--on_nonfinite": "skip"}))
+    assert res["completed_steps"] == 5
+    log = read_log(out)
+    assert 3 not in log and all(math.isfinite(log[s]["loss"]) for s in log)
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(t).all() for t in load_file(out / "model" / "model.safetensors").values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# output: loadable by sentence-transformers with the same embeddings as our encoder; logs and PNG
+# ---------------------------------------------------------------------------------------------------------------
+def test_saved_model_loads_in_sentence_transformers_with_our_embeddings(tiny_bert, groups, tmp_path):
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, AutoTokenizer
+
+    from modeling_xprt import XPRTModel, embed_texts
+
+    out = tmp_path / "m"
+    run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 3, "--max_groups": 8, "--learning_rate": 1e-3,
+                                            "--report_to": "tensorboard"}))
+    texts = ["Dense retrieval maps passages to vectors.", "A short one.", "The cat sat on the mat, again and again."]
+    st = torch.from_numpy(SentenceTransformer(str(out / "model"), device="cpu").encode(texts))
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    ours = embed_texts(AutoModel.from_pretrained(out / "model"), tok, texts)
+    assert torch.allclose(st, ours, atol=1e-5)
+    # the weights really moved from the start, and the heads came back with from_pretrained
+    start = embed_texts(AutoModel.from_pretrained(tiny_bert), tok, texts)
+    assert not torch.allclose(start, ours, atol=1e-4)
+    again = XPRTModel.from_pretrained(str(out / "model"))
+    assert torch.allclose(embed_texts(again.encoder, tok, texts), ours, atol=1e-6)
+    card = (out / "model" / "README.md").read_text()
+    assert '"max_train_steps": 3' in card and '"objective": "xprt"' in card
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    assert list((out / "logs").rglob("events.out.tfevents*"))  # tensorboard
+    log = read_log(out)
+    for key in ("lr", "retention_weight", "tokens_per_s", "padding_efficiency", "xp_loss", "retention_loss"):
+        assert key in log[3]
+    assert 0 < log[3]["padding_efficiency"] <= 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO-2 under accelerate launch, one CPU process
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_accelerate_launch_deepspeed_zero2_one_cpu_process(tiny_bert, groups, tmp_path):
+    out = tmp_path / "ds"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate_cpu_deepspeed_zero2.yaml"), str(ROOT / "train.py")]
+    cmd += [str(a) for a in base_args(tiny_bert, groups, out, **{"--max_train_steps": 3, "--max_groups": 8,
+                                                                   "--learning_rate": 1e-3, "--checkpointing_steps": 3})]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "ACCELERATE_USE_CPU": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    log = read_log(out)
+    assert sorted(log) == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in log.values())
+    assert (out / "checkpoints" / "step_3" / "DONE").exists()
+    assert (out / "model" / "model.safetensors").exists()
