@@ -693,7 +693,7 @@ def main(argv=None):
 
     # ---- loop
     model.train()
-    t_log, tok_log, real_log, proc_log, sums, n_micro = time.time(), 0, 0, 0, {}, 0
+    t_log, real_log, proc_log, sums, n_micro, n_skipped = time.time(), 0, 0, {}, 0, 0
     first_step_printed = False
     progress = tqdm(total=max_steps, initial=state.completed_steps, disable=not accelerator.is_local_main_process, desc="train")
     stop_at = min(max_steps, args.stop_after_steps or max_steps)
@@ -737,7 +737,8 @@ def main(argv=None):
                         raise FloatingPointError(f"non-finite loss at {where}; nothing was saved from this state. "
                                                  "Lower --learning_rate or use --on_nonfinite skip")
                     accelerator.print(f"skipping non-finite loss at {where}")
-                    optimizer.zero_grad()
+                    optimizer.zero_grad()  # drops this step's accumulated gradients too: nothing non-finite is applied
+                    n_skipped += 1
                 else:
                     accelerator.backward(loss)
                     if accelerator.sync_gradients and args.max_grad_norm > 0:
@@ -755,7 +756,6 @@ def main(argv=None):
             state.completed_steps += 1
             retention.step()
             progress.update(1)
-            tok_log += real
             if state.completed_steps % args.logging_steps == 0 or state.completed_steps == stop_at:
                 dt = time.time() - t_log
                 # mean over micro-batches and processes
@@ -767,12 +767,14 @@ def main(argv=None):
                 rec.update({"lr": lr_scheduler.get_last_lr()[0], "retention_weight": w, "pair_alpha": alpha,
                             "padding_efficiency": vals[-2].item() / max(vals[-1].item(), 1),
                             "tokens_per_s": vals[-2].item() / dt, "time_per_step_s": dt / args.logging_steps})
+                if n_skipped:
+                    rec["skipped_nonfinite_micro_batches"] = n_skipped
                 accelerator.log({k: v for k, v in rec.items() if k != "step"}, step=state.completed_steps)
                 if log_f:
                     log_f.write(json.dumps(rec) + "\n")
                     log_f.flush()
                 progress.set_postfix(loss=f"{rec.get('loss', float('nan')):.4f}", s_per_step=f"{rec['time_per_step_s']:.2f}")
-                t_log, real_log, proc_log, sums, n_micro = time.time(), 0, 0, {}, 0
+                t_log, real_log, proc_log, sums, n_micro, n_skipped = time.time(), 0, 0, {}, 0, 0
             if args.checkpointing_steps and state.completed_steps % args.checkpointing_steps == 0:
                 save_checkpoint(accelerator, model, ckpt_dir, state.completed_steps, args.checkpoints_total_limit)
             if state.completed_steps >= stop_at:
