@@ -1,0 +1,864 @@
+"""
+Evaluate sentence encoders the way the xPRT paper reports them: MTEB(eng, v2), per category, averaged.
+
+Read it beside ../shared/papers/xprt.md ("Experiments: what the results show"). The paper reports the
+41-task MTEB average (`MTEB(eng, v2)`), category averages (retrieval nDCG@10, STS Spearman, ...) and one
+analysis of its own: ArguAna queries split into thirds by word overlap with their relevant document,
+nDCG@10 per third ("xPRT beats E5 in every third by 3.7 to 8.8 points").
+
+Three ways to pick tasks, one scoring path (mteb's own evaluators, so the numbers are mteb's, not ours):
+
+    python evaluate.py --models intfloat/e5-base-unsupervised runs/xprt          # MTEB(eng, v2), online
+    python evaluate.py --models minilm --tasks SciFact STSBenchmark              # named mteb tasks, online
+    python evaluate.py --models minilm --local_tasks ../shared/data/scifact SICK-R=../shared/data/sick
+                                                                                 # local folders, offline
+
+A local folder is loaded into the *stock* mteb task (its class, metadata and metric), only `load_data`
+is replaced (NOTES.md: "mteb 2.26 offline"). Formats are auto-detected: BEIR retrieval (corpus.jsonl,
+queries.jsonl, qrels/test.tsv), the original STS-B / SICK / SemEval STS12-16 / BIOSSES files, and
+Banking77's train/test csv. Results are cached per (model, task, data, settings), so a rerun skips
+finished tasks. Outputs: results.md, results.json and results.png in --output_dir.
+
+Prefixes: E5 models were trained with "query: " / "passage: " and lose a lot without them (NOTES.md);
+models trained without them (all-MiniLM-L6-v2) lose with them. `--prefix_mode auto` (default) uses
+E5 prefixes when the model's name, path or config names an E5 model, and none otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from modeling_xprt import E5_PASSAGE_PREFIX, E5_QUERY_PREFIX, mean_pool, pick_device_and_dtype, resolve_model_path
+
+# Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (NOTES.md); keep it inside the repo.
+os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))
+import mteb  # noqa: E402
+from mteb.models.abs_encoder import AbsEncoder  # noqa: E402
+from mteb.models.model_meta import ModelMeta, ScoringFunction  # noqa: E402
+from mteb.types import PromptType  # noqa: E402
+
+logger = logging.getLogger("evaluate")
+csv.field_size_limit(sys.maxsize)  # SemEval inputs have long lines; the default 128 KB limit is arbitrary
+
+# Which score a category is summarised by (mteb's main_score for each task type); for the tables.
+CATEGORY_METRIC = {
+    "Retrieval": "nDCG@10", "STS": "Spearman", "Classification": "accuracy", "Clustering": "V-measure",
+    "PairClassification": "max AP", "Reranking": "MAP", "Summarization": "Spearman",
+}
+DEFAULT_BENCHMARK = "MTEB(eng, v2)"
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1. Encoding: mean pooling over length-sorted batches (what E5 and xPRT use at serving time)
+# ---------------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, max_length: int = 512,
+                 prefix: str = "", show_progress: bool = False, desc: str = "encoding") -> np.ndarray:
+    """L2-normalised mean-pooled vectors of `texts` (input order) as a float32 (N, H) numpy array.
+
+    Same maths as modeling_xprt.embed_texts, made faster for evaluation (bench/encode.py measures it
+    against sentence-transformers' encode):
+      - the whole list is tokenised once, then sorted by *token* count, so each batch pads to within a
+        token or two of its own texts (character length, the usual proxy, mixes lengths more);
+      - a batch without padding is run with no attention mask, which lets SDPA take its unmasked path;
+      - inference_mode instead of no_grad (no version counters), one host copy per batch.
+    """
+    from tqdm.auto import tqdm
+
+    base = getattr(model, "base_model", model)
+    device = next(base.parameters()).device
+    n = len(texts)
+    out = np.empty((n, base.config.hidden_size), dtype=np.float32)
+    if n == 0:
+        return out
+    ids = tokenizer([prefix + t for t in texts], truncation=True, max_length=max_length,
+                    add_special_tokens=True, return_attention_mask=False)["input_ids"]
+    order = sorted(range(n), key=lambda i: -len(ids[i]))  # longest first: an OOM shows up at once
+    pad_id = tokenizer.pad_token_id or 0
+    for start in tqdm(range(0, n, batch_size), desc=desc, disable=not show_progress, unit="batch"):
+        idx = order[start : start + batch_size]
+        lens = [len(ids[i]) for i in idx]
+        width = lens[0]
+        input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        for row, i in enumerate(idx):
+            input_ids[row, : lens[row]] = torch.tensor(ids[i])
+        input_ids = input_ids.to(device)
+        if lens[-1] == width:  # no padding in this batch: plain mean, no mask
+            hidden = base(input_ids=input_ids).last_hidden_state  # (B, L, H)
+            vec = hidden.float().mean(dim=1)
+        else:
+            mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).long().to(device)
+            hidden = base(input_ids=input_ids, attention_mask=mask).last_hidden_state
+            vec = mean_pool(hidden.float(), mask)
+        out[idx] = F.normalize(vec, dim=-1).cpu().numpy()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# 2. The mteb model wrapper
+# ---------------------------------------------------------------------------------------------------
+
+_E5_RE = re.compile(r"(^|[^a-z0-9])(m?e5)([^a-z0-9]|$)")
+
+
+def uses_e5_prefixes(name_or_path: str) -> bool:
+    """The `--prefix_mode auto` rule: does the model's name, path or saved config name an E5 model?
+
+    Looked at, in order: the name as given, the resolved path, `_name_or_path` in config.json, and
+    every string in xprt_config.json (train.py records the starting checkpoint there). "e5" must be a
+    word of its own ("e5-base", "intfloat/e5", "multilingual-e5"), so names that merely contain the two
+    characters do not count. A model continued from E5 keeps E5's prefixes, which is what we want.
+    """
+    candidates = [name_or_path, resolve_model_path(name_or_path)]
+    folder = Path(candidates[1])
+    for fname in ("config.json", "xprt_config.json"):
+        f = folder / fname
+        if f.is_file():
+            try:
+                cfg = json.loads(f.read_text())
+            except ValueError:
+                continue
+            stack = [cfg]
+            while stack:  # every string value, nested or not
+                x = stack.pop()
+                if isinstance(x, dict):
+                    stack.extend(x.values())
+                elif isinstance(x, list):
+                    stack.extend(x)
+                elif isinstance(x, str):
+                    candidates.append(x)
+    return any(_E5_RE.search(c.lower()) for c in candidates)
+
+
+def check_model_folder(name_or_path: str) -> str:
+    """Resolve a model name and fail early, in words, on a folder that is not a model."""
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(
+                f"{name_or_path!r} is a folder but not a model: no config.json in {path}. Pass a folder "
+                "saved by train.py (or save_pretrained), a hub id, or 'all-MiniLM-L6-v2'."
+            )
+    elif os.sep in name_or_path and (name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1):
+        raise FileNotFoundError(f"model folder not found: {name_or_path!r}")
+    return path
+
+
+class XPRTEncoder(AbsEncoder):
+    """mteb wrapper for any transformers encoder: E5 prefixes by task type, mean pooling, cosine.
+
+    Loads the base encoder with AutoModel, so a train.py folder (sentence-transformers layout with the
+    encoder at its root), an *ForMaskedLM checkpoint, a hub id or the bundled MiniLM all work. On GPU
+    the weights run in bf16 (fp16 before Ampere), on CPU in fp32 (pick_device_and_dtype).
+
+    Prefixes (prefix_mode "e5"): mteb tells the encoder whether it is encoding queries or documents
+    (`prompt_type`); documents get "passage: ", everything else "query: " (symmetric tasks such as STS,
+    classification and clustering encode every text as a query, as E5's authors do). "none" sends the
+    text unchanged; query_prefix / passage_prefix override both.
+    """
+
+    def __init__(self, name_or_path: str, prefix_mode: str = "auto", batch_size: int = 64,
+                 max_length: Optional[int] = None, device: Optional[str] = None, dtype: Optional[str] = None,
+                 query_prefix: Optional[str] = None, passage_prefix: Optional[str] = None,
+                 trust_remote_code: bool = False, show_progress: bool = False):
+        from transformers import AutoModel, AutoTokenizer
+
+        if prefix_mode not in ("auto", "e5", "none"):
+            raise ValueError(f"prefix_mode must be auto, e5 or none, got {prefix_mode!r}")
+        path = check_model_folder(name_or_path)
+        self.name = name_or_path
+        self.path = path
+        self.device, self.dtype = pick_device_and_dtype(device, dtype)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            self.model = AutoModel.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa",
+                                                   trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"could not load a model from {name_or_path!r} ({path}): {err}") from err
+        self.model.to(self.device).eval()
+        e5 = prefix_mode == "e5" or (prefix_mode == "auto" and uses_e5_prefixes(name_or_path))
+        self.prefix_mode = "e5" if e5 else "none"
+        self.query_prefix = query_prefix if query_prefix is not None else (E5_QUERY_PREFIX if e5 else "")
+        self.passage_prefix = passage_prefix if passage_prefix is not None else (E5_PASSAGE_PREFIX if e5 else "")
+        # A sentence-transformers folder states the length the model was trained and scored with
+        # (all-MiniLM-L6-v2: 256); the MTEB leaderboard numbers use it, so we do too unless told.
+        st_cfg = Path(path) / "sentence_bert_config.json"
+        st_len = json.loads(st_cfg.read_text()).get("max_seq_length") if st_cfg.is_file() else None
+        model_len = getattr(self.model.config, "max_position_embeddings", 512)
+        self.max_length = int(max_length or st_len or min(512, model_len))
+        self.batch_size = batch_size
+        self.show_progress = show_progress
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self.mteb_model_meta = ModelMeta(
+            loader=None, name=self.meta_name(name_or_path), revision=self.fingerprint()[:12],
+            release_date=None, languages=None, n_parameters=n_params, memory_usage_mb=None,
+            max_tokens=self.max_length, embed_dim=self.model.config.hidden_size, license=None,
+            open_weights=True, public_training_code=None, public_training_data=None,
+            framework=["PyTorch"], similarity_fn_name=ScoringFunction.COSINE,  # the enum, not a string
+            use_instructions=e5, training_datasets=None,
+        )
+
+    @staticmethod
+    def meta_name(name: str) -> str:
+        """mteb wants "org/model"; a local folder becomes "local/<folder name>"."""
+        name = name.rstrip("/")
+        if os.path.isdir(name):
+            return "local/" + (Path(name).resolve().name or "model")
+        return name if name.count("/") == 1 else "local/" + name.replace("/", "__")
+
+    def fingerprint(self) -> str:
+        """Identity of the weights and settings, for the result cache: a retrained folder gets new keys."""
+        h = hashlib.sha1()
+        h.update(str(Path(self.path).resolve() if os.path.isdir(self.path) else self.path).encode())
+        if os.path.isdir(self.path):
+            for f in sorted(Path(self.path).iterdir()):
+                if f.is_file() and f.suffix in (".safetensors", ".bin", ".json"):
+                    st = f.stat()
+                    h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        h.update(f"{self.query_prefix!r}|{self.passage_prefix!r}|{self.max_length}|{self.dtype}".encode())
+        return h.hexdigest()
+
+    def prefix_for(self, prompt_type: Optional[PromptType]) -> str:
+        return self.passage_prefix if prompt_type == PromptType.document else self.query_prefix
+
+    def encode(self, inputs, *, task_metadata, hf_split: str, hf_subset: str,
+               prompt_type: Optional[PromptType] = None, **kwargs: Any) -> np.ndarray:
+        texts = [t for batch in inputs for t in batch["text"]]
+        return encode_texts(self.model, self.tokenizer, texts, batch_size=self.batch_size,
+                            max_length=self.max_length, prefix=self.prefix_for(prompt_type),
+                            show_progress=self.show_progress,
+                            desc=f"{task_metadata.name} {prompt_type.value if prompt_type else 'text'}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. Local task folders -> the data layout of the stock mteb task
+# ---------------------------------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as err:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from err
+    return rows
+
+
+def load_beir_folder(folder: Path, split: str = "test") -> dict:
+    """BEIR layout -> {"corpus": {id: (title, text)}, "queries": {id: text}, "qrels": {qid: {did: score}}}.
+
+    Only the queries judged in qrels/<split>.tsv are kept: ../shared/data/scifact/queries.jsonl holds the
+    809 train claims as well as the 300 test ones, and BEIR/mteb evaluate the split's queries only.
+    qrels ids missing from the corpus are counted, warned about and dropped (MTEB's ArguAna has 5);
+    judged queries with an empty text are an error, because a blank query scores as noise.
+    """
+    for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder}: BEIR layout needs {name} (corpus.jsonl, queries.jsonl, qrels/{split}.tsv)")
+    corpus = {}
+    for row in _read_jsonl(folder / "corpus.jsonl"):
+        corpus[str(row["_id"])] = (row.get("title") or "", row.get("text") or "")
+    all_queries = {str(r["_id"]): r.get("text") or "" for r in _read_jsonl(folder / "queries.jsonl")}
+    qrels: dict[str, dict[str, int]] = {}
+    with open(folder / "qrels" / f"{split}.tsv", encoding="utf-8") as f:
+        for line_no, parts in enumerate(csv.reader(f, delimiter="\t"), 1):
+            if not parts or (line_no == 1 and not parts[-1].strip().lstrip("-").isdigit()):
+                continue  # blank line, or the "query-id corpus-id score" header
+            if len(parts) == 4:  # TREC qrels: qid 0 docid score
+                parts = [parts[0], parts[2], parts[3]]
+            qid, did, score = parts[0], parts[1], int(parts[2])
+            qrels.setdefault(qid, {})[did] = score
+    missing_docs = [(q, d) for q, ds in qrels.items() for d in ds if d not in corpus]
+    if missing_docs:
+        warnings.warn(f"{folder}: {len(missing_docs)} qrels lines point to documents absent from corpus.jsonl "
+                      f"(e.g. {missing_docs[0][1]!r}); they are dropped")
+        for q, d in missing_docs:
+            del qrels[q][d]
+    missing_q = [q for q in qrels if q not in all_queries]
+    if missing_q:
+        warnings.warn(f"{folder}: {len(missing_q)} judged query ids are absent from queries.jsonl "
+                      f"(e.g. {missing_q[0]!r}); they are dropped")
+    qrels = {q: ds for q, ds in qrels.items() if q in all_queries and any(s > 0 for s in ds.values())}
+    if not qrels:
+        raise ValueError(f"{folder}: no judged query with a relevant document in corpus.jsonl")
+    queries = {q: all_queries[q] for q in qrels}
+    empty = [q for q, t in queries.items() if not t.strip()]
+    if empty:
+        raise ValueError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
+    return {"corpus": corpus, "queries": queries, "qrels": qrels}
+
+
+def _sts_rows_semeval(folder: Path) -> list[tuple[str, str, float]]:
+    """SemEval STS12-16: STS.input.<set>.txt (s1 TAB s2) beside STS.gs.<set>.txt (gold or empty line).
+
+    Unscored pairs (empty gold line, STS15/16) are skipped; a gold file without its input (STS13 SMT,
+    withdrawn for licensing) is skipped too, as in MTEB. ALL files are concatenations, not sets.
+    """
+    rows = []
+    for inp in sorted(folder.glob("*.input.*.txt")):
+        gs = inp.with_name(inp.name.replace(".input.", ".gs."))
+        if not gs.is_file() or ".ALL." in inp.name:
+            continue
+        with open(inp, encoding="utf-8") as fi, open(gs, encoding="utf-8") as fg:
+            inputs, golds = fi.read().split("\n"), fg.read().split("\n")
+        inputs = inputs[:-1] if inputs and inputs[-1] == "" else inputs
+        golds = golds[:-1] if golds and golds[-1] == "" else golds
+        if len(inputs) != len(golds):
+            raise ValueError(f"{inp}: {len(inputs)} pairs but {len(golds)} gold lines in {gs.name}")
+        for line, gold in zip(inputs, golds):
+            if gold.strip():
+                s1, s2 = line.split("\t")[:2]
+                rows.append((s1, s2, float(gold)))
+    return rows
+
+
+def load_sts_folder(folder: Path) -> tuple[str, list[tuple[str, str, float]]]:
+    """Detects the STS format of `folder`, returns (default mteb task name, [(s1, s2, score)])."""
+    if (folder / "sts-test.csv").is_file():  # STS Benchmark: genre file year id score s1 s2 [sources]
+        with open(folder / "sts-test.csv", encoding="utf-8") as f:
+            rows = [(r[5], r[6], float(r[4])) for r in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
+        return "STSBenchmark", rows
+    if (folder / "SICK.txt").is_file() or (folder / "SICK_test_annotated.txt").is_file():
+        # MTEB SICK-R (mteb/sickr-sts) scores all 9,927 pairs of the full release, not the 4,927-pair
+        # SemEval test file; use SICK.txt when present and say so when only the test split is there.
+        fname = "SICK.txt" if (folder / "SICK.txt").is_file() else "SICK_test_annotated.txt"
+        if fname != "SICK.txt":
+            warnings.warn(f"{folder}: SICK.txt absent; using the SemEval test split, MTEB SICK-R uses all 9,927 pairs")
+        with open(folder / fname, encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+            rows = [(r["sentence_A"], r["sentence_B"], float(r["relatedness_score"])) for r in reader]
+        return "SICK-R", rows
+    if (folder / "biosses.tsv").is_file():
+        with open(folder / "biosses.tsv", encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+            rows = [(r["sentence1"], r["sentence2"], float(r["score"])) for r in reader]
+        return "BIOSSES", rows
+    if list(folder.glob("*.input.*.txt")):
+        m = re.search(r"sts(\d\d)", folder.name.lower())
+        return (f"STS{m.group(1)}" if m else ""), _sts_rows_semeval(folder)
+    raise ValueError(f"{folder}: no known STS file")
+
+
+def load_classification_folder(folder: Path) -> dict:
+    """Banking77 layout: train.csv and test.csv with a header `text,<label>`; labels -> ints."""
+    splits = {}
+    for split in ("train", "test"):
+        with open(folder / f"{split}.csv", encoding="utf-8", newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader)
+            splits[split] = [(r[0], r[1]) for r in reader if r]
+        if header[0] != "text":
+            raise ValueError(f"{folder}/{split}.csv: expected a header 'text,<label>', got {header}")
+    cats_file = folder / "categories.json"
+    names = json.loads(cats_file.read_text()) if cats_file.is_file() else sorted({c for _, c in splits["train"]})
+    label = {c: i for i, c in enumerate(names)}
+    unknown = {c for s in splits.values() for _, c in s if c not in label}
+    if unknown:
+        raise ValueError(f"{folder}: labels not in categories.json: {sorted(unknown)[:5]}")
+    return {s: {"text": [t for t, _ in rows], "label": [label[c] for _, c in rows]} for s, rows in splits.items()}
+
+
+def detect_local_format(folder: Path) -> tuple[str, str]:
+    """(kind, default mteb task name) for a local folder; kind is retrieval, sts or classification."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"local task folder not found: {folder}")
+    if (folder / "corpus.jsonl").is_file() or (folder / "qrels").is_dir():
+        name = {t.metadata.name.lower(): t.metadata.name for t in mteb.get_tasks(task_types=["Retrieval"])}.get(
+            folder.name.lower(), "")
+        return "retrieval", name
+    if (folder / "train.csv").is_file() and (folder / "test.csv").is_file():
+        return "classification", "Banking77Classification" if "banking77" in folder.name.lower() else ""
+    try:
+        name, _ = load_sts_folder(folder)
+        return "sts", name
+    except ValueError:
+        raise ValueError(f"{folder}: not a known task layout (BEIR corpus.jsonl/queries.jsonl/qrels, STS-B "
+                         "sts-test.csv, SICK.txt, STS.input/STS.gs, biosses.tsv, or train.csv+test.csv)") from None
+
+
+def parse_local_spec(spec: str) -> tuple[str, Path, str]:
+    """"DIR" or "TaskName=DIR" -> (mteb task name, folder, kind)."""
+    name, _, path = spec.rpartition("=") if "=" in spec and not os.path.exists(spec) else ("", "", spec)
+    folder = Path(path).expanduser()
+    kind, default = detect_local_format(folder)
+    name = name or default
+    if not name:
+        raise ValueError(f"{folder}: cannot tell which mteb task this is; name it: --local_tasks TaskName={folder}")
+    return name, folder, kind
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. The task mix-in: local data, --limit sampling, per-query scores for the overlap analysis
+# ---------------------------------------------------------------------------------------------------
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"\w+", text.lower()))
+
+
+def word_overlap(query: str, relevant_docs: Sequence[str]) -> float:
+    """Share of the query's distinct words that occur in its relevant document(s) (title + text).
+
+    The paper splits ArguAna queries "by word overlap with the counter-argument" without a formula;
+    this is ours: |words(q) ∩ words(docs)| / |words(q)|, lower-cased \\w+ tokens, no stop-word list.
+    """
+    q = _words(query)
+    if not q:
+        return 0.0
+    d = set().union(*(_words(x) for x in relevant_docs)) if relevant_docs else set()
+    return len(q & d) / len(q)
+
+
+def subsample_retrieval(data: dict, limit: int, corpus_limit: Optional[int], seed: int) -> dict:
+    """`limit` random judged queries, all their relevant documents, plus random other documents up to
+    `corpus_limit` in all: a smaller but consistent task (every kept qrel still points into the corpus)."""
+    rng = random.Random(seed)
+    qids = sorted(data["qrels"])
+    keep_q = sorted(rng.sample(qids, min(limit, len(qids))))
+    qrels = {q: data["qrels"][q] for q in keep_q}
+    needed = {d for ds in qrels.values() for d in ds}
+    others = sorted(set(data["corpus"]) - needed)
+    n_other = max(0, (corpus_limit or 10 * limit) - len(needed))
+    keep_d = needed | set(rng.sample(others, min(n_other, len(others))))
+    return {"corpus": {d: data["corpus"][d] for d in data["corpus"] if d in keep_d},
+            "queries": {q: data["queries"][q] for q in keep_q}, "qrels": qrels}
+
+
+class _XPRTTaskMixin:
+    """Put in front of a stock mteb task's class (see `build_task`): same metadata and metrics."""
+
+
+    _xprt_local: Optional[tuple[Path, str]] = None
+    _xprt_limit: Optional[int] = None
+    _xprt_corpus_limit: Optional[int] = None
+    _xprt_seed: int = 0
+
+    def load_data(self, num_proc=None, **kwargs):  # noqa: D401 - mteb's hook
+        if self.data_loaded:
+            return
+        if self._xprt_local is None:
+            super().load_data(num_proc=num_proc, **kwargs)  # online: mteb's own loader
+            if self._xprt_limit:
+                self._subsample_loaded()
+        else:
+            self._load_local()
+        self.data_loaded = True
+
+    def _load_local(self):
+        from datasets import Dataset, DatasetDict
+        from mteb.abstasks.retrieval_dataset_loaders import RetrievalSplitData
+
+        folder, kind = self._xprt_local
+        split = self.metadata.eval_splits[0]
+        lim, rng = self._xprt_limit, random.Random(self._xprt_seed)
+        if kind == "retrieval":
+            data = load_beir_folder(folder, split)
+            if lim:
+                data = subsample_retrieval(data, lim, self._xprt_corpus_limit, self._xprt_seed)
+            corpus = Dataset.from_dict({"id": list(data["corpus"]), "title": [t for t, _ in data["corpus"].values()],
+                                        "text": [x for _, x in data["corpus"].values()]})
+            queries = Dataset.from_dict({"id": list(data["queries"]), "text": list(data["queries"].values())})
+            self.dataset = {"default": {split: RetrievalSplitData(corpus=corpus, queries=queries,
+                                                                  relevant_docs=data["qrels"], top_ranked=None)}}
+        elif kind == "sts":
+            _, rows = load_sts_folder(folder)
+            if not rows:
+                raise ValueError(f"{folder}: no scored sentence pairs")
+            if lim:
+                rows = rng.sample(rows, min(lim, len(rows)))
+            s1, s2, sc = zip(*rows)
+            self.dataset = {"default": {split: Dataset.from_dict({"sentence1": list(s1), "sentence2": list(s2),
+                                                                  "score": list(sc)})}}
+        elif kind == "classification":
+            data = load_classification_folder(folder)
+            if lim:
+                keep = sorted(rng.sample(range(len(data["test"]["text"])), min(lim, len(data["test"]["text"]))))
+                data["test"] = {k: [v[i] for i in keep] for k, v in data["test"].items()}
+            dd = DatasetDict({"train": Dataset.from_dict(data["train"]), split: Dataset.from_dict(data["test"])})
+            self.dataset = {"default": dd}
+        else:
+            raise ValueError(f"unknown local task kind {kind!r}")
+
+    def _subsample_loaded(self):
+        """--limit for an online task: the same sampling, applied to what mteb loaded."""
+        from datasets import Dataset
+        lim, seed = self._xprt_limit, self._xprt_seed
+        for subset in self.dataset.values():
+            for split in self.metadata.eval_splits:
+                if split not in subset:
+                    continue
+                ds = subset[split]
+                if isinstance(ds, dict) and "relevant_docs" in ds:
+                    corpus = {r["id"]: (r.get("title") or "", r["text"]) for r in ds["corpus"]}
+                    data = subsample_retrieval({"corpus": corpus, "qrels": dict(ds["relevant_docs"]),
+                                                "queries": {r["id"]: r["text"] for r in ds["queries"]}},
+                                               lim, self._xprt_corpus_limit, seed)
+                    ds["relevant_docs"] = data["qrels"]
+                    ds["queries"] = ds["queries"].filter(lambda r: r["id"] in data["queries"])
+                    ds["corpus"] = ds["corpus"].filter(lambda r: r["id"] in data["corpus"])
+                elif isinstance(ds, Dataset) and len(ds) > lim:
+                    subset[split] = ds.shuffle(seed=seed).select(range(lim))
+
+    def task_specific_scores(self, scores, qrels, results, hf_split, hf_subset):
+        """mteb hands retrieval tasks the per-query pytrec_eval scores here: keep nDCG@10 per query and
+        the query's word overlap with its relevant documents, for the overlap analysis."""
+        data = self.dataset[hf_subset][hf_split] if hf_subset in self.dataset else self.dataset[hf_split]
+        q_text = dict(zip(data["queries"]["id"], data["queries"]["text"]))
+        needed = {d for q in scores for d in qrels.get(q, {}) if qrels[q][d] > 0}
+        doc_text = {}
+        for did, title, text in zip(data["corpus"]["id"],
+                                    data["corpus"]["title"] if "title" in data["corpus"].column_names else
+                                    [""] * len(data["corpus"]), data["corpus"]["text"]):
+            if did in needed:
+                doc_text[did] = f"{title} {text}"
+        self._xprt_per_query = {
+            q: {"ndcg_at_10": s.get("ndcg_cut_10", 0.0),
+                "overlap": word_overlap(q_text.get(q, ""), [doc_text[d] for d in qrels.get(q, {})
+                                                            if qrels[q][d] > 0 and d in doc_text])}
+            for q, s in scores.items()
+        }
+        return super().task_specific_scores(scores, qrels, results, hf_split, hf_subset)
+
+
+def build_task(name: str, local: Optional[tuple[Path, str]] = None, limit: Optional[int] = None,
+               corpus_limit: Optional[int] = None, seed: int = 0, task=None):
+    """The stock mteb task `name` (or the instance `task`, e.g. from a benchmark, with its language
+    filters) with `_XPRTTaskMixin` put in front of its class: mteb's metadata and metric, our loader."""
+    stock = task if task is not None else mteb.get_task(name)
+    base = type(stock)
+    cls = type(base.__name__, (_XPRTTaskMixin, base), {})
+    # A new instance of the subclass with the stock instance's state (a benchmark's language and split
+    # filters live there); __class__ assignment is refused by some task classes' layouts.
+    task = cls.__new__(cls)
+    task.__dict__.update(stock.__dict__)
+    task._xprt_local, task._xprt_limit, task._xprt_corpus_limit, task._xprt_seed = local, limit, corpus_limit, seed
+    task._xprt_per_query = {}
+    return task
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. Running: one model at a time, every task, a JSON cache so reruns skip finished tasks
+# ---------------------------------------------------------------------------------------------------
+
+
+def _data_fingerprint(folder: Optional[Path]) -> str:
+    if folder is None:
+        return "online"
+    h = hashlib.sha1(str(folder.resolve()).encode())
+    for f in sorted(folder.rglob("*")):
+        if f.is_file():
+            h.update(f"{f.relative_to(folder)}:{f.stat().st_size}:{f.stat().st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def _atomic_write(path: Path, data: bytes | str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+
+
+def evaluate_model_on_task(encoder: XPRTEncoder, task, batch_size: int) -> dict:
+    """One mteb run -> {"task", "type", "main_score" (x100), "metric", "scores", "per_query"}."""
+    res = mteb.evaluate(encoder, [task], cache=None, encode_kwargs={"batch_size": batch_size},
+                        show_progress_bar=False, co2_tracker=False, raise_error=True)
+    tr = res.task_results[0]
+    return {"task": task.metadata.name, "type": task.metadata.type, "metric": task.metadata.main_score,
+            "main_score": 100.0 * float(tr.get_score()), "scores": tr.scores,
+            "per_query": getattr(task, "_xprt_per_query", {}) or {}}
+
+
+def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks: Sequence[str] = (),
+                   benchmark: Optional[str] = None, limit: Optional[int] = None,
+                   corpus_limit: Optional[int] = None, seed: int = 0, prefix_mode: str = "auto",
+                   batch_size: int = 64, max_length: Optional[int] = None, device: Optional[str] = None,
+                   dtype: Optional[str] = None, query_prefix: Optional[str] = None,
+                   passage_prefix: Optional[str] = None, cache_dir: Optional[str] = None,
+                   trust_remote_code: bool = False, show_progress: bool = True, encoder_factory=None) -> dict:
+    """Evaluate every model on every task; the function train.py and the demo call (the CLI wraps it).
+
+    Returns {"models": [...], "results": {model: {task: result}}, "tasks": [{"name","type","source"}]}.
+    `encoder_factory(name) -> AbsEncoder with .fingerprint()` replaces XPRTEncoder (tests use it).
+    """
+    from tqdm.auto import tqdm
+
+    if not models:
+        raise ValueError("give at least one model (--models)")
+    specs = []  # (name, local or None, benchmark task instance or None)
+    for spec in local_tasks:
+        name, folder, kind = parse_local_spec(spec)
+        specs.append((name, (folder, kind), None))
+    for name in tasks:
+        specs.append((name, None, None))
+    if benchmark:
+        for t in mteb.get_benchmark(benchmark).tasks:
+            specs.append((t.metadata.name, None, t))
+    if not specs:
+        raise ValueError("no task: give --local_tasks, --tasks or --benchmark")
+    cache = Path(cache_dir) if cache_dir else None
+    out = {"models": list(models), "results": {}, "tasks": []}
+    for name, local, _ in specs:
+        t = mteb.get_task(name)
+        out["tasks"].append({"name": name, "type": t.metadata.type,
+                             "source": str(local[0]) if local else "mteb (online)"})
+    for model_name in models:
+        encoder = (encoder_factory or (lambda n: XPRTEncoder(
+            n, prefix_mode=prefix_mode, batch_size=batch_size, max_length=max_length, device=device,
+            dtype=dtype, query_prefix=query_prefix, passage_prefix=passage_prefix,
+            trust_remote_code=trust_remote_code)))(model_name)
+        logger.info("model %s: prefixes query=%r passage=%r", model_name,
+                    getattr(encoder, "query_prefix", ""), getattr(encoder, "passage_prefix", ""))
+        out["results"][model_name] = {}
+        for name, local, bench_task in tqdm(specs, desc=f"tasks [{model_name}]", disable=not show_progress):
+            key = hashlib.sha1(json.dumps([encoder.fingerprint(), name, _data_fingerprint(local[0] if local else None),
+                                           limit, corpus_limit, seed, mteb.__version__]).encode()).hexdigest()[:20]
+            cfile = cache / f"{name}-{key}.json" if cache else None
+            if cfile is not None and cfile.is_file():
+                result = json.loads(cfile.read_text())
+                logger.info("cached: %s on %s (%s)", model_name, name, cfile)
+            else:
+                task = build_task(name, local=local, limit=limit, corpus_limit=corpus_limit, seed=seed,
+                                  task=bench_task)
+                result = evaluate_model_on_task(encoder, task, batch_size)
+                if cfile is not None:
+                    _atomic_write(cfile, json.dumps(result))
+            result["source"] = str(local[0]) if local else "mteb (online)"
+            out["results"][model_name][name] = result
+            logger.info("%s | %s: %s = %.2f", model_name, name, result["metric"], result["main_score"])
+        del encoder
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. Tables, overlap analysis and the bar chart
+# ---------------------------------------------------------------------------------------------------
+
+
+def summarize(out: dict) -> dict:
+    """Per task, per category (task type) and overall averages (x100), and each model's difference to
+    the first. The overall average is the mean over tasks, as the MTEB average the paper reports."""
+    models, tasks = out["models"], out["tasks"]
+    per_task = {m: {t["name"]: out["results"][m][t["name"]]["main_score"] for t in tasks} for m in models}
+    cats = sorted({t["type"] for t in tasks})
+    per_cat = {m: {c: float(np.mean([per_task[m][t["name"]] for t in tasks if t["type"] == c])) for c in cats}
+               for m in models}
+    avg = {m: float(np.mean(list(per_task[m].values()))) for m in models}
+    first = models[0]
+    return {"per_task": per_task, "per_category": per_cat, "average": avg, "categories": cats,
+            "delta_per_task": {m: {t: per_task[m][t] - per_task[first][t] for t in per_task[m]} for m in models},
+            "delta_per_category": {m: {c: per_cat[m][c] - per_cat[first][c] for c in cats} for m in models},
+            "delta_average": {m: avg[m] - avg[first] for m in models}}
+
+
+def overlap_analysis(out: dict, task: str) -> dict:
+    """The paper's analysis: queries split into thirds by word overlap with their relevant documents
+    (low / mid / high, ties broken by query id), mean nDCG@10 (x100) of each model in each third.
+
+    The thirds are fixed by the data (the overlap does not depend on the model); the paper's result on
+    ArguAna: xPRT above E5 in every third, by 3.7 to 8.8 points.
+    """
+    models = out["models"]
+    per_q = out["results"][models[0]][task].get("per_query") or {}
+    if not per_q:
+        raise ValueError(f"{task}: no per-query scores (is it a retrieval task?)")
+    qids = sorted(per_q, key=lambda q: (per_q[q]["overlap"], q))
+    thirds = [list(x) for x in np.array_split(np.array(qids, dtype=object), 3)]
+    res = {"task": task, "thirds": []}
+    for label, qs in zip(("low", "mid", "high"), thirds):
+        row = {"third": label, "n_queries": len(qs),
+               "overlap_range": [per_q[qs[0]]["overlap"], per_q[qs[-1]]["overlap"]] if qs else [None, None],
+               "ndcg_at_10": {}}
+        for m in models:
+            pq = out["results"][m][task]["per_query"]
+            row["ndcg_at_10"][m] = 100.0 * float(np.mean([pq[q]["ndcg_at_10"] for q in qs])) if qs else float("nan")
+        res["thirds"].append(row)
+    return res
+
+
+def short(m: str) -> str:
+    return Path(m.rstrip("/")).name or m
+
+
+def to_markdown(out: dict, summ: dict, overlaps: Sequence[dict] = ()) -> str:
+    models, first = out["models"], out["models"][0]
+    head = "| " + " | ".join(["task", "type", "metric"] + [short(m) for m in models]
+                             + [f"Δ {short(m)}" for m in models[1:]]) + " |"
+    sep = "|" + "---|" * (3 + 2 * len(models) - 1)
+    lines = ["# Evaluation results", "", f"Scores x100 (mteb's metrics). Δ = difference to {short(first)}.", "",
+             "## Per task", "", head, sep]
+    for t in out["tasks"]:
+        n = t["name"]
+        metric = out["results"][first][n]["metric"]
+        cells = [n, t["type"], metric] + [f"{summ['per_task'][m][n]:.2f}" for m in models]
+        cells += [f"{summ['delta_per_task'][m][n]:+.2f}" for m in models[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Per category", "", head.replace("| task | type | metric", "| category | tasks | metric"), sep]
+    for c in summ["categories"]:
+        k = sum(t["type"] == c for t in out["tasks"])
+        cells = [c, str(k), CATEGORY_METRIC.get(c, "main score")] + [f"{summ['per_category'][m][c]:.2f}" for m in models]
+        cells += [f"{summ['delta_per_category'][m][c]:+.2f}" for m in models[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    cells = ["**average**", str(len(out["tasks"])), "mean over tasks"] + [f"**{summ['average'][m]:.2f}**" for m in models]
+    cells += [f"{summ['delta_average'][m]:+.2f}" for m in models[1:]]
+    lines.append("| " + " | ".join(cells) + " |")
+    for ov in overlaps:
+        lines += ["", f"## Overlap analysis: {ov['task']} (nDCG@10 per third of queries by word overlap)", "",
+                  "| third | queries | overlap range | " + " | ".join(short(m) for m in models)
+                  + "".join(f" | Δ {short(m)}" for m in models[1:]) + " |",
+                  "|" + "---|" * (3 + 2 * len(models) - 1)]
+        for row in ov["thirds"]:
+            lo, hi = row["overlap_range"]
+            cells = [row["third"], str(row["n_queries"]), "-" if lo is None else f"{lo:.2f}-{hi:.2f}"]
+            cells += [f"{row['ndcg_at_10'][m]:.2f}" for m in models]
+            cells += [f"{row['ndcg_at_10'][m] - row['ndcg_at_10'][first]:+.2f}" for m in models[1:]]
+            lines.append("| " + " | ".join(cells) + " |")
+    sources = sorted({t["source"] for t in out["tasks"]})
+    lines += ["", "Data: " + ", ".join(sources), ""]
+    return "\n".join(lines)
+
+
+def plot_bars(summ: dict, models: Sequence[str], path: Path):
+    """Grouped bars: each task and category average, one bar per model (the PNG next to the table)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(summ["per_task"][models[0]])
+    groups = tasks + [f"{c} avg" for c in summ["categories"]] + ["average"]
+    vals = {m: [summ["per_task"][m][t] for t in tasks] + [summ["per_category"][m][c] for c in summ["categories"]]
+            + [summ["average"][m]] for m in models}
+    x = np.arange(len(groups))
+    w = 0.8 / len(models)
+    fig, ax = plt.subplots(figsize=(max(6, 0.75 * len(groups) * max(1, len(models) / 2) + 2), 4.2))
+    for i, m in enumerate(models):
+        bars = ax.bar(x + (i - (len(models) - 1) / 2) * w, vals[m], w, label=short(m))
+        ax.bar_label(bars, fmt="%.1f", fontsize=6, padding=1)
+    ax.set_xticks(x, groups, rotation=40, ha="right", fontsize=8)
+    ax.set_ylabel("score x100 (mteb main score)")
+    ax.set_ylim(0, 105)
+    ax.legend(fontsize=8)
+    ax.set_title("per task, per category and average")
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(fd)
+    fig.savefig(tmp, dpi=130)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (), overwrite: bool = False) -> dict:
+    """results.md, results.json and results.png in output_dir (refused if present, unless overwrite)."""
+    names = ("results.md", "results.json", "results.png")
+    existing = [n for n in names if (output_dir / n).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{output_dir} already has {existing}; pass --overwrite (the cache keeps finished tasks)")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    summ = summarize(out)
+    overlaps = [overlap_analysis(out, t) for t in overlap_tasks]
+    _atomic_write(output_dir / "results.md", to_markdown(out, summ, overlaps))
+    slim = {m: {t: {k: v for k, v in r.items() if k != "per_query"} for t, r in rs.items()}
+            for m, rs in out["results"].items()}
+    _atomic_write(output_dir / "results.json", json.dumps(
+        {"models": out["models"], "tasks": out["tasks"], "summary": summ, "overlap_analysis": overlaps,
+         "results": slim}, indent=1))
+    plot_bars(summ, out["models"], output_dir / "results.png")
+    return {"summary": summ, "overlap_analysis": overlaps}
+
+
+# ---------------------------------------------------------------------------------------------------
+# 7. Command line
+# ---------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", required=True,
+                   help="model folders (train.py output), hub ids or 'all-MiniLM-L6-v2'; the first is the "
+                        "baseline every other model's difference is taken to")
+    p.add_argument("--benchmark", default=None,
+                   help=f"mteb benchmark by name (online); default {DEFAULT_BENCHMARK!r} when neither --tasks "
+                        "nor --local_tasks is given")
+    p.add_argument("--tasks", nargs="*", default=[], help="mteb task names, e.g. SciFact STSBenchmark (online)")
+    p.add_argument("--local_tasks", nargs="*", default=[],
+                   help="local folders, optionally TaskName=DIR; format and task auto-detected (offline)")
+    p.add_argument("--output_dir", default="outputs/eval", help="where results.md/.json/.png go")
+    p.add_argument("--overwrite", action="store_true", help="replace existing results.* in --output_dir")
+    p.add_argument("--cache_dir", default=os.environ.get("XPRT_EVAL_CACHE", ".cache/evaluate"),
+                   help="per (model, task, data, settings) result cache; reruns skip finished tasks")
+    p.add_argument("--no_cache", action="store_true", help="always rerun every task")
+    p.add_argument("--prefix_mode", choices=("auto", "e5", "none"), default="auto",
+                   help="auto: E5 prefixes ('query: '/'passage: ') when the model name/config says e5, else none")
+    p.add_argument("--query_prefix", default=None, help="override the query prefix (also used for symmetric tasks)")
+    p.add_argument("--passage_prefix", default=None, help="override the passage (retrieval document) prefix")
+    p.add_argument("--overlap_analysis", nargs="*", default=None, metavar="TASK",
+                   help="the paper's overlap analysis (nDCG@10 per third of queries by word overlap); no "
+                        "names = every retrieval task")
+    p.add_argument("--limit", type=int, default=None,
+                   help="quick check: at most this many queries / pairs / test texts per task (seeded sample)")
+    p.add_argument("--corpus_limit", type=int, default=None,
+                   help="with --limit: corpus size (relevant documents always kept); default 10 x --limit")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --limit sample")
+    p.add_argument("--batch_size", type=int, default=64, help="texts per forward pass")
+    p.add_argument("--max_length", type=int, default=None,
+                   help="token limit; default: the folder's sentence_bert_config max_seq_length, else 512")
+    p.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                   help="auto: bf16 (fp16 before Ampere) on GPU, fp32 on CPU")
+    p.add_argument("--trust_remote_code", action="store_true", help="allow custom model code from the hub")
+    args = p.parse_args(argv)
+    if not args.tasks and not args.local_tasks and not args.benchmark:
+        args.benchmark = DEFAULT_BENCHMARK
+    if args.limit is not None and args.limit < 1:
+        p.error("--limit must be >= 1")
+    if args.batch_size < 1:
+        p.error("--batch_size must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    out_dir = Path(args.output_dir)
+    existing = [n for n in ("results.md", "results.json", "results.png") if (out_dir / n).exists()]
+    if existing and not args.overwrite:  # refuse before hours of encoding, not after
+        raise SystemExit(f"{out_dir} already has {existing}; pass --overwrite (finished tasks come from the cache)")
+    out = run_evaluation(args.models, tasks=args.tasks, local_tasks=args.local_tasks, benchmark=args.benchmark,
+                         limit=args.limit, corpus_limit=args.corpus_limit, seed=args.seed,
+                         prefix_mode=args.prefix_mode, batch_size=args.batch_size, max_length=args.max_length,
+                         device=args.device, dtype=args.dtype, query_prefix=args.query_prefix,
+                         passage_prefix=args.passage_prefix, cache_dir=None if args.no_cache else args.cache_dir,
+                         trust_remote_code=args.trust_remote_code)
+    retrieval = [t["name"] for t in out["tasks"] if t["type"] == "Retrieval"]
+    overlap = [] if args.overlap_analysis is None else (args.overlap_analysis or retrieval)
+    bad = [t for t in overlap if t not in retrieval]
+    if bad:
+        raise SystemExit(f"--overlap_analysis needs retrieval tasks that were run; not: {bad}")
+    rep = write_report(out, out_dir, overlap, overwrite=args.overwrite)
+    print((out_dir / "results.md").read_text())
+    return rep
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""Tests for evaluate.py: known nDCG@10 on a fake BEIR folder, the overlap analysis on hand-made data,
+the multi-model table, the local formats, the cache, bad input, and the wrapper on a tiny BERT."""
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import evaluate as ev
+from mteb.models.abs_encoder import AbsEncoder
+from mteb.models.model_meta import ModelMeta, ScoringFunction
+
+# ---------------------------------------------------------------- fake data and a controllable model
+
+DOCS = {"d1": "alpha apple", "d2": "beta banana", "d3": "gamma cherry", "d4": "delta date"}
+QUERIES = {"q1": "find apple", "q2": "find banana"}
+QRELS = {"q1": "d1", "q2": "d2"}
+
+
+def write_beir(folder: Path, docs=DOCS, queries=QUERIES, qrels=QRELS, extra_qrels=()) -> Path:
+    (folder / "qrels").mkdir(parents=True, exist_ok=True)
+    with open(folder / "corpus.jsonl", "w") as f:
+        for i, t in docs.items():
+            f.write(json.dumps({"_id": i, "title": "", "text": t}) + "\n")
+    with open(folder / "queries.jsonl", "w") as f:
+        for i, t in queries.items():
+            f.write(json.dumps({"_id": i, "text": t}) + "\n")
+        f.write(json.dumps({"_id": "q_train", "text": "not judged in test"}) + "\n")  # like shared scifact
+    with open(folder / "qrels" / "test.tsv", "w") as f:
+        f.write("query-id\tcorpus-id\tscore\n")
+        for q, d in list(qrels.items()) + list(extra_qrels):
+            f.write(f"{q}\t{d}\t1\n")
+    return folder
+
+
+class FakeEncoder(AbsEncoder):
+    """Embeds a text as the vector of the first key word it contains: we choose every cosine."""
+
+    def __init__(self, vectors: dict, name="fake/model"):
+        self.vectors = vectors
+        self.calls = 0
+        self.seen_prompt_types = []
+        self.mteb_model_meta = ModelMeta(
+            loader=None, name=name, revision="1", release_date=None, languages=None, n_parameters=None,
+            memory_usage_mb=None, max_tokens=None, embed_dim=4, license=None, open_weights=True,
+            public_training_code=None, public_training_data=None, framework=["PyTorch"],
+            similarity_fn_name=ScoringFunction.COSINE, use_instructions=False, training_datasets=None)
+
+    def fingerprint(self):
+        return self.mteb_model_meta.name + json.dumps({k: list(v) for k, v in self.vectors.items()})
+
+    def encode(self, inputs, *, task_metadata, hf_split, hf_subset, prompt_type=None, **kw):
+        self.calls += 1
+        self.seen_prompt_types.append(prompt_type)
+        out = []
+        for batch in inputs:
+            for text in batch["text"]:
+                key = next(k for k in self.vectors if k in text.split())
+                out.append(self.vectors[key])
+        return np.asarray(out, dtype=np.float32)
+
+
+ONE_HOT = {k: np.eye(4)[i] for i, k in enumerate(["apple", "banana", "cherry", "date"])}
+PERFECT = dict(ONE_HOT)  # "find apple" gets the apple document's vector: rank 1 for every query
+
+
+class WrongEncoder(FakeEncoder):
+    """Deliberately wrong: q1 ranks d3 > d1 > others (d1 2nd); q2 ranks d4 > d3 > d2 > d1 (d2 3rd)."""
+
+    QV = {"apple": np.array([0.5, 0.0, 0.8, 0.0]), "banana": np.array([0.0, 0.3, 0.5, 0.8])}
+
+    def encode(self, inputs, *, task_metadata, hf_split, hf_subset, prompt_type=None, **kw):
+        if prompt_type is not None and prompt_type.value == "query":
+            texts = [t for b in inputs for t in b["text"]]
+            return np.asarray([self.QV[t.split()[1]] for t in texts], dtype=np.float32)
+        return super().encode(inputs, task_metadata=task_metadata, hf_split=hf_split, hf_subset=hf_subset,
+                              prompt_type=prompt_type)
+
+
+def ndcg_at_rank(rank):  # one relevant document at `rank` (1-based), binary gain
+    return 1.0 / math.log2(rank + 1)
+
+
+@pytest.fixture()
+def beir(tmp_path):
+    return write_beir(tmp_path / "fake_beir")
+
+
+def factory(kind):
+    return lambda name: (FakeEncoder(PERFECT, "fake/perfect") if kind == "perfect" else WrongEncoder(ONE_HOT, "fake/wrong"))
+
+
+# ---------------------------------------------------------------- known nDCG@10
+
+
+def test_perfect_and_wrong_ranking_give_known_ndcg(beir, tmp_path):
+    out = ev.run_evaluation(["perfect"], local_tasks=[f"SciFact={beir}"], encoder_factory=factory("perfect"),
+                            show_progress=False)
+    r = out["results"]["perfect"]["SciFact"]
+    assert r["metric"] == "ndcg_at_10"
+    assert r["main_score"] == pytest.approx(100.0, abs=1e-6)
+    assert set(r["per_query"]) == {"q1", "q2"}  # q_train (not in the test qrels) was left out
+
+    out = ev.run_evaluation(["wrong"], local_tasks=[f"SciFact={beir}"], encoder_factory=factory("wrong"),
+                            show_progress=False)
+    r = out["results"]["wrong"]["SciFact"]
+    expected = 100 * (ndcg_at_rank(2) + ndcg_at_rank(3)) / 2  # (0.6309 + 0.5) / 2 = 56.55
+    assert r["main_score"] == pytest.approx(expected, abs=1e-3)
+    assert r["per_query"]["q1"]["ndcg_at_10"] == pytest.approx(ndcg_at_rank(2), abs=1e-4)
+    assert r["per_query"]["q2"]["ndcg_at_10"] == pytest.approx(ndcg_at_rank(3), abs=1e-4)
+
+
+# ---------------------------------------------------------------- overlap analysis on hand-made data
+
+
+def test_word_overlap_by_hand():
+    assert ev.word_overlap("The cat sat", ["a cat sat down"]) == pytest.approx(2 / 3)
+    assert ev.word_overlap("the cat", ["dog", "the CAT!"]) == pytest.approx(1.0)  # union of relevant docs
+    assert ev.word_overlap("xyz", ["abc"]) == 0.0
+    assert ev.word_overlap("", ["abc"]) == 0.0
+
+
+def test_overlap_analysis_thirds_by_hand():
+    # 6 queries, overlaps 0.1 .. 0.6; model A's nDCG rises with overlap, model B is 0.1 better everywhere
+    ov = {f"q{i}": 0.1 * i for i in range(1, 7)}
+    a = {q: {"ndcg_at_10": 0.1 * i, "overlap": ov[q]} for i, q in enumerate(ov, 1)}
+    b = {q: {"ndcg_at_10": 0.1 * i + 0.1, "overlap": ov[q]} for i, q in enumerate(ov, 1)}
+    out = {"models": ["A", "B"], "tasks": [{"name": "T", "type": "Retrieval", "source": "x"}],
+           "results": {"A": {"T": {"per_query": a}}, "B": {"T": {"per_query": b}}}}
+    res = ev.overlap_analysis(out, "T")
+    assert [r["n_queries"] for r in res["thirds"]] == [2, 2, 2]
+    assert [r["third"] for r in res["thirds"]] == ["low", "mid", "high"]
+    assert res["thirds"][0]["overlap_range"] == pytest.approx([0.1, 0.2])
+    assert [r["ndcg_at_10"]["A"] for r in res["thirds"]] == pytest.approx([15.0, 35.0, 55.0])
+    assert [r["ndcg_at_10"]["B"] - r["ndcg_at_10"]["A"] for r in res["thirds"]] == pytest.approx([10.0] * 3)
+
+
+def test_overlap_from_a_real_run(beir):
+    # q1 "find apple" vs d1 "alpha apple": 1 of 2 words; q2 likewise
+    out = ev.run_evaluation(["perfect"], local_tasks=[f"SciFact={beir}"], encoder_factory=factory("perfect"),
+                            show_progress=False)
+    assert out["results"]["perfect"]["SciFact"]["per_query"]["q1"]["overlap"] == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------- the multi-model table
+
+
+def write_semeval_sts(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    pairs = [("apple", "apple", "5.0"), ("apple", "banana", "1.0"), ("apple", "cherry", ""),  # unscored: skipped
+             ("banana", "banana", "4.0"), ("cherry", "date", "0.5")]
+    (folder / "STS.input.toy.txt").write_text("".join(f"{a}\t{b}\n" for a, b, _ in pairs))
+    (folder / "STS.gs.toy.txt").write_text("".join(f"{g}\n" for _, _, g in pairs))
+    return folder
+
+
+def test_multi_model_table_markdown_json_png(beir, tmp_path):
+    sts = write_semeval_sts(tmp_path / "sts12")
+    encoders = {"perfect": FakeEncoder(PERFECT, "fake/perfect"), "wrong": WrongEncoder(ONE_HOT, "fake/wrong")}
+    out = ev.run_evaluation(["perfect", "wrong"], local_tasks=[f"SciFact={beir}", str(sts)],
+                            encoder_factory=lambda n: encoders[n], show_progress=False)
+    assert [t["name"] for t in out["tasks"]] == ["SciFact", "STS12"]
+    # STS with one-hot vectors: cosines 1, 0, 1, 0 vs gold 5, 1, 4, 0.5 -> Spearman 0.894 for both models
+    sts_score = out["results"]["perfect"]["STS12"]["main_score"]
+    assert sts_score == pytest.approx(100 * 0.894427, abs=1e-3)
+    rep = ev.write_report(out, tmp_path / "report", overlap_tasks=["SciFact"])
+    summ = rep["summary"]
+    wrong_ndcg = 100 * (ndcg_at_rank(2) + ndcg_at_rank(3)) / 2
+    assert summ["delta_per_task"]["wrong"]["SciFact"] == pytest.approx(wrong_ndcg - 100, abs=1e-3)
+    assert summ["delta_per_task"]["wrong"]["STS12"] == pytest.approx(0.0, abs=1e-6)
+    assert summ["per_category"]["wrong"]["Retrieval"] == pytest.approx(wrong_ndcg, abs=1e-3)
+    assert summ["average"]["perfect"] == pytest.approx((100 + sts_score) / 2, abs=1e-6)
+    assert summ["delta_average"]["wrong"] == pytest.approx((wrong_ndcg - 100) / 2, abs=1e-3)
+    md = (tmp_path / "report" / "results.md").read_text()
+    assert "| SciFact | Retrieval | ndcg_at_10 | 100.00 | 56.55 | -43.45 |" in md
+    assert "Overlap analysis: SciFact" in md
+    js = json.loads((tmp_path / "report" / "results.json").read_text())
+    assert js["summary"]["per_task"]["wrong"]["SciFact"] == pytest.approx(wrong_ndcg, abs=1e-3)
+    png = (tmp_path / "report" / "results.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    with pytest.raises(FileExistsError):  # outputs are not overwritten silently
+        ev.write_report(out, tmp_path / "report")
+
+
+# ---------------------------------------------------------------- cache, limit, classification
+
+
+def test_cache_skips_finished_tasks(beir, tmp_path):
+    enc = FakeEncoder(PERFECT, "fake/perfect")
+    kw = dict(local_tasks=[f"SciFact={beir}"], encoder_factory=lambda n: enc, cache_dir=str(tmp_path / "c"),
+              show_progress=False)
+    first = ev.run_evaluation(["perfect"], **kw)
+    calls = enc.calls
+    assert calls >= 2  # queries and corpus
+    second = ev.run_evaluation(["perfect"], **kw)
+    assert enc.calls == calls  # nothing encoded again
+    assert second["results"]["perfect"]["SciFact"]["main_score"] == first["results"]["perfect"]["SciFact"]["main_score"]
+    ev.run_evaluation(["perfect"], limit=1, **kw)  # different settings -> a new run
+    assert enc.calls > calls
+
+
+def test_limit_keeps_relevant_docs(tmp_path):
+    docs = {f"d{i}": f"doc {i}" for i in range(100)}
+    data = {"corpus": {d: ("", t) for d, t in docs.items()},
+            "queries": {f"q{i}": f"query {i}" for i in range(20)},
+            "qrels": {f"q{i}": {f"d{i}": 1, f"d{i + 20}": 1} for i in range(20)}}
+    sub = ev.subsample_retrieval(data, limit=5, corpus_limit=30, seed=0)
+    assert len(sub["queries"]) == 5 and len(sub["corpus"]) == 30
+    for q, ds in sub["qrels"].items():
+        assert q in sub["queries"] and all(d in sub["corpus"] for d in ds)
+    assert sub == ev.subsample_retrieval(data, limit=5, corpus_limit=30, seed=0)  # seeded
+
+
+def test_banking77_layout_classification(tmp_path):
+    folder = tmp_path / "banking77"
+    folder.mkdir()
+    labels = ["card_arrival", "exchange_rate"]
+    (folder / "categories.json").write_text(json.dumps(labels))
+    rows = [("my card apple", "card_arrival"), ('"rate, banana"', "exchange_rate")]
+    for split, n in (("train", 10), ("test", 4)):
+        with open(folder / f"{split}.csv", "w") as f:
+            f.write("text,category\n")
+            for i in range(n):
+                t, c = rows[i % 2]
+                f.write(f"{t},{c}\n")
+    data = ev.load_classification_folder(folder)
+    assert data["test"]["label"] == [0, 1, 0, 1] and data["train"]["text"][1] == "rate, banana"
+    out = ev.run_evaluation(["perfect"], local_tasks=[str(folder)], encoder_factory=factory("perfect"),
+                            show_progress=False)
+    r = out["results"]["perfect"]["Banking77Classification"]
+    assert r["metric"] == "accuracy" and r["main_score"] == pytest.approx(100.0)
+
+
+# ---------------------------------------------------------------- local formats and bad input
+
+
+def test_sts_formats(tmp_path):
+    d = tmp_path / "stsbenchmark"
+    d.mkdir()
+    # quotes inside sentences and a 9-column row: must be read with QUOTE_NONE
+    (d / "sts-test.csv").write_text('g\tf\t2012\t1\t2.5\tHe said "hi.\tShe said hi.\n'
+                                    "g\tf\t2012\t2\t4.0\tA b.\tC d.\tsrc1\tsrc2\n")
+    name, rows = ev.load_sts_folder(d)
+    assert name == "STSBenchmark" and rows == [('He said "hi.', "She said hi.", 2.5), ("A b.", "C d.", 4.0)]
+    s = write_semeval_sts(tmp_path / "sts15")
+    name, rows = ev.load_sts_folder(s)
+    assert name == "STS15" and len(rows) == 4 and ("apple", "cherry", 0.0) not in rows
+    sick = tmp_path / "sick"
+    sick.mkdir()
+    (sick / "SICK.txt").write_text("pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment\n"
+                                   "1\tA man\tA guy\t4.5\tNEUTRAL\n")
+    assert ev.load_sts_folder(sick) == ("SICK-R", [("A man", "A guy", 4.5)])
+    assert ev.parse_local_spec(str(sick))[0] == "SICK-R"
+
+
+def test_bad_input_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        ev.parse_local_spec(str(tmp_path / "missing"))
+    (tmp_path / "weird").mkdir()
+    with pytest.raises(ValueError, match="not a known task layout"):
+        ev.parse_local_spec(str(tmp_path / "weird"))
+    with pytest.raises(ValueError, match="name it"):  # a BEIR folder whose name is no mteb task
+        ev.parse_local_spec(str(write_beir(tmp_path / "my_retrieval")))
+    # qrels ids absent from the corpus: counted, warned, dropped
+    b = write_beir(tmp_path / "b1", extra_qrels=[("q1", "ghost1"), ("q2", "ghost2")])
+    with pytest.warns(UserWarning, match="2 qrels lines point to documents absent"):
+        data = ev.load_beir_folder(b)
+    assert data["qrels"] == {"q1": {"d1": 1}, "q2": {"d2": 1}}
+    # an empty judged query is an error
+    b = write_beir(tmp_path / "b2", queries={"q1": "find apple", "q2": "  "})
+    with pytest.raises(ValueError, match="1 judged queries have an empty text"):
+        ev.load_beir_folder(b)
+    # a folder that is not a model
+    with pytest.raises(ValueError, match="not a model"):
+        ev.XPRTEncoder(str(tmp_path / "weird"))
+    with pytest.raises(FileNotFoundError, match="model folder not found"):
+        ev.XPRTEncoder(str(tmp_path / "no" / "such" / "model"))
+
+
+# ---------------------------------------------------------------- the real wrapper on a tiny BERT
+
+
+def test_prefix_auto_rule(tmp_path):
+    assert ev.uses_e5_prefixes("intfloat/e5-base-unsupervised")
+    assert ev.uses_e5_prefixes("intfloat/multilingual-e5-small")
+    assert not ev.uses_e5_prefixes("all-MiniLM-L6-v2")
+    assert not ev.uses_e5_prefixes("bert-base-uncased")
+    assert not ev.uses_e5_prefixes("some/modele5x")  # "e5" inside a word does not count
+    run = tmp_path / "runs" / "xprt"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    assert not ev.uses_e5_prefixes(str(run))
+    (run / "xprt_config.json").write_text(json.dumps({"init": {"model": "intfloat/e5-base-unsupervised"}}))
+    assert ev.uses_e5_prefixes(str(run))  # a model continued from E5 keeps E5's prefixes
+
+
+def test_encode_texts_matches_embed_texts(tiny_bert):
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from modeling_xprt import embed_texts
+
+    tok = AutoTokenizer.from_pretrained(tiny_bert)
+    model = AutoModel.from_pretrained(tiny_bert).eval()
+    texts = ["a short one", "a somewhat longer text with more words in it", "x", "same len a", "same len b",
+             "word " * 300]
+    ours = ev.encode_texts(model, tok, texts, batch_size=2, max_length=64, prefix="query: ")
+    ref = embed_texts(model, tok, texts, batch_size=2, max_length=64, prefix="query: ").numpy()
+    np.testing.assert_allclose(ours, ref, atol=1e-5)
+    assert ours.shape == (6, 32) and np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+    assert ev.encode_texts(model, tok, [], batch_size=2).shape == (0, 32)
+
+
+def test_wrapper_end_to_end_on_tiny_bert(tiny_bert, beir, tmp_path):
+    enc = ev.XPRTEncoder(str(tiny_bert), batch_size=4)
+    assert enc.prefix_mode == "none" and enc.query_prefix == "" and enc.max_length == 512
+    assert enc.mteb_model_meta.similarity_fn_name == ScoringFunction.COSINE
+    e5 = ev.XPRTEncoder(str(tiny_bert), prefix_mode="e5", max_length=32)
+    from mteb.types import PromptType
+    assert e5.prefix_for(PromptType.query) == "query: " and e5.prefix_for(PromptType.document) == "passage: "
+    assert e5.prefix_for(None) == "query: "  # symmetric tasks: "query: " on every text
+    assert e5.fingerprint() != enc.fingerprint()  # the cache tells the two settings apart
+    rep = ev.main(["--models", str(tiny_bert), "--local_tasks", f"SciFact={beir}", "--output_dir",
+                   str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache"), "--overlap_analysis"])
+    score = rep["summary"]["per_task"][str(tiny_bert)]["SciFact"]
+    assert 0.0 < score <= 100.0
+    assert rep["overlap_analysis"][0]["task"] == "SciFact"
+    with pytest.raises(SystemExit, match="overwrite"):
+        ev.main(["--models", str(tiny_bert), "--local_tasks", f"SciFact={beir}", "--output_dir",
+                 str(tmp_path / "out")])
+
+
+@pytest.mark.slow
+def test_minilm_on_bundled_stsb(minilm_path, tmp_path):
+    """all-MiniLM-L6-v2 on 300 pairs of the bundled STS-B test set: Spearman near its published 82.03."""
+    root = Path(__file__).resolve().parent.parent
+    out = ev.run_evaluation(["all-MiniLM-L6-v2"], local_tasks=[str(root / "data/eval/stsbenchmark")], limit=300,
+                            show_progress=False)
+    assert 75.0 < out["results"]["all-MiniLM-L6-v2"]["STSBenchmark"]["main_score"] < 90.0
