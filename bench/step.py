@@ -1,0 +1,204 @@
+"""How close is one xPRT training step to its floor, the 5 encoder passes alone?
+
+NOTES.md's FLOP count puts a full xPRT step (5 encoder passes, 10 one-layer decoder passes with
+vocabulary logits only at the masked positions, the frozen teacher pass) at about 1.70x the
+forward + backward of the 5 encoder passes for BERT-base; the goal is <= 1.8x measured. This script
+times, in the same run and on the same batch (8 groups x 128 tokens by default, CPU fp32):
+
+  floor   the 5 encoder passes per group, forward + backward (loss = a cheap function of the vectors)
+  step    XPRTModel.forward + backward with every term and the teacher (retention weight 40)
+  terms   each term's own forward + backward in isolation on detached inputs (its share of the step)
+
+for a BERT-base-sized config (random weights) and for all-MiniLM-L6-v2 (real weights), with the
+fused chunked vocabulary loss (default) and the plain one (full logits at the masked positions).
+The last line is `ratio: <step / floor>` for the BERT-base config with the fused loss.
+
+    python bench/step.py                    # both encoders, ~5-10 min on 2 CPU cores
+    python bench/step.py --models minilm    # quick
+"""
+
+import os
+import sys
+
+# Python puts bench/ first on sys.path, where bench/select.py would shadow the standard library's
+# `select` (imported by subprocess, hence by torch): drop bench/, add the repository root.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+import modeling_xprt as mx  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["bert-base", "minilm"], choices=["bert-base", "minilm"],
+                   help="encoders to time: a random-weight BERT-base config and/or the bundled all-MiniLM-L6-v2")
+    p.add_argument("--groups", type=int, default=8, help="groups per batch (each = anchor + 4 related passages)")
+    p.add_argument("--max_length", type=int, default=128, help="tokens per passage (every passage is filled to it)")
+    p.add_argument("--repeats", type=int, default=2, help="timed repetitions per measurement (median reported)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--no_plain", action="store_true", help="skip the plain (unfused) vocabulary-loss comparison")
+    return p.parse_args()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats):
+    fn()  # warm-up (allocator, SDPA kernels, lazy init)
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_rows(tokenizer, groups, max_length, seed=0):
+    """Random word passages long enough to fill max_length tokens; groups from distinct documents."""
+    g = torch.Generator().manual_seed(seed)
+    words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 2][:5000]
+    pick = lambda: " ".join(words[i] for i in torch.randint(len(words), (max_length,), generator=g).tolist())  # noqa: E731
+    return [{"doc_id": f"d{i}", "anchor": pick(), "related": [pick() for _ in range(4)], "random_passage": pick()}
+            for i in range(groups)]
+
+
+def build(name):
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    path = mx.resolve_model_path("all-MiniLM-L6-v2")
+    tok = AutoTokenizer.from_pretrained(path)
+    if name == "minilm":
+        mlm, msg = mx.load_mlm_encoder(path)
+        teacher = mx.load_teacher(path)
+    else:  # BERT-base sized, random weights (no download needed)
+        cfg = BertConfig(vocab_size=tok.vocab_size, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        mlm = BertForMaskedLM(cfg)
+        teacher = BertForMaskedLM(cfg).bert.eval().requires_grad_(False)
+        msg = "random BERT-base config"
+    return tok, mlm, teacher, msg
+
+
+def bench_model(name, args, device):
+    tok, mlm, teacher, msg = build(name)
+    print(f"\n== {name}: {msg}; {args.groups} groups x 5 passages x {args.max_length} tokens, {device}, "
+          f"{torch.get_num_threads()} threads ==", flush=True)
+    mlm.to(device)
+    teacher.to(device)
+    batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(make_rows(tok, args.groups, args.max_length))
+    batch = {k: v.to(device) for k, v in batch.items()}
+    g, p, l = batch["input_ids"].shape
+    model = mx.XPRTModel(mlm).to(device).train()
+    h = mlm.config.hidden_size
+
+    def floor():
+        model.zero_grad(set_to_none=True)
+        _, vec = model.encode(batch["input_ids"].view(g * p, l), batch["attention_mask"].view(g * p, l))
+        vec.pow(2).mean().backward()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(batch, teacher=teacher, retention_weight=40.0)["loss"].backward()
+
+    # Inputs of the isolated terms: the encoder's outputs, detached, as leaves with gradient.
+    with torch.no_grad():
+        hidden, vec = model.encode(batch["input_ids"].view(g * p, l), batch["attention_mask"].view(g * p, l))
+    source, target, kind = mx.decoder_pass_plan(p - 1)
+    mpos = batch["mlm_labels"].view(g * p, l) != -100
+    mlm_h, mlm_t = hidden[mpos], batch["mlm_labels"].view(g * p, l)[mpos]
+
+    def term_mlm():
+        model.zero_grad(set_to_none=True)
+        x = mlm_h.clone().requires_grad_(True)
+        model._vocab(mx.mlm_loss, x, targets=mlm_t).backward()
+
+    def decoder_term(which):
+        idx = [i for i, k in enumerate(kind) if k == which]
+        sel = torch.tensor(idx, device=device)
+        src, tgt = torch.tensor([source[i] for i in idx], device=device), torch.tensor([target[i] for i in idx], device=device)
+        d = len(idx)
+        ids = batch["dec_input_ids"][:, sel].reshape(g * d, l)
+        labels = batch["dec_labels"][:, sel].reshape(g * d, l)
+        am = batch["attention_mask"][:, tgt].reshape(g * d, l)
+        cond = vec.view(g, p, h)[:, src].reshape(g * d, h)
+        pos = model._decoder_positions(labels)
+        enc_h = hidden.view(g, p, l, h)[:, tgt][batch["dec_labels"][:, sel] != -100]
+
+        def run():
+            model.zero_grad(set_to_none=True)
+            v = cond.clone().requires_grad_(True)
+            out = model.decode(v, ids, am)
+            if which == "cross":
+                loss = model._vocab(mx.cross_fill_loss, out[pos], targets=labels[labels != -100])
+            else:
+                loss = model._vocab(mx.self_fill_loss, out[pos], teacher_hidden=enc_h)
+            loss.backward()
+
+        return run
+
+    def term_teacher():
+        ids, am = batch["retain_input_ids"], batch["retain_attention_mask"]
+        with torch.no_grad():
+            teacher(input_ids=ids.view(-1, ids.shape[-1]), attention_mask=am.view(-1, ids.shape[-1]))
+
+    def term_contrastive():  # xp + uniformity + retention on the vectors
+        v = vec.view(g, p, h)[:, :2].clone().requires_grad_(True)
+        t = v.detach() + 0.01
+        (mx.xp_loss(v[:, 0], v[:, 1], batch["doc_ids"]) + mx.uniformity_loss(v[:, 0])
+         + 40 * mx.retention_loss(v[:, 0], v[:, 1], t[:, 0], t[:, 1])).backward()
+
+    results = {}
+    for fused in ([True] if args.no_plain else [True, False]):
+        model.fused_vocab_loss = fused
+        tag = "fused" if fused else "plain"
+        t_floor = timed(floor, device, args.repeats)
+        t_step = timed(step, device, args.repeats)
+        terms = {
+            "MLM head (15% of 5 passages)": timed(term_mlm, device, args.repeats),
+            "cross fill-in (8 decoder passes)": timed(decoder_term("cross"), device, args.repeats),
+            "self fill-in (2 passes + KL to encoder)": timed(decoder_term("self"), device, args.repeats),
+            "teacher pass (anchor + s1, no grad)": timed(term_teacher, device, args.repeats),
+            "xp + uniformity + retention": timed(term_contrastive, device, args.repeats),
+        }
+        print(f"-- vocabulary loss: {tag}")
+        print(f"   floor (5 encoder passes fwd+bwd): {t_floor:8.2f} s")
+        print(f"   full xPRT step (fwd+bwd, teacher): {t_step:8.2f} s   ratio {t_step / t_floor:.2f}x")
+        print("   isolated terms (share of the full step):")
+        print(f"     {'encoder 5 passes (the floor)':42s} {t_floor:7.2f} s  {100 * t_floor / t_step:5.1f}%")
+        for k, v in terms.items():
+            print(f"     {k:42s} {v:7.2f} s  {100 * v / t_step:5.1f}%")
+        rest = t_step - t_floor - sum(terms.values())
+        print(f"     {'unaccounted (glue, gathers, copies)':42s} {rest:7.2f} s  {100 * rest / t_step:5.1f}%", flush=True)
+        results[tag] = t_step / t_floor
+    return results
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    out = {}
+    for name in args.models:
+        out[name] = bench_model(name, args, device)
+    print("\nsummary (full step / 5-pass floor):")
+    for name, r in out.items():
+        print(f"  {name:10s} " + "  ".join(f"{k} {v:.2f}x" for k, v in r.items()))
+    key = "bert-base" if "bert-base" in out else args.models[0]
+    print(f"ratio: {out[key]['fused']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
