@@ -577,6 +577,12 @@ def main(argv=None):
         project_dir=str(out / "logs"),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=not all_used)],
     )
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        # our DataLoader has a batch_sampler (no batch_size attribute), so DeepSpeed's "auto" cannot infer it
+        ds_cfg = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_cfg["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+        if ds_cfg.get("gradient_clipping") == "auto":
+            ds_cfg["gradient_clipping"] = args.max_grad_norm
     resuming = args.resume_from_checkpoint is not None
     if accelerator.is_main_process:
         if (out / "model").exists() and not args.overwrite:
@@ -682,6 +688,7 @@ def main(argv=None):
     world = accelerator.num_processes
     unit = "groups" if args.stage == "pretrain" else "queries"
     accelerator.print(
+        f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; "
         f"stage {args.stage}, objective {objective}: {len(rows)} {unit}, {max_steps} steps x "
         f"{args.per_device_train_batch_size} per device x {world} processes x {args.gradient_accumulation_steps} "
         f"accumulation; in-batch negatives per step = {args.per_device_train_batch_size * world} "
