@@ -295,9 +295,10 @@ class _FusedLinearCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, teacher_hidden, chunk_size):
+    def forward(ctx, hidden, weight, bias, targets, teacher_hidden, chunk_size, compute_grad):
         n = hidden.shape[0]
-        need = ctx.needs_input_grad
+        # no gradient work at all under torch.no_grad (evaluation)
+        need = [compute_grad and x for x in ctx.needs_input_grad[:3]]
         grad_h = torch.zeros_like(hidden) if need[0] else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need[1] else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need[2] else None
@@ -344,6 +345,7 @@ class _FusedLinearCE(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -360,7 +362,7 @@ def vocab_loss(hidden, weight, bias, targets=None, teacher_hidden=None, fused: b
     if teacher_hidden is not None:
         teacher_hidden = teacher_hidden.detach()
     if fused:
-        return _FusedLinearCE.apply(hidden, weight, bias, targets, teacher_hidden, chunk_size)
+        return _FusedLinearCE.apply(hidden, weight, bias, targets, teacher_hidden, chunk_size, torch.is_grad_enabled())
     logits = F.linear(hidden, weight, bias).float()
     if teacher_hidden is None:
         return F.cross_entropy(logits, targets)

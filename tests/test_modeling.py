@@ -194,6 +194,9 @@ def test_fused_vocab_loss_equals_plain(soft):
         results.append([loss.detach()] + [t.grad.clone() for t in (hid, w, b)])
     for x, y in zip(*results):
         assert torch.allclose(x, y, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():  # evaluation: same value, no gradient work
+        assert torch.allclose(mx.vocab_loss(hid, w, b, targets=None if soft else tgt, teacher_hidden=teacher, chunk_size=8),
+                              results[0][0], atol=1e-5)
     if soft:  # KL to itself is zero
         assert mx.vocab_loss(teacher, w, b, teacher_hidden=teacher).abs().item() < 1e-5
 
@@ -510,3 +513,12 @@ def test_two_process_gather_equals_single_process(tmp_path):
         loss.backward()
         assert torch.allclose(got[f"{name}_loss"], loss.detach(), atol=1e-5), name
         assert torch.allclose(got[f"{name}_grad"], w.grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_real_minilm_has_no_head_and_gets_a_tied_one(minilm_path):
+    """all-MiniLM-L6-v2 is a plain BertModel checkpoint: the head is missing and initialised tied."""
+    model, msg = mx.load_mlm_encoder(minilm_path)
+    assert "no MLM head" in msg and "tied to the word embeddings" in msg
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.count_nonzero(model.cls.predictions.bias) == 0
