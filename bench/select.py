@@ -1,0 +1,162 @@
+"""
+Benchmark of select_groups.py, measured in one run:
+
+1. time: the whole selection (read, IDF pass, split, embed, TF-IDF, rank, write parquet + stats) against
+   the embedding pass alone (embed_texts on the same passages, same model and batch size). Goal: <= 1.10,
+   i.e. everything around the encoder costs at most 10% more. Runs alternate (E S E S ...) and medians
+   are compared, because the machine may be shared.
+2. memory: peak resident memory of a selection run at 1x and 10x the documents, each in its own
+   process. Goal: growth <= 1.3x (documents are streamed in chunks of --chunk_docs). A tiny random
+   BERT with the real tokenizer is the default encoder here: the model's memory is the same at 1x and
+   10x, and a small one lets the 10x run finish in a minute on CPU.
+
+    python bench/select.py                          # defaults: bundled data/docs.jsonl, all-MiniLM-L6-v2
+Last line: `ratio: <selection time / embedding time>`.
+"""
+
+import os
+import sys
+
+# This file is named like the standard library's `select` module, and Python puts the script's folder
+# first on sys.path: drop it, or `import subprocess` would import this file instead.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", default=os.path.join(ROOT, "data", "docs.jsonl"), help="JSONL documents (id, text).")
+    p.add_argument("--num_docs", type=int, default=20, help="Documents for the timing part.")
+    p.add_argument("--repeats", type=int, default=2, help="Timed runs of each kind (alternating).")
+    p.add_argument("--model_name_or_path", default="all-MiniLM-L6-v2", help="Selection encoder for the timing part.")
+    p.add_argument("--batch_size", type=int, default=64, help="Embedding batch size (both sides).")
+    p.add_argument("--memory_docs", type=int, default=300, help="Documents of the 1x memory run (the input is repeated with new ids if needed).")
+    p.add_argument("--memory_scale", type=int, default=10, help="The large memory run reads this many times --memory_docs.")
+    p.add_argument("--memory_model", default="tiny", help="'tiny' (random 2-layer BERT, MiniLM tokenizer) or a model name / folder.")
+    p.add_argument("--chunk_docs", type=int, default=100, help="select_groups.py --chunk_docs in the memory runs: 3 chunks at 1x, 30 at 10x.")
+    p.add_argument("--_child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def read_docs(path, n):
+    docs = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            docs.append(json.loads(line))
+    out = []
+    for k in range(n):  # repeat with new ids when more documents are asked than the file has
+        d = docs[k % len(docs)]
+        out.append({"id": f"{d['id']}#{k // len(docs)}", "text": d["text"]})
+    return out
+
+
+def write_jsonl(path, docs):
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(d) + "\n" for d in docs)
+    return path
+
+
+def child(argv):
+    """Run one selection in this (fresh) process and report its peak resident memory."""
+    import select_groups
+
+    select_groups.main(argv)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kilobytes
+    print(json.dumps({"peak_rss_mb": peak_mb}))
+
+
+def build_tiny(path):
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from modeling_xprt import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def main():
+    args = parse_args()
+    if args._child is not None:
+        return child(args._child)
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    import select_groups as sg
+    from modeling_xprt import embed_texts, resolve_model_path
+
+    tmp = tempfile.mkdtemp(prefix="bench-select-")
+    # ---- 1. time: selection vs the embedding pass alone, same documents, same process ----
+    docs = read_docs(args.input, args.num_docs)
+    inp = write_jsonl(os.path.join(tmp, "time.jsonl"), docs)
+    path = resolve_model_path(args.model_name_or_path)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).eval()
+    sel_args = sg.parse_args(["--input", inp, "--output_dir", "x", "--model_name_or_path", args.model_name_or_path])
+    passages = [p for ps in sg.split_passages([d["text"] for d in docs], tok, sel_args.passage_tokens,
+                                              sel_args.min_passage_tokens) for p in ps]
+    print(f"timing: {len(docs)} documents, {len(passages)} passages, {args.model_name_or_path}, "
+          f"{torch.get_num_threads()} threads")
+    embed_texts(model, tok, passages[:64], batch_size=args.batch_size, prefix=sel_args.passage_prefix)  # warm-up
+
+    def embedding_only():
+        t = time.perf_counter()
+        embed_texts(model, tok, passages, batch_size=args.batch_size, max_length=512, prefix=sel_args.passage_prefix)
+        return time.perf_counter() - t
+
+    def selection(i):
+        t = time.perf_counter()
+        sg.main(["--input", inp, "--output_dir", os.path.join(tmp, f"sel{i}"), "--model_name_or_path",
+                 args.model_name_or_path, "--batch_size", str(args.batch_size)])
+        return time.perf_counter() - t
+
+    emb, sel = [], []
+    for i in range(args.repeats):
+        emb.append(embedding_only())
+        sel.append(selection(i))
+    emb.append(embedding_only())
+    ratio = statistics.median(sel) / statistics.median(emb)
+    print(f"embedding pass alone: {', '.join(f'{t:.1f}' for t in emb)} s (median {statistics.median(emb):.1f} s)")
+    print(f"whole selection:      {', '.join(f'{t:.1f}' for t in sel)} s (median {statistics.median(sel):.1f} s)")
+
+    # ---- 2. memory at 1x and 10x the documents, each in a fresh process ----
+    mem_model = build_tiny(os.path.join(tmp, "tiny")) if args.memory_model == "tiny" else args.memory_model
+    peaks = {}
+    for scale in (1, args.memory_scale):
+        n = args.memory_docs * scale
+        f = write_jsonl(os.path.join(tmp, f"mem{scale}.jsonl"), read_docs(args.input, n))
+        t = time.perf_counter()
+        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", "--input", f, "--output_dir",
+                              os.path.join(tmp, f"mem{scale}"), "--model_name_or_path", mem_model,
+                              "--chunk_docs", str(args.chunk_docs)], capture_output=True, text=True, cwd=ROOT)
+        if res.returncode:
+            raise RuntimeError(res.stderr[-3000:])
+        peaks[scale] = json.loads(res.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+        groups = json.load(open(os.path.join(tmp, f"mem{scale}", "stats.json")))["groups"]
+        print(f"memory {scale:>2}x: {n:,} documents, {groups:,} groups, peak RSS {peaks[scale]:.0f} MB "
+              f"({time.perf_counter() - t:.0f} s, encoder {args.memory_model}, --chunk_docs {args.chunk_docs})")
+    growth = peaks[args.memory_scale] / peaks[1]
+    print(f"memory growth {args.memory_scale}x docs: {growth:.3f}x (goal <= 1.3)")
+    print(f"time ratio selection / embedding: {ratio:.3f} (goal <= 1.10)")
+    print(f"ratio: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
