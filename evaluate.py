@@ -632,8 +632,11 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
                     getattr(encoder, "query_prefix", ""), getattr(encoder, "passage_prefix", ""))
         out["results"][model_name] = {}
         for name, local, bench_task in tqdm(specs, desc=f"tasks [{model_name}]", disable=not show_progress):
-            key = hashlib.sha1(json.dumps([encoder.fingerprint(), name, _data_fingerprint(local[0] if local else None),
-                                           limit, corpus_limit, seed, mteb.__version__]).encode()).hexdigest()[:20]
+            ident = [encoder.fingerprint(), name, _data_fingerprint(local[0] if local else None),
+                     limit, corpus_limit, seed, mteb.__version__]
+            if bench_task is not None:  # a benchmark may keep only some subsets (STS17: en-en)
+                ident.append(sorted(bench_task.hf_subsets))
+            key = hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:20]
             cfile = cache / f"{name}-{key}.json" if cache else None
             if cfile is not None and cfile.is_file():
                 result = json.loads(cfile.read_text())

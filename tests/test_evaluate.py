@@ -340,3 +340,27 @@ def test_minilm_on_bundled_stsb(minilm_path, tmp_path):
     out = ev.run_evaluation(["all-MiniLM-L6-v2"], local_tasks=[str(root / "data/eval/stsbenchmark")], limit=300,
                             show_progress=False)
     assert 75.0 < out["results"]["all-MiniLM-L6-v2"]["STSBenchmark"]["main_score"] < 90.0
+
+
+def test_online_task_path_with_limit(monkeypatch):
+    """--tasks NAME goes through mteb's own loader; simulate the hub download and check --limit on it."""
+    from datasets import Dataset
+    from mteb.abstasks.retrieval import AbsTaskRetrieval
+    from mteb.abstasks.retrieval_dataset_loaders import RetrievalSplitData
+
+    def fake_hub_load(self, num_proc=None, **kw):
+        corpus = Dataset.from_dict({"id": list(DOCS), "title": [""] * 4, "text": list(DOCS.values())})
+        queries = Dataset.from_dict({"id": list(QUERIES), "text": list(QUERIES.values())})
+        self.dataset = {"default": {"test": RetrievalSplitData(
+            corpus=corpus, queries=queries, relevant_docs={q: {d: 1} for q, d in QRELS.items()}, top_ranked=None)}}
+        self.data_loaded = True
+
+    monkeypatch.setattr(AbsTaskRetrieval, "load_data", fake_hub_load)
+    out = ev.run_evaluation(["wrong"], tasks=["SciFact"], limit=1, corpus_limit=3, encoder_factory=factory("wrong"),
+                            show_progress=False)
+    r = out["results"]["wrong"]["SciFact"]
+    assert out["tasks"][0]["source"] == "mteb (online)"
+    assert len(r["per_query"]) == 1  # --limit 1 kept one query
+    (q, s), = r["per_query"].items()
+    # corpus cut to 3 documents, the relevant one kept: the wrong encoder ranks it 2nd (q1) or 2nd/3rd (q2)
+    assert s["ndcg_at_10"] in (pytest.approx(ndcg_at_rank(2), abs=1e-4), pytest.approx(ndcg_at_rank(3), abs=1e-4))
