@@ -667,7 +667,8 @@ def main(argv=None):
     retention = RetentionSchedule(args.retention_weight, args.retention_final_weight, max_steps, args.retention_schedule)
     state = TrainState()
     for obj in (retention, state, collator):
-        accelerator.register_for_checkpointing(obj)
+        if hasattr(obj, "state_dict"):  # PairCollator is deterministic: nothing to save
+            accelerator.register_for_checkpointing(obj)
 
     # ---- resume: model, optimiser, scheduler, RNGs, schedule, collator RNG, then the data position
     if resuming:
