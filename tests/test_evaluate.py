@@ -298,7 +298,6 @@ def test_prefix_auto_rule(tmp_path):
 
 
 def test_encode_texts_matches_embed_texts(tiny_bert):
-    import torch
     from transformers import AutoModel, AutoTokenizer
 
     from modeling_xprt import embed_texts
@@ -306,11 +305,12 @@ def test_encode_texts_matches_embed_texts(tiny_bert):
     tok = AutoTokenizer.from_pretrained(tiny_bert)
     model = AutoModel.from_pretrained(tiny_bert).eval()
     texts = ["a short one", "a somewhat longer text with more words in it", "x", "same len a", "same len b",
-             "word " * 300]
+             "word " * 300, "x", "a short one"]  # repeated texts are encoded once, returned twice
     ours = ev.encode_texts(model, tok, texts, batch_size=2, max_length=64, prefix="query: ")
     ref = embed_texts(model, tok, texts, batch_size=2, max_length=64, prefix="query: ").numpy()
     np.testing.assert_allclose(ours, ref, atol=1e-5)
-    assert ours.shape == (6, 32) and np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+    assert ours.shape == (8, 32) and np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(ours[6], ours[2])
     assert ev.encode_texts(model, tok, [], batch_size=2).shape == (0, 32)
 
 
