@@ -129,20 +129,22 @@ def ft_args(model, beir, out, **kw):
     return flat
 
 
-@pytest.mark.parametrize("alpha,schedule", [(0.0, "constant"), (0.1, "constant"), (0.5, "linear")])
+@pytest.mark.parametrize("alpha,schedule", [pytest.param(0.0, "constant", marks=pytest.mark.slow), (0.1, "constant"),
+                                            pytest.param(0.5, "linear", marks=pytest.mark.slow)])
 def test_finetune_stage_runs_and_its_loss_falls(tiny_bert, beir, tmp_path, alpha, schedule):
-    """4 queries per step, one mined negative each; 17 pairs -> 4 steps per epoch; loss averaged per epoch falls."""
+    """4 queries per step, one mined negative each; 17 pairs -> 4 steps per epoch; the loss averaged over the first
+    epoch is above the last epoch's."""
     out = tmp_path / "ft"
     res = run(ft_args(tiny_bert, beir, out, **{"--pair_alpha": alpha, "--pair_alpha_schedule": schedule,
-                                               "--num_train_epochs": 6}))
-    assert res["completed_steps"] == 24
+                                               "--num_train_epochs": 4}))
+    assert res["completed_steps"] == 16
     log = read_log(out)
     first = sum(log[s]["loss"] for s in range(1, 5)) / 4
-    last = sum(log[s]["loss"] for s in range(21, 25)) / 4
+    last = sum(log[s]["loss"] for s in range(13, 17)) / 4
     assert last < first, (first, last)
     assert "pair_q_loss" in log[1]
-    want = [train.pair_alpha_at(s - 1, 24, alpha, schedule) for s in (1, 12, 24)]
-    assert [log[s]["pair_alpha"] for s in (1, 12, 24)] == pytest.approx(want)
+    want = [train.pair_alpha_at(s - 1, 16, alpha, schedule) for s in (1, 8, 16)]
+    assert [log[s]["pair_alpha"] for s in (1, 8, 16)] == pytest.approx(want)
     if alpha > 0:
         assert "pair_p_loss" in log[1]
     # mined negatives were written and exclude each pair's positives
@@ -151,6 +153,7 @@ def test_finetune_stage_runs_and_its_loss_falls(tiny_bert, beir, tmp_path, alpha
     assert (out / "model" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_finetune_with_pseudo_queries_end_to_end(tiny_bert, beir, tmp_path):
     gen_path, ce_path = tiny_seq2seq_and_cross_encoder(tmp_path)
     out = tmp_path / "ft"

@@ -216,6 +216,7 @@ def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(tiny_bert, grou
     at step 4 (mid-epoch 2, after checkpoints at 2 and 4) and resumes from 'latest'. Dropout, masks, data order,
     optimiser moments, lr and the retention weight must all continue exactly."""
     common = {"--max_train_steps": 7, "--gradient_accumulation_steps": 2, "--learning_rate": 1e-3,
+              "--num_related": 2, "--max_length": 24,
               "--warmup_ratio": 0.3, "--checkpointing_steps": 2, "--checkpoints_total_limit": 2}
     run(base_args(tiny_bert, groups, tmp_path / "a", **common))
     r1 = run(base_args(tiny_bert, groups, tmp_path / "b", **common, **{"--stop_after_steps": 4}))
