@@ -364,3 +364,13 @@ def test_online_task_path_with_limit(monkeypatch):
     (q, s), = r["per_query"].items()
     # corpus cut to 3 documents, the relevant one kept: the wrong encoder ranks it 2nd (q1) or 2nd/3rd (q2)
     assert s["ndcg_at_10"] in (pytest.approx(ndcg_at_rank(2), abs=1e-4), pytest.approx(ndcg_at_rank(3), abs=1e-4))
+
+
+def test_cli_defaults_to_mteb_eng_v2():
+    import mteb
+
+    assert ev.parse_args(["--models", "m"]).benchmark == "MTEB(eng, v2)"
+    assert ev.parse_args(["--models", "m", "--local_tasks", "d"]).benchmark is None
+    assert len(mteb.get_benchmark(ev.DEFAULT_BENCHMARK).tasks) == 41  # the paper's 41 tasks
+    with pytest.raises(SystemExit):
+        ev.parse_args(["--models", "m", "--limit", "0"])
