@@ -27,7 +27,6 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -41,7 +40,7 @@ def parse_args():
                    help="encoders to time: a random-weight BERT-base config and/or the bundled all-MiniLM-L6-v2")
     p.add_argument("--groups", type=int, default=8, help="groups per batch (each = anchor + 4 related passages)")
     p.add_argument("--max_length", type=int, default=128, help="tokens per passage (every passage is filled to it)")
-    p.add_argument("--repeats", type=int, default=2, help="timed repetitions per measurement (median reported)")
+    p.add_argument("--repeats", type=int, default=2, help="timed repetitions per measurement (the fastest is reported)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no_plain", action="store_true", help="skip the plain (unfused) vocabulary-loss comparison")
@@ -54,7 +53,9 @@ def sync(device):
 
 
 def timed(fn, device, repeats):
-    fn()  # warm-up (allocator, SDPA kernels, lazy init)
+    """Fastest of `repeats` timed runs after one warm-up (allocator, SDPA kernels, lazy init). The
+    minimum, not the mean: on a shared CPU, other processes only ever add time."""
+    fn()
     sync(device)
     times = []
     for _ in range(repeats):
@@ -62,7 +63,23 @@ def timed(fn, device, repeats):
         fn()
         sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
+
+
+def timed_pair(fn_a, fn_b, device, repeats):
+    """Time two functions interleaved (a, b, a, b, ...) so that a change in the machine's load hits
+    both alike; fastest run of each."""
+    fn_a()
+    fn_b()
+    sync(device)
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, acc in ((fn_a, ta), (fn_b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            acc.append(time.perf_counter() - t0)
+    return min(ta), min(tb)
 
 
 def make_rows(tokenizer, groups, max_length, seed=0):
@@ -163,8 +180,7 @@ def bench_model(name, args, device):
     for fused in ([True] if args.no_plain else [True, False]):
         model.fused_vocab_loss = fused
         tag = "fused" if fused else "plain"
-        t_floor = timed(floor, device, args.repeats)
-        t_step = timed(step, device, args.repeats)
+        t_floor, t_step = timed_pair(floor, step, device, args.repeats)
         terms = {
             "MLM head (15% of 5 passages)": timed(term_mlm, device, args.repeats),
             "cross fill-in (8 decoder passes)": timed(decoder_term("cross"), device, args.repeats),
