@@ -98,23 +98,28 @@ def test_xp_loss_matches_plain_loop_with_same_document_mask():
 
 
 def test_same_document_groups_are_never_negatives():
-    """Moving a same-document group's s1 anywhere never changes the anchor's term."""
+    """Groups 0 and 1 share a document: group 1's s1 made identical to anchor 0 (the hardest possible
+    negative) changes nothing in anchor 0's term; and a batch from one document has no negatives."""
     torch.manual_seed(2)
-    a, s = torch.randn(4, 8), torch.randn(4, 8, requires_grad=True)
+    a, s = torch.randn(4, 8), torch.randn(4, 8)
     docs = torch.tensor([7, 7, 8, 9])
-    logits_row0 = lambda s_: F.normalize(a[:1], dim=-1) @ F.normalize(s_, dim=-1).t() / 0.05  # noqa: E731
-    # anchor 0 -> s1: gradient of the a->s direction w.r.t. s[1] (same doc) must be zero
-    all_s = s
-    same = docs.unsqueeze(1) == docs.unsqueeze(0)
-    same.fill_diagonal_(False)
-    lg = (F.normalize(a, dim=-1) @ F.normalize(all_s, dim=-1).t() / 0.05).masked_fill(same, float("-inf"))
-    F.cross_entropy(lg[:1], torch.tensor([0])).backward()
-    assert s.grad[1].abs().max() == 0 and s.grad[2].abs().max() > 0
-    # and xp_loss's anchor-0 row equals the row computed without group 1 at all
+    s_hard = s.clone()
+    s_hard[1] = a[0]
+    # anchor 0's row, as xp_loss builds it, with the impostor present vs with group 1 absent
     keep = torch.tensor([0, 2, 3])
-    row = F.cross_entropy(logits_row0(s.detach()[keep]), torch.tensor([0]))
-    full = mx.info_nce(a[:1], s.detach(), torch.tensor([0]), 0.05, (docs[:1].unsqueeze(1) == docs.unsqueeze(0)) & (torch.arange(4) != 0))
-    assert torch.allclose(row, full, atol=1e-6)
+    excl = (docs[:1].unsqueeze(1) == docs.unsqueeze(0)) & (torch.arange(4) != 0)
+    with_impostor = mx.info_nce(a[:1], s_hard, torch.tensor([0]), 0.05, excl)
+    without_group1 = mx.info_nce(a[:1], s[keep], torch.tensor([0]), 0.05)
+    assert torch.allclose(with_impostor, without_group1, atol=1e-6)
+    # and through xp_loss: the total only moves by group 1's own rows, not by anchor 0's
+    allowed = lambda i, j: i == j or docs[i] != docs[j]  # noqa: E731
+    ref = 0.5 * (plain_infonce(a, s_hard, 0.05, allowed) + plain_infonce(s_hard, a, 0.05, allowed))
+    assert torch.allclose(mx.xp_loss(a, s_hard, docs), ref, atol=1e-5)
+    # one document only: every candidate but the positive is masked -> loss 0, no gradient
+    a1 = torch.randn(3, 8, requires_grad=True)
+    loss = mx.xp_loss(a1, torch.randn(3, 8), torch.tensor([5, 5, 5]))
+    loss.backward()
+    assert loss.abs().item() < 1e-6 and a1.grad.abs().max() < 1e-6
 
 
 def test_all_different_documents_equals_plain_symmetric_infonce():
