@@ -106,8 +106,9 @@ def parse_args(argv=None):
     g.add_argument("--mlm_weight", type=float, default=None, help="weight of L_MLM (not given by the paper)")
     g.add_argument("--unif_weight", type=float, default=None, help="weight of L_unif (not given by the paper)")
     g.add_argument("--tau", type=float, default=None, help="InfoNCE temperature (paper: 0.05)")
-    g.add_argument("--retention_weight", type=float, default=40.0,
-                   help="retention weight at step 0 (paper: 40); 0 turns the term and the teacher off (from-BERT)")
+    g.add_argument("--retention_weight", type=float, default=None,
+                   help="retention weight at step 0 (paper: 40, the pretrain default); 0 turns the term and the teacher "
+                        "off (from-BERT setting). Fine-tuning has no retention term (default 0 there)")
     g.add_argument("--retention_final_weight", type=float, default=0.0, help="retention weight at the last step (paper: 0)")
     g.add_argument("--retention_schedule", choices=["linear", "cosine", "constant"], default="linear",
                    help="shape of the 40 -> 0 decay (the paper says 'decaying' only)")
@@ -157,6 +158,10 @@ def parse_args(argv=None):
             raise SystemExit(f"--{name} must be in [0, 1)")
     if not 0.0 <= args.pair_alpha <= 1.0:
         raise SystemExit("--pair_alpha must be in [0, 1]")
+    if args.retention_weight is None:
+        args.retention_weight = 40.0 if args.stage == "pretrain" else 0.0
+    if args.stage == "finetune" and (args.retention_weight > 0 or args.retention_final_weight > 0):
+        raise SystemExit("--stage finetune: PAIR's loss has no retention term; leave --retention_weight at 0")
     if args.retention_weight < 0 or args.retention_final_weight < 0:
         raise SystemExit("retention weights must be >= 0")
     if not 1 <= args.negatives_rank_min <= args.negatives_rank_max:
@@ -639,7 +644,6 @@ def main(argv=None):
                                              generator=torch.Generator().manual_seed(args.seed))
 
     # ---- teacher for the retention term (frozen; not prepared: it never trains)
-    retention_total = None  # set once the step count is known
     teacher = None
     if args.retention_weight > 0 or args.retention_final_weight > 0:
         teacher = load_teacher(resolve_model_path(args.teacher_name_or_path or args.model_name_or_path),

@@ -118,7 +118,7 @@ def ft_args(model, beir, out, **kw):
     args = {"--stage": "finetune", "--model_name_or_path": model, "--beir_dir": beir, "--output_dir": out,
             "--per_device_train_batch_size": 4, "--report_to": "none", "--logging_steps": 1, "--seed": 3,
             "--negatives_rank_min": 2, "--negatives_rank_max": 20, "--learning_rate": 2e-3, "--warmup_ratio": 0.0,
-            "--lr_scheduler_type": "constant", "--retention_weight": 0}
+            "--lr_scheduler_type": "constant"}
     args.update(kw)
     flat = []
     for k, v in args.items():

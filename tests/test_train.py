@@ -164,7 +164,9 @@ def test_flags_fail_early():
     a = train.parse_args(["--output_dir", "x", "--groups_dir", "g"])
     assert a.learning_rate == 1e-6 and a.model_name_or_path == "intfloat/e5-base-unsupervised"
     assert a.retention_weight == 40.0 and a.retention_final_weight == 0.0
-    assert train.parse_args(["--output_dir", "x", "--stage", "finetune", "--beir_dir", "b"]).learning_rate == 3e-5
+    ft = train.parse_args(["--output_dir", "x", "--stage", "finetune", "--beir_dir", "b"])
+    assert ft.learning_rate == 3e-5 and ft.retention_weight == 0.0 and ft.warmup_ratio == 0.1
+    assert (ft.query_max_length, ft.passage_max_length) == (32, 128)
 
 
 # ---------------------------------------------------------------------------------------------------------------
