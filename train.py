@@ -575,7 +575,11 @@ def main(argv=None):
     # ---- accelerator: some objectives leave heads unused (no decoder without fill-in; heads idle in fine-tuning),
     # which DDP only tolerates with find_unused_parameters.
     all_used = args.stage == "pretrain" and args.objective == "xprt" and not args.no_fill_in
+    # Without a GPU, accelerate only forms a multi-process (gloo) group when told cpu=True; DeepSpeed's own CPU
+    # path must not get it (cpu=True would silently turn DeepSpeed off).
+    no_gpu_ddp = not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true"
     accelerator = Accelerator(
+        cpu=no_gpu_ddp,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
         log_with=None if args.report_to == "none" else args.report_to,
@@ -670,9 +674,11 @@ def main(argv=None):
     lr_scheduler = accelerator.prepare(lr_scheduler)
     retention = RetentionSchedule(args.retention_weight, args.retention_final_weight, max_steps, args.retention_schedule)
     state = TrainState()
-    for obj in (retention, state, collator):
-        if hasattr(obj, "state_dict"):  # PairCollator is deterministic: nothing to save
-            accelerator.register_for_checkpointing(obj)
+    # Same state on every process: registered with accelerate (saved once, by the main process).
+    for obj in (retention, state):
+        accelerator.register_for_checkpointing(obj)
+    # The collator's mask RNG differs per process, and accelerate saves custom objects from the main process only,
+    # so each process writes its own (collator_state_<rank>.safetensors; see save_checkpoint).
 
     # ---- resume: model, optimiser, scheduler, RNGs, schedule, collator RNG, then the data position
     if resuming:
@@ -688,6 +694,7 @@ def main(argv=None):
                 raise SystemExit(f"{path} is not a complete checkpoint (no DONE marker)")
         if path is not None:
             accelerator.load_state(str(path))
+            load_collator_state(collator, path, accelerator.process_index)
             accelerator.print(f"resumed from {path} at step {state.completed_steps}")
 
     world = accelerator.num_processes
@@ -788,7 +795,7 @@ def main(argv=None):
                 progress.set_postfix(loss=f"{rec.get('loss', float('nan')):.4f}", s_per_step=f"{rec['time_per_step_s']:.2f}")
                 t_log, real_log, proc_log, sums, n_micro, n_skipped = time.time(), 0, 0, {}, 0, 0
             if args.checkpointing_steps and state.completed_steps % args.checkpointing_steps == 0:
-                save_checkpoint(accelerator, model, ckpt_dir, state.completed_steps, args.checkpoints_total_limit)
+                save_checkpoint(accelerator, model, collator, ckpt_dir, state.completed_steps, args.checkpoints_total_limit)
             if state.completed_steps >= stop_at:
                 break
         else:
@@ -821,14 +828,31 @@ def _gathered(accelerator, model):
     return contextlib.nullcontext()
 
 
-def save_checkpoint(accelerator, model, ckpt_dir: Path, step: int, keep: int):
-    """save_state into checkpoints/step_N, DONE marker last, then drop all but the last `keep` checkpoints."""
+def load_collator_state(collator, path: Path, rank: int):
+    """Restore this process's collator RNG (a no-op for stateless collators such as PairCollator)."""
+    f = path / f"collator_state_{rank}.safetensors"
+    if hasattr(collator, "load_state_dict"):
+        if not f.exists():
+            raise FileNotFoundError(f"{f} missing: was the checkpoint written with a different number of processes?")
+        from safetensors.torch import load_file
+
+        collator.load_state_dict(load_file(str(f)))
+
+
+def save_checkpoint(accelerator, model, collator, ckpt_dir: Path, step: int, keep: int):
+    """save_state into checkpoints/step_N plus each process's collator RNG, DONE marker last, then drop all but
+    the last `keep` checkpoints."""
     with _gathered(accelerator, model):
         finite = all_finite(accelerator.unwrap_model(model))
     if not finite:
         raise FloatingPointError(f"non-finite weights at step {step}: checkpoint not written")
     path = ckpt_dir / f"step_{step}"
     accelerator.save_state(str(path))
+    if hasattr(collator, "state_dict"):
+        from safetensors.torch import save_file
+
+        save_file(collator.state_dict(), str(path / f"collator_state_{accelerator.process_index}.safetensors"))
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (path / "DONE").write_text(str(step))
         for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:

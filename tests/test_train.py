@@ -351,3 +351,29 @@ def test_accelerate_launch_deepspeed_zero2_one_cpu_process(tiny_bert, groups, tm
     ref = read_log(plain)
     for s in (1, 2, 3):
         assert log[s]["loss"] == pytest.approx(ref[s]["loss"], rel=1e-4), s
+
+
+@pytest.mark.slow
+def test_two_process_run_resumes_exactly(tiny_bert, groups, tmp_path):
+    """torchrun with 2 CPU processes (gloo): accelerate must form a MULTI_CPU group (train.py passes cpu=True when
+    there is no GPU), negatives are gathered across both, and each process's collator RNG is checkpointed by that
+    process, so a stop at step 2 + resume equals the uninterrupted 4-step run."""
+    def launch(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py")]
+        cmd += [str(a) for a in base_args(tiny_bert, groups, out, **{"--max_train_steps": 4, "--num_related": 2,
+                                                                       "--max_length": 24, "--learning_rate": 1e-3,
+                                                                       "--checkpointing_steps": 2, "--no_save_model": True})]
+        proc = subprocess.run(cmd + list(extra), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return proc.stdout + proc.stderr
+
+    text = launch(tmp_path / "a")
+    assert "MULTI_CPU x 2" in text and "in-batch negatives per step = 8" in text
+    launch(tmp_path / "b", "--stop_after_steps", "2")
+    assert "resumed from" in launch(tmp_path / "b", "--resume_from_checkpoint", "latest")
+    assert {p.name for p in (tmp_path / "b" / "checkpoints" / "step_4").glob("collator_state_*")} == {
+        "collator_state_0.safetensors", "collator_state_1.safetensors"}
+    a, b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
+    for s in (3, 4):
+        for k in ("loss", "xp_loss", "cross_fill_loss", "retention_loss"):
+            assert a[s][k] == pytest.approx(b[s][k], rel=1e-5), (s, k)
