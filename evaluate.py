@@ -584,7 +584,15 @@ def _atomic_write(path: Path, data: bytes | str):
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
+    _default_mode(tmp)
     os.replace(tmp, path)
+
+
+def _default_mode(path):
+    """mkstemp creates files readable by their owner only; give them the usual umask-based mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def evaluate_model_on_task(encoder: XPRTEncoder, task, batch_size: int) -> dict:
@@ -775,6 +783,7 @@ def plot_bars(summ: dict, models: Sequence[str], path: Path):
     os.close(fd)
     fig.savefig(tmp, dpi=130)
     plt.close(fig)
+    _default_mode(tmp)
     os.replace(tmp, path)
 
 

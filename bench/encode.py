@@ -17,17 +17,24 @@ when a batch has no padding (SDPA's unmasked path), inference_mode. Last line: `
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# `python bench/encode.py` puts bench/ first on sys.path, where bench/select.py would shadow the
+# standard library's `select` (imported by subprocess, hence by torch): put the repo root there instead.
+ROOT = Path(__file__).resolve().parent.parent
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(ROOT)
+else:
+    sys.path.insert(0, str(ROOT))
+
 import argparse
 import csv
 import json
 import os
 import random
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -3,7 +3,6 @@ the multi-model table, the local formats, the cache, bad input, and the wrapper 
 
 import json
 import math
-import warnings
 from pathlib import Path
 
 import numpy as np
