@@ -542,7 +542,9 @@ def plot_loss_curves(log_path: Path, png_path: Path):
     for r in read_jsonl(log_path):
         recs[r["step"]] = r  # a resumed run rewrites steps: keep the last
     steps = sorted(recs)
-    keys = [k for k in recs[steps[-1]] if k.endswith("loss") or k in ("lr", "retention_weight", "pair_alpha")]
+    keys = [k for k in recs[steps[-1]] if k.endswith("loss") or k in ("lr", "retention_weight")]
+    if any(recs[s].get("pair_alpha") for s in steps):  # only fine-tuning runs have an alpha to show
+        keys.append("pair_alpha")
     fig, axes = plt.subplots(math.ceil(len(keys) / 3), 3, figsize=(13, 3 * math.ceil(len(keys) / 3)), squeeze=False)
     for ax, k in zip(axes.flat, keys):
         xs = [s for s in steps if k in recs[s]]
