@@ -643,6 +643,11 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
             n, prefix_mode=prefix_mode, batch_size=batch_size, max_length=max_length, device=device,
             dtype=dtype, query_prefix=query_prefix, passage_prefix=passage_prefix,
             trust_remote_code=trust_remote_code)))(model_name)
+        lengths = out.setdefault("max_length", {})
+        lengths[model_name] = getattr(encoder, "max_length", None)
+        if len(set(lengths.values())) > 1:  # e.g. MiniLM's folder says 256, a train.py save says 512
+            warnings.warn(f"models run with different max lengths {lengths}: long documents are cut differently; "
+                          "pass --max_length to compare like with like")
         logger.info("model %s: prefixes query=%r passage=%r", model_name,
                     getattr(encoder, "query_prefix", ""), getattr(encoder, "passage_prefix", ""))
         out["results"][model_name] = {}
