@@ -109,6 +109,10 @@ def parse_args(argv=None):
     g.add_argument("--retention_weight", type=float, default=None,
                    help="retention weight at step 0 (paper: 40, the pretrain default); 0 turns the term and the teacher "
                         "off (from-BERT setting). Fine-tuning has no retention term (default 0 there)")
+    g.add_argument("--retention_student", choices=["clean", "masked"], default="clean",
+                   help="student vectors in the retention term: 'clean' = one extra pass on the clean anchor and s1 "
+                        "(0 at step 0; our default), 'masked' = reuse the 15%%-masked vectors (the paper's 5-pass cost; "
+                        "masking noise alone gives a non-zero start)")
     g.add_argument("--retention_final_weight", type=float, default=0.0, help="retention weight at the last step (paper: 0)")
     g.add_argument("--retention_schedule", choices=["linear", "cosine", "constant"], default="linear",
                    help="shape of the 40 -> 0 decay (the paper says 'decaying' only)")
@@ -616,12 +620,14 @@ def main(argv=None):
                           ("self_fill", "self_fill_weight"), ("mlm", "mlm_weight"), ("unif", "unif_weight"), ("tau", "tau")]
                           if getattr(args, a) is not None})
     if os.path.exists(os.path.join(model_path, "xprt_heads.safetensors")):  # continue from an xprt output
-        model = XPRTModel.from_pretrained(model_path, objective=objective, weights=weights, fill_in=not args.no_fill_in)
+        model = XPRTModel.from_pretrained(model_path, objective=objective, weights=weights, fill_in=not args.no_fill_in,
+                                           retention_student=args.retention_student)
         accelerator.print(f"model: xprt folder {model_path} (heads restored)")
     else:
         mlm, msg = load_mlm_encoder(model_path, mlm_head_from=args.mlm_head_from, trust_remote_code=args.trust_remote_code)
         accelerator.print(f"model: {msg}")
-        model = XPRTModel(mlm, objective=objective, weights=weights, fill_in=not args.no_fill_in)
+        model = XPRTModel(mlm, objective=objective, weights=weights, fill_in=not args.no_fill_in,
+                          retention_student=args.retention_student)
     if args.gradient_checkpointing:
         model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 

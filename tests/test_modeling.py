@@ -378,6 +378,22 @@ def test_fill_in_off_drops_only_the_cross_term(tiny_bert, tok):
     assert torch.allclose(out["self_fill_loss"], full["self_fill_loss"], atol=1e-6)
 
 
+def test_retention_starts_at_zero_with_clean_student_and_not_with_masked(tiny_bert, tok):
+    """At step 0 the student is the teacher: with the clean-text student pass (our default) the
+    retention term is exactly 0; reusing the 15%-masked vectors (the paper's 5-pass accounting)
+    leaves the masking noise in it."""
+    from transformers import AutoModel
+
+    teacher = AutoModel.from_pretrained(str(tiny_bert)).eval()
+    batch = mx.XPRTCollator(tok, seed=3)(toy_rows(4))
+    clean = make_model(tiny_bert).eval()(batch, teacher=teacher, retention_weight=40.0)
+    masked = make_model(tiny_bert, retention_student="masked").eval()(batch, teacher=teacher, retention_weight=40.0)
+    assert clean["retention_loss"].abs().item() < 1e-6
+    assert masked["retention_loss"].item() > 1e-4
+    # everything but the retention term is the same computation
+    assert torch.allclose(clean["xp_loss"], masked["xp_loss"], atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------
 # collators
 # ------------------------------------------------------------------------------------------------
