@@ -510,6 +510,14 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
     return model, message
 
 
+def read_max_seq_length(path: str) -> Optional[int]:
+    """The sentence-transformers length limit of a model folder (sentence_bert_config.json), if any."""
+    f = os.path.join(resolve_model_path(path), "sentence_bert_config.json")
+    if os.path.isfile(f):
+        return json.load(open(f)).get("max_seq_length")
+    return None
+
+
 def load_teacher(name_or_path: str, trust_remote_code: bool = False):
     """The frozen starting model for the retention term: AutoModel, eval mode, no gradients."""
     from transformers import AutoModel
@@ -799,7 +807,9 @@ class XPRTModel(nn.Module):
             self.base.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             hidden = self.encoder.config.hidden_size
-            max_len = min(512, getattr(self.encoder.config, "max_position_embeddings", 512))
+            # Keep the start model's sentence-transformers length limit (MiniLM: 256) so a trained model is
+            # evaluated at the same length as its start; else the position table's size, at most 512.
+            max_len = getattr(self, "max_seq_length", None) or min(512, getattr(self.encoder.config, "max_position_embeddings", 512))
             modules = [
                 {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                 {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -847,6 +857,7 @@ class XPRTModel(nn.Module):
             args["weights"] = LossWeights(**saved["weights"])
         args.update(kw)
         model = cls(mlm, objective=objective or saved.get("objective", "xprt"), **args)
+        model.max_seq_length = read_max_seq_length(path)
         if os.path.isfile(heads_file):
             sd = load_file(heads_file)
             model.decoder.load_state_dict({k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")}, strict=True)

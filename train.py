@@ -80,6 +80,8 @@ def parse_args(argv=None):
                    help="mined negatives come from ranks [min, max] of the starting model (1-based); skipping the "
                         "very top avoids unlabelled true positives (false negatives)")
     g.add_argument("--negatives_rank_max", type=int, default=100, help="last rank of the mining window")
+    g.add_argument("--mined_negatives", default=None,
+                   help="mined_negatives.json of an earlier run (same start model and data) to reuse instead of mining")
     g.add_argument("--mining_batch_size", type=int, default=64, help="batch size when embedding for mining")
     g.add_argument("--query_max_length", type=int, default=32, help="max query tokens (PAIR: 32)")
     g.add_argument("--passage_max_length", type=int, default=128, help="max passage tokens (PAIR: 128)")
@@ -478,7 +480,16 @@ def build_finetune_rows(args, accelerator, encoder, tokenizer):
             mine_pos.append({ids[pi]})
     if mine_rows:
         cache = Path(args.output_dir) / "mined_negatives.json"
-        if accelerator.is_main_process:
+        if args.mined_negatives:  # reuse pools mined by an earlier run with the same start model and data
+            pools = json.loads(Path(args.mined_negatives).read_text())
+            if len(pools) != len(mine_rows):
+                raise SystemExit(f"{args.mined_negatives}: {len(pools)} pools for {len(mine_rows)} queries: "
+                                 "mined for other data; drop --mined_negatives to mine again")
+            if accelerator.is_main_process:
+                tmp = cache.with_suffix(".tmp")
+                tmp.write_text(json.dumps(pools))
+                os.replace(tmp, cache)
+        elif accelerator.is_main_process:
             cids = sorted(corpus)
             pools = mine_hard_negatives(encoder, tokenizer, mine_q, mine_pos, cids, [corpus[d] for d in cids],
                                         args.negatives_rank_min, args.negatives_rank_max, args.query_max_length,
@@ -574,7 +585,7 @@ def main(argv=None):
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer, get_scheduler
 
-    from modeling_xprt import LossWeights, PairCollator, XPRTCollator, XPRTModel, load_mlm_encoder, load_teacher
+    from modeling_xprt import LossWeights, PairCollator, XPRTCollator, XPRTModel, load_mlm_encoder, load_teacher, read_max_seq_length
 
     out = Path(args.output_dir)
     ckpt_dir, log_path = out / "checkpoints", out / "train_log.jsonl"
@@ -628,6 +639,7 @@ def main(argv=None):
         accelerator.print(f"model: {msg}")
         model = XPRTModel(mlm, objective=objective, weights=weights, fill_in=not args.no_fill_in,
                           retention_student=args.retention_student)
+    model.max_seq_length = read_max_seq_length(model_path)  # carried into the saved sentence_bert_config.json
     if args.gradient_checkpointing:
         model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 

@@ -5,7 +5,8 @@
 #   runs    : xprt, contrastive_random_span, self_reconstruction, xprt --no_fill_in, xprt --positive random
 #   scoring : evaluate.py on SciFact, STS-B, SICK-R, STS12-16 and Banking77 of ../shared/data (mteb metrics)
 # Knobs (environment): SHARED (../shared/data), OUT (outputs/compare), STEPS, BATCH, LR, MAXLEN, DOCS,
-# EVAL_LIMIT (queries / pairs / test texts per task; empty = full sets).
+# EVAL_LIMIT (queries / pairs / test texts per task; empty = full sets), CORPUS_LIMIT (retrieval corpus
+# size with EVAL_LIMIT; every relevant document is kept).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash experiments/setup.sh
@@ -21,6 +22,7 @@ LR=${LR:-2e-5}
 MAXLEN=${MAXLEN:-128}
 DOCS=${DOCS:-600}
 EVAL_LIMIT=${EVAL_LIMIT:-500}
+CORPUS_LIMIT=${CORPUS_LIMIT:-2000}
 run() { echo; echo "+ $*"; "$@"; }
 mkdir -p "$OUT"
 
@@ -29,7 +31,7 @@ mkdir -p "$OUT"
 head -n "$DOCS" "$SHARED/fineweb_legal_sample/docs.jsonl" > "$OUT/train_docs.jsonl"
 head -n $((DOCS / 2)) "$SHARED/c4_sample/docs.jsonl" >> "$OUT/train_docs.jsonl"
 [ -f "$OUT/groups/stats.json" ] || run $PY select_groups.py --input "$OUT/train_docs.jsonl" \
-    --model_name_or_path $MODEL --anchor_share 0.5 --output_dir "$OUT/groups" --overwrite
+    --model_name_or_path $MODEL --anchor_share 0.5 --calibration_docs 150 --output_dir "$OUT/groups" --overwrite
 
 # 2. One run per objective, everything else equal (retention 40 -> 0 for all, the paper's setting).
 train() {  # name, extra flags...
@@ -47,7 +49,7 @@ train xprt_random_positive --positive random
 
 # 3. One table: start model first, so every difference is to it.
 LIMIT_FLAGS=()
-[ -n "$EVAL_LIMIT" ] && LIMIT_FLAGS=(--limit "$EVAL_LIMIT")
+[ -n "$EVAL_LIMIT" ] && LIMIT_FLAGS=(--limit "$EVAL_LIMIT" --corpus_limit "$CORPUS_LIMIT")
 run $PY evaluate.py --models $MODEL "$OUT/xprt/model" "$OUT/contrastive_random_span/model" \
     "$OUT/self_reconstruction/model" "$OUT/xprt_no_fill_in/model" "$OUT/xprt_random_positive/model" \
     --local_tasks "$SHARED/scifact" "$SHARED/stsbenchmark" "$SHARED/sick" "$SHARED/sts12" "$SHARED/sts13" \

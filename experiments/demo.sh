@@ -27,7 +27,7 @@ run() { echo; echo "+ $*"; "$@"; }
 # 0.825 is the E5 threshold; MiniLM centralities run lower, so the threshold is set from the corpus
 # (half of the passages become anchors; experiments/select_fineweb/README.md shows why).
 run $PY select_groups.py --input data/docs.jsonl --model_name_or_path $MODEL \
-    --anchor_share 0.5 --output_dir "$OUT/groups" --inspect 5 --overwrite
+    --anchor_share 0.5 --calibration_docs 100 --output_dir "$OUT/groups" --inspect 5 --overwrite
 run $PY train.py --model_name_or_path $MODEL --groups_dir "$OUT/groups" --output_dir "$OUT/xprt" \
     --max_train_steps $STEPS --per_device_train_batch_size $BATCH --learning_rate $LR \
     --logging_steps 10 --overwrite

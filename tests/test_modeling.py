@@ -543,3 +543,17 @@ def test_real_minilm_has_no_head_and_gets_a_tied_one(minilm_path):
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert model.config._attn_implementation == "sdpa"
     assert torch.count_nonzero(model.cls.predictions.bias) == 0
+
+
+def test_saved_model_keeps_the_start_models_length_limit(tiny_bert, tok, tmp_path):
+    """A trained model must be evaluated at its start's sentence-transformers length (MiniLM: 256),
+    not at the position table's 512, or long documents are cut differently before and after."""
+    import json
+
+    model = make_model(tiny_bert)
+    model.max_seq_length = 200
+    model.save_pretrained(str(tmp_path / "m"), tok)
+    assert json.load(open(tmp_path / "m" / "sentence_bert_config.json"))["max_seq_length"] == 200
+    assert mx.read_max_seq_length(str(tmp_path / "m")) == 200
+    assert mx.XPRTModel.from_pretrained(str(tmp_path / "m")).max_seq_length == 200
+    assert mx.read_max_seq_length("all-MiniLM-L6-v2") == 256
