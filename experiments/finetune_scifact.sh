@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # "Does the pre-training gain survive fine-tuning?" (the xPRT paper's open question), with PAIR's loss:
 #   start model (all-MiniLM-L6-v2) -> fine-tune on SciFact train (alpha = 0 and alpha = 0.1) -> score on SciFact test;
-#   the xPRT model (XPRT_MODEL, default outputs/compare/xprt/model) -> the same fine-tuning -> the same scoring.
+#   the xPRT model (XPRT_MODEL, default outputs/compare/xprt/model; XPRT_MODEL=none skips it) -> the same
+#   fine-tuning -> the same scoring.
 # Same data, negatives window, batch, epochs and lr for every run; one table from evaluate.py at the end.
 # Knobs: SHARED (../shared/data), OUT (outputs/finetune), XPRT_MODEL, EPOCHS (1), BATCH (32).
 set -euo pipefail
