@@ -721,7 +721,12 @@ def overlap_analysis(out: dict, task: str) -> dict:
 
 
 def short(m: str) -> str:
-    return Path(m.rstrip("/")).name or m
+    """Column label of a model: its folder name, or "<run>/model" for train.py's `<run>/model` folders
+    (every run's folder is called model/, so the name alone would not tell the runs apart)."""
+    p = Path(m.rstrip("/"))
+    if p.name == "model" and p.parent.name:
+        return f"{p.parent.name}/{p.name}"
+    return p.name or m
 
 
 def to_markdown(out: dict, summ: dict, overlaps: Sequence[dict] = ()) -> str:

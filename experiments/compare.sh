@@ -7,12 +7,7 @@
 # Knobs (environment): SHARED (../shared/data), OUT (outputs/compare), STEPS, BATCH, LR, MAXLEN, DOCS,
 # EVAL_LIMIT (queries / pairs / test texts per task; empty = full sets), CORPUS_LIMIT (retrieval corpus
 # size with EVAL_LIMIT; every relevant document is kept).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-bash experiments/setup.sh
-export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
-export HF_HOME=${HF_HOME:-$PWD/.cache/hf} MTEB_CACHE=${MTEB_CACHE:-$PWD/.cache/mteb}
-PY=.venv/bin/python
+source "$(dirname "$0")/env.sh"
 SHARED=${SHARED:-../shared/data}
 OUT=${OUT:-outputs/compare}
 MODEL=all-MiniLM-L6-v2
@@ -23,7 +18,6 @@ MAXLEN=${MAXLEN:-128}
 DOCS=${DOCS:-600}
 EVAL_LIMIT=${EVAL_LIMIT:-500}
 CORPUS_LIMIT=${CORPUS_LIMIT:-2000}
-run() { echo; echo "+ $*"; "$@"; }
 mkdir -p "$OUT"
 
 # 1. Groups: the first $DOCS FineWeb documents and the first $DOCS/2 C4 documents, MiniLM threshold

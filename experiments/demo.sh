@@ -6,14 +6,8 @@
 # Each command is printed before it runs, so you can copy it for your own corpus. Fresh clone to table in
 # about 10-15 minutes on 2 CPU cores. Everything goes to outputs/demo/ (override: DEMO_OUT=...).
 # DEMO_STEPS / DEMO_BATCH / DEMO_MAXLEN / DEMO_LR shrink or grow the training run.
-set -euo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/env.sh"
 start=$(date +%s)
-bash experiments/setup.sh
-export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
-export HF_HOME=${HF_HOME:-$PWD/.cache/hf} MTEB_CACHE=${MTEB_CACHE:-$PWD/.cache/mteb}
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
-PY=.venv/bin/python
 OUT=${DEMO_OUT:-outputs/demo}
 MODEL=all-MiniLM-L6-v2
 STEPS=${DEMO_STEPS:-60}
@@ -21,11 +15,10 @@ BATCH=${DEMO_BATCH:-8}
 # 64 tokens per passage keeps a step at ~5 s on 2 CPU cores; the paper trains at 128 (select_groups.py packs
 # passages to 128 tokens, so raise it on a GPU).
 MAXLEN=${DEMO_MAXLEN:-64}
-# 1e-6 is the paper's rate for E5 over tens of thousands of steps; a 100-step CPU demo needs a larger
+# 1e-6 is the paper's rate for E5 over tens of thousands of steps; a 60-step CPU demo needs a larger
 # one for the model to move at all (see experiments/README.md for how it was chosen).
 LR=${DEMO_LR:-2e-5}
 
-run() { echo; echo "+ $*"; "$@"; }
 
 # 0.825 is the E5 threshold; MiniLM centralities run lower, so the threshold is set from the corpus
 # (half of the passages become anchors; experiments/select_fineweb/README.md shows why).

@@ -5,18 +5,12 @@
 #   fine-tuning -> the same scoring.
 # Same data, negatives window, batch, epochs and lr for every run; one table from evaluate.py at the end.
 # Knobs: SHARED (../shared/data), OUT (outputs/finetune), XPRT_MODEL, EPOCHS (1), BATCH (32).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-bash experiments/setup.sh
-export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} HF_DATASETS_OFFLINE=${HF_DATASETS_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
-export HF_HOME=${HF_HOME:-$PWD/.cache/hf} MTEB_CACHE=${MTEB_CACHE:-$PWD/.cache/mteb}
-PY=.venv/bin/python
+source "$(dirname "$0")/env.sh"
 SHARED=${SHARED:-../shared/data}
 OUT=${OUT:-outputs/finetune}
 XPRT_MODEL=${XPRT_MODEL:-outputs/compare/xprt/model}
 EPOCHS=${EPOCHS:-1}
 BATCH=${BATCH:-32}
-run() { echo; echo "+ $*"; "$@"; }
 
 finetune() {  # name, start model, alpha, extra flags...
   local name=$1 start=$2 alpha=$3; shift 3

@@ -373,3 +373,12 @@ def test_cli_defaults_to_mteb_eng_v2():
     assert len(mteb.get_benchmark(ev.DEFAULT_BENCHMARK).tasks) == 41  # the paper's 41 tasks
     with pytest.raises(SystemExit):
         ev.parse_args(["--models", "m", "--limit", "0"])
+
+
+def test_train_run_model_folders_get_distinct_column_labels():
+    """Every train.py run saves to <run>/model; the tables must still tell the runs apart."""
+    from evaluate import short
+
+    labels = [short(m) for m in ["all-MiniLM-L6-v2", "runs/xprt/model", "runs/contrastive/model/", "a/b/my-model"]]
+    assert labels == ["all-MiniLM-L6-v2", "xprt/model", "contrastive/model", "my-model"]
+    assert len(set(labels)) == len(labels)
