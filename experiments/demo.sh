@@ -6,8 +6,8 @@
 # Each command is printed before it runs, so you can copy it for your own corpus. Fresh clone to table in
 # about 10-15 minutes on 2 CPU cores. Everything goes to outputs/demo/ (override: DEMO_OUT=...).
 # DEMO_STEPS / DEMO_BATCH / DEMO_MAXLEN / DEMO_LR shrink or grow the training run.
+start=$(date +%s)  # the wall time printed at the end includes the set-up
 source "$(dirname "$0")/env.sh"
-start=$(date +%s)
 OUT=${DEMO_OUT:-outputs/demo}
 MODEL=all-MiniLM-L6-v2
 STEPS=${DEMO_STEPS:-60}
