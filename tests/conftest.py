@@ -72,3 +72,14 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+def cli_args(args: dict) -> list:
+    """{"--flag": value} -> argv for a script's main(): True -> the bare flag, None / False -> left out."""
+    flat = []
+    for k, v in args.items():
+        if v is True:
+            flat.append(k)
+        elif v is not None and v is not False:
+            flat += [k, str(v)]
+    return flat

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import cli_args
 import torch
 
 import train
@@ -120,13 +121,7 @@ def ft_args(model, beir, out, **kw):
             "--negatives_rank_min": 2, "--negatives_rank_max": 20, "--learning_rate": 2e-3, "--warmup_ratio": 0.0,
             "--lr_scheduler_type": "constant"}
     args.update(kw)
-    flat = []
-    for k, v in args.items():
-        if v is True:
-            flat.append(k)
-        elif v is not None and v is not False:
-            flat += [k, str(v)]
-    return flat
+    return cli_args(args)
 
 
 @pytest.mark.parametrize("alpha,schedule", [pytest.param(0.0, "constant", marks=pytest.mark.slow), (0.1, "constant"),

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import cli_args
 import torch
 
 import train
@@ -94,13 +95,7 @@ def base_args(model, groups, out, **kw):
     args = {"--model_name_or_path": model, "--groups_dir": groups, "--output_dir": out, "--max_length": 32,
             "--per_device_train_batch_size": 4, "--report_to": "none", "--logging_steps": 1, "--seed": 7}
     args.update(kw)
-    flat = []
-    for k, v in args.items():
-        if v is True:
-            flat.append(k)
-        elif v is not None and v is not False:
-            flat += [k, v]
-    return flat
+    return cli_args(args)
 
 
 # ---------------------------------------------------------------------------------------------------------------
