@@ -124,6 +124,11 @@ def parse_args(argv=None):
                    help="groups (pretrain) or queries (finetune) per device; in-batch negatives = this x world size")
     g.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per step (adds no negatives)")
     g.add_argument("--learning_rate", type=float, default=None, help="peak lr (default: 1e-6 pretrain, paper; 3e-5 finetune, PAIR)")
+    g.add_argument("--head_learning_rate", type=float, default=None,
+                   help="peak lr of the parameters the start model did not train: the decoder and the MLM head's "
+                        "transform and bias (the vocabulary projection is tied to the embeddings and stays with the "
+                        "encoder). Default: --learning_rate, as in the paper. A fresh head (MiniLM, E5) at 1e-6 keeps the "
+                        "fill-in terms near ln V for thousands of steps; e.g. 1e-4 lets them learn (not in the paper)")
     g.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not on biases / LayerNorm)")
     g.add_argument("--lr_scheduler_type", default="linear", help="transformers.get_scheduler name")
     g.add_argument("--warmup_ratio", type=float, default=0.1, help="warmup fraction of the steps (PAIR: 0.1)")
@@ -557,7 +562,7 @@ def plot_loss_curves(log_path: Path, png_path: Path):
     for r in read_jsonl(log_path):
         recs[r["step"]] = r  # a resumed run rewrites steps: keep the last
     steps = sorted(recs)
-    keys = [k for k in recs[steps[-1]] if k.endswith("loss") or k in ("lr", "retention_weight")]
+    keys = [k for k in recs[steps[-1]] if k.endswith("loss") or k in ("lr", "head_lr", "retention_weight")]
     if any(recs[s].get("pair_alpha") for s in steps):  # only fine-tuning runs have an alpha to show
         keys.append("pair_alpha")
     fig, axes = plt.subplots(math.ceil(len(keys) / 3), 3, figsize=(13, 3 * math.ceil(len(keys) / 3)), squeeze=False)
@@ -578,6 +583,26 @@ def plot_loss_curves(log_path: Path, png_path: Path):
 # ----------------------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------------------
+def optimizer_groups(model, args):
+    """AdamW parameter groups: no decay on biases and LayerNorm weights (BERT recipe); the parameters
+    outside the encoder's base model (the decoder, the MLM head's transform and bias) at
+    --head_learning_rate. The tied vocabulary projection IS the word-embedding matrix: named_parameters
+    lists it once, under the encoder, so it keeps the encoder's lr. Empty groups are dropped."""
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
+    encoder_ids = {id(p) for p in model.encoder.base_model.parameters()}
+    head_lr = args.head_learning_rate if args.head_learning_rate is not None else args.learning_rate
+    groups = {}
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_head = id(p) not in encoder_ids
+        decay = 0.0 if n.endswith(no_decay) else args.weight_decay
+        key = (is_head, decay)
+        groups.setdefault(key, {"params": [], "weight_decay": decay,
+                                "lr": head_lr if is_head else args.learning_rate})["params"].append(p)
+    return [g for _, g in sorted(groups.items())]
+
+
 def main(argv=None):
     args = parse_args(argv)
     from accelerate import Accelerator, DistributedDataParallelKwargs
@@ -673,12 +698,7 @@ def main(argv=None):
         teacher = load_teacher(resolve_model_path(args.teacher_name_or_path or args.model_name_or_path),
                                trust_remote_code=args.trust_remote_code).to(accelerator.device)
 
-    # ---- optimiser: AdamW without decay on biases and LayerNorm weights (BERT recipe)
-    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW([
-        {"params": [p for n, p in params if not n.endswith(no_decay)], "weight_decay": args.weight_decay},
-        {"params": [p for n, p in params if n.endswith(no_decay)], "weight_decay": 0.0}], lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(optimizer_groups(model, args), lr=args.learning_rate)
 
     # ---- prepare, then the step count (the prepared loader is sharded: len is per process)
     model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
@@ -724,7 +744,7 @@ def main(argv=None):
         f"stage {args.stage}, objective {objective}: {len(rows)} {unit}, {max_steps} steps x "
         f"{args.per_device_train_batch_size} per device x {world} processes x {args.gradient_accumulation_steps} "
         f"accumulation; in-batch negatives per step = {args.per_device_train_batch_size * world} "
-        f"(accumulation adds none); lr {args.learning_rate}, retention {args.retention_weight} -> "
+        f"(accumulation adds none); lr {args.learning_rate} (heads {args.head_learning_rate or args.learning_rate}), retention {args.retention_weight} -> "
         f"{args.retention_final_weight}")
     if accelerator.is_main_process:
         cfg = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()}
@@ -806,6 +826,8 @@ def main(argv=None):
                 rec.update({"lr": lr_scheduler.get_last_lr()[0], "retention_weight": w, "pair_alpha": alpha,
                             "padding_efficiency": vals[-2].item() / max(vals[-1].item(), 1),
                             "tokens_per_s": vals[-2].item() / dt, "time_per_step_s": dt / args.logging_steps})
+                if args.head_learning_rate is not None:  # the last group holds the head parameters
+                    rec["head_lr"] = lr_scheduler.get_last_lr()[-1]
                 if n_skipped:
                     rec["skipped_nonfinite_micro_batches"] = n_skipped
                 accelerator.log({k: v for k, v in rec.items() if k != "step"}, step=state.completed_steps)

@@ -322,6 +322,53 @@ def test_saved_model_loads_in_sentence_transformers_with_our_embeddings(tiny_ber
     assert 0 < log[3]["padding_efficiency"] <= 1
 
 
+def test_head_learning_rate_groups_every_parameter_once(tiny_bert):
+    """--head_learning_rate: the decoder and the MLM head's transform and bias get it; the encoder, and the tied
+    vocabulary projection (the word embeddings themselves), keep --learning_rate; biases and LayerNorm weights are
+    not decayed; every trainable tensor is in exactly one group."""
+    import argparse
+
+    from modeling_xprt import XPRTModel, load_mlm_encoder
+
+    model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0])
+    groups = train.optimizer_groups(model, argparse.Namespace(learning_rate=1e-6, head_learning_rate=1e-4,
+                                                              weight_decay=0.01))
+    where = {id(p): (g["lr"], g["weight_decay"]) for g in groups for p in g["params"]}
+    assert sum(len(g["params"]) for g in groups) == len(where) == len(list(model.parameters()))
+    named = dict(model.named_parameters())
+    assert where[id(named["encoder.bert.embeddings.word_embeddings.weight"])] == (1e-6, 0.01)
+    assert model.encoder.get_output_embeddings().weight is named["encoder.bert.embeddings.word_embeddings.weight"]
+    assert where[id(named["encoder.bert.encoder.layer.0.attention.self.query.bias"])] == (1e-6, 0.0)
+    assert where[id(named["decoder.condition.weight"])] == (1e-4, 0.01)
+    assert where[id(named["decoder.layers.0.output.LayerNorm.weight"])] == (1e-4, 0.0)
+    assert where[id(named["encoder.cls.predictions.transform.dense.weight"])] == (1e-4, 0.01)
+    assert where[id(named["encoder.cls.predictions.bias"])] == (1e-4, 0.0)
+    # default: one lr for all, as in the paper
+    same = train.optimizer_groups(model, argparse.Namespace(learning_rate=1e-6, head_learning_rate=None, weight_decay=0.01))
+    assert {g["lr"] for g in same} == {1e-6}
+
+
+def test_head_learning_rate_trains_the_heads_and_not_the_encoder(tiny_bert, groups, tmp_path):
+    """--learning_rate 0 --head_learning_rate 1e-2: after 3 steps the encoder (and the tied projection) is
+    bit-identical to the start, the MLM head transform has moved, and the log records both lrs."""
+    from transformers import AutoModelForMaskedLM
+
+    from modeling_xprt import XPRTModel
+
+    out = tmp_path / "heads"
+    run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 3, "--max_groups": 8, "--learning_rate": 0.0,
+                                            "--head_learning_rate": 1e-2, "--warmup_ratio": 0.0,
+                                            "--lr_scheduler_type": "constant"}))
+    start = AutoModelForMaskedLM.from_pretrained(tiny_bert)
+    after = XPRTModel.from_pretrained(str(out / "model")).encoder
+    for (n, p), q in zip(start.bert.named_parameters(), after.bert.parameters()):
+        assert torch.equal(p, q), n
+    moved = after.cls.predictions.transform.dense.weight - start.cls.predictions.transform.dense.weight
+    assert moved.abs().max() > 1e-3
+    log = read_log(out)
+    assert log[3]["lr"] == 0.0 and log[3]["head_lr"] == pytest.approx(1e-2)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # DeepSpeed ZeRO-2 under accelerate launch, one CPU process
 # ---------------------------------------------------------------------------------------------------------------
