@@ -3,6 +3,7 @@ the multi-model table, the local formats, the cache, bad input, and the wrapper 
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -197,7 +198,15 @@ def test_cache_skips_finished_tasks(beir, tmp_path):
     second = ev.run_evaluation(["perfect"], **kw)
     assert enc.calls == calls  # nothing encoded again
     assert second["results"]["perfect"]["SciFact"]["main_score"] == first["results"]["perfect"]["SciFact"]["main_score"]
+    # the key follows the data's content, not its modification time: a copy keeps the cache, an edit does not
+    os.utime(beir / "queries.jsonl", (1, 1))
+    ev.run_evaluation(["perfect"], **kw)
+    assert enc.calls == calls
     ev.run_evaluation(["perfect"], limit=1, **kw)  # different settings -> a new run
+    assert enc.calls > calls
+    calls = enc.calls
+    write_beir(beir, docs={**DOCS, "d1": "alpha apple pie"})  # one document edited
+    ev.run_evaluation(["perfect"], **kw)
     assert enc.calls > calls
 
 
