@@ -637,6 +637,8 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     if not specs:
         raise ValueError("no task: give --local_tasks, --tasks or --benchmark")
     cache = Path(cache_dir) if cache_dir else None
+    # once per task, not per model: the fingerprint reads every file of the folder
+    data_keys = {name: _data_fingerprint(local[0] if local else None) for name, local, _ in specs} if cache else {}
     out = {"models": list(models), "results": {}, "tasks": []}
     for name, local, _ in specs:
         t = mteb.get_task(name)
@@ -656,7 +658,7 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
                     getattr(encoder, "query_prefix", ""), getattr(encoder, "passage_prefix", ""))
         out["results"][model_name] = {}
         for name, local, bench_task in tqdm(specs, desc=f"tasks [{model_name}]", disable=not show_progress):
-            ident = [encoder.fingerprint(), name, _data_fingerprint(local[0] if local else None),
+            ident = [encoder.fingerprint(), name, data_keys.get(name),
                      limit, corpus_limit, seed, mteb.__version__]
             if bench_task is not None:  # a benchmark may keep only some subsets (STS17: en-en)
                 ident.append(sorted(bench_task.hf_subsets))

@@ -598,7 +598,7 @@ def optimizer_groups(model, args):
         is_head = id(p) not in encoder_ids
         decay = 0.0 if n.endswith(no_decay) else args.weight_decay
         key = (is_head, decay)
-        groups.setdefault(key, {"params": [], "weight_decay": decay,
+        groups.setdefault(key, {"params": [], "weight_decay": decay, "name": "heads" if is_head else "encoder",
                                 "lr": head_lr if is_head else args.learning_rate})["params"].append(p)
     return [g for _, g in sorted(groups.items())]
 
@@ -744,7 +744,7 @@ def main(argv=None):
         f"stage {args.stage}, objective {objective}: {len(rows)} {unit}, {max_steps} steps x "
         f"{args.per_device_train_batch_size} per device x {world} processes x {args.gradient_accumulation_steps} "
         f"accumulation; in-batch negatives per step = {args.per_device_train_batch_size * world} "
-        f"(accumulation adds none); lr {args.learning_rate} (heads {args.head_learning_rate or args.learning_rate}), retention {args.retention_weight} -> "
+        f"(accumulation adds none); lr {args.learning_rate} (heads {args.learning_rate if args.head_learning_rate is None else args.head_learning_rate}), retention {args.retention_weight} -> "
         f"{args.retention_final_weight}")
     if accelerator.is_main_process:
         cfg = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()}
@@ -826,8 +826,9 @@ def main(argv=None):
                 rec.update({"lr": lr_scheduler.get_last_lr()[0], "retention_weight": w, "pair_alpha": alpha,
                             "padding_efficiency": vals[-2].item() / max(vals[-1].item(), 1),
                             "tokens_per_s": vals[-2].item() / dt, "time_per_step_s": dt / args.logging_steps})
-                if args.head_learning_rate is not None:  # the last group holds the head parameters
-                    rec["head_lr"] = lr_scheduler.get_last_lr()[-1]
+                if args.head_learning_rate is not None:
+                    lrs = lr_scheduler.get_last_lr()  # one per optimiser group, in order
+                    rec["head_lr"] = next(lr for lr, g in zip(lrs, optimizer.param_groups) if g["name"] == "heads")
                 if n_skipped:
                     rec["skipped_nonfinite_micro_batches"] = n_skipped
                 accelerator.log({k: v for k, v in rec.items() if k != "step"}, step=state.completed_steps)
