@@ -610,13 +610,14 @@ def main(argv=None):
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer, get_scheduler
 
-    from modeling_xprt import LossWeights, PairCollator, XPRTCollator, XPRTModel, load_mlm_encoder, load_teacher, read_max_seq_length
+    from modeling_xprt import (LossWeights, PairCollator, XPRTCollator, XPRTModel, _head_params, load_mlm_encoder,
+                               load_teacher, read_max_seq_length)
 
     out = Path(args.output_dir)
     ckpt_dir, log_path = out / "checkpoints", out / "train_log.jsonl"
-    # ---- accelerator: some objectives leave heads unused (no decoder without fill-in; heads idle in fine-tuning),
-    # which DDP only tolerates with find_unused_parameters.
-    all_used = args.stage == "pretrain" and args.objective == "xprt" and not args.no_fill_in
+    # ---- accelerator: some pre-training objectives leave heads unused (no decoder without fill-in), which DDP only
+    # tolerates with find_unused_parameters. Fine-tuning freezes its idle heads below, so it needs no search.
+    all_used = args.stage == "finetune" or (args.objective == "xprt" and not args.no_fill_in)
     # Without a GPU, accelerate only forms a multi-process (gloo) group when told cpu=True; DeepSpeed's own CPU
     # path must not get it (cpu=True would silently turn DeepSpeed off).
     no_gpu_ddp = not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true"
@@ -665,6 +666,12 @@ def main(argv=None):
         model = XPRTModel(mlm, objective=objective, weights=weights, fill_in=not args.no_fill_in,
                           retention_student=args.retention_student)
     model.max_seq_length = read_max_seq_length(model_path)  # carried into the saved sentence_bert_config.json
+    if args.stage == "finetune":
+        # PAIR's losses read only the pooled encoder vectors: the decoder and the MLM head's own parameters (transform,
+        # output bias; the tied projection is the word embeddings and stays trainable) get no gradient. Frozen, they
+        # stay out of the optimiser and DDP's reducer, and are saved unchanged for a later pre-training run.
+        for p in list(model.decoder.parameters()) + list(_head_params(model.encoder).values()):
+            p.requires_grad_(False)
     if args.gradient_checkpointing:
         model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -698,7 +705,10 @@ def main(argv=None):
         teacher = load_teacher(resolve_model_path(args.teacher_name_or_path or args.model_name_or_path),
                                trust_remote_code=args.trust_remote_code).to(accelerator.device)
 
-    optimizer = torch.optim.AdamW(optimizer_groups(model, args), lr=args.learning_rate)
+    param_groups = optimizer_groups(model, args)
+    trainable = sum(p.numel() for g in param_groups for p in g["params"])
+    accelerator.print(f"trainable parameters: {trainable:,} ({', '.join(sorted({g['name'] for g in param_groups}))})")
+    optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate)
 
     # ---- prepare, then the step count (the prepared loader is sharded: len is per process)
     model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
@@ -857,7 +867,8 @@ def main(argv=None):
     if finished and not args.no_save_model:
         save_model(accelerator, model, tokenizer, out / "model", args, log_path)
     accelerator.end_training()
-    return {"completed_steps": state.completed_steps, "max_steps": max_steps, "output_dir": str(out)}
+    return {"completed_steps": state.completed_steps, "max_steps": max_steps, "output_dir": str(out),
+            "trainable_parameters": trainable}
 
 
 def _gathered(accelerator, model):

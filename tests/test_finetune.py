@@ -158,3 +158,27 @@ def test_finetune_with_pseudo_queries_end_to_end(tiny_bert, beir, tmp_path):
                                                "--max_train_steps": 3, "--no_save_model": True}))
     assert res["completed_steps"] == 3
     assert len(json.loads((out / "mined_negatives.json").read_text())) == 17 + 20  # threshold 0 keeps every pseudo pair
+
+
+def test_finetune_trains_the_encoder_and_leaves_the_idle_heads_untouched(tiny_bert, beir, tmp_path):
+    """PAIR's losses never reach the decoder or the MLM head's transform / bias: fine-tuning freezes them (out of the
+    optimiser, no DDP unused-parameter search) and saves them bit-identical, so the fine-tuned folder can go back into
+    pre-training with its heads. The encoder (tied projection = word embeddings included) does move."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from modeling_xprt import XPRTModel
+
+    start = tmp_path / "start"
+    XPRTModel.from_pretrained(str(tiny_bert)).save_pretrained(str(start), AutoTokenizer.from_pretrained(tiny_bert))
+    out = tmp_path / "ft"
+    res = run(ft_args(start, beir, out, **{"--max_train_steps": 2}))
+    h0, h1 = load_file(str(start / "xprt_heads.safetensors")), load_file(str(out / "model" / "xprt_heads.safetensors"))
+    assert set(h0) == set(h1) and any(k.startswith("decoder.") for k in h0) and any(k.startswith("mlm_head.") for k in h0)
+    for k in h0:
+        assert torch.equal(h0[k], h1[k]), k
+    e0, e1 = load_file(str(start / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
+    assert res["trainable_parameters"] == sum(v.numel() for v in e0.values())  # the encoder's, nothing else
+    emb = next(k for k in e0 if k.endswith("word_embeddings.weight"))
+    assert not torch.equal(e0[emb], e1[emb])
+    assert sum(not torch.equal(e0[k], e1[k]) for k in e0) > len(e0) // 2
