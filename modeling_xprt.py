@@ -285,13 +285,37 @@ def retention_loss(student_anchors, student_related, teacher_anchors, teacher_re
     return 0.5 * (kl(t, s) + kl(t.t(), s.t()))
 
 
+def _logits_into(out, h, weight, bias):
+    """out (r, V) fp32 <- h W^T + b. In fp32 the matmul writes straight into the reused buffer; in low
+    precision (or under autocast) it runs in its own dtype and is copied up, as .float() would."""
+    if h.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled(h.device.type):
+        return torch.addmm(bias, h, weight.t(), out=out)
+    return out.copy_(torch.addmm(bias, h, weight.t()))
+
+
+def _softmax_(z):
+    """z (r, V) <- softmax(z) IN PLACE; returns log-sum-exp (r,) of the input rows."""
+    m = z.amax(dim=-1, keepdim=True)
+    z.sub_(m).exp_()
+    s = z.sum(dim=-1, keepdim=True)
+    z.div_(s)
+    return (m + s.log()).squeeze(1)
+
+
+def _row_dot(a, b):
+    """(r, V) x (r, V) -> (r,) row-wise dot products, through a batched matmul (no (r, V) temporary)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
 class _FusedLinearCE(torch.autograd.Function):
     """Vocabulary projection + cross-entropy (hard targets) or KL (soft targets), chunk by chunk.
 
     Never holds the (N, V) logits: each chunk's logits give its loss and, at once, its gradients
     w.r.t. hidden, weight and bias (the "fused linear cross-entropy" of Liger-Kernel); backward
     only scales them by the incoming scalar. Same matmul count as plain forward + backward, much
-    less memory traffic on (tokens x 30,522) tensors.
+    less memory traffic on (tokens x 30,522) tensors: every chunk reuses one fp32 (chunk, V) buffer
+    (two for KL) and the softmax runs in place in it. On CPU a fresh 125 MB tensor per chunk and per
+    temporary costs its page faults each time: ~10% of this function before the buffers were reused.
     """
 
     @staticmethod
@@ -299,49 +323,52 @@ class _FusedLinearCE(torch.autograd.Function):
         n = hidden.shape[0]
         # no gradient work at all under torch.no_grad (evaluation)
         need = [compute_grad and x for x in ctx.needs_input_grad[:3]]
-        grad_h = torch.zeros_like(hidden) if need[0] else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need[1] else None
+        grad_h = torch.empty_like(hidden) if need[0] else None
+        grad_w = torch.empty_like(weight, dtype=torch.float32) if need[1] else None  # set by the first chunk
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if need[2] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        inv_n = 1.0 / max(n, 1)  # the mean's 1/n, folded into the gradient products below
+        buf = torch.empty((min(chunk_size, n), weight.shape[0]), dtype=torch.float32, device=hidden.device)
+        tbuf = torch.empty_like(buf) if teacher_hidden is not None else None
         for s in range(0, n, chunk_size):
             h = hidden[s : s + chunk_size]
-            logits = torch.addmm(bias, h, weight.t()).float()  # (c, V)
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            r = h.shape[0]
             if teacher_hidden is None:  # hard targets: CE = lse - logit[target]
                 tgt = targets[s : s + chunk_size]
-                total += (lse.squeeze(1) - logits.gather(1, tgt.unsqueeze(1)).squeeze(1)).sum()
-                g = logits.sub_(lse).exp_()  # softmax, in place
-                g[torch.arange(g.shape[0], device=g.device), tgt] -= 1.0
-            else:  # soft targets p = softmax(teacher logits): KL(p || q) = sum p (log p - log q)
-                t_logits = torch.addmm(bias, teacher_hidden[s : s + chunk_size], weight.t()).float()
-                t_logp = torch.log_softmax(t_logits, dim=-1)
-                p = t_logp.exp()
-                logq = logits.sub_(lse)
-                total += (p * (t_logp - logq)).sum()
-                g = logq.exp_().sub_(p)  # softmax(student) - p
-            if grad_h is not None or grad_w is not None or grad_b is not None:
-                g = g.div_(n)
-                if grad_h is not None:
-                    grad_h[s : s + chunk_size] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-                if grad_w is not None:
-                    grad_w.addmm_(g.t(), h.float())
-                if grad_b is not None:
-                    grad_b += g.sum(0)
-        ctx.save_for_backward(
-            grad_h if grad_h is not None else torch.empty(0),
-            grad_w.to(weight.dtype) if grad_w is not None else torch.empty(0),
-            grad_b.to(bias.dtype) if grad_b is not None else torch.empty(0),
-        )
-        ctx.has = (grad_h is not None, grad_w is not None, grad_b is not None)
-        return total / max(n, 1)
+                z = _logits_into(buf[:r], h, weight, bias)
+                z_tgt = z.gather(1, tgt.unsqueeze(1)).squeeze(1)
+                total += (_softmax_(z) - z_tgt).sum()
+                g = z  # softmax - one_hot(target)
+                g[torch.arange(r, device=g.device), tgt] -= 1.0
+            else:  # soft targets p = softmax(teacher logits): KL(p || q) = sum p z_t - lse_t - (sum p z - lse)
+                zt = _logits_into(tbuf[:r], teacher_hidden[s : s + chunk_size], weight, bias)
+                p = buf[:r].copy_(zt)
+                lse_t = _softmax_(p)
+                kl = _row_dot(p, zt) - lse_t  # sum p log p, before tbuf is reused for the student
+                z = _logits_into(tbuf[:r], h, weight, bias)
+                kl -= _row_dot(p, z) - _softmax_(z)  # - sum p log q
+                total += kl.sum()
+                g = z.sub_(p)  # softmax(student) - p
+            if grad_h is not None:
+                grad_h[s : s + r] = (g.to(weight.dtype) @ weight) * inv_n  # (r, H): small
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), h.float(), beta=0.0 if s == 0 else 1.0, alpha=inv_n)  # beta 0: ignore the garbage
+            if grad_b is not None:
+                grad_b.add_(g.sum(0), alpha=inv_n)
+        # The gradients are intermediates (neither inputs nor outputs), so they may live on ctx; backward hands
+        # them over (scaled in place) instead of allocating a scaled copy of the (V, H) weight gradient.
+        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                     None if grad_b is None else grad_b.to(bias.dtype))
+        return total * inv_n
 
     @staticmethod
     def backward(ctx, grad_out):
-        gh, gw, gb = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError("backward ran twice through the fused vocabulary loss (retain_graph=True): "
+                               "its gradients were handed over the first time; use fused=False for that")
+        grads, ctx.grads = ctx.grads, None
         return (
-            gh * grad_out if ctx.has[0] else None,
-            gw * grad_out if ctx.has[1] else None,
-            gb * grad_out if ctx.has[2] else None,
+            *(None if g is None else g.mul_(grad_out) for g in grads),
             None,
             None,
             None,

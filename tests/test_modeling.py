@@ -206,6 +206,17 @@ def test_fused_vocab_loss_equals_plain(soft):
         assert mx.vocab_loss(teacher, w, b, teacher_hidden=teacher).abs().item() < 1e-5
 
 
+def test_fused_vocab_loss_refuses_a_second_backward():
+    """The fused loss hands its precomputed gradients over (scaled in place) on the first backward: a second
+    backward through the same graph must fail loudly, not return gradients scaled twice."""
+    torch.manual_seed(9)
+    hid, w, b = torch.randn(5, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True), torch.zeros(11)
+    loss = mx.vocab_loss(hid, w, b, targets=torch.randint(11, (5,)), chunk_size=2)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
 # ------------------------------------------------------------------------------------------------
 # the model
 # ------------------------------------------------------------------------------------------------
