@@ -19,6 +19,7 @@ The losses themselves live in modeling_xprt.py, one function per equation; this 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -583,6 +584,24 @@ def plot_loss_curves(log_path: Path, png_path: Path):
 # ----------------------------------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def whole_weights():
+    """Load models whole inside this block, even under DeepSpeed ZeRO-3.
+
+    Under ZeRO-3, accelerate registers its DeepSpeed config with transformers, whose from_pretrained then
+    partitions every model it loads (deepspeed.zero.Init), whatever zero3_init_flag says. Only prepared models get
+    the hooks that gather their shards back, so a model we use ourselves (the frozen retention teacher; the
+    fine-tuning start model while it mines negatives before prepare) would run on empty shards."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    registered = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = registered
+
+
 def optimizer_groups(model, args):
     """AdamW parameter groups: no decay on biases and LayerNorm weights (BERT recipe); the parameters
     outside the encoder's base model (the decoder, the MLM head's transform and bias) at
@@ -656,15 +675,18 @@ def main(argv=None):
     weights = LossWeights(**{f: getattr(args, a) for f, a in [("xp", "xp_weight"), ("cross", "cross_weight"),
                           ("self_fill", "self_fill_weight"), ("mlm", "mlm_weight"), ("unif", "unif_weight"), ("tau", "tau")]
                           if getattr(args, a) is not None})
-    if os.path.exists(os.path.join(model_path, "xprt_heads.safetensors")):  # continue from an xprt output
-        model = XPRTModel.from_pretrained(model_path, objective=objective, weights=weights, fill_in=not args.no_fill_in,
-                                           retention_student=args.retention_student)
-        accelerator.print(f"model: xprt folder {model_path} (heads restored)")
-    else:
-        mlm, msg = load_mlm_encoder(model_path, mlm_head_from=args.mlm_head_from, trust_remote_code=args.trust_remote_code)
-        accelerator.print(f"model: {msg}")
-        model = XPRTModel(mlm, objective=objective, weights=weights, fill_in=not args.no_fill_in,
-                          retention_student=args.retention_student)
+    # Loaded whole (not ZeRO-3-partitioned at load, see whole_weights): fine-tuning mines negatives with it before
+    # prepare; DeepSpeed partitions it at prepare.
+    with whole_weights():
+        if os.path.exists(os.path.join(model_path, "xprt_heads.safetensors")):  # continue from an xprt output
+            model = XPRTModel.from_pretrained(model_path, objective=objective, weights=weights, fill_in=not args.no_fill_in,
+                                               retention_student=args.retention_student)
+            accelerator.print(f"model: xprt folder {model_path} (heads restored)")
+        else:
+            mlm, msg = load_mlm_encoder(model_path, mlm_head_from=args.mlm_head_from, trust_remote_code=args.trust_remote_code)
+            accelerator.print(f"model: {msg}")
+            model = XPRTModel(mlm, objective=objective, weights=weights, fill_in=not args.no_fill_in,
+                              retention_student=args.retention_student)
     model.max_seq_length = read_max_seq_length(model_path)  # carried into the saved sentence_bert_config.json
     if args.stage == "finetune":
         # PAIR's losses read only the pooled encoder vectors: the decoder and the MLM head's own parameters (transform,
@@ -672,6 +694,13 @@ def main(argv=None):
         # stay out of the optimiser and DDP's reducer, and are saved unchanged for a later pre-training run.
         for p in list(model.decoder.parameters()) + list(_head_params(model.encoder).values()):
             p.requires_grad_(False)
+    if zero3(accelerator):
+        # The tied vocabulary projection (= the word embeddings) and its bias are read in XPRTModel.forward outside
+        # the modules that own them: ZeRO-3 must keep them gathered for the whole forward and backward.
+        import deepspeed
+
+        for p in model.projection():
+            deepspeed.zero.register_external_parameter(model, p)
     if args.gradient_checkpointing:
         model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -688,7 +717,8 @@ def main(argv=None):
                                 seed=args.seed + accelerator.process_index)
     else:
         model.encoder.to(accelerator.device)  # mining runs on the accelerator
-        rows = build_finetune_rows(args, accelerator, model.encoder, tokenizer)
+        with whole_weights():  # the generator and cross-encoder too
+            rows = build_finetune_rows(args, accelerator, model.encoder, tokenizer)
         lengths = [len(r["query"]) + len(r["positive"]) for r in rows]
         collator = PairCollator(tokenizer, query_max_length=args.query_max_length,
                                 passage_max_length=args.passage_max_length, query_prefix=qp, passage_prefix=pp,
@@ -702,8 +732,9 @@ def main(argv=None):
     # ---- teacher for the retention term (frozen; not prepared: it never trains)
     teacher = None
     if args.retention_weight > 0 or args.retention_final_weight > 0:
-        teacher = load_teacher(resolve_model_path(args.teacher_name_or_path or args.model_name_or_path),
-                               trust_remote_code=args.trust_remote_code).to(accelerator.device)
+        with whole_weights():
+            teacher = load_teacher(resolve_model_path(args.teacher_name_or_path or args.model_name_or_path),
+                                   trust_remote_code=args.trust_remote_code).to(accelerator.device)
 
     param_groups = optimizer_groups(model, args)
     trainable = sum(p.numel() for g in param_groups for p in g["params"])
@@ -873,13 +904,16 @@ def main(argv=None):
 
 def _gathered(accelerator, model):
     """Context that gathers ZeRO-3 partitioned parameters (a no-op otherwise)."""
-    import contextlib
-
-    if getattr(accelerator.state, "deepspeed_plugin", None) is not None and accelerator.state.deepspeed_plugin.zero_stage == 3:
+    if zero3(accelerator):
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
     return contextlib.nullcontext()
+
+
+def zero3(accelerator) -> bool:
+    """True under DeepSpeed ZeRO stage 3 (every parameter partitioned across the processes)."""
+    return getattr(accelerator.state, "deepspeed_plugin", None) is not None and accelerator.state.deepspeed_plugin.zero_stage == 3
 
 
 def load_collator_state(collator, path: Path, rank: int):

@@ -182,3 +182,26 @@ def test_finetune_trains_the_encoder_and_leaves_the_idle_heads_untouched(tiny_be
     emb = next(k for k in e0 if k.endswith("word_embeddings.weight"))
     assert not torch.equal(e0[emb], e1[emb])
     assert sum(not torch.equal(e0[k], e1[k]) for k in e0) > len(e0) // 2
+
+
+@pytest.mark.slow
+def test_finetune_under_deepspeed_zero3_one_cpu_process(tiny_bert, beir, tmp_path):
+    """Under ZeRO-3 the start model mines its negatives before prepare, so it must be loaded whole (not partitioned);
+    the mined pools and the losses then equal the plain loop's."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out, plain = tmp_path / "ds", tmp_path / "plain"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(root / "configs" / "accelerate_cpu_deepspeed_zero3.yaml"), str(root / "train.py")]
+    proc = subprocess.run(cmd + ft_args(tiny_bert, beir, out, **{"--max_train_steps": 3}), cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "DistributedType.DEEPSPEED x 1" in proc.stdout + proc.stderr
+    run(ft_args(tiny_bert, beir, plain, **{"--max_train_steps": 3, "--no_save_model": True}))
+    assert json.loads((out / "mined_negatives.json").read_text()) == json.loads((plain / "mined_negatives.json").read_text())
+    a, b = read_log(out), read_log(plain)
+    for s in (1, 2, 3):
+        assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-4), s
+    assert (out / "model" / "model.safetensors").exists()
