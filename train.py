@@ -602,19 +602,27 @@ def whole_weights():
         hf_ds._hf_deepspeed_config_weak_ref = registered
 
 
+def head_parameters(model) -> list:
+    """The parameters the start model never trained: everything outside the encoder's base model (the decoder, the
+    MLM head's transform and output bias). The tied vocabulary projection IS the word-embedding matrix, so it counts
+    as the encoder's."""
+    base = {id(p) for p in model.encoder.base_model.parameters()}
+    return [p for p in model.parameters() if id(p) not in base]
+
+
 def optimizer_groups(model, args):
     """AdamW parameter groups: no decay on biases and LayerNorm weights (BERT recipe); the parameters
     outside the encoder's base model (the decoder, the MLM head's transform and bias) at
     --head_learning_rate. The tied vocabulary projection IS the word-embedding matrix: named_parameters
     lists it once, under the encoder, so it keeps the encoder's lr. Empty groups are dropped."""
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
-    encoder_ids = {id(p) for p in model.encoder.base_model.parameters()}
+    head_ids = {id(p) for p in head_parameters(model)}
     head_lr = args.head_learning_rate if args.head_learning_rate is not None else args.learning_rate
     groups = {}
     for n, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        is_head = id(p) not in encoder_ids
+        is_head = id(p) in head_ids
         decay = 0.0 if n.endswith(no_decay) else args.weight_decay
         key = (is_head, decay)
         groups.setdefault(key, {"params": [], "weight_decay": decay, "name": "heads" if is_head else "encoder",
@@ -629,8 +637,7 @@ def main(argv=None):
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer, get_scheduler
 
-    from modeling_xprt import (LossWeights, PairCollator, XPRTCollator, XPRTModel, _head_params, load_mlm_encoder,
-                               load_teacher, read_max_seq_length)
+    from modeling_xprt import LossWeights, PairCollator, XPRTCollator, XPRTModel, load_mlm_encoder, load_teacher, read_max_seq_length
 
     out = Path(args.output_dir)
     ckpt_dir, log_path = out / "checkpoints", out / "train_log.jsonl"
@@ -692,7 +699,7 @@ def main(argv=None):
         # PAIR's losses read only the pooled encoder vectors: the decoder and the MLM head's own parameters (transform,
         # output bias; the tied projection is the word embeddings and stays trainable) get no gradient. Frozen, they
         # stay out of the optimiser and DDP's reducer, and are saved unchanged for a later pre-training run.
-        for p in list(model.decoder.parameters()) + list(_head_params(model.encoder).values()):
+        for p in head_parameters(model):
             p.requires_grad_(False)
     if zero3(accelerator):
         # The tied vocabulary projection (= the word embeddings) and its bias are read in XPRTModel.forward outside
