@@ -1,6 +1,6 @@
 """
-xPRT step 1: pick the training groups once, before training (paper: "How anchors and related
-passages are chosen"). Read it beside ../shared/papers/xprt.md.
+xPRT step 1: pick the training groups once, before training (the xPRT paper, section "How anchors
+and related passages are chosen").
 
 For every document:
   1. split it into passages (paragraph-aware packing under a token budget; the paper gives no rule,
@@ -9,7 +9,8 @@ For every document:
   3. centrality = cos(passage, mean of the document's passages); anchors: centrality >= 0.825,
   4. for each anchor rank the other passages of the SAME document by RRF of the E5-cosine rank
      (weight 2) and the TF-IDF rank (weight 1), k = 10, and keep the top 4 as its related passages.
-One group = (anchor, 4 related passages) = one parquet row (schema in INTERFACE.md / `GROUP_SCHEMA`).
+One group = (anchor, 4 related passages) = one parquet row; its columns and types are `group_schema()`
+in this file.
 
 Scale: documents are streamed in chunks of --chunk_docs input records; chunk c goes to process
 c % world_size (torchrun / accelerate launch), is written as its own parquet file, and a finished
@@ -18,8 +19,9 @@ cheap first pass counts document frequencies with a HashingVectorizer (bounded m
 processes. Every chunk's result depends only on its own documents, the corpus IDF and the seed, so
 1 process and N processes write the same groups.
 
-    python select_groups.py --input data/docs.jsonl --model_name_or_path all-MiniLM-L6-v2 --output_dir runs/groups
-    torchrun --standalone --nproc_per_node 8 select_groups.py --dataset HuggingFaceFW/fineweb \
+    python select_groups.py --input data/docs.jsonl --model_name_or_path all-MiniLM-L6-v2 \\
+        --output_dir runs/groups
+    torchrun --standalone --nproc_per_node 8 select_groups.py --dataset HuggingFaceFW/fineweb \\
         --dataset_config sample-10BT --max_docs 100000 --output_dir runs/groups-fw100k
 """
 
@@ -30,14 +32,13 @@ import glob
 import gzip
 import hashlib
 import html
+import itertools
 import json
-import math
 import os
 import re
 import shutil
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,56 +48,103 @@ PAPER_FINEWEB_100K = {"documents_with_groups_pct": 99.0, "groups_per_document": 
 # Why an input record can be skipped (with --skip_bad_lines) or refused (without it).
 SKIP_REASONS = ("invalid_utf8", "malformed_json", "not_an_object", "missing_id", "missing_text",
                 "non_string_text", "empty_text", "duplicate_id", "huge_document")
-HIST_BINS = 40  # centrality histogram over [0, 1] in stats.json: lets a user see the anchor share at any threshold
+# Centrality histogram over [0, 1] in stats.json: lets a user see the anchor share at any threshold.
+HIST_BINS = 40
 META_DIR = ".xprt"  # run config, document frequencies, chunk stats; hidden so load_dataset(out) ignores it
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("input")
-    g.add_argument("--input", nargs="*", default=[], help="Local .jsonl / .jsonl.gz / .parquet files, folders or globs, read in the order given.")
-    g.add_argument("--dataset", default=None, help="A Hugging Face dataset name, streamed (e.g. HuggingFaceFW/fineweb). Every process streams it (twice: IDF pass, then selection).")
+def _input_flags(g):
+    g.add_argument("--input", nargs="*", default=[],
+                   help="Local .jsonl / .jsonl.gz / .parquet files, folders or globs, read in the order given.")
+    g.add_argument("--dataset", default=None,
+                   help="A Hugging Face dataset name, streamed (e.g. HuggingFaceFW/fineweb). Every process "
+                        "streams it (twice: IDF pass, then selection).")
     g.add_argument("--dataset_config", default=None, help="Config of --dataset (e.g. sample-10BT).")
     g.add_argument("--dataset_split", default="train", help="Split of --dataset.")
     g.add_argument("--max_docs", type=int, default=0, help="Read at most this many input records (0 = all).")
     g.add_argument("--id_field", default="id", help="Field holding the document id.")
     g.add_argument("--text_field", default="text", help="Field holding the document text.")
     g.add_argument("--url_field", default="url", help="Optional field shown in the --inspect report only.")
-    g.add_argument("--skip_bad_lines", action="store_true", help="Count and skip bad records (per reason in stats.json) instead of stopping with file:line.")
-    g.add_argument("--max_doc_chars", type=int, default=1_000_000, help="A longer document is a bad record ('huge_document'): one page should not hold millions of characters.")
-    g = p.add_argument_group("passages and embedding")
-    g.add_argument("--model_name_or_path", default="intfloat/e5-base-unsupervised", help="Selection encoder (paper: E5-base-unsupervised). 'all-MiniLM-L6-v2' uses the bundled offline weights.")
-    g.add_argument("--passage_prefix", default=None, help="Prefix put before every passage when embedding. Default: 'passage: ' when the model name contains 'e5' (E5 convention), else ''.")
-    g.add_argument("--passage_tokens", type=int, default=128, help="Token budget of one passage (tokenizer of the selection encoder, without special tokens).")
-    g.add_argument("--min_passage_tokens", type=int, default=16, help="A shorter packed passage is merged into a neighbour when that stays within the budget.")
-    g.add_argument("--batch_size", type=int, default=64, help="Passages per embedding batch (batches are sorted by length).")
-    g.add_argument("--device", default=None, help="cpu / cuda / cuda:1 (default: this process's GPU if any, else CPU).")
-    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help="auto: bf16 (fp16 before Ampere) on GPU, fp32 on CPU.")
-    g.add_argument("--trust_remote_code", action="store_true", help="Allow model code from the hub (off: only built-in architectures).")
-    g = p.add_argument_group("selection (paper: threshold 0.825, RRF k = 10 with weights 2 / 1, 4 related)")
-    g.add_argument("--centrality_threshold", type=float, default=0.825, help="Anchors have centrality >= this (tuned for E5 on FineWeb).")
-    g.add_argument("--anchor_share", type=float, default=None, help="Instead of a fixed threshold: set it so this share of passages are anchors, from the centralities of the first --calibration_docs documents (e.g. 0.6 for another encoder or corpus).")
+    g.add_argument("--skip_bad_lines", action="store_true",
+                   help="Count and skip bad records (per reason in stats.json) instead of stopping with file:line.")
+    g.add_argument("--max_doc_chars", type=int, default=1_000_000,
+                   help="A longer document is a bad record ('huge_document'): one page should not hold "
+                        "millions of characters.")
+
+
+def _embedding_flags(g):
+    g.add_argument("--model_name_or_path", default="intfloat/e5-base-unsupervised",
+                   help="Selection encoder (paper: E5-base-unsupervised). 'all-MiniLM-L6-v2' uses the bundled "
+                        "offline weights.")
+    g.add_argument("--passage_prefix", default=None,
+                   help="Prefix put before every passage when embedding. Default: 'passage: ' when the model "
+                        "name contains 'e5' (E5 convention), else ''.")
+    g.add_argument("--passage_tokens", type=int, default=128,
+                   help="Token budget of one passage (tokenizer of the selection encoder, without special tokens).")
+    g.add_argument("--min_passage_tokens", type=int, default=16,
+                   help="A shorter packed passage is merged into a neighbour when that stays within the budget.")
+    g.add_argument("--batch_size", type=int, default=64,
+                   help="Passages per embedding batch (batches are sorted by length).")
+    g.add_argument("--device", default=None,
+                   help="cpu / cuda / cuda:1 (default: this process's GPU if any, else CPU).")
+    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="auto: bf16 (fp16 before Ampere) on GPU, fp32 on CPU.")
+    g.add_argument("--trust_remote_code", action="store_true",
+                   help="Allow model code from the hub (off: only built-in architectures).")
+
+
+def _selection_flags(g):
+    g.add_argument("--centrality_threshold", type=float, default=0.825,
+                   help="Anchors have centrality >= this (tuned for E5 on FineWeb).")
+    g.add_argument("--anchor_share", type=float, default=None,
+                   help="Instead of a fixed threshold: set it so this share of passages are anchors, from the "
+                        "centralities of the first --calibration_docs documents (e.g. 0.6 for another encoder "
+                        "or corpus).")
     g.add_argument("--calibration_docs", type=int, default=1000, help="Documents used by --anchor_share.")
-    g.add_argument("--num_related", type=int, default=4, help="Related passages per anchor (a document needs num_related + 1 passages to form a group).")
-    g.add_argument("--ranking", default="rrf", choices=["rrf", "e5", "tfidf", "random"], help="How related passages are ranked (paper Table 3 ablations).")
+    g.add_argument("--num_related", type=int, default=4,
+                   help="Related passages per anchor (a document needs num_related + 1 passages to form a group).")
+    g.add_argument("--ranking", default="rrf", choices=["rrf", "e5", "tfidf", "random"],
+                   help="How related passages are ranked (paper Table 3 ablations).")
     g.add_argument("--rrf_k", type=float, default=10.0, help="RRF constant k (fixed by the paper's worked example).")
     g.add_argument("--rrf_weight_e5", type=float, default=2.0, help="Weight of the embedding-cosine rank in RRF.")
     g.add_argument("--rrf_weight_tfidf", type=float, default=1.0, help="Weight of the TF-IDF rank in RRF.")
     g.add_argument("--tfidf_features", type=int, default=2**20, help="Hashing space of the TF-IDF vectorizer.")
-    g.add_argument("--seed", type=int, default=0, help="Seeds random_passage and --ranking random, per document (same under any sharding).")
-    g = p.add_argument_group("output")
-    g.add_argument("--output_dir", required=True, help="Folder of parquet shards + stats.json (load_dataset(output_dir)).")
-    g.add_argument("--overwrite", action="store_true", help="Replace an existing output folder (otherwise a finished one is refused; an unfinished one with the same settings is resumed).")
-    g.add_argument("--chunk_docs", type=int, default=1000, help="Input records per chunk (one parquet file each); bounds memory and the work lost to a crash.")
-    g.add_argument("--inspect", type=int, default=0, help="Also write inspect.md: every passage of the first N documents with centrality, anchors, excluded passages and related scores.")
-    g.add_argument("--inspect_only", action="store_true", help="Write only the --inspect report (IDF pass + N documents), no groups: check the filter before a long run.")
+    g.add_argument("--seed", type=int, default=0,
+                   help="Seeds random_passage and --ranking random, per document (same under any sharding).")
+
+
+def _output_flags(g):
+    g.add_argument("--output_dir", required=True,
+                   help="Folder of parquet shards + stats.json (load_dataset(output_dir)).")
+    g.add_argument("--overwrite", action="store_true",
+                   help="Replace an existing output folder (otherwise a finished one is refused; an unfinished "
+                        "one with the same settings is resumed).")
+    g.add_argument("--chunk_docs", type=int, default=1000,
+                   help="Input records per chunk (one parquet file each); bounds memory and the work lost to "
+                        "a crash.")
+    g.add_argument("--inspect", type=int, default=0,
+                   help="Also write inspect.md: every passage of the first N documents with centrality, anchors, "
+                        "excluded passages and related scores.")
+    g.add_argument("--inspect_only", action="store_true",
+                   help="Write only the --inspect report (IDF pass + N documents), no groups: check the filter "
+                        "before a long run.")
     g.add_argument("--inspect_chars", type=int, default=400, help="Characters of each passage shown in the report.")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _input_flags(p.add_argument_group("input"))
+    _embedding_flags(p.add_argument_group("passages and embedding"))
+    _selection_flags(p.add_argument_group("selection (paper: threshold 0.825, RRF k = 10 with weights 2 / 1, "
+                                          "4 related)"))
+    _output_flags(p.add_argument_group("output"))
     args = p.parse_args(argv)
 
     # Sanity checks, early and with the fix in the message.
     if bool(args.input) == bool(args.dataset):
         p.error("give exactly one of --input (local files) or --dataset (a Hugging Face dataset)")
-    if args.passage_tokens < 8 or args.min_passage_tokens < 0 or args.min_passage_tokens >= args.passage_tokens:
+    if args.passage_tokens < 8 or not 0 <= args.min_passage_tokens < args.passage_tokens:
         p.error("need --passage_tokens >= 8 and 0 <= --min_passage_tokens < --passage_tokens")
     if args.num_related < 1:
         p.error("--num_related must be >= 1")
@@ -123,7 +171,8 @@ def input_files(patterns):
     files = []
     for pat in patterns:
         if os.path.isdir(pat):
-            found = sorted(f for ext in ("*.jsonl", "*.jsonl.gz", "*.json", "*.parquet") for f in glob.glob(os.path.join(pat, "**", ext), recursive=True))
+            exts = ("*.jsonl", "*.jsonl.gz", "*.json", "*.parquet")
+            found = sorted(f for ext in exts for f in glob.glob(os.path.join(pat, "**", ext), recursive=True))
         else:
             found = sorted(glob.glob(pat)) or ([pat] if os.path.exists(pat) else [])
         if not found:
@@ -132,50 +181,64 @@ def input_files(patterns):
     return files
 
 
-def iter_raw_records(args):
-    """Yield (where, obj_or_reason, detail): a dict, or a SKIP_REASONS string for unreadable records."""
-    n = 0
-    if args.dataset:
-        import datasets
-        ds = datasets.load_dataset(args.dataset, args.dataset_config, split=args.dataset_split, streaming=True)
-        for i, row in enumerate(ds, 1):
-            yield f"{args.dataset}:row {i}", row, ""
-            n += 1
-            if n == args.max_docs:
-                return
-        return
-    for path in input_files(args.input):
+def _iter_hf_dataset(name, config, split):
+    import datasets
+
+    ds = datasets.load_dataset(name, config, split=split, streaming=True)
+    for i, row in enumerate(ds, 1):
+        yield f"{name}:row {i}", row, ""
+
+
+def _iter_parquet(path, columns):
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    cols = [c for c in columns if c in pf.schema_arrow.names]
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024, columns=cols):  # bounded memory
+        for rec in batch.to_pylist():
+            row += 1
+            yield f"{path}:row {row}", rec, ""
+
+
+def _iter_jsonl(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as fh:  # bytes: we decode ourselves to catch invalid UTF-8 per line
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue  # blank lines are not documents
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield where, "invalid_utf8", str(err)
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield where, "malformed_json", str(err)
+                continue
+            yield where, obj, ""
+
+
+def _iter_local_files(patterns, columns):
+    for path in input_files(patterns):
         if path.endswith(".parquet"):
-            import pyarrow.parquet as pq
-            pf = pq.ParquetFile(path)
-            cols = [c for c in (args.id_field, args.text_field, args.url_field) if c in pf.schema_arrow.names]
-            row = 0
-            for batch in pf.iter_batches(batch_size=1024, columns=cols):  # bounded memory
-                for rec in batch.to_pylist():
-                    row += 1
-                    yield f"{path}:row {row}", rec, ""
-                    n += 1
-                    if n == args.max_docs:
-                        return
-            continue
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rb") as fh:  # bytes: we decode ourselves to catch invalid UTF-8 per line
-            for lineno, raw in enumerate(fh, 1):
-                if not raw.strip():
-                    continue  # blank lines are not documents
-                where = f"{path}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as err:
-                    yield where, "invalid_utf8", str(err)
-                else:
-                    try:
-                        yield where, json.loads(line), ""
-                    except json.JSONDecodeError as err:
-                        yield where, "malformed_json", str(err)
-                n += 1
-                if n == args.max_docs:
-                    return
+            yield from _iter_parquet(path, columns)
+        else:
+            yield from _iter_jsonl(path)
+
+
+def iter_raw_records(args):
+    """Yield (where, obj_or_reason, detail): a dict, or a SKIP_REASONS string for unreadable records.
+
+    At most --max_docs records (blank lines are not records) when it is positive.
+    """
+    if args.dataset:
+        records = _iter_hf_dataset(args.dataset, args.dataset_config, args.dataset_split)
+    else:
+        records = _iter_local_files(args.input, (args.id_field, args.text_field, args.url_field))
+    return itertools.islice(records, args.max_docs if args.max_docs > 0 else None)
 
 
 @dataclass
@@ -189,6 +252,37 @@ class Doc:
     detail: str = ""
 
 
+def parse_record(index, where, obj, *, id_field, text_field, url_field, max_doc_chars):
+    """One decoded input record -> a Doc with doc_id/text/url, or with .skip and .detail set.
+
+    The duplicate-id check needs the records before this one: iter_records does it.
+    """
+    d = Doc(index=index, where=where)
+    if not isinstance(obj, dict):
+        d.skip, d.detail = "not_an_object", f"a JSON {type(obj).__name__}, not an object"
+        return d
+    doc_id, text = obj.get(id_field), obj.get(text_field)
+    if doc_id is None or not isinstance(doc_id, (str, int)) or str(doc_id) == "":
+        d.skip, d.detail = "missing_id", f"no usable {id_field!r} field (--id_field)"
+    elif text is None:
+        d.skip, d.detail = "missing_text", f"no {text_field!r} field (--text_field)"
+    elif not isinstance(text, str):
+        d.skip, d.detail = "non_string_text", f"{text_field!r} is a {type(text).__name__}"
+    elif not text.strip():
+        d.skip, d.detail = "empty_text", "text is empty or whitespace"
+    elif len(text) > max_doc_chars:
+        d.skip, d.detail = "huge_document", f"{len(text):,} chars > --max_doc_chars {max_doc_chars:,}"
+    else:
+        d.doc_id, d.text = str(doc_id), text
+        try:  # JSON escapes can smuggle lone surrogates in, which no tokenizer or parquet file accepts
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            d.skip, d.detail = "invalid_utf8", str(err)
+        url = obj.get(url_field)
+        d.url = url if isinstance(url, str) else ""
+    return d
+
+
 def iter_records(args):
     """Every input record, validated: a Doc with doc_id/text, or with .skip set.
 
@@ -197,38 +291,23 @@ def iter_records(args):
     are found with a set of 64-bit id hashes: the only state that grows with the corpus (~100 bytes
     per document).
     """
+    from modeling_xprt import stable_doc_hash
+
     seen = set()
     for i, (where, obj, detail) in enumerate(iter_raw_records(args)):
-        d = Doc(index=i, where=where)
-        if isinstance(obj, str):
-            d.skip, d.detail = obj, detail
-        elif not isinstance(obj, dict):
-            d.skip, d.detail = "not_an_object", f"a JSON {type(obj).__name__}, not an object"
-        elif obj.get(args.id_field) is None or not isinstance(obj[args.id_field], (str, int)) or str(obj[args.id_field]) == "":
-            d.skip, d.detail = "missing_id", f"no usable {args.id_field!r} field (--id_field)"
-        elif args.text_field not in obj or obj[args.text_field] is None:
-            d.skip, d.detail = "missing_text", f"no {args.text_field!r} field (--text_field)"
-        elif not isinstance(obj[args.text_field], str):
-            d.skip, d.detail = "non_string_text", f"{args.text_field!r} is a {type(obj[args.text_field]).__name__}"
-        elif not obj[args.text_field].strip():
-            d.skip, d.detail = "empty_text", "text is empty or whitespace"
-        elif len(obj[args.text_field]) > args.max_doc_chars:
-            d.skip, d.detail = "huge_document", f"{len(obj[args.text_field]):,} chars > --max_doc_chars {args.max_doc_chars:,}"
+        if isinstance(obj, str):  # the reader's SKIP_REASONS entry
+            d = Doc(index=i, where=where, skip=obj, detail=detail)
         else:
-            d.doc_id, d.text = str(obj[args.id_field]), obj[args.text_field]
-            try:  # JSON escapes can smuggle lone surrogates in, which no tokenizer or parquet file accepts
-                d.text.encode("utf-8")
-            except UnicodeEncodeError as err:
-                d.skip, d.detail = "invalid_utf8", str(err)
-            url = obj.get(args.url_field)
-            d.url = url if isinstance(url, str) else ""
+            d = parse_record(i, where, obj, id_field=args.id_field, text_field=args.text_field,
+                             url_field=args.url_field, max_doc_chars=args.max_doc_chars)
         if not d.skip:
-            h = int.from_bytes(hashlib.blake2b(d.doc_id.encode("utf-8"), digest_size=8).digest(), "little")
+            h = stable_doc_hash(d.doc_id)
             if h in seen:
                 d.skip, d.detail = "duplicate_id", f"id {d.doc_id!r} was already seen"
             seen.add(h)
         if d.skip and not args.skip_bad_lines:
-            raise BadInput(f"{d.where}: {d.skip}: {d.detail}. Fix the input, or pass --skip_bad_lines to count and skip such records.")
+            raise BadInput(f"{d.where}: {d.skip}: {d.detail}. "
+                           "Fix the input, or pass --skip_bad_lines to count and skip such records.")
         yield d
 
 
@@ -245,6 +324,17 @@ def iter_chunks(args, rank=0, world=1):
         yield c, buf
 
 
+def first_valid_records(args, n):
+    """The first `n` valid records (fewer if the input has fewer)."""
+    docs = []
+    for d in iter_records(args):
+        if not d.skip:
+            docs.append(d)
+        if len(docs) == n:
+            break
+    return docs
+
+
 # ----------------------------------------------------------------------------------------------
 # 2. Passages: paragraph-aware packing under a token budget (our rule; the paper gives none).
 # ----------------------------------------------------------------------------------------------
@@ -252,40 +342,18 @@ def iter_chunks(args, rank=0, world=1):
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
-def split_passages(texts, tokenizer, max_tokens=128, min_tokens=16):
-    """Documents -> lists of passages, each at most `max_tokens` tokens of `tokenizer` (no specials).
-
-    Rule: paragraphs are the non-empty lines (whitespace collapsed). A paragraph over the budget is
-    cut at sentence ends, and a sentence over the budget at token boundaries. Consecutive pieces
-    are packed greedily into a passage while it fits; a piece that does not fit starts a new one,
-    so a paragraph is split only when it alone exceeds the budget. A passage under `min_tokens`
-    (a lone heading, a "Share this" line) is merged into the shorter neighbour it fits into;
-    otherwise it stays. Pieces of one paragraph are joined by a space, paragraphs by a newline.
-    """
-    paras = [[" ".join(line.split()) for line in t.split("\n")] for t in texts]
-    paras = [[p for p in ps if p] for ps in paras]
-    flat = [p for ps in paras for p in ps]
-    # One batched call for the whole chunk: the fast tokenizer runs in Rust, in parallel.
-    lengths = [len(x) for x in tokenizer(flat, add_special_tokens=False, verbose=False)["input_ids"]] if flat else []
-    out, pos = [], 0
-    for ps in paras:
-        pieces = []  # (text, tokens, paragraph number)
-        for j, para in enumerate(ps):
-            n = lengths[pos]
-            pos += 1
-            if n <= max_tokens:
-                pieces.append((para, n, j))
-            else:
-                pieces += [(s, k, j) for s, k in _cut_long(para, tokenizer, max_tokens)]
-        out.append(_pack(pieces, max_tokens, min_tokens))
-    return out
+def _token_counts(tokenizer, texts):
+    """Tokens of each text without special tokens; one batched call (the fast tokenizer runs in Rust)."""
+    if not texts:
+        return []
+    return [len(x) for x in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
 
 
 def _cut_long(para, tokenizer, max_tokens):
     """A paragraph over the budget -> sentences, and over-long sentences -> token windows."""
     sents = [s for s in _SENTENCE_END.split(para) if s]
     res = []
-    for s, n in zip(sents, (len(x) for x in tokenizer(sents, add_special_tokens=False, verbose=False)["input_ids"])):
+    for s, n in zip(sents, _token_counts(tokenizer, sents)):
         if n <= max_tokens:
             res.append((s, n))
             continue
@@ -300,17 +368,11 @@ def _cut_long(para, tokenizer, max_tokens):
     return [(s, n) for s, n in res if s]
 
 
-def _pack(pieces, max_tokens, min_tokens):
-    packs = []  # each: [list of (text, paragraph), tokens]
-    for text, n, para in pieces:
-        if packs and packs[-1][1] + n <= max_tokens:
-            packs[-1][0].append((text, para))
-            packs[-1][1] += n
-        else:
-            packs.append([[(text, para)], n])
+def _merge_short(packs, max_tokens, min_tokens):
+    """Merge each pack under `min_tokens` into the shorter neighbour it fits into (in place)."""
     i = 0
-    while i < len(packs) and len(packs) > 1:  # merge short fragments into a neighbour that has room
-        parts, n = packs[i]
+    while i < len(packs) and len(packs) > 1:
+        n = packs[i][1]
         if n < min_tokens:
             cands = [j for j in (i - 1, i + 1) if 0 <= j < len(packs) and packs[j][1] + n <= max_tokens]
             if cands:
@@ -322,13 +384,53 @@ def _pack(pieces, max_tokens, min_tokens):
                 continue
         i += 1
 
-    def join(parts):
-        s = parts[0][0]
-        for (t, para), (_, prev) in zip(parts[1:], parts[:-1]):
-            s += (" " if para == prev else "\n") + t
-        return s
 
-    return [join(parts) for parts, _ in packs]
+def _join_parts(parts):
+    """[(text, paragraph number), ...] -> one passage: a space within a paragraph, a newline between."""
+    s = parts[0][0]
+    for (t, para), (_, prev) in zip(parts[1:], parts[:-1]):
+        s += (" " if para == prev else "\n") + t
+    return s
+
+
+def _pack(pieces, max_tokens, min_tokens):
+    """[(text, tokens, paragraph number), ...] -> passages: greedy packing, then short ones merged."""
+    packs = []  # each: [list of (text, paragraph), tokens]
+    for text, n, para in pieces:
+        if packs and packs[-1][1] + n <= max_tokens:
+            packs[-1][0].append((text, para))
+            packs[-1][1] += n
+        else:
+            packs.append([[(text, para)], n])
+    _merge_short(packs, max_tokens, min_tokens)
+    return [_join_parts(parts) for parts, _ in packs]
+
+
+def split_passages(texts, tokenizer, max_tokens=128, min_tokens=16):
+    """Documents -> lists of passages, each at most `max_tokens` tokens of `tokenizer` (no specials).
+
+    Rule: paragraphs are the non-empty lines (whitespace collapsed). A paragraph over the budget is
+    cut at sentence ends, and a sentence over the budget at token boundaries. Consecutive pieces
+    are packed greedily into a passage while it fits; a piece that does not fit starts a new one,
+    so a paragraph is split only when it alone exceeds the budget. A passage under `min_tokens`
+    (a lone heading, a "Share this" line) is merged into the shorter neighbour it fits into;
+    otherwise it stays. Pieces of one paragraph are joined by a space, paragraphs by a newline.
+    """
+    paras = [[" ".join(line.split()) for line in t.split("\n")] for t in texts]
+    paras = [[p for p in ps if p] for ps in paras]
+    # One batched call for the whole chunk: the fast tokenizer runs in Rust, in parallel.
+    lengths = iter(_token_counts(tokenizer, [p for ps in paras for p in ps]))
+    out = []
+    for ps in paras:
+        pieces = []  # (text, tokens, paragraph number)
+        for j, para in enumerate(ps):
+            n = next(lengths)
+            if n <= max_tokens:
+                pieces.append((para, n, j))
+            else:
+                pieces += [(s, k, j) for s, k in _cut_long(para, tokenizer, max_tokens)]
+        out.append(_pack(pieces, max_tokens, min_tokens))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,9 +448,17 @@ def centrality(vectors):
     return v @ m / max(np.linalg.norm(m), 1e-12) / np.maximum(np.linalg.norm(v, axis=1), 1e-12)
 
 
+def anchor_share_threshold(centralities, anchor_share, default):
+    """The centrality threshold that makes `anchor_share` of these passages anchors: their (1 - share)
+    quantile (--anchor_share); `default` when there are no passages."""
+    c = np.asarray(centralities)
+    return float(np.quantile(c, 1.0 - anchor_share)) if len(c) else default
+
+
 def ranks_descending(scores):
     """1-based ranks, best (highest) first; ties share the best rank ('min'), e.g. all zero TF-IDF."""
     from scipy.stats import rankdata
+
     return rankdata(-np.asarray(scores, dtype=np.float64), method="min").astype(np.int64)
 
 
@@ -358,24 +468,29 @@ def rrf_score(rank_e5, rank_tfidf, k=10.0, w_e5=2.0, w_tfidf=1.0):
     Paper: the E5 rank weighted twice the TF-IDF rank; its worked example fixes k = 10:
     A (1st by E5, 6th by TF-IDF) = 2/11 + 1/16 = 0.2443 < B (2nd on both) = 3/12 = 0.2500.
     """
-    return w_e5 / (k + np.asarray(rank_e5, dtype=np.float64)) + w_tfidf / (k + np.asarray(rank_tfidf, dtype=np.float64))
+    rank_e5 = np.asarray(rank_e5, dtype=np.float64)
+    rank_tfidf = np.asarray(rank_tfidf, dtype=np.float64)
+    return w_e5 / (k + rank_e5) + w_tfidf / (k + rank_tfidf)
 
 
-def rank_related(anchor, cos_row, tfidf_row, args, rng=None):
-    """Order the document's other passages for `anchor`; return (indices, cos, tfidf, rrf) of the top num_related.
+def rank_related(anchor, cos_row, tfidf_row, *, ranking, num_related, rrf_k, rrf_weight_e5, rrf_weight_tfidf,
+                 rng=None):
+    """Order the document's other passages for `anchor`; return (indices, cos, tfidf, rrf) of the top
+    `num_related`.
 
-    --ranking rrf (paper), e5 (cosine only: -2.3 points in Table 3), tfidf (level with rrf), random.
+    `ranking`: "rrf" (paper; RRF with constant `rrf_k` and the two weights), "e5" (cosine only:
+    -2.3 points in Table 3), "tfidf" (level with rrf), "random" (a permutation drawn from `rng`).
     Ties are broken by cosine, then by passage order, so the result is deterministic.
     """
     cand = np.array([j for j in range(len(cos_row)) if j != anchor])
     cs, ts = np.asarray(cos_row)[cand], np.asarray(tfidf_row)[cand]
-    rrf = rrf_score(ranks_descending(cs), ranks_descending(ts), args.rrf_k, args.rrf_weight_e5, args.rrf_weight_tfidf)
-    if args.ranking == "random":
+    rrf = rrf_score(ranks_descending(cs), ranks_descending(ts), rrf_k, rrf_weight_e5, rrf_weight_tfidf)
+    if ranking == "random":
         order = rng.permutation(len(cand))
     else:
-        primary = {"rrf": rrf, "e5": cs, "tfidf": ts}[args.ranking]
+        primary = {"rrf": rrf, "e5": cs, "tfidf": ts}[ranking]
         order = np.lexsort((np.arange(len(cand)), -cs, -primary))  # last key is the primary one
-    top = order[: args.num_related]
+    top = order[:num_related]
     return cand[top], cs[top], ts[top], rrf[top]
 
 
@@ -400,6 +515,7 @@ class CorpusTfidf:
 
     def __init__(self, n_features=2**20):
         from sklearn.feature_extraction.text import HashingVectorizer
+
         self.vec = HashingVectorizer(n_features=n_features, alternate_sign=False, norm=None)
         self.df = np.zeros(n_features, dtype=np.int64)
         self.n_docs = 0
@@ -419,13 +535,39 @@ class CorpusTfidf:
 
     def transform(self, passages):
         from sklearn.preprocessing import normalize
+
         x = self.vec.transform(passages).astype(np.float64)
         return normalize(x.multiply(self.idf).tocsr(), norm="l2")
+
+    def cosines(self, passages):
+        """(P, P) TF-IDF cosines of one document's passages."""
+        t = self.transform(passages)
+        return (t @ t.T).toarray()
 
 
 # ----------------------------------------------------------------------------------------------
 # 5. Selection of one batch of documents.
 # ----------------------------------------------------------------------------------------------
+
+def group_schema():
+    """The parquet schema of a group row: the one definition of the columns and their types."""
+    import pyarrow as pa
+
+    return pa.schema([
+        ("doc_id", pa.string()),
+        ("group_index", pa.int32()),
+        ("anchor_index", pa.int32()),
+        ("anchor", pa.string()),
+        ("anchor_centrality", pa.float32()),
+        ("related", pa.list_(pa.string())),
+        ("related_index", pa.list_(pa.int32())),
+        ("related_cosine", pa.list_(pa.float32())),
+        ("related_tfidf", pa.list_(pa.float32())),
+        ("related_rrf", pa.list_(pa.float32())),
+        ("random_passage", pa.string()),
+        ("num_passages", pa.int32()),
+    ])
+
 
 @dataclass
 class DocResult:
@@ -436,60 +578,87 @@ class DocResult:
     status: str = ""  # "groups", "too_few_passages", "no_anchor"
 
 
-def select_documents(docs, tokenizer, model, tfidf, threshold, args, desc="embedding", show_progress=False):
-    """Passages, centralities and groups of `docs` (valid Docs). Returns one DocResult per doc."""
+def document_groups(doc_id, passages, vectors, cent, tfidf, threshold, *, ranking, num_related, rrf_k,
+                    rrf_weight_e5, rrf_weight_tfidf, seed):
+    """(status, groups) of one document: one group row (group_schema()) per anchor.
+
+    vectors (P, H) unit-length passage vectors, cent (P,) their centralities; status is "groups",
+    "too_few_passages" (fewer than num_related + 1 passages) or "no_anchor".
+    """
+    if len(passages) < num_related + 1:
+        return "too_few_passages", []
+    anchors = np.flatnonzero(cent >= threshold)
+    if len(anchors) == 0:
+        return "no_anchor", []
+    cos = vectors @ vectors.T  # (P, P) cosines: vectors are unit length
+    tf = tfidf.cosines(passages)  # (P, P)
+    rank_rng = derived_rng(seed, doc_id, "ranking")
+    pick_rng = derived_rng(seed, doc_id, "random_passage")
+    groups = []
+    for gi, a in enumerate(anchors):
+        idx, cs, ts, rrf = rank_related(a, cos[a], tf[a], ranking=ranking, num_related=num_related, rrf_k=rrf_k,
+                                        rrf_weight_e5=rrf_weight_e5, rrf_weight_tfidf=rrf_weight_tfidf,
+                                        rng=rank_rng)
+        j = int(pick_rng.integers(len(passages) - 1))  # uniform over the passages other than the anchor
+        j += j >= a
+        groups.append({
+            "doc_id": doc_id,
+            "group_index": gi,
+            "anchor_index": int(a),
+            "anchor": passages[a],
+            "anchor_centrality": float(cent[a]),
+            "related": [passages[i] for i in idx],
+            "related_index": [int(i) for i in idx],
+            "related_cosine": [float(x) for x in cs],
+            "related_tfidf": [float(x) for x in ts],
+            "related_rrf": [float(x) for x in rrf],
+            "random_passage": passages[j],
+            "num_passages": len(passages),
+        })
+    return "groups", groups
+
+
+def select_documents(docs, tokenizer, model, tfidf, threshold, *, passage_tokens, min_passage_tokens,
+                     passage_prefix, batch_size, ranking, num_related, rrf_k, rrf_weight_e5, rrf_weight_tfidf,
+                     seed, desc="embedding", show_progress=False):
+    """Passages, centralities and groups of `docs` (valid Docs). Returns one DocResult per doc.
+
+    The keyword arguments are the flags of the same names; `selection_options(args)` gives them.
+    """
     from modeling_xprt import embed_texts
 
-    passages = split_passages([d.text for d in docs], tokenizer, args.passage_tokens, args.min_passage_tokens)
+    passages = split_passages([d.text for d in docs], tokenizer, passage_tokens, min_passage_tokens)
     flat = [p for ps in passages for p in ps]
     # One embedding call per chunk: length sorting works across documents, so batches stay full.
-    vecs = embed_texts(model, tokenizer, flat, batch_size=args.batch_size, max_length=512,
-                       prefix=args.passage_prefix, show_progress=show_progress, desc=desc).numpy()
+    vecs = embed_texts(model, tokenizer, flat, batch_size=batch_size, max_length=512, prefix=passage_prefix,
+                       show_progress=show_progress, desc=desc).numpy()
     results, pos = [], 0
     for d, ps in zip(docs, passages):
         v = vecs[pos : pos + len(ps)].astype(np.float64)  # (P, H)
         pos += len(ps)
         r = DocResult(d, ps, centrality(v) if len(ps) else np.zeros(0))
+        r.status, r.groups = document_groups(
+            d.doc_id, ps, v, r.centrality, tfidf, threshold, ranking=ranking, num_related=num_related,
+            rrf_k=rrf_k, rrf_weight_e5=rrf_weight_e5, rrf_weight_tfidf=rrf_weight_tfidf, seed=seed)
         results.append(r)
-        if len(ps) < args.num_related + 1:
-            r.status = "too_few_passages"
-            continue
-        anchors = np.flatnonzero(r.centrality >= threshold)
-        if len(anchors) == 0:
-            r.status = "no_anchor"
-            continue
-        r.status = "groups"
-        cos = v @ v.T  # (P, P) cosines: vectors are unit length
-        t = tfidf.transform(ps)
-        tf = (t @ t.T).toarray()  # (P, P) TF-IDF cosines
-        rank_rng, pick_rng = derived_rng(args.seed, d.doc_id, "ranking"), derived_rng(args.seed, d.doc_id, "random_passage")
-        for gi, a in enumerate(anchors):
-            idx, cs, ts, rrf = rank_related(a, cos[a], tf[a], args, rank_rng)
-            j = int(pick_rng.integers(len(ps) - 1))  # uniform over the passages other than the anchor
-            j += j >= a
-            r.groups.append({
-                "doc_id": d.doc_id, "group_index": gi, "anchor_index": int(a), "anchor": ps[a],
-                "anchor_centrality": float(r.centrality[a]),
-                "related": [ps[i] for i in idx], "related_index": [int(i) for i in idx],
-                "related_cosine": [float(x) for x in cs], "related_tfidf": [float(x) for x in ts],
-                "related_rrf": [float(x) for x in rrf], "random_passage": ps[j], "num_passages": len(ps),
-            })
     return results
 
 
-def group_schema():
-    import pyarrow as pa
-    return pa.schema([
-        ("doc_id", pa.string()), ("group_index", pa.int32()), ("anchor_index", pa.int32()), ("anchor", pa.string()),
-        ("anchor_centrality", pa.float32()), ("related", pa.list_(pa.string())), ("related_index", pa.list_(pa.int32())),
-        ("related_cosine", pa.list_(pa.float32())), ("related_tfidf", pa.list_(pa.float32())),
-        ("related_rrf", pa.list_(pa.float32())), ("random_passage", pa.string()), ("num_passages", pa.int32()),
-    ])
+def selection_options(args):
+    """The flags select_documents depends on, as its keyword arguments."""
+    keys = ("passage_tokens", "min_passage_tokens", "passage_prefix", "batch_size", "ranking", "num_related",
+            "rrf_k", "rrf_weight_e5", "rrf_weight_tfidf", "seed")
+    return {k: getattr(args, k) for k in keys}
+
+
+# Per-chunk counters (summed into stats.json); STATUS_KEY maps a DocResult.status to its counter.
+STATUS_KEY = {"groups": "with_groups", "too_few_passages": "too_few_passages", "no_anchor": "no_anchor"}
 
 
 def empty_counts():
     return {"records": 0, "valid": 0, "skipped": {}, "with_groups": 0, "too_few_passages": 0, "no_anchor": 0,
-            "groups": 0, "passages": 0, "covered": 0, "anchors": 0, "above_threshold": 0, "centrality_hist": [0] * HIST_BINS}
+            "groups": 0, "passages": 0, "covered": 0, "anchors": 0, "above_threshold": 0,
+            "centrality_hist": [0] * HIST_BINS}
 
 
 def count_results(counts, results, threshold):
@@ -497,7 +666,7 @@ def count_results(counts, results, threshold):
         counts["above_threshold"] += int((r.centrality >= threshold).sum())
         counts["valid"] += 1
         counts["passages"] += len(r.passages)
-        counts[{"groups": "with_groups", "too_few_passages": "too_few_passages", "no_anchor": "no_anchor"}[r.status]] += 1
+        counts[STATUS_KEY[r.status]] += 1
         counts["groups"] += len(r.groups)
         counts["anchors"] += len(r.groups)
         covered = {g["anchor_index"] for g in r.groups} | {i for g in r.groups for i in g["related_index"]}
@@ -506,113 +675,10 @@ def count_results(counts, results, threshold):
         counts["centrality_hist"] = [a + int(b) for a, b in zip(counts["centrality_hist"], h)]
 
 
-# ----------------------------------------------------------------------------------------------
-# 6. Output: atomic files, run config for resume, merged stats, the inspect report.
-# ----------------------------------------------------------------------------------------------
-
-def atomic_write_text(path, text):
-    tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{os.path.basename(path)}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
-
-
-def atomic_write_parquet(path, rows):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{os.path.basename(path)}")
-    pq.write_table(pa.Table.from_pylist(rows, schema=group_schema()), tmp)
-    os.replace(tmp, path)
-
-
-def run_config(args):
-    """Everything the groups depend on: a rerun resumes only when this is identical."""
-    keys = ("input", "dataset", "dataset_config", "dataset_split", "max_docs", "id_field", "text_field", "skip_bad_lines",
-            "max_doc_chars", "model_name_or_path", "passage_prefix", "passage_tokens", "min_passage_tokens",
-            "centrality_threshold", "anchor_share", "calibration_docs", "num_related", "ranking", "rrf_k",
-            "rrf_weight_e5", "rrf_weight_tfidf", "tfidf_features", "seed", "chunk_docs", "dtype")
-    return {k: getattr(args, k) for k in keys}
-
-
-def prepare_output_dir(args, state):
-    """Refuse a finished output unless --overwrite; resume an unfinished one made with the same settings."""
-    out, meta = args.output_dir, os.path.join(args.output_dir, META_DIR)
-    cfg_path = os.path.join(meta, "run_config.json")
-    finished = os.path.exists(os.path.join(out, "stats.json"))
-    fresh = args.overwrite or not os.path.exists(out) or not os.listdir(out)
-    if not fresh:
-        if finished:
-            raise FileExistsError(f"{out} holds a finished run (stats.json): pass --overwrite to replace it, or choose another --output_dir")
-        old = json.load(open(cfg_path)) if os.path.exists(cfg_path) else None
-        if old != run_config(args):
-            raise FileExistsError(f"{out} exists and was not made by this exact command (see {cfg_path}): pass --overwrite or another --output_dir")
-    state.wait_for_everyone()  # every process checked before process 0 changes anything
-    if state.is_main_process:
-        if fresh and os.path.exists(out):
-            shutil.rmtree(out)
-        os.makedirs(meta, exist_ok=True)
-        for f in os.listdir(out) + [os.path.join(META_DIR, f) for f in os.listdir(meta)]:
-            if os.path.basename(f).startswith(".tmp-"):
-                os.remove(os.path.join(out, f))  # leftovers of a crash mid-write
-        if fresh:
-            atomic_write_text(cfg_path, json.dumps(run_config(args), indent=1))
-        else:
-            done = len([f for f in os.listdir(meta) if f.startswith("chunk-")])
-            print(f"resuming {out}: {done} finished chunk(s) will be reused")
-    state.wait_for_everyone()
-
-
-def document_frequency_pass(args, state, tfidf):
-    """Pass 1: document frequencies of this process's chunks, saved, then summed over processes."""
-    from tqdm.auto import tqdm
-    meta = os.path.join(args.output_dir, META_DIR)
-    mine = os.path.join(meta, f"df-r{state.process_index}-w{state.num_processes}.npz")
-    if not os.path.exists(mine):
-        bar = tqdm(desc="reading (IDF pass)", unit="doc", disable=not state.is_main_process)
-        for c, recs in iter_chunks(args, state.process_index, state.num_processes):
-            tfidf.add_documents([d.text for d in recs if not d.skip])
-            bar.update(len(recs))
-        bar.close()
-        tmp = os.path.join(meta, f".tmp-df-{state.process_index}.npz")
-        np.savez_compressed(tmp, df=tfidf.df, n_docs=tfidf.n_docs)
-        os.replace(tmp, mine)
-    state.wait_for_everyone()
-    tfidf.df[:] = 0
-    tfidf.n_docs = 0
-    for r in range(state.num_processes):
-        z = np.load(os.path.join(meta, f"df-r{r}-w{state.num_processes}.npz"))  # plain arrays: allow_pickle stays False
-        tfidf.df += z["df"]
-        tfidf.n_docs += int(z["n_docs"])
-    return tfidf.finalize()
-
-
-def calibrate_threshold(args, state, tokenizer, model, tfidf):
-    """--anchor_share s: threshold = the (1 - s) quantile of centrality over the first documents."""
-    if args.anchor_share is None:
-        return args.centrality_threshold, "flag --centrality_threshold"
-    path = os.path.join(args.output_dir, META_DIR, "calibration.json")
-    if state.is_main_process and not os.path.exists(path):
-        docs = []
-        for d in iter_records(args):
-            if not d.skip:
-                docs.append(d)
-            if len(docs) == args.calibration_docs:
-                break
-        res = select_documents(docs, tokenizer, model, tfidf, 1.0, args, desc="calibration", show_progress=True)
-        c = np.concatenate([r.centrality for r in res])
-        thr = float(np.quantile(c, 1.0 - args.anchor_share)) if len(c) else args.centrality_threshold
-        atomic_write_text(path, json.dumps({"threshold": thr, "passages": int(len(c)), "documents": len(docs)}))
-    state.wait_for_everyone()
-    cal = json.load(open(path))
-    return cal["threshold"], f"--anchor_share {args.anchor_share} over {cal['documents']} documents ({cal['passages']} passages)"
-
-
-def merge_stats(args, threshold, source, state, wall):
-    meta = os.path.join(args.output_dir, META_DIR)
+def sum_counts(chunk_counts):
+    """Add up per-chunk counters (empty_counts() layout)."""
     total = empty_counts()
-    files = sorted(f for f in os.listdir(meta) if f.startswith("chunk-"))
-    for f in files:
-        c = json.load(open(os.path.join(meta, f)))
+    for c in chunk_counts:
         for k, v in c.items():
             if k == "skipped":
                 for r, n in v.items():
@@ -621,75 +687,88 @@ def merge_stats(args, threshold, source, state, wall):
                 total[k] = [a + b for a, b in zip(total[k], v)]
             elif k in total:
                 total[k] += v
+    return total
+
+
+def _pct(a, b):
+    return round(100.0 * a / b, 2) if b else 0.0
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if b else 0.0
+
+
+def summary_stats(total, threshold, source):
+    """The corpus numbers of stats.json from the summed counters (the paper's three among them)."""
     skipped = sum(total["skipped"].values())
     if total["records"] != total["valid"] + skipped:  # every input record is accounted for
-        raise RuntimeError(f"accounting error: {total['records']} records != {total['valid']} valid + {skipped} skipped")
-    pct = lambda a, b: round(100.0 * a / b, 2) if b else 0.0
-    div = lambda a, b: round(a / b, 3) if b else 0.0
+        raise RuntimeError(f"accounting error: {total['records']} records != {total['valid']} valid + "
+                           f"{skipped} skipped")
     hist = np.array(total["centrality_hist"])
     edges = np.linspace(0, 1, HIST_BINS + 1)
-    stats = {
-        "documents_read": total["records"], "documents_valid": total["valid"],
-        "documents_skipped": skipped, "documents_skipped_by_reason": {r: total["skipped"].get(r, 0) for r in SKIP_REASONS},
-        "documents_with_groups": total["with_groups"], "documents_with_groups_pct": pct(total["with_groups"], total["valid"]),
-        "documents_too_few_passages": total["too_few_passages"], "documents_no_anchor": total["no_anchor"],
-        "groups": total["groups"], "groups_per_document": div(total["groups"], total["valid"]),
-        "groups_per_document_with_groups": div(total["groups"], total["with_groups"]),
-        "passages": total["passages"], "passages_per_document": div(total["passages"], total["valid"]),
-        "passages_covered": total["covered"], "passages_covered_pct": pct(total["covered"], total["passages"]),
-        "anchor_share_pct": pct(total["anchors"], total["passages"]),
+    # share of passages that WOULD be anchors at other thresholds (from the histogram; bin width 0.025)
+    share_at = {f"{t:.3f}": _pct(int(hist[edges[:-1] >= t - 1e-9].sum()), total["passages"])
+                for t in (0.5, 0.6, 0.7, 0.75, 0.8, 0.825, 0.85, 0.9)}
+    return {
+        "documents_read": total["records"],
+        "documents_valid": total["valid"],
+        "documents_skipped": skipped,
+        "documents_skipped_by_reason": {r: total["skipped"].get(r, 0) for r in SKIP_REASONS},
+        "documents_with_groups": total["with_groups"],
+        "documents_with_groups_pct": _pct(total["with_groups"], total["valid"]),
+        "documents_too_few_passages": total["too_few_passages"],
+        "documents_no_anchor": total["no_anchor"],
+        "groups": total["groups"],
+        "groups_per_document": _ratio(total["groups"], total["valid"]),
+        "groups_per_document_with_groups": _ratio(total["groups"], total["with_groups"]),
+        "passages": total["passages"],
+        "passages_per_document": _ratio(total["passages"], total["valid"]),
+        "passages_covered": total["covered"],
+        "passages_covered_pct": _pct(total["covered"], total["passages"]),
+        "anchor_share_pct": _pct(total["anchors"], total["passages"]),
         # passages with centrality >= threshold, including those of documents too short to form a group
-        "passages_above_threshold_pct": pct(total["above_threshold"], total["passages"]),
-        "centrality_threshold": threshold, "threshold_source": source,
-        # share of passages that WOULD be anchors at other thresholds (from the histogram; bin width 0.025)
-        "anchor_share_pct_at_threshold": {f"{t:.3f}": pct(int(hist[edges[:-1] >= t - 1e-9].sum()), total["passages"])
-                                          for t in (0.5, 0.6, 0.7, 0.75, 0.8, 0.825, 0.85, 0.9)},
+        "passages_above_threshold_pct": _pct(total["above_threshold"], total["passages"]),
+        "centrality_threshold": threshold,
+        "threshold_source": source,
+        "anchor_share_pct_at_threshold": share_at,
         "centrality_histogram": {"bin_edges": [round(e, 3) for e in edges], "counts": total["centrality_hist"]},
-        "paper_fineweb_100k": PAPER_FINEWEB_100K,
-        "model_name_or_path": args.model_name_or_path, "passage_prefix": args.passage_prefix, "ranking": args.ranking,
-        "num_related": args.num_related, "rrf_k": args.rrf_k, "rrf_weights": [args.rrf_weight_e5, args.rrf_weight_tfidf],
-        "passage_tokens": args.passage_tokens, "min_passage_tokens": args.min_passage_tokens,
-        "idf": "corpus-level: document frequencies of every valid document (HashingVectorizer, smooth idf)",
-        "seed": args.seed, "world_size": state.num_processes, "chunks": len(files), "wall_seconds": round(wall, 1),
     }
-    atomic_write_text(os.path.join(args.output_dir, "stats.json"), json.dumps(stats, indent=1))
-    return stats
 
 
 def format_stats(s):
     p = s["paper_fineweb_100k"]
+    skipped = {k: v for k, v in s["documents_skipped_by_reason"].items() if v}
     lines = [
-        f"documents read {s['documents_read']:,}: valid {s['documents_valid']:,}, skipped {s['documents_skipped']:,} "
-        f"{ {k: v for k, v in s['documents_skipped_by_reason'].items() if v} or ''}",
-        f"centrality threshold {s['centrality_threshold']:.4f} ({s['threshold_source']}); anchors {s['anchor_share_pct']}% of passages",
+        f"documents read {s['documents_read']:,}: valid {s['documents_valid']:,}, "
+        f"skipped {s['documents_skipped']:,} { skipped or ''}",
+        f"centrality threshold {s['centrality_threshold']:.4f} ({s['threshold_source']}); "
+        f"anchors {s['anchor_share_pct']}% of passages",
         f"{'':34s}{'this run':>12s}{'paper (FineWeb-100K, E5)':>28s}",
-        f"{'documents with >= 1 group':34s}{s['documents_with_groups_pct']:>11.1f}%{p['documents_with_groups_pct']:>27.0f}%",
+        f"{'documents with >= 1 group':34s}{s['documents_with_groups_pct']:>11.1f}%"
+        f"{p['documents_with_groups_pct']:>27.0f}%",
         f"{'groups per document':34s}{s['groups_per_document']:>12.2f}{p['groups_per_document']:>28.1f}",
         f"{'passages covered by a group':34s}{s['passages_covered_pct']:>11.1f}%{p['passages_covered_pct']:>27.0f}%",
         f"{'passages per document':34s}{s['passages_per_document']:>12.2f}{'(not given)':>28s}",
-        f"no group: {s['documents_too_few_passages']:,} docs with < {s['num_related'] + 1} passages, {s['documents_no_anchor']:,} with no anchor",
+        f"no group: {s['documents_too_few_passages']:,} docs with < {s['num_related'] + 1} passages, "
+        f"{s['documents_no_anchor']:,} with no anchor",
     ]
     return "\n".join(lines)
 
 
-def write_inspect_report(args, tokenizer, model, tfidf, threshold, source):
-    """The paper's advice "check the filter on your own corpus" as one Markdown file."""
-    docs = []
-    for d in iter_records(args):
-        if not d.skip:
-            docs.append(d)
-        if len(docs) == args.inspect:
-            break
-    res = select_documents(docs, tokenizer, model, tfidf, threshold, args, desc="inspect")
-    clip = lambda s: html.escape(" ".join(s.split()))[: args.inspect_chars] + ("…" if len(s) > args.inspect_chars else "")
-    n_p = sum(len(r.passages) for r in res)
-    n_a = sum(len(r.groups) for r in res)
-    out = [f"# Group selection report: {len(res)} documents", "",
-           f"Encoder `{args.model_name_or_path}`, ranking `{args.ranking}`, centrality threshold **{threshold:.4f}** ({source}). "
-           f"{n_p} passages, {n_a} anchors ({100 * n_a / max(n_p, 1):.1f}%). Roles: **ANCHOR** (centrality >= threshold), "
-           "*related* (in some anchor's top related), ~~excluded~~ (in no group). Look for navigation, footers and "
-           "boilerplate among the excluded and body text among the anchors.", ""]
-    for k, r in enumerate(res):
+def inspect_markdown(results, *, threshold, source, model_name, ranking, max_chars):
+    """The --inspect report of `results` (DocResults) as Markdown: every passage with its role."""
+
+    def clip(s):
+        return html.escape(" ".join(s.split()))[:max_chars] + ("…" if len(s) > max_chars else "")
+
+    n_p = sum(len(r.passages) for r in results)
+    n_a = sum(len(r.groups) for r in results)
+    out = [f"# Group selection report: {len(results)} documents", "",
+           f"Encoder `{model_name}`, ranking `{ranking}`, centrality threshold **{threshold:.4f}** ({source}). "
+           f"{n_p} passages, {n_a} anchors ({100 * n_a / max(n_p, 1):.1f}%). Roles: **ANCHOR** (centrality >= "
+           "threshold), *related* (in some anchor's top related), ~~excluded~~ (in no group). Look for "
+           "navigation, footers and boilerplate among the excluded and body text among the anchors.", ""]
+    for k, r in enumerate(results):
         anchors = {g["anchor_index"] for g in r.groups}
         related = {i for g in r.groups for i in g["related_index"]}
         out += [f"## {k + 1}. `{r.doc.doc_id}`", "", f"{r.doc.url}  " if r.doc.url else "",
@@ -700,30 +779,199 @@ def write_inspect_report(args, tokenizer, model, tfidf, threshold, source):
             out.append(f"| {i} | {r.centrality[i]:.3f} | {role} | {clip(ptxt).replace('|', '&#124;')} |")
         out.append("")
         for g in r.groups:
-            rel = ", ".join(f"{i} (cos {c:.3f}, tfidf {t:.3f}, rrf {s:.4f})" for i, c, t, s in
-                            zip(g["related_index"], g["related_cosine"], g["related_tfidf"], g["related_rrf"]))
+            scores = zip(g["related_index"], g["related_cosine"], g["related_tfidf"], g["related_rrf"])
+            rel = ", ".join(f"{i} (cos {c:.3f}, tfidf {t:.3f}, rrf {s:.4f})" for i, c, t, s in scores)
             out.append(f"- anchor {g['anchor_index']} -> {rel}")
         out.append("")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. The passes: output folder and resume, IDF pass, threshold, selection, stats, inspect report.
+#    Every file is written atomically (modeling_xprt.atomic_path: a '.tmp-' sibling renamed into
+#    place), so a reader or a resumed run sees a whole file or none.
+# ----------------------------------------------------------------------------------------------
+
+def write_group_shard(path, rows):
+    """One chunk's group rows as a parquet file (group_schema()), atomically."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from modeling_xprt import atomic_path
+
+    with atomic_path(path) as tmp:
+        pq.write_table(pa.Table.from_pylist(rows, schema=group_schema()), tmp)
+
+
+def run_config(args):
+    """Everything the groups depend on: a rerun resumes only when this is identical."""
+    keys = ("input", "dataset", "dataset_config", "dataset_split", "max_docs", "id_field", "text_field",
+            "skip_bad_lines", "max_doc_chars", "model_name_or_path", "passage_prefix", "passage_tokens",
+            "min_passage_tokens", "centrality_threshold", "anchor_share", "calibration_docs", "num_related",
+            "ranking", "rrf_k", "rrf_weight_e5", "rrf_weight_tfidf", "tfidf_features", "seed", "chunk_docs",
+            "dtype")
+    return {k: getattr(args, k) for k in keys}
+
+
+def prepare_output_dir(args, state):
+    """Refuse a finished output unless --overwrite; resume an unfinished one made with the same settings."""
+    from modeling_xprt import atomic_write
+
+    out, meta = args.output_dir, os.path.join(args.output_dir, META_DIR)
+    cfg_path = os.path.join(meta, "run_config.json")
+    finished = os.path.exists(os.path.join(out, "stats.json"))
+    fresh = args.overwrite or not os.path.exists(out) or not os.listdir(out)
+    if not fresh:
+        if finished:
+            raise FileExistsError(f"{out} holds a finished run (stats.json): pass --overwrite to replace it, "
+                                  "or choose another --output_dir")
+        old = json.load(open(cfg_path)) if os.path.exists(cfg_path) else None
+        if old != run_config(args):
+            raise FileExistsError(f"{out} exists and was not made by this exact command (see {cfg_path}): "
+                                  "pass --overwrite or another --output_dir")
+    state.wait_for_everyone()  # every process checked before process 0 changes anything
+    if state.is_main_process:
+        if fresh and os.path.exists(out):
+            shutil.rmtree(out)
+        os.makedirs(meta, exist_ok=True)
+        for f in os.listdir(out) + [os.path.join(META_DIR, f) for f in os.listdir(meta)]:
+            if os.path.basename(f).startswith(".tmp-"):
+                os.remove(os.path.join(out, f))  # leftovers of a crash mid-write
+        if fresh:
+            atomic_write(cfg_path, json.dumps(run_config(args), indent=1))
+        else:
+            done = len([f for f in os.listdir(meta) if f.startswith("chunk-")])
+            print(f"resuming {out}: {done} finished chunk(s) will be reused")
+    state.wait_for_everyone()
+
+
+def document_frequency_pass(args, state, tfidf):
+    """Pass 1: document frequencies of this process's chunks, saved, then summed over processes."""
+    from tqdm.auto import tqdm
+
+    from modeling_xprt import atomic_path
+
+    meta = os.path.join(args.output_dir, META_DIR)
+    mine = os.path.join(meta, f"df-r{state.process_index}-w{state.num_processes}.npz")
+    if not os.path.exists(mine):
+        bar = tqdm(desc="reading (IDF pass)", unit="doc", disable=not state.is_main_process)
+        for c, recs in iter_chunks(args, state.process_index, state.num_processes):
+            tfidf.add_documents([d.text for d in recs if not d.skip])
+            bar.update(len(recs))
+        bar.close()
+        with atomic_path(mine) as tmp:  # tmp ends in .npz, so numpy adds no second suffix
+            np.savez_compressed(tmp, df=tfidf.df, n_docs=tfidf.n_docs)
+    state.wait_for_everyone()
+    tfidf.df[:] = 0
+    tfidf.n_docs = 0
+    for r in range(state.num_processes):
+        # plain arrays: allow_pickle stays False
+        z = np.load(os.path.join(meta, f"df-r{r}-w{state.num_processes}.npz"))
+        tfidf.df += z["df"]
+        tfidf.n_docs += int(z["n_docs"])
+    return tfidf.finalize()
+
+
+def calibrate_threshold(args, state, tokenizer, model, tfidf):
+    """--anchor_share s: threshold = the (1 - s) quantile of centrality over the first documents."""
+    from modeling_xprt import atomic_write
+
+    if args.anchor_share is None:
+        return args.centrality_threshold, "flag --centrality_threshold"
+    path = os.path.join(args.output_dir, META_DIR, "calibration.json")
+    if state.is_main_process and not os.path.exists(path):
+        docs = first_valid_records(args, args.calibration_docs)
+        res = select_documents(docs, tokenizer, model, tfidf, 1.0, **selection_options(args),
+                               desc="calibration", show_progress=True)
+        c = np.concatenate([r.centrality for r in res])
+        thr = anchor_share_threshold(c, args.anchor_share, default=args.centrality_threshold)
+        atomic_write(path, json.dumps({"threshold": thr, "passages": int(len(c)), "documents": len(docs)}))
+    state.wait_for_everyone()
+    cal = json.load(open(path))
+    source = f"--anchor_share {args.anchor_share} over {cal['documents']} documents ({cal['passages']} passages)"
+    return cal["threshold"], source
+
+
+def select_chunk(args, c, recs, tokenizer, model, tfidf, threshold):
+    """Pass 2 for one chunk: its groups parquet file, then its counters (which mark it finished)."""
+    from modeling_xprt import atomic_write
+
+    counts = empty_counts()
+    counts["records"] = len(recs)
+    for d in recs:
+        if d.skip:
+            counts["skipped"][d.skip] = counts["skipped"].get(d.skip, 0) + 1
+    res = select_documents([d for d in recs if not d.skip], tokenizer, model, tfidf, threshold,
+                           **selection_options(args), desc=f"embedding chunk {c}", show_progress=False)
+    count_results(counts, res, threshold)
+    rows = [g for r in res for g in r.groups]
+    if rows:
+        write_group_shard(os.path.join(args.output_dir, f"groups-{c:06d}.parquet"), rows)
+    # written last: marks the chunk finished
+    atomic_write(os.path.join(args.output_dir, META_DIR, f"chunk-{c:06d}.json"), json.dumps(counts))
+    return counts["groups"]
+
+
+def selection_pass(args, state, tokenizer, model, tfidf, threshold):
+    """Pass 2: every chunk this process owns, skipping those finished before a crash."""
+    from tqdm.auto import tqdm
+
+    rank, world = state.process_index, state.num_processes
+    bar = tqdm(desc=f"selecting (process {rank})", unit="doc", disable=not state.is_main_process)
+    for c, recs in iter_chunks(args, rank, world):
+        # finished before a crash: its parquet file is already in place
+        if not os.path.exists(os.path.join(args.output_dir, META_DIR, f"chunk-{c:06d}.json")):
+            n_groups = select_chunk(args, c, recs, tokenizer, model, tfidf, threshold)
+            bar.set_postfix(groups=n_groups, refresh=False)
+        bar.update(len(recs))
+    bar.close()
+
+
+def merge_stats(args, threshold, source, state, wall):
+    """stats.json: the chunks' counters summed, with the paper's numbers and the settings beside them."""
+    from modeling_xprt import atomic_write
+
+    meta = os.path.join(args.output_dir, META_DIR)
+    files = sorted(f for f in os.listdir(meta) if f.startswith("chunk-"))
+    stats = summary_stats(sum_counts(json.load(open(os.path.join(meta, f))) for f in files), threshold, source)
+    stats.update({
+        "paper_fineweb_100k": PAPER_FINEWEB_100K,
+        "model_name_or_path": args.model_name_or_path,
+        "passage_prefix": args.passage_prefix,
+        "ranking": args.ranking,
+        "num_related": args.num_related,
+        "rrf_k": args.rrf_k,
+        "rrf_weights": [args.rrf_weight_e5, args.rrf_weight_tfidf],
+        "passage_tokens": args.passage_tokens,
+        "min_passage_tokens": args.min_passage_tokens,
+        "idf": "corpus-level: document frequencies of every valid document (HashingVectorizer, smooth idf)",
+        "seed": args.seed,
+        "world_size": state.num_processes,
+        "chunks": len(files),
+        "wall_seconds": round(wall, 1),
+    })
+    atomic_write(os.path.join(args.output_dir, "stats.json"), json.dumps(stats, indent=1))
+    return stats
+
+
+def write_inspect_report(args, tokenizer, model, tfidf, threshold, source):
+    """The paper's advice "check the filter on your own corpus" as one Markdown file."""
+    from modeling_xprt import atomic_write
+
+    docs = first_valid_records(args, args.inspect)
+    res = select_documents(docs, tokenizer, model, tfidf, threshold, **selection_options(args), desc="inspect")
+    text = inspect_markdown(res, threshold=threshold, source=source, model_name=args.model_name_or_path,
+                            ranking=args.ranking, max_chars=args.inspect_chars)
     path = os.path.join(args.output_dir, "inspect.md")
-    atomic_write_text(path, "\n".join(out))
+    atomic_write(path, text)
     return path
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    import torch
-    from accelerate import PartialState
-    from tqdm.auto import tqdm
+def load_selection_encoder(args, state):
+    """(tokenizer, model) of the frozen selection encoder on this process's device."""
     from transformers import AutoModel, AutoTokenizer
 
     from modeling_xprt import pick_device_and_dtype, resolve_model_path
-
-    t0 = time.time()
-    # torchrun / accelerate launch: one process per device (gloo between CPU processes); plain python: one.
-    # cpu=True is what makes accelerate see several CPU processes instead of one process each.
-    state = PartialState(cpu=not torch.cuda.is_available() or (args.device or "").startswith("cpu"))
-    rank, world = state.process_index, state.num_processes
-    prepare_output_dir(args, state)
 
     device = args.device or (str(state.device) if state.device.type == "cuda" else None)
     device, dtype = pick_device_and_dtype(device, args.dtype)
@@ -731,43 +979,38 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     if not tokenizer.is_fast:
         raise ValueError(f"{path}: selection needs a fast tokenizer (offsets) to cut long paragraphs")
-    model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=args.trust_remote_code).to(device).eval()
-    state.print(f"selection encoder {args.model_name_or_path} on {device} ({dtype}), {world} process(es), "
-                f"passage prefix {args.passage_prefix!r}, budget {args.passage_tokens} tokens")
+    model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    model = model.to(device).eval()
+    state.print(f"selection encoder {args.model_name_or_path} on {device} ({dtype}), {state.num_processes} "
+                f"process(es), passage prefix {args.passage_prefix!r}, budget {args.passage_tokens} tokens")
+    return tokenizer, model
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+    from accelerate import PartialState
+
+    t0 = time.time()
+    # torchrun / accelerate launch: one process per device (gloo between CPU processes); plain python: one.
+    # cpu=True is what makes accelerate see several CPU processes instead of one process each.
+    state = PartialState(cpu=not torch.cuda.is_available() or (args.device or "").startswith("cpu"))
+    prepare_output_dir(args, state)
+    tokenizer, model = load_selection_encoder(args, state)
 
     tfidf = document_frequency_pass(args, state, CorpusTfidf(args.tfidf_features))
     threshold, source = calibrate_threshold(args, state, tokenizer, model, tfidf)
     state.print(f"IDF over {tfidf.n_docs:,} documents; centrality threshold {threshold:.4f} ({source})")
 
-    meta = os.path.join(args.output_dir, META_DIR)
     if not args.inspect_only:
-        bar = tqdm(desc=f"selecting (process {rank})", unit="doc", disable=not state.is_main_process)
-        for c, recs in iter_chunks(args, rank, world):
-            done = os.path.join(meta, f"chunk-{c:06d}.json")
-            if os.path.exists(done):  # finished before a crash: its parquet file is already in place
-                bar.update(len(recs))
-                continue
-            counts = empty_counts()
-            counts["records"] = len(recs)
-            for d in recs:
-                if d.skip:
-                    counts["skipped"][d.skip] = counts["skipped"].get(d.skip, 0) + 1
-            res = select_documents([d for d in recs if not d.skip], tokenizer, model, tfidf, threshold, args,
-                                   desc=f"embedding chunk {c}", show_progress=False)
-            count_results(counts, res, threshold)
-            rows = [g for r in res for g in r.groups]
-            if rows:
-                atomic_write_parquet(os.path.join(args.output_dir, f"groups-{c:06d}.parquet"), rows)
-            atomic_write_text(done, json.dumps(counts))  # written last: marks the chunk finished
-            bar.update(len(recs))
-            bar.set_postfix(groups=sum(len(r.groups) for r in res))
-        bar.close()
+        selection_pass(args, state, tokenizer, model, tfidf, threshold)
     state.wait_for_everyone()
     if state.is_main_process:
         if not args.inspect_only:
             stats = merge_stats(args, threshold, source, state, time.time() - t0)
             print(format_stats(stats))
-            print(f"groups: {args.output_dir} ({stats['groups']:,} rows in {sum(f.endswith('.parquet') for f in os.listdir(args.output_dir))} parquet shards)")
+            shards = sum(f.endswith(".parquet") for f in os.listdir(args.output_dir))
+            print(f"groups: {args.output_dir} ({stats['groups']:,} rows in {shards} parquet shards)")
         if args.inspect:
             print(f"inspect report: {write_inspect_report(args, tokenizer, model, tfidf, threshold, source)}")
     state.wait_for_everyone()

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 
 import numpy as np
@@ -62,29 +61,33 @@ def _example_rows():
 
 
 def _sel_args(**kw):
+    """rank_related's keyword arguments: the paper's settings, overridden by `kw`."""
     base = dict(rrf_k=10.0, rrf_weight_e5=2.0, rrf_weight_tfidf=1.0, num_related=4, ranking="rrf")
     base.update(kw)
-    return Namespace(**base)
+    return base
 
 
 def test_rank_related_each_mode():
     cos, tfidf = _example_rows()
-    idx, cs, ts, rrf = sg.rank_related(0, cos, tfidf, _sel_args(ranking="rrf"))
+    idx, cs, ts, rrf = sg.rank_related(0, cos, tfidf, **_sel_args(ranking="rrf"))
     # B (0.2500) > passage 3 (2/13 + 1/11 = 0.2448) > A (0.2443) > passage 4 (2/14 + 1/13)
     assert idx.tolist() == [2, 3, 1, 4]
     np.testing.assert_allclose(rrf, [3 / 12, 2 / 13 + 1 / 11, 2 / 11 + 1 / 16, 2 / 14 + 1 / 13])
     np.testing.assert_allclose(cs, cos[[2, 3, 1, 4]])
     np.testing.assert_allclose(ts, tfidf[[2, 3, 1, 4]])
-    assert sg.rank_related(0, cos, tfidf, _sel_args(ranking="e5"))[0].tolist() == [1, 2, 3, 4]
-    assert sg.rank_related(0, cos, tfidf, _sel_args(ranking="tfidf"))[0].tolist() == [3, 2, 4, 5]
-    r1 = sg.rank_related(0, cos, tfidf, _sel_args(ranking="random"), sg.derived_rng(0, "doc", "ranking"))[0]
-    r2 = sg.rank_related(0, cos, tfidf, _sel_args(ranking="random"), sg.derived_rng(0, "doc", "ranking"))[0]
+    assert sg.rank_related(0, cos, tfidf, **_sel_args(ranking="e5"))[0].tolist() == [1, 2, 3, 4]
+    assert sg.rank_related(0, cos, tfidf, **_sel_args(ranking="tfidf"))[0].tolist() == [3, 2, 4, 5]
+
+    def random_order(seed):
+        rng = sg.derived_rng(seed, "doc", "ranking")
+        return sg.rank_related(0, cos, tfidf, **_sel_args(ranking="random"), rng=rng)[0]
+
+    r1, r2 = random_order(0), random_order(0)
     assert r1.tolist() == r2.tolist() and 0 not in r1 and len(set(r1.tolist())) == 4
-    draws = {tuple(sg.rank_related(0, cos, tfidf, _sel_args(ranking="random"), sg.derived_rng(s, "doc", "ranking"))[0])
-             for s in range(20)}
+    draws = {tuple(random_order(s)) for s in range(20)}
     assert len(draws) > 5  # really random across seeds
-    # weights and k are flags: TF-IDF-only weight makes the order the TF-IDF order
-    assert sg.rank_related(0, cos, tfidf, _sel_args(rrf_weight_e5=0.0))[0].tolist() == [3, 2, 4, 5]
+    # weights and k are parameters: TF-IDF-only weight makes the order the TF-IDF order
+    assert sg.rank_related(0, cos, tfidf, **_sel_args(rrf_weight_e5=0.0))[0].tolist() == [3, 2, 4, 5]
 
 
 def test_ranks_are_one_based_with_shared_ties():
@@ -105,8 +108,8 @@ def test_split_passages_budget_and_text(minilm_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(minilm_path)
-    texts = [d["text"] for d in _docs(30)] + ["Title\n\n" + "A sentence of eight words in a row. " * 80 + "\nShare this\nA. B. C.",
-                                          "word " * 700]
+    long_doc = "Title\n\n" + "A sentence of eight words in a row. " * 80 + "\nShare this\nA. B. C."
+    texts = [d["text"] for d in _docs(30)] + [long_doc, "word " * 700]
     for t, ps in zip(texts, sg.split_passages(texts, tok, max_tokens=64, min_tokens=8)):
         lens = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in ps]
         assert max(lens) <= 64 + 2  # the budget (+2 for sub-word joins across pieces)
@@ -188,13 +191,15 @@ def test_readers_agree_jsonl_gz_parquet_and_hf_streaming(tmp_path):
         assert [(d.doc_id, d.text) for d in sg.iter_records(args)] == want, inp
     # field names are flags
     _write_jsonl(tmp_path / "b.jsonl", [{"doc": d["id"], "body": d["text"]} for d in docs])
-    args = sg.parse_args(["--input", str(tmp_path / "b.jsonl"), "--output_dir", "x", "--id_field", "doc", "--text_field", "body"])
+    args = sg.parse_args(["--input", str(tmp_path / "b.jsonl"), "--output_dir", "x",
+                          "--id_field", "doc", "--text_field", "body"])
     assert [d.doc_id for d in sg.iter_records(args)] == [d["id"] for d in docs]
 
 
 def test_passage_prefix_default():
     assert sg.parse_args(["--input", "x", "--output_dir", "o"]).passage_prefix == "passage: "  # E5 default
-    assert sg.parse_args(["--input", "x", "--output_dir", "o", "--model_name_or_path", "all-MiniLM-L6-v2"]).passage_prefix == ""
+    minilm = ["--model_name_or_path", "all-MiniLM-L6-v2"]
+    assert sg.parse_args(["--input", "x", "--output_dir", "o", *minilm]).passage_prefix == ""
     assert sg.parse_args(["--input", "x", "--output_dir", "o", "--passage_prefix", "p: "]).passage_prefix == "p: "
 
 
@@ -228,17 +233,19 @@ def test_groups_schema_and_same_document(tmp_path, tiny_bert, small_corpus, mini
     assert "anchor_share" in stats["threshold_source"]
     report = (out / "inspect.md").read_text()
     assert report.count("| ") > 10 and "**ANCHOR**" in report and "centrality" in report
-    # the schema train.py reads (INTERFACE.md), with load_dataset(out) on the folder itself
+    # the schema train.py reads (select_groups.group_schema()), with load_dataset(out) on the folder itself
     import datasets
     ds = datasets.load_dataset(str(out), split="train")
-    assert ds.features["related_index"].feature.dtype == "int32" and ds.features["anchor_centrality"].dtype == "float32"
-    assert set(ds.column_names) == {"doc_id", "group_index", "anchor_index", "anchor", "anchor_centrality", "related",
-                                    "related_index", "related_cosine", "related_tfidf", "related_rrf", "random_passage", "num_passages"}
+    assert ds.features["related_index"].feature.dtype == "int32"
+    assert ds.features["anchor_centrality"].dtype == "float32"
+    assert set(ds.column_names) == set(sg.group_schema().names)
+    assert ds.features == datasets.Features.from_arrow_schema(sg.group_schema())  # every column's type
 
 
 @pytest.mark.parametrize("mode,key", [("e5", "related_cosine"), ("tfidf", "related_tfidf"), ("random", None)])
 def test_ranking_modes_end_to_end(tmp_path, tiny_bert, small_corpus, mode, key):
-    _run(tiny_bert, small_corpus, tmp_path / "out", "--ranking", mode, "--anchor_share", "0.5", "--calibration_docs", "4")
+    _run(tiny_bert, small_corpus, tmp_path / "out", "--ranking", mode, "--anchor_share", "0.5",
+         "--calibration_docs", "4")
     rows = _rows(tmp_path / "out")
     assert rows
     if key:
@@ -251,7 +258,7 @@ def test_resume_after_crash_gives_identical_output(tmp_path, tiny_bert, small_co
     extra = ["--chunk_docs", "4", "--centrality_threshold", "0.0"]
     ref = _run(tiny_bert, small_corpus, tmp_path / "ref", *extra)
     # a crash while writing the third chunk
-    real, calls = sg.atomic_write_parquet, []
+    real, calls = sg.write_group_shard, []
 
     def crashing(path, rows):
         calls.append(path)
@@ -260,14 +267,14 @@ def test_resume_after_crash_gives_identical_output(tmp_path, tiny_bert, small_co
             raise RuntimeError("simulated crash")
         real(path, rows)
 
-    monkeypatch.setattr(sg, "atomic_write_parquet", crashing)
+    monkeypatch.setattr(sg, "write_group_shard", crashing)
     with pytest.raises(RuntimeError, match="simulated crash"):
         _run(tiny_bert, small_corpus, tmp_path / "out", *extra)
     assert not (tmp_path / "out" / "stats.json").exists()
     finished = sorted((tmp_path / "out").glob("groups-*.parquet"))
     mtimes = [p.stat().st_mtime_ns for p in finished]
     assert len(finished) == 2
-    monkeypatch.setattr(sg, "atomic_write_parquet", real)
+    monkeypatch.setattr(sg, "write_group_shard", real)
     # a different command is refused rather than mixed into the unfinished run
     with pytest.raises(FileExistsError, match="not made by this exact command"):
         _run(tiny_bert, small_corpus, tmp_path / "out", "--chunk_docs", "5", "--centrality_threshold", "0.0")
@@ -307,7 +314,8 @@ def test_two_processes_match_one(tmp_path, tiny_bert, small_corpus):
     a, b = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert len(a) == len(b) > 0
     for x, y in zip(a, b):
-        for k in ("doc_id", "group_index", "anchor_index", "anchor", "related", "related_index", "random_passage", "num_passages"):
+        for k in ("doc_id", "group_index", "anchor_index", "anchor", "related", "related_index", "random_passage",
+                  "num_passages"):
             assert x[k] == y[k], k
         for k in ("anchor_centrality", "related_cosine", "related_tfidf", "related_rrf"):
             np.testing.assert_allclose(x[k], y[k], atol=1e-5)

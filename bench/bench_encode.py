@@ -6,8 +6,10 @@ L2-normalised mean-pooled vectors, and the script checks they agree (cosine > 0.
 it reports speed. Each method runs `--repeats` times, interleaved so that load from other processes
 hits both alike; the best time of each counts (the usual micro-benchmark convention).
 
-    python bench/encode.py                          # bundled data/eval texts, all-MiniLM-L6-v2
-    python bench/encode.py --data ../shared/data --num_texts 2000 --batch_size 64
+From the repository root (it imports evaluate.py and modeling_xprt.py from there):
+
+    python -m bench.bench_encode                          # bundled data/eval texts, all-MiniLM-L6-v2
+    python -m bench.bench_encode --data ../shared/data --num_texts 2000 --batch_size 64
 
 Where the speed comes from (evaluate.encode_texts' docstring): one tokenizer call for the whole list,
 batches sorted by token count (sentence-transformers sorts by character count), no attention mask
@@ -17,23 +19,15 @@ when a batch has no padding (SDPA's unmasked path), inference_mode. Last line: `
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# `python bench/encode.py` puts bench/ first on sys.path, where bench/select.py would shadow the
-# standard library's `select` (imported by subprocess, hence by torch): put the repo root there instead.
-ROOT = Path(__file__).resolve().parent.parent
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(ROOT)
-else:
-    sys.path.insert(0, str(ROOT))
-
 import argparse
 import csv
 import json
 import os
 import random
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -74,7 +68,8 @@ def load_texts(data: Path, n: int, seed: int) -> list[str]:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="all-MiniLM-L6-v2", help="model folder, hub id or 'all-MiniLM-L6-v2'")
-    p.add_argument("--data", default=str(ROOT / "data" / "eval"), help="folder with scifact/, stsbenchmark/, banking77/")
+    p.add_argument("--data", default=str(ROOT / "data" / "eval"),
+                   help="folder with scifact/, stsbenchmark/, banking77/")
     p.add_argument("--num_texts", type=int, default=1024, help="texts to encode (a seeded sample of the mix)")
     p.add_argument("--batch_size", type=int, default=64, help="batch size, the same for both")
     p.add_argument("--max_length", type=int, default=256, help="token limit, the same for both (MiniLM: 256)")

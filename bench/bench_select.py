@@ -1,36 +1,34 @@
 """
 Benchmark of select_groups.py, measured in one run:
 
-1. time: the whole selection (read, IDF pass, split, embed, TF-IDF, rank, write parquet + stats) against
-   the embedding pass alone (embed_texts on the same passages, same model and batch size). Goal: <= 1.10,
-   i.e. everything around the encoder costs at most 10% more. Runs alternate (E S E S ...) and medians
-   are compared, because the machine may be shared.
+1. time: the whole selection (read, IDF pass, split, embed, TF-IDF, rank, write parquet + stats)
+   against the embedding pass alone (embed_texts on the same passages, same model and batch size).
+   Goal: <= 1.10, i.e. everything around the encoder costs at most 10% more. Runs alternate
+   (E S E S ...) and medians are compared, because the machine may be shared.
 2. memory: peak resident memory of a selection run at 1x and 10x the documents, each in its own
    process. Goal: growth <= 1.3x (documents are streamed in chunks of --chunk_docs). A tiny random
    BERT with the real tokenizer is the default encoder here: the model's memory is the same at 1x and
    10x, and a small one lets the 10x run finish in a minute on CPU.
 
-    python bench/select.py                          # defaults: bundled data/docs.jsonl, all-MiniLM-L6-v2
+From the repository root (it imports select_groups.py and modeling_xprt.py from there):
+
+    python -m bench.bench_select       # defaults: bundled data/docs.jsonl, all-MiniLM-L6-v2
+    python -m bench.bench_select --num_docs 2 --repeats 1 --memory_docs 4 --memory_scale 2 --chunk_docs 2  # smoke
+
 Last line: `ratio: <selection CPU time / embedding CPU time>` (wall-time ratio printed above it).
 """
 
+import argparse
+import json
 import os
+import resource
+import statistics
+import subprocess
 import sys
-
-# This file is named like the standard library's `select` module, and Python puts the script's folder
-# first on sys.path: drop it, or `import subprocess` would import this file instead.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -38,15 +36,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", default=os.path.join(ROOT, "data", "docs.jsonl"), help="JSONL documents (id, text).")
+    p.add_argument("--input", default=os.path.join(ROOT, "data", "docs.jsonl"),
+                   help="JSONL documents (id, text).")
     p.add_argument("--num_docs", type=int, default=10, help="Documents for the timing part.")
     p.add_argument("--repeats", type=int, default=3, help="Timed runs of each kind (alternating).")
     p.add_argument("--model_name_or_path", default="all-MiniLM-L6-v2", help="Selection encoder for the timing part.")
     p.add_argument("--batch_size", type=int, default=64, help="Embedding batch size (both sides).")
-    p.add_argument("--memory_docs", type=int, default=100, help="Documents of the 1x memory run (the input is repeated with new ids if needed).")
-    p.add_argument("--memory_scale", type=int, default=10, help="The large memory run reads this many times --memory_docs.")
-    p.add_argument("--memory_model", default="tiny", help="'tiny' (random 2-layer BERT, MiniLM tokenizer) or a model name / folder.")
-    p.add_argument("--chunk_docs", type=int, default=25, help="select_groups.py --chunk_docs in the memory runs: 4 chunks at 1x, 40 at 10x.")
+    p.add_argument("--memory_docs", type=int, default=100,
+                   help="Documents of the 1x memory run (the input is repeated with new ids if needed).")
+    p.add_argument("--memory_scale", type=int, default=10,
+                   help="The large memory run reads this many times --memory_docs.")
+    p.add_argument("--memory_model", default="tiny",
+                   help="'tiny' (random 2-layer BERT, MiniLM tokenizer) or a model name / folder.")
+    p.add_argument("--chunk_docs", type=int, default=25,
+                   help="select_groups.py --chunk_docs in the memory runs: 4 chunks at 1x, 40 at 10x.")
     p.add_argument("--_child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -132,7 +135,8 @@ def main():
 
     # warm-up selection: the first call pays one-time imports (scikit-learn, scipy, pyarrow), as the
     # embedding warm-up above pays the first-batch costs; neither belongs to a corpus-sized run
-    sg.main(["--input", write_jsonl(os.path.join(tmp, "warm.jsonl"), docs[:2]), "--output_dir", os.path.join(tmp, "warm"),
+    warm = write_jsonl(os.path.join(tmp, "warm.jsonl"), docs[:2])
+    sg.main(["--input", warm, "--output_dir", os.path.join(tmp, "warm"),
              "--model_name_or_path", args.model_name_or_path])
     emb, sel = [], []
     for i in range(args.repeats):
@@ -152,9 +156,10 @@ def main():
         n = args.memory_docs * scale
         f = write_jsonl(os.path.join(tmp, f"mem{scale}.jsonl"), read_docs(args.input, n))
         t = time.perf_counter()
-        res = subprocess.run([sys.executable, os.path.abspath(__file__), "--_child", "--input", f, "--output_dir",
-                              os.path.join(tmp, f"mem{scale}"), "--model_name_or_path", mem_model,
-                              "--chunk_docs", str(args.chunk_docs)], capture_output=True, text=True, cwd=ROOT)
+        cmd = [sys.executable, "-m", "bench.bench_select", "--_child", "--input", f,
+               "--output_dir", os.path.join(tmp, f"mem{scale}"), "--model_name_or_path", mem_model,
+               "--chunk_docs", str(args.chunk_docs)]
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if res.returncode:
             raise RuntimeError(res.stderr[-3000:])
         peaks[scale] = json.loads(res.stdout.strip().splitlines()[-1])["peak_rss_mb"]

@@ -1,6 +1,6 @@
 """How close is one xPRT training step to its floor, the 5 encoder passes alone?
 
-NOTES.md's FLOP count puts a full xPRT step (5 encoder passes, 10 one-layer decoder passes with
+The FLOP count in README, Notes puts a full xPRT step (5 encoder passes, 10 one-layer decoder passes with
 vocabulary logits only at the masked positions, the frozen teacher pass) at about 1.70x the
 forward + backward of the 5 encoder passes for BERT-base; the goal is <= 1.8x measured. This script
 times, in the same run and on the same batch (8 groups x 128 tokens by default, CPU fp32):
@@ -16,25 +16,18 @@ fused chunked vocabulary loss (default) and the plain one (full logits at the ma
 The last line is `ratio: <step / floor>` for the BERT-base config with the fused loss and the paper's
 (masked) retention student.
 
-    python bench/step.py                    # both encoders, ~5-10 min on 2 CPU cores
-    python bench/step.py --models minilm    # quick
+From the repository root (it imports modeling_xprt.py from there):
+
+    python -m bench.bench_step                    # both encoders, ~5-10 min on 2 CPU cores
+    python -m bench.bench_step --models minilm    # quick
 """
 
-import os
-import sys
+import argparse
+import time
 
-# Python puts bench/ first on sys.path, where bench/select.py would shadow the standard library's
-# `select` (imported by subprocess, hence by torch): drop bench/, add the repository root.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+import torch
 
-import argparse  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-
-import modeling_xprt as mx  # noqa: E402
+import modeling_xprt as mx
 
 
 def parse_args():
@@ -89,7 +82,10 @@ def make_rows(tokenizer, groups, max_length, seed=0):
     """Random word passages long enough to fill max_length tokens; groups from distinct documents."""
     g = torch.Generator().manual_seed(seed)
     words = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 2][:5000]
-    pick = lambda: " ".join(words[i] for i in torch.randint(len(words), (max_length,), generator=g).tolist())  # noqa: E731
+
+    def pick():
+        return " ".join(words[i] for i in torch.randint(len(words), (max_length,), generator=g).tolist())
+
     return [{"doc_id": f"d{i}", "anchor": pick(), "related": [pick() for _ in range(4)], "random_passage": pick()}
             for i in range(groups)]
 
@@ -154,7 +150,8 @@ def bench_model(name, args, device):
     def decoder_term(which):
         idx = [i for i, k in enumerate(kind) if k == which]
         sel = torch.tensor(idx, device=device)
-        src, tgt = torch.tensor([source[i] for i in idx], device=device), torch.tensor([target[i] for i in idx], device=device)
+        src = torch.tensor([source[i] for i in idx], device=device)
+        tgt = torch.tensor([target[i] for i in idx], device=device)
         d = len(idx)
         ids = batch["dec_input_ids"][:, sel].reshape(g * d, l)
         labels = batch["dec_labels"][:, sel].reshape(g * d, l)
@@ -190,7 +187,7 @@ def bench_model(name, args, device):
     for fused in ([True] if args.no_plain else [True, False]):
         model.fused_vocab_loss = fused
         tag = "fused" if fused else "plain"
-        # The paper's step (and NOTES.md's 1.70x estimate) reuses the masked vectors in the retention term:
+        # The paper's step (and the 1.70x estimate in README, Notes) reuses the masked vectors in the retention term:
         # 5 encoder passes + the teacher. Our default (--retention_student clean) adds 2 passes (anchor, s1 on
         # clean text): timed separately, so the breakdown below is the paper's step.
         model.retention_student = "masked"
@@ -205,14 +202,17 @@ def bench_model(name, args, device):
         }
         print(f"-- vocabulary loss: {tag}")
         print(f"   floor (5 encoder passes fwd+bwd): {t_floor:8.2f} s")
-        print(f"   full xPRT step (fwd+bwd, teacher): {t_step:8.2f} s   ratio {t_step / t_floor:.2f}x   (paper: masked retention student)")
-        print(f"   with --retention_student clean:    {t_clean:8.2f} s   ratio {t_clean / t_floor:.2f}x   (train.py default: +2 passes)")
+        print(f"   full xPRT step (fwd+bwd, teacher): {t_step:8.2f} s   ratio {t_step / t_floor:.2f}x   "
+              "(paper: masked retention student)")
+        print(f"   with --retention_student clean:    {t_clean:8.2f} s   ratio {t_clean / t_floor:.2f}x   "
+              "(train.py default: +2 passes)")
         print("   isolated terms (share of the full step):")
         print(f"     {'encoder 5 passes (the floor)':42s} {t_floor:7.2f} s  {100 * t_floor / t_step:5.1f}%")
         for k, v in terms.items():
             print(f"     {k:42s} {v:7.2f} s  {100 * v / t_step:5.1f}%")
         rest = t_step - t_floor - sum(terms.values())
-        print(f"     {'unaccounted (glue, gathers, copies)':42s} {rest:7.2f} s  {100 * rest / t_step:5.1f}%", flush=True)
+        print(f"     {'unaccounted (glue, gathers, copies)':42s} {rest:7.2f} s  {100 * rest / t_step:5.1f}%",
+              flush=True)
         results[tag] = t_step / t_floor
         results[tag + "+clean"] = t_clean / t_floor
     return results
