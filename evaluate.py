@@ -1,7 +1,7 @@
 """
 Evaluate sentence encoders the way the xPRT paper reports them: MTEB(eng, v2), per category, averaged.
 
-Read it beside ../shared/papers/xprt.md ("Experiments: what the results show"). The paper reports the
+Read it beside the xPRT paper ("Experiments: what the results show"). The paper reports the
 41-task MTEB average (`MTEB(eng, v2)`), category averages (retrieval nDCG@10, STS Spearman, ...) and one
 analysis of its own: ArguAna queries split into thirds by word overlap with their relevant document,
 nDCG@10 per third ("xPRT beats E5 in every third by 3.7 to 8.8 points").
@@ -14,12 +14,12 @@ Three ways to pick tasks, one scoring path (mteb's own evaluators, so the number
                                                                                  # local folders, offline
 
 A local folder is loaded into the *stock* mteb task (its class, metadata and metric), only `load_data`
-is replaced (NOTES.md: "mteb 2.26 offline"). Formats are auto-detected: BEIR retrieval (corpus.jsonl,
+is replaced (README, Notes: "mteb 2.26 offline"). Formats are auto-detected: BEIR retrieval (corpus.jsonl,
 queries.jsonl, qrels/test.tsv), the original STS-B / SICK / SemEval STS12-16 / BIOSSES files, and
 Banking77's train/test csv. Results are cached per (model, task, data, settings), so a rerun skips
 finished tasks. Outputs: results.md, results.json and results.png in --output_dir.
 
-Prefixes: E5 models were trained with "query: " / "passage: " and lose a lot without them (NOTES.md);
+Prefixes: E5 models were trained with "query: " / "passage: " and lose a lot without them (README, Notes);
 models trained without them (all-MiniLM-L6-v2) lose with them. `--prefix_mode auto` (default) uses
 E5 prefixes when the model's name, path or config names an E5 model, and none otherwise.
 """
@@ -35,18 +35,16 @@ import os
 import random
 import re
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
-from modeling_xprt import E5_PASSAGE_PREFIX, E5_QUERY_PREFIX, mean_pool, pick_device_and_dtype, resolve_model_path
+from modeling_xprt import (E5_PASSAGE_PREFIX, E5_QUERY_PREFIX, atomic_path, atomic_write, embed_texts, load_beir,
+                           pick_device_and_dtype, resolve_model_path)
 
-# Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (NOTES.md); keep it inside the repo.
+# Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (README, Notes); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))
 import mteb  # noqa: E402
 from mteb.models.abs_encoder import AbsEncoder  # noqa: E402
@@ -65,62 +63,7 @@ DEFAULT_BENCHMARK = "MTEB(eng, v2)"
 
 
 # ---------------------------------------------------------------------------------------------------
-# 1. Encoding: mean pooling over length-sorted batches (what E5 and xPRT use at serving time)
-# ---------------------------------------------------------------------------------------------------
-
-
-@torch.inference_mode()
-def encode_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, max_length: int = 512,
-                 prefix: str = "", show_progress: bool = False, desc: str = "encoding") -> np.ndarray:
-    """L2-normalised mean-pooled vectors of `texts` (input order) as a float32 (N, H) numpy array.
-
-    Same maths as modeling_xprt.embed_texts, made faster for evaluation (bench/encode.py measures it
-    against sentence-transformers' encode):
-      - the whole list is tokenised once, then sorted by *token* count, so each batch pads to within a
-        token or two of its own texts (character length, the usual proxy, mixes lengths more);
-      - a batch without padding is run with no attention mask, which lets SDPA take its unmasked path;
-      - inference_mode instead of no_grad (no version counters), one host copy per batch;
-      - a text that occurs several times is encoded once (STS sets repeat sentences: SICK's 19,854
-        sentences hold about 6,000 distinct ones).
-    """
-    from tqdm.auto import tqdm
-
-    base = getattr(model, "base_model", model)
-    device = next(base.parameters()).device
-    unique = list(dict.fromkeys(texts))  # first-occurrence order
-    if len(unique) < len(texts):
-        vecs = encode_texts(model, tokenizer, unique, batch_size, max_length, prefix, show_progress, desc)
-        where = {t: i for i, t in enumerate(unique)}
-        return vecs[[where[t] for t in texts]]
-    n = len(texts)
-    out = np.empty((n, base.config.hidden_size), dtype=np.float32)
-    if n == 0:
-        return out
-    ids = tokenizer([prefix + t for t in texts], truncation=True, max_length=max_length,
-                    add_special_tokens=True, return_attention_mask=False)["input_ids"]
-    order = sorted(range(n), key=lambda i: -len(ids[i]))  # longest first: an OOM shows up at once
-    pad_id = tokenizer.pad_token_id or 0
-    for start in tqdm(range(0, n, batch_size), desc=desc, disable=not show_progress, unit="batch"):
-        idx = order[start : start + batch_size]
-        lens = [len(ids[i]) for i in idx]
-        width = lens[0]
-        input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        for row, i in enumerate(idx):
-            input_ids[row, : lens[row]] = torch.tensor(ids[i])
-        input_ids = input_ids.to(device)
-        if lens[-1] == width:  # no padding in this batch: plain mean, no mask
-            hidden = base(input_ids=input_ids).last_hidden_state  # (B, L, H)
-            vec = hidden.float().mean(dim=1)
-        else:
-            mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).long().to(device)
-            hidden = base(input_ids=input_ids, attention_mask=mask).last_hidden_state
-            vec = mean_pool(hidden.float(), mask)
-        out[idx] = F.normalize(vec, dim=-1).cpu().numpy()
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# 2. The mteb model wrapper
+# 1. The mteb model wrapper (encoding: modeling_xprt.embed_texts, the batch embedder every script shares)
 # ---------------------------------------------------------------------------------------------------
 
 _E5_RE = re.compile(r"(^|[^a-z0-9])(m?e5)([^a-z0-9]|$)")
@@ -249,71 +192,15 @@ class XPRTEncoder(AbsEncoder):
     def encode(self, inputs, *, task_metadata, hf_split: str, hf_subset: str,
                prompt_type: Optional[PromptType] = None, **kwargs: Any) -> np.ndarray:
         texts = [t for batch in inputs for t in batch["text"]]
-        return encode_texts(self.model, self.tokenizer, texts, batch_size=self.batch_size,
-                            max_length=self.max_length, prefix=self.prefix_for(prompt_type),
-                            show_progress=self.show_progress,
-                            desc=f"{task_metadata.name} {prompt_type.value if prompt_type else 'text'}")
+        desc = f"{task_metadata.name} {prompt_type.value if prompt_type else 'text'}"
+        return embed_texts(self.model, self.tokenizer, texts, batch_size=self.batch_size,
+                           max_length=self.max_length, prefix=self.prefix_for(prompt_type),
+                           show_progress=self.show_progress, desc=desc).numpy()
 
 
 # ---------------------------------------------------------------------------------------------------
-# 3. Local task folders -> the data layout of the stock mteb task
+# 2. Local task folders -> the data layout of the stock mteb task
 # ---------------------------------------------------------------------------------------------------
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as err:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from err
-    return rows
-
-
-def load_beir_folder(folder: Path, split: str = "test") -> dict:
-    """BEIR layout -> {"corpus": {id: (title, text)}, "queries": {id: text}, "qrels": {qid: {did: score}}}.
-
-    Only the queries judged in qrels/<split>.tsv are kept: ../shared/data/scifact/queries.jsonl holds the
-    809 train claims as well as the 300 test ones, and BEIR/mteb evaluate the split's queries only.
-    qrels ids missing from the corpus are counted, warned about and dropped (MTEB's ArguAna has 5);
-    judged queries with an empty text are an error, because a blank query scores as noise.
-    """
-    for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
-        if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder}: BEIR layout needs {name} (corpus.jsonl, queries.jsonl, qrels/{split}.tsv)")
-    corpus = {}
-    for row in _read_jsonl(folder / "corpus.jsonl"):
-        corpus[str(row["_id"])] = (row.get("title") or "", row.get("text") or "")
-    all_queries = {str(r["_id"]): r.get("text") or "" for r in _read_jsonl(folder / "queries.jsonl")}
-    qrels: dict[str, dict[str, int]] = {}
-    with open(folder / "qrels" / f"{split}.tsv", encoding="utf-8") as f:
-        for line_no, parts in enumerate(csv.reader(f, delimiter="\t"), 1):
-            if not parts or (line_no == 1 and not parts[-1].strip().lstrip("-").isdigit()):
-                continue  # blank line, or the "query-id corpus-id score" header
-            if len(parts) == 4:  # TREC qrels: qid 0 docid score
-                parts = [parts[0], parts[2], parts[3]]
-            qid, did, score = parts[0], parts[1], int(parts[2])
-            qrels.setdefault(qid, {})[did] = score
-    missing_docs = [(q, d) for q, ds in qrels.items() for d in ds if d not in corpus]
-    if missing_docs:
-        warnings.warn(f"{folder}: {len(missing_docs)} qrels lines point to documents absent from corpus.jsonl "
-                      f"(e.g. {missing_docs[0][1]!r}); they are dropped")
-        for q, d in missing_docs:
-            del qrels[q][d]
-    missing_q = [q for q in qrels if q not in all_queries]
-    if missing_q:
-        warnings.warn(f"{folder}: {len(missing_q)} judged query ids are absent from queries.jsonl "
-                      f"(e.g. {missing_q[0]!r}); they are dropped")
-    qrels = {q: ds for q, ds in qrels.items() if q in all_queries and any(s > 0 for s in ds.values())}
-    if not qrels:
-        raise ValueError(f"{folder}: no judged query with a relevant document in corpus.jsonl")
-    queries = {q: all_queries[q] for q in qrels}
-    empty = [q for q, t in queries.items() if not t.strip()]
-    if empty:
-        raise ValueError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
-    return {"corpus": corpus, "queries": queries, "qrels": qrels}
 
 
 def _sts_rows_semeval(folder: Path) -> list[tuple[str, str, float]]:
@@ -416,7 +303,7 @@ def parse_local_spec(spec: str) -> tuple[str, Path, str]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# 4. The task mix-in: local data, --limit sampling, per-query scores for the overlap analysis
+# 3. The task mix-in: local data, --limit sampling, per-query scores for the overlap analysis
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -480,7 +367,7 @@ class _XPRTTaskMixin:
         split = self.metadata.eval_splits[0]
         lim, rng = self._xprt_limit, random.Random(self._xprt_seed)
         if kind == "retrieval":
-            data = load_beir_folder(folder, split)
+            data = load_beir(folder, split)
             if lim:
                 data = subsample_retrieval(data, lim, self._xprt_corpus_limit, self._xprt_seed)
             corpus = Dataset.from_dict({"id": list(data["corpus"]), "title": [t for t, _ in data["corpus"].values()],
@@ -565,7 +452,7 @@ def build_task(name: str, local: Optional[tuple[Path, str]] = None, limit: Optio
 
 
 # ---------------------------------------------------------------------------------------------------
-# 5. Running: one model at a time, every task, a JSON cache so reruns skip finished tasks
+# 4. Running: one model at a time, every task, a JSON cache so reruns skip finished tasks
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -581,22 +468,6 @@ def _data_fingerprint(folder: Optional[Path]) -> str:
             with open(f, "rb") as fh:
                 h.update(hashlib.file_digest(fh, "sha1").digest())
     return h.hexdigest()[:16]
-
-
-def _atomic_write(path: Path, data: bytes | str):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    _default_mode(tmp)
-    os.replace(tmp, path)
-
-
-def _default_mode(path):
-    """mkstemp creates files readable by their owner only; give them the usual umask-based mode."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
 
 
 def evaluate_model_on_task(encoder: XPRTEncoder, task, batch_size: int) -> dict:
@@ -672,7 +543,7 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
                                   task=bench_task)
                 result = evaluate_model_on_task(encoder, task, batch_size)
                 if cfile is not None:
-                    _atomic_write(cfile, json.dumps(result))
+                    atomic_write(cfile, json.dumps(result))
             result["source"] = str(local[0]) if local else "mteb (online)"
             out["results"][model_name][name] = result
             logger.info("%s | %s: %s = %.2f", model_name, name, result["metric"], result["main_score"])
@@ -681,7 +552,7 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
 
 
 # ---------------------------------------------------------------------------------------------------
-# 6. Tables, overlap analysis and the bar chart
+# 5. Tables, overlap analysis and the bar chart
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -751,10 +622,12 @@ def to_markdown(out: dict, summ: dict, overlaps: Sequence[dict] = ()) -> str:
     lines += ["", "## Per category", "", head.replace("| task | type | metric", "| category | tasks | metric"), sep]
     for c in summ["categories"]:
         k = sum(t["type"] == c for t in out["tasks"])
-        cells = [c, str(k), CATEGORY_METRIC.get(c, "main score")] + [f"{summ['per_category'][m][c]:.2f}" for m in models]
+        cells = [c, str(k), CATEGORY_METRIC.get(c, "main score")]
+        cells += [f"{summ['per_category'][m][c]:.2f}" for m in models]
         cells += [f"{summ['delta_per_category'][m][c]:+.2f}" for m in models[1:]]
         lines.append("| " + " | ".join(cells) + " |")
-    cells = ["**average**", str(len(out["tasks"])), "mean over tasks"] + [f"**{summ['average'][m]:.2f}**" for m in models]
+    cells = ["**average**", str(len(out["tasks"])), "mean over tasks"]
+    cells += [f"**{summ['average'][m]:.2f}**" for m in models]
     cells += [f"{summ['delta_average'][m]:+.2f}" for m in models[1:]]
     lines.append("| " + " | ".join(cells) + " |")
     for ov in overlaps:
@@ -795,12 +668,9 @@ def plot_bars(summ: dict, models: Sequence[str], path: Path):
     ax.legend(fontsize=8)
     ax.set_title("per task, per category and average")
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=130)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=130)
     plt.close(fig)
-    _default_mode(tmp)
-    os.replace(tmp, path)
 
 
 def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (), overwrite: bool = False) -> dict:
@@ -812,10 +682,10 @@ def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (),
     output_dir.mkdir(parents=True, exist_ok=True)
     summ = summarize(out)
     overlaps = [overlap_analysis(out, t) for t in overlap_tasks]
-    _atomic_write(output_dir / "results.md", to_markdown(out, summ, overlaps))
+    atomic_write(output_dir / "results.md", to_markdown(out, summ, overlaps))
     slim = {m: {t: {k: v for k, v in r.items() if k != "per_query"} for t, r in rs.items()}
             for m, rs in out["results"].items()}
-    _atomic_write(output_dir / "results.json", json.dumps(
+    atomic_write(output_dir / "results.json", json.dumps(
         {"models": out["models"], "tasks": out["tasks"], "summary": summ, "overlap_analysis": overlaps,
          "results": slim}, indent=1))
     plot_bars(summ, out["models"], output_dir / "results.png")
@@ -823,7 +693,7 @@ def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (),
 
 
 # ---------------------------------------------------------------------------------------------------
-# 7. Command line
+# 6. Command line
 # ---------------------------------------------------------------------------------------------------
 
 

@@ -1,23 +1,44 @@
 """
-xPRT's model and math in one file (paper: "The objective"; PAIR for the fine-tuning stage).
+xPRT's model and math in one file (the xPRT paper, "The objective"; the PAIR paper for the fine-tuning stage).
 
-Read it beside ../shared/papers/xprt.md. Every equation of the paper is one function below, named
-after it, with the equation and the paper's constants in its docstring.
-
-This first section holds the pieces every script shares: where a model name points to, mean
-pooling, and batched, length-sorted embedding of plain texts (used by select_groups.py to pick the
-groups, by evaluate.py, and by train.py to mine hard negatives).
+Read top to bottom beside the paper:
+  1. shared utilities: model names, E5 prefixes, atomic outputs, JSONL and BEIR reading, the document-id hash
+  2. encoder utilities: mean pooling, the one batch embedder, gathering across processes
+  3. the equations, one function each, in the paper's order: L_xp, L_cross, L_self, L_MLM, L_unif, the
+     retention KL; the two baselines (random-span contrastive, self-reconstruction); PAIR's L_Q, L_P and their mix
+  4. the model: loading the encoder with its MLM head, the one-layer conditioned decoder, XPRTModel
+  5. the collators: rows -> one batch of tensors (all masking and cropping)
+  6. how the vocabulary terms are made fast: the chunked, fused projection + cross-entropy / KL
+Every other script imports this one; it imports none of them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
 import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-# The E5 family was trained with these prefixes; dropping them costs a lot (NOTES.md: TREC-COVID
+logger = logging.getLogger("xprt")
+
+
+# ==============================================================================================================
+# 1. Shared utilities
+# Model names, E5 prefixes, and one definition each of what every script needs: atomic outputs, JSONL with
+# line numbers, the BEIR reader, the document-id hash.
+# ==============================================================================================================
+
+
+# The E5 family was trained with these prefixes; dropping them costs a lot (README, Notes: TREC-COVID
 # 51.0 vs 79.6 in one report). Models trained without them (MiniLM) take an empty prefix.
 E5_QUERY_PREFIX = "query: "
 E5_PASSAGE_PREFIX = "passage: "
@@ -48,6 +69,124 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temporary sibling of `path` to write (a file or a folder); on success it replaces `path` in one
+    rename, so a reader sees the old output or the new one, never half of one. On an error the temporary is
+    removed and `path` is untouched. The temporary keeps `path`'s suffix (matplotlib, pyarrow and numpy pick the
+    format from it) and starts with '.tmp-' so folder scans can skip leftovers of a killed run.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{os.getpid()}-{path.name}"
+    _remove(tmp)
+    try:
+        yield tmp
+        if path.is_dir() and tmp.is_dir():
+            # a folder cannot be renamed over a non-empty folder: move the old one aside first
+            old = path.parent / f".old-{os.getpid()}-{path.name}"
+            _remove(old)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            _remove(old)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(p: Path):
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def atomic_write(path, data) -> None:
+    """Write `data` (str or bytes) to `path` atomically (see atomic_path)."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def read_jsonl(path) -> list:
+    """The JSON records of a JSONL file (blank lines skipped). A line that is not JSON raises an error naming the
+    file and the line number."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError as err:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from err
+    return rows
+
+
+def load_beir(folder, split: str = "test") -> dict:
+    """A BEIR-layout folder -> {"corpus": {id: (title, text)}, "queries": {id: text}, "qrels": {qid: {did: score}}}.
+
+    The one BEIR reader: evaluate.py scores its test split, finetune.py trains on its train split. Only the
+    queries judged in qrels/<split>.tsv are kept (SciFact's queries.jsonl holds the 809 train claims and the 300
+    test ones), and only those with at least one relevant (score > 0) document. qrels ids missing from the corpus
+    or the queries are counted, warned about and dropped (MTEB's ArguAna has 5); a judged query with an empty
+    text is an error, because a blank query scores as noise. TREC-style 4-column qrels are accepted.
+    """
+    import csv
+    import warnings
+
+    folder = Path(folder)
+    for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder}: BEIR layout needs {name} (corpus.jsonl, queries.jsonl, "
+                                    f"qrels/{split}.tsv)")
+    corpus = {str(r["_id"]): (r.get("title") or "", r.get("text") or "") for r in read_jsonl(folder / "corpus.jsonl")}
+    all_queries = {str(r["_id"]): r.get("text") or "" for r in read_jsonl(folder / "queries.jsonl")}
+    qrels: dict[str, dict[str, int]] = {}
+    qrels_file = folder / "qrels" / f"{split}.tsv"
+    with open(qrels_file, encoding="utf-8") as f:
+        for line_no, parts in enumerate(csv.reader(f, delimiter="\t"), 1):
+            if not parts or (line_no == 1 and not parts[-1].strip().lstrip("-").isdigit()):
+                continue  # blank line, or the "query-id corpus-id score" header
+            if len(parts) == 4:  # TREC qrels: qid 0 docid score
+                parts = [parts[0], parts[2], parts[3]]
+            try:
+                qid, did, score = parts[0], parts[1], int(parts[2])
+            except (IndexError, ValueError) as err:
+                raise ValueError(f"{qrels_file}:{line_no}: expected query-id, corpus-id, score ({err})") from err
+            qrels.setdefault(qid, {})[did] = score
+    missing_docs = [(q, d) for q, ds in qrels.items() for d in ds if d not in corpus]
+    if missing_docs:
+        warnings.warn(f"{folder}: {len(missing_docs)} qrels lines point to documents absent from corpus.jsonl "
+                      f"(e.g. {missing_docs[0][1]!r}); they are dropped")
+        for q, d in missing_docs:
+            del qrels[q][d]
+    missing_q = [q for q in qrels if q not in all_queries]
+    if missing_q:
+        warnings.warn(f"{folder}: {len(missing_q)} judged query ids are absent from queries.jsonl "
+                      f"(e.g. {missing_q[0]!r}); they are dropped")
+    qrels = {q: ds for q, ds in qrels.items() if q in all_queries and any(s > 0 for s in ds.values())}
+    if not qrels:
+        raise ValueError(f"{folder}: no judged query with a relevant document in corpus.jsonl")
+    queries = {q: all_queries[q] for q in qrels}
+    empty = [q for q, t in queries.items() if not t.strip()]
+    if empty:
+        raise ValueError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
+    return {"corpus": corpus, "queries": queries, "qrels": qrels}
+
+
+def stable_doc_hash(doc_id: str) -> int:
+    """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label
+    of L_xp, and the duplicate-id check of select_groups.py."""
+    return int.from_bytes(hashlib.blake2b(str(doc_id).encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+
+
+# ==============================================================================================================
+# 2. Encoder utilities
+# Pooling, the device, the one batch embedder, and gathering vectors across processes.
+# ==============================================================================================================
+
+
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Mean of the token vectors over the attention mask: the sentence vector of E5 and xPRT.
 
@@ -72,101 +211,57 @@ def pick_device_and_dtype(device: Optional[str] = None, dtype: Optional[str] = N
     return dev, dt
 
 
-@torch.no_grad()
-def embed_texts(
-    model,
-    tokenizer,
-    texts: Sequence[str],
-    batch_size: int = 64,
-    max_length: int = 512,
-    prefix: str = "",
-    show_progress: bool = False,
-    desc: str = "embedding",
-) -> torch.Tensor:
+@torch.inference_mode()
+def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, max_length: int = 512,
+                prefix: str = "", show_progress: bool = False, desc: str = "embedding") -> torch.Tensor:
     """L2-normalised mean-pooled vectors of `texts`, in input order, as a CPU float32 (N, H) tensor.
 
-    `model` is any transformers encoder (AutoModel, or an *ForMaskedLM whose base model we call);
-    it is used on whatever device and dtype it already sits on. Texts are sorted by length so each
-    batch pads to its own longest text, not the corpus's: on web passages that roughly halves the
-    tokens processed.
+    The one batch embedder of the repository: select_groups.py (centrality and the E5 ranking), finetune.py
+    (hard-negative mining) and evaluate.py (the mteb wrapper) all call it. `model` is any transformers encoder
+    (AutoModel, or an *ForMaskedLM whose base model is called), used on the device and dtype it sits on.
+      - the whole list is tokenised once and sorted by *token* count, so each batch pads to within a token or
+        two of its own texts (longest first: an out-of-memory error shows up on the first batch);
+      - a batch without padding runs with no attention mask, which lets SDPA take its unmasked path;
+      - a text that occurs several times is encoded once (STS sets repeat sentences: SICK's 19,854 sentences
+        hold about 6,000 distinct ones).
     """
     from tqdm.auto import tqdm
 
+    unique = list(dict.fromkeys(texts))  # first-occurrence order
+    if len(unique) < len(texts):
+        vecs = embed_texts(model, tokenizer, unique, batch_size, max_length, prefix, show_progress, desc)
+        where = {t: i for i, t in enumerate(unique)}
+        return vecs[[where[t] for t in texts]]
     base = getattr(model, "base_model", model)
     device = next(base.parameters()).device
     n = len(texts)
     out = torch.empty(n, base.config.hidden_size, dtype=torch.float32)
     if n == 0:
         return out
-    # Character length is a cheap, good proxy for token length; sorting longest first also makes
-    # an out-of-memory error show up on the first batch instead of late in the run.
-    order = sorted(range(n), key=lambda i: -len(texts[i]))
+    ids = tokenizer([prefix + t for t in texts], truncation=True, max_length=max_length,
+                    add_special_tokens=True, return_attention_mask=False)["input_ids"]
+    order = sorted(range(n), key=lambda i: -len(ids[i]))
+    pad_id = tokenizer.pad_token_id or 0
     for start in tqdm(range(0, n, batch_size), desc=desc, disable=not show_progress, unit="batch"):
         idx = order[start : start + batch_size]
-        enc = tokenizer(
-            [prefix + texts[i] for i in idx],
-            padding=True,
-            truncation=True,
-            max_length=max_length,
-            return_tensors="pt",
-        ).to(device)
-        hidden = base(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state
-        vec = F.normalize(mean_pool(hidden.float(), enc["attention_mask"]), dim=-1)
-        out[torch.tensor(idx)] = vec.cpu()
+        lens = [len(ids[i]) for i in idx]
+        width = lens[0]
+        input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        for row, i in enumerate(idx):
+            input_ids[row, : lens[row]] = torch.tensor(ids[i])
+        input_ids = input_ids.to(device)
+        if lens[-1] == width:  # no padding in this batch: plain mean, no mask
+            vec = base(input_ids=input_ids).last_hidden_state.float().mean(dim=1)
+        else:
+            mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).long().to(device)
+            vec = mean_pool(base(input_ids=input_ids, attention_mask=mask).last_hidden_state.float(), mask)
+        out[torch.tensor(idx)] = F.normalize(vec, dim=-1).cpu()
     return out
 
 
-# =================================================================================================
-# Training-time model: encoder + MLM head, the conditioned one-layer decoder, and every loss term.
-#
-# Batch layout (XPRTCollator below builds it; one tensor per field, no per-group Python in the
-# model):   G groups, P = 1 + num_related passages per group (index 0 = anchor a, 1 = s1, ...),
-#           L tokens, D = 2 * num_related + 2 decoder passes per group, C conditioning vectors.
-#   input_ids, attention_mask, mlm_labels   (G, P, L)   15%-masked encoder input, MLM targets
-#   dec_input_ids, dec_labels               (G, D, L)   60%-masked decoder inputs, their targets
-#   retain_input_ids, retain_attention_mask (G, 2, L')  clean anchor and s1 for the frozen teacher
-#   doc_ids                                 (G,)        stable int64 hash of the document id
-# =================================================================================================
-
-import hashlib
-import json
-import logging
-import shutil
-import tempfile
-from dataclasses import asdict, dataclass
-
-from torch import nn
-
-logger = logging.getLogger("xprt")
-
-OBJECTIVES = ("xprt", "contrastive_random_span", "self_reconstruction", "pair")
-
-
-@dataclass
-class LossWeights:
-    """Weights of the xPRT terms. L = xp * L_xp + cross * L_cross + self_fill * L_self + mlm * L_MLM
-    + unif * L_unif (+ the retention term, whose weight 40 -> 0 is scheduled by train.py).
-
-    xp = 1.0 and cross = 0.1 are the paper's. self_fill, mlm and unif are NOT given by our source:
-    these defaults are OURS - we give each auxiliary term the same weight, 0.1, as the paper's one
-    auxiliary weight (L_cross), so that L_xp stays the dominant signal. tau = 0.05 is the paper's.
-    """
-
-    xp: float = 1.0
-    cross: float = 0.1
-    self_fill: float = 0.1  # ours
-    mlm: float = 0.1  # ours
-    unif: float = 0.1  # ours
-    tau: float = 0.05
-
-
-# ------------------------------------------------------------------------------------------------
-# Distributed helpers
-# ------------------------------------------------------------------------------------------------
-
-
 def _dist_on() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
@@ -177,7 +272,7 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
     into each process's local slice, the gradients that every process's loss sends to it. Each
     process must therefore compute its loss on its LOCAL rows only (against the gathered
     candidates); DDP's gradient averaging then yields exactly the gradient of the global mean loss
-    (proved by tests/test_modeling_dist.py: 2 processes == 1 process holding the whole batch).
+    (proved by tests/test_modeling.py::test_two_process_gather_equals_single_process).
     Every process must hold the same number of rows (drop_last).
     """
     if not _dist_on():
@@ -206,17 +301,15 @@ def _rank() -> int:
     return torch.distributed.get_rank() if _dist_on() else 0
 
 
-def stable_doc_hash(doc_id: str) -> int:
-    """Deterministic int64 id of a document (Python's hash() is salted per process)."""
-    return int.from_bytes(hashlib.blake2b(str(doc_id).encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+# ==============================================================================================================
+# 3. The equations, in the paper's order
+# L_xp (the main term), L_cross (fill-in), L_self, L_MLM, L_unif, the retention KL; then the two baselines the
+# paper compares with, then PAIR's L_Q, L_P and their mix. cross/self/MLM share one vocabulary loss (section 6).
+# ==============================================================================================================
 
 
-# ------------------------------------------------------------------------------------------------
-# Loss terms: one function per equation
-# ------------------------------------------------------------------------------------------------
-
-
-def info_nce(queries: torch.Tensor, keys: torch.Tensor, labels: torch.Tensor, tau: float, exclude: Optional[torch.Tensor] = None) -> torch.Tensor:
+def info_nce(queries: torch.Tensor, keys: torch.Tensor, labels: torch.Tensor, tau: float,
+             exclude: Optional[torch.Tensor] = None) -> torch.Tensor:
     """-log softmax(cos(q, k) / tau)[label], averaged over queries.
 
     Also known as MultipleNegativesRankingLoss; temperature tau = 0.05 is sentence-transformers'
@@ -252,6 +345,31 @@ def xp_loss(anchors: torch.Tensor, s1: torch.Tensor, doc_ids: torch.Tensor, tau:
     return 0.5 * (a_to_s + s_to_a)
 
 
+def cross_fill_loss(hidden, weight, bias, targets, **kw) -> torch.Tensor:
+    """L_cross (weight 0.1): masked-token cross-entropy of the conditioned one-layer decoder.
+
+    The anchor's vector -> one linear map -> 4 conditioning vectors inserted after [CLS] of a
+    related passage whose tokens are 60% masked; the decoder predicts the masked words through the
+    encoder's own MLM head. Both directions: the anchor fills each of the 4 related passages, each
+    related passage fills the anchor (8 passes per group). hidden: (M, H) transformed decoder states
+    at the masked positions of all 8 passes of all groups, targets (M,)."""
+    return vocab_loss(hidden, weight, bias, targets=targets, **kw)
+
+
+def self_fill_loss(hidden, weight, bias, teacher_hidden, **kw) -> torch.Tensor:
+    """L_self: the decoder fills a passage's own masked words from that passage's own vector; the
+    target is the encoder's word distribution (detached) at the same positions of its 15%-masked
+    pass:  KL( softmax(head(h_enc)) || softmax(head(h_dec)) ), anchor and s1 only (2 passes)."""
+    return vocab_loss(hidden, weight, bias, teacher_hidden=teacher_hidden, **kw)
+
+
+def mlm_loss(hidden, weight, bias, targets, **kw) -> torch.Tensor:
+    """L_MLM: the encoder's masked-LM cross-entropy on the 15%-masked passes that also give the
+    sentence vectors; it keeps the teacher of L_self from drifting. hidden: (M, H) transformed
+    hidden states at the masked positions, targets (M,) the original tokens."""
+    return vocab_loss(hidden, weight, bias, targets=targets, **kw)
+
+
 def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
     """L_unif (Wang & Isola 2020): log mean_{i != j} exp(-t ||x_i - x_j||^2), x L2-normalised, t = 2.
 
@@ -265,7 +383,8 @@ def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
     return torch.logsumexp(-t * sq[off], dim=0) - torch.log(torch.tensor(float(n * (n - 1)), device=x.device))
 
 
-def retention_loss(student_anchors, student_related, teacher_anchors, teacher_related, tau: float = 0.05) -> torch.Tensor:
+def retention_loss(student_anchors, student_related, teacher_anchors, teacher_related,
+                   tau: float = 0.05) -> torch.Tensor:
     """L_retain: keep the frozen starting model's (E5's) view of which passages resemble which.
 
     S = cos(anchors, related) / tau for the current model and T for the frozen teacher (unmasked
@@ -280,9 +399,744 @@ def retention_loss(student_anchors, student_related, teacher_anchors, teacher_re
         t = F.normalize(teacher_anchors.float(), dim=-1) @ F.normalize(teacher_related.float(), dim=-1).t() / tau
 
     def kl(t_logits, s_logits):  # mean over rows of KL(softmax(t) || softmax(s))
-        return F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True, reduction="batchmean")
+        return F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
+                        reduction="batchmean")
 
     return 0.5 * (kl(t, s) + kl(t.t(), s.t()))
+
+
+def contrastive_random_span(view1: torch.Tensor, view2: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
+    """Contriever-style baseline: two independent random crops of one passage (length ratio
+    uniform in [0.1, 0.5], XPRTCollator) form the positive pair; InfoNCE, tau = 0.05, with the
+    (gathered) in-batch crops as negatives, one direction (view1 -> view2) as in Contriever."""
+    all_v2 = gather_with_grad(view2)
+    n = view1.shape[0]
+    labels = torch.arange(n, device=view1.device) + _rank() * n
+    return info_nce(view1, all_v2, labels, tau)
+
+
+def self_reconstruction(recon_loss: torch.Tensor, encoder_mlm_loss: torch.Tensor) -> torch.Tensor:
+    """RetroMAE-style baseline: L = L_recon + L_MLM. The encoder reads the passage 30%-masked
+    (L_MLM); the same one-layer decoder rebuilds the passage, 50%-masked, from the passage's own
+    vector (L_recon, cross-entropy at the masked positions). Weights 1 and 1 as in RetroMAE."""
+    return recon_loss + encoder_mlm_loss
+
+
+def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
+    """PAIR's query-centric L_Q (Eq. 1): the query picks its positive among its positive, its hard
+    negatives and every other passage of the batch gathered from all processes (cross-batch negatives):
+        L_Q = -log exp(f(q, p+)) / (exp(f(q, p+)) + sum_{p- in N_P} exp(f(q, p-))),  f = cos / tau.
+    queries: (B, H); passages: (B, 1 + n, H), positive first. PAIR's official code uses raw inner
+    products of [CLS]; our encoders are mean-pooled cosine models, hence cos / tau (tau = 0.05)."""
+    b, k, h = passages.shape
+    all_p = gather_with_grad(passages.reshape(b * k, h))  # (world * B * k, H)
+    labels = (torch.arange(b, device=queries.device) + _rank() * b) * k
+    return info_nce(queries, all_p, labels, tau)
+
+
+def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
+    """PAIR's passage-centric L_P (Eq. 2), as in the PAIR paper and its official code: the positive
+    passage is the anchor; the candidates are its own query and the negative passages (its hard
+    negatives and every other query's, gathered across processes); the label is its query:
+        L_P = -log exp(f(p+, q)) / (exp(f(p+, q)) + sum_{p- in N_P} exp(f(p+, p-))),
+    i.e. it enforces s(p+, q) > s(p+, p-). NOTE: the seed card prints the numerator as
+    exp(-f(p+, p+)), which reads as a transcription error (a passage against itself, negated, makes
+    the loss push p+ away from itself); we implement the paper's form. Needs >= 1 negative per query."""
+    b, k, h = passages.shape
+    if k < 2:
+        raise ValueError("pair_p_loss needs at least one negative passage per query (num_negatives >= 1)")
+    pos = passages[:, 0]  # (B, H)
+    all_neg = gather_with_grad(passages[:, 1:].reshape(b * (k - 1), h))  # (world * B * n, H)
+    pos_n, q_n, neg_n = F.normalize(pos, dim=-1), F.normalize(queries, dim=-1), F.normalize(all_neg, dim=-1)
+    logits = torch.cat([(pos_n * q_n).sum(-1, keepdim=True), pos_n @ neg_n.t()], dim=1) / tau  # (B, 1 + world*B*n)
+    return F.cross_entropy(logits.float(), torch.zeros(b, dtype=torch.long, device=pos.device))
+
+
+def pair_loss(l_q: torch.Tensor, l_p: torch.Tensor, alpha: float) -> torch.Tensor:
+    """PAIR's combined objective (Eq. 3): L = (1 - alpha) L_Q + alpha L_P. alpha = 0 is plain
+    fine-tuning (PAIR's second stage); the official code's pre-training stage uses alpha = 0.1
+    constant, the seed describes a decaying alpha: both are schedules in train.py."""
+    return (1.0 - alpha) * l_q + alpha * l_p
+
+
+# ==============================================================================================================
+# 4. The model
+# Batch layout (the collators of section 5 build it; one tensor per field, no per-group Python in the model):
+# G groups, P = 1 + num_related passages per group (index 0 = anchor a, 1 = s1, ...), L tokens,
+# D = 2 * num_related + 2 decoder passes per group, C conditioning vectors.
+#   input_ids, attention_mask, mlm_labels   (G, P, L)   15%-masked encoder input, MLM targets
+#   dec_input_ids, dec_labels               (G, D, L)   60%-masked decoder inputs, their targets
+#   retain_input_ids, retain_attention_mask (G, 2, L')  clean anchor and s1 for the frozen teacher
+#   doc_ids                                 (G,)        stable int64 hash of the document id
+# ==============================================================================================================
+
+
+# The pre-training objectives (train.py --objective) and PAIR's fine-tuning objective (finetune.py).
+PRETRAIN_OBJECTIVES = ("xprt", "contrastive_random_span", "self_reconstruction")
+OBJECTIVES = PRETRAIN_OBJECTIVES + ("pair",)
+
+
+@dataclass
+class LossWeights:
+    """Weights of the xPRT terms. L = xp * L_xp + cross * L_cross + self_fill * L_self + mlm * L_MLM
+    + unif * L_unif (+ the retention term, whose weight 40 -> 0 is scheduled by train.py).
+
+    xp = 1.0 and cross = 0.1 are the paper's. self_fill, mlm and unif are NOT given by our source:
+    these defaults are OURS - we give each auxiliary term the same weight, 0.1, as the paper's one
+    auxiliary weight (L_cross), so that L_xp stays the dominant signal. tau = 0.05 is the paper's.
+    """
+
+    xp: float = 1.0
+    cross: float = 0.1
+    self_fill: float = 0.1  # ours
+    mlm: float = 0.1  # ours
+    unif: float = 0.1  # ours
+    tau: float = 0.05
+
+
+def _head_params(mlm_model) -> dict:
+    """The MLM head's own parameters (not the base model's, not the projection tied to the word
+    embeddings), by name: what xprt_heads.safetensors stores and what mlm_head_from copies."""
+    prefix = mlm_model.base_model_prefix + "."
+    # named_parameters() drops duplicates, so the tied projection (= word embeddings, seen first
+    # in the base model) and BERT's decoder.bias (= predictions.bias) appear once.
+    return {k: p for k, p in mlm_model.named_parameters() if not k.startswith(prefix)}
+
+
+def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, trust_remote_code: bool = False):
+    """Any BERT-family checkpoint as an AutoModelForMaskedLM with SDPA attention -> (model, message).
+
+    E5 and MiniLM are saved as plain BertModel: transformers then reports the head
+    (cls.predictions.*) as missing keys and initialises it fresh - transform N(0, 0.02), bias 0 -
+    with the vocabulary projection tied to the word embeddings (tie_word_embeddings). That is our
+    default; `mlm_head_from` (e.g. bert-base-uncased, README, Notes) copies another checkpoint's trained
+    head instead (the projection stays tied to OUR word embeddings). The message says which happened.
+    """
+    from transformers import AutoModelForMaskedLM
+
+    path = resolve_model_path(name_or_path)
+    model, info = AutoModelForMaskedLM.from_pretrained(
+        path, attn_implementation="sdpa", output_loading_info=True, trust_remote_code=trust_remote_code
+    )
+    prefix = model.base_model_prefix + "."
+    missing_head = sorted(k for k in info["missing_keys"] if not k.startswith(prefix))
+    missing_base = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and "position_ids" not in k)
+    if missing_base:
+        raise ValueError(f"{name_or_path}: encoder weights missing from the checkpoint: {missing_base[:5]}")
+    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = out_emb is not None and out_emb.weight is in_emb.weight
+    if mlm_head_from:
+        donor, dinfo = AutoModelForMaskedLM.from_pretrained(
+            resolve_model_path(mlm_head_from), output_loading_info=True, trust_remote_code=trust_remote_code
+        )
+        donor_missing = [k for k in dinfo["missing_keys"] if not k.startswith(donor.base_model_prefix + ".")]
+        if donor_missing:
+            raise ValueError(f"--mlm_head_from {mlm_head_from} has no trained MLM head either "
+                             f"(missing {donor_missing[:3]})")
+        ours, theirs = _head_params(model), _head_params(donor)
+        if set(ours) != set(theirs) or any(ours[k].shape != theirs[k].shape for k in ours):
+            raise ValueError(f"MLM head of {mlm_head_from} does not fit {name_or_path} "
+                             "(different architecture or vocabulary)")
+        with torch.no_grad():
+            for k in ours:
+                ours[k].copy_(theirs[k])
+        message = (f"MLM head copied from {mlm_head_from} ({len(ours)} tensors); vocabulary projection "
+                   f"{'tied to' if tied else 'NOT tied to'} {name_or_path}'s word embeddings")
+    elif missing_head:
+        message = (f"{name_or_path} has no MLM head ({len(missing_head)} missing keys, e.g. {missing_head[0]}): "
+                   f"initialised fresh, projection {'tied to the word embeddings' if tied else 'NOT tied'}")
+    else:
+        message = f"MLM head loaded from {name_or_path}"
+    logger.info(message)
+    return model, message
+
+
+def read_max_seq_length(path: str) -> Optional[int]:
+    """The sentence-transformers length limit of a model folder (sentence_bert_config.json), if any."""
+    f = os.path.join(resolve_model_path(path), "sentence_bert_config.json")
+    if os.path.isfile(f):
+        return json.load(open(f)).get("max_seq_length")
+    return None
+
+
+def load_teacher(name_or_path: str, trust_remote_code: bool = False):
+    """The frozen starting model for the retention term: AutoModel, eval mode, no gradients."""
+    from transformers import AutoModel
+
+    teacher = AutoModel.from_pretrained(resolve_model_path(name_or_path), attn_implementation="sdpa",
+                                        trust_remote_code=trust_remote_code)
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return teacher
+
+
+def decoder_pass_plan(num_related: int):
+    """The decoder passes of one group, in batch order: (condition_source, target, kind) lists.
+
+    Passage indices: 0 = anchor, 1 = s1, ..., num_related. With 4 related passages:
+    passes 0-3 anchor -> related_k (cross), 4-7 related_k -> anchor (cross), 8 anchor -> anchor
+    and 9 s1 -> s1 (self): 8 cross + 2 self = the paper's 10 decoder passes per group.
+    """
+    r = list(range(1, num_related + 1))
+    source = [0] * num_related + r + [0, 1]
+    target = r + [0] * num_related + [0, 1]
+    kind = ["cross"] * (2 * num_related) + ["self", "self"]
+    return source, target, kind
+
+
+class ConditionedDecoder(nn.Module):
+    """xPRT's fill-in decoder: vector -> one linear map -> C conditioning vectors, inserted right
+    after [CLS] of a masked passage embedded by the ENCODER's own embedding layer, then one
+    Transformer layer (a BertLayer with SDPA). Predictions go through the encoder's MLM head, so
+    the decoder owns only `condition` and `layers`."""
+
+    def __init__(self, config, num_condition_vectors: int = 4, num_layers: int = 1):
+        super().__init__()
+        from transformers.models.bert.modeling_bert import BertLayer
+
+        self.config = config
+        self.num_condition_vectors = num_condition_vectors
+        self.condition = nn.Linear(config.hidden_size, num_condition_vectors * config.hidden_size)
+        self.layers = nn.ModuleList([BertLayer(config) for _ in range(num_layers)])
+
+    def forward(self, vectors, token_embeddings, attention_mask):
+        """vectors (N, H), token_embeddings (N, L, H), attention_mask (N, L) -> (N, L + C, H).
+
+        Output position 0 is [CLS], 1..C the conditioning slots, C+1.. the passage's tokens 1..L-1."""
+        from transformers.masking_utils import create_bidirectional_mask
+
+        n, _, h = token_embeddings.shape
+        c = self.num_condition_vectors
+        cond = self.condition(vectors).view(n, c, h)  # (N, C, H)
+        x = torch.cat([token_embeddings[:, :1], cond, token_embeddings[:, 1:]], dim=1)  # (N, L + C, H)
+        mask = torch.cat([attention_mask[:, :1], attention_mask.new_ones(n, c), attention_mask[:, 1:]], dim=1)
+        mask4d = create_bidirectional_mask(config=self.config, inputs_embeds=x, attention_mask=mask)
+        for layer in self.layers:
+            x = layer(x, mask4d)
+        return x
+
+
+class XPRTModel(nn.Module):
+    """Encoder (AutoModelForMaskedLM, mean pooling) + conditioned decoder + every loss term.
+
+    forward(batch) runs, for objective "xprt": ONE encoder call on all (G x 5) passages, ONE
+    decoder call on all (G x 10) passes, vocabulary logits only at the positions a loss uses
+    (fused chunked projection + CE/KL), optionally ONE teacher call on the clean anchors and s1.
+    """
+
+    def __init__(self, mlm_model, objective: str = "xprt", weights: LossWeights = LossWeights(),
+                 fill_in: bool = True, num_condition_vectors: int = 4, decoder_layers: int = 1,
+                 fused_vocab_loss: bool = True, retention_student: str = "clean",
+                 max_seq_length: Optional[int] = None, load_message: str = ""):
+        """max_seq_length: the sentence-transformers length limit written into the saved folder (the start
+        model's, so a trained model is evaluated at the same length as its start; None: the position table's
+        size, at most 512). load_message: how the weights came to be (from_pretrained fills it in)."""
+        super().__init__()
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        if retention_student not in ("clean", "masked"):
+            raise ValueError(f"retention_student must be 'clean' or 'masked', got {retention_student!r}")
+        # Which student vectors the retention term compares with the teacher's (clean text):
+        #   "clean"  (our default): the student encodes the same clean anchor and s1 in one extra pass,
+        #            so the term measures drift of the model only: exactly 0 at step 0. Costs 2 more
+        #            encoder passes per group (7 instead of the paper's 5).
+        #   "masked" (the paper's cost accounting: 5 passes + 1 teacher pass): reuse the 15%-masked
+        #            vectors; the masking noise alone then gives KL ~0.5 at step 0 (MiniLM), which under
+        #            the weight 40 dominates the early loss.
+        self.retention_student = retention_student
+        self.encoder = mlm_model
+        self.objective = objective
+        self.weights = weights
+        self.fill_in = fill_in
+        self.fused_vocab_loss = fused_vocab_loss
+        cfg = mlm_model.config
+        if getattr(cfg, "_attn_implementation", None) != "sdpa":
+            logger.warning("encoder attention is %s, not sdpa", getattr(cfg, "_attn_implementation", None))
+        self.decoder = ConditionedDecoder(cfg, num_condition_vectors, decoder_layers)
+        # BERT's init (N(0, 0.02) linear weights, LayerNorm 1/0) for the fresh decoder, as RetroMAE does.
+        self.decoder.apply(mlm_model._init_weights)
+        # Our choice: start the linear map as C stacked identities (+ the N(0, 0.02) noise above, so
+        # the C vectors differ). The mean-pooled vector then enters the decoder at the scale of the
+        # (LayerNorm-ed) token embeddings; with N(0, 0.02) alone it would be ~0.02 sqrt(H) times
+        # smaller and the decoder would start out ignoring it.
+        with torch.no_grad():
+            hsz = cfg.hidden_size
+            self.decoder.condition.weight += torch.eye(hsz).repeat(num_condition_vectors, 1)
+        self.num_condition_vectors = num_condition_vectors
+        self.decoder_layers = decoder_layers
+        self.max_seq_length = max_seq_length
+        self.load_message = load_message
+
+    # -- pieces ----------------------------------------------------------------------------------
+    @property
+    def base(self):
+        return self.encoder.base_model
+
+    def head_transform(self, h):
+        """The MLM head up to (not including) the vocabulary projection."""
+        enc = self.encoder
+        if hasattr(enc, "cls") and hasattr(enc.cls, "predictions"):  # BERT family
+            return enc.cls.predictions.transform(h)
+        if hasattr(enc, "lm_head") and hasattr(enc.lm_head, "dense"):  # RoBERTa family
+            return enc.lm_head.layer_norm(F.gelu(enc.lm_head.dense(h)))
+        raise ValueError(f"unsupported MLM head on {type(enc).__name__}")
+
+    def projection(self):
+        """(weight (V, H), bias (V,)): the vocabulary projection, weight = the word embeddings."""
+        out = self.encoder.get_output_embeddings()
+        bias = out.bias if out.bias is not None else self.encoder.cls.predictions.bias
+        return out.weight, bias
+
+    def _vocab(self, fn, hidden, **kw):
+        w, b = self.projection()
+        if "teacher_hidden" in kw:
+            with torch.no_grad():
+                kw["teacher_hidden"] = self.head_transform(kw["teacher_hidden"].detach())
+        return fn(self.head_transform(hidden), w, b, fused=self.fused_vocab_loss, **kw)
+
+    def encode(self, input_ids, attention_mask):
+        """(N, L) -> hidden (N, L, H), mean-pooled vectors (N, H)."""
+        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return hidden, mean_pool(hidden, attention_mask)
+
+    def decode(self, vectors, dec_input_ids, attention_mask):
+        """Conditioned decoder on (N, L) masked inputs -> (N, L + C, H)."""
+        emb = self.base.embeddings(input_ids=dec_input_ids)  # the encoder's own embedding layer
+        return self.decoder(vectors, emb, attention_mask)
+
+    def _decoder_positions(self, labels):
+        """labels (N, L) -> bool (N, L + C) selecting the decoder output rows of masked tokens."""
+        c = self.num_condition_vectors
+        lab = labels != -100
+        return torch.cat([lab[:, :1], lab.new_zeros(lab.shape[0], c), lab[:, 1:]], dim=1)
+
+    @torch.no_grad()
+    def _teacher_vectors(self, teacher, ids, mask):
+        hidden = teacher(input_ids=ids, attention_mask=mask).last_hidden_state
+        return mean_pool(hidden.float(), mask)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, batch: dict, teacher=None, retention_weight: float = 0.0, pair_alpha: float = 0.0) -> dict:
+        """The objective's loss -> {"loss": total (with gradient), "<term>_loss": detached value per term}."""
+        if self.objective == "xprt":
+            out = self._forward_xprt(batch)
+        elif self.objective == "contrastive_random_span":
+            out = self._forward_contrastive_random_span(batch)
+        elif self.objective == "self_reconstruction":
+            out = self._forward_self_reconstruction(batch)
+        else:  # "pair" (checked in __init__)
+            out = self._forward_pair(batch, pair_alpha)
+        terms, loss = out.pop("_terms"), out.pop("loss")
+        if teacher is not None and retention_weight > 0 and self.objective != "pair":
+            r = self._retention(batch, teacher, out.pop("_student", None))
+            terms["retention_loss"] = r
+            loss = loss + retention_weight * r
+        out.pop("_student", None)
+        result = {"loss": loss}
+        result.update({k: v.detach() for k, v in terms.items()})
+        return result
+
+    def _retention(self, batch, teacher, student):
+        """Retention for every objective on the same pairs, as the paper gives every method the same
+        term: anchors x top related passages. With retention_student="masked" xPRT reuses its
+        vectors of the main (15%-masked) pass; otherwise (and always for the baselines, which do not
+        encode s1) the student encodes the clean anchor and s1 here, an extra pass with gradient."""
+        ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]  # (G, 2, L')
+        g, _, lr = ids.shape
+        if student is None or self.retention_student == "clean":
+            _, v = self.encode(ids.reshape(g * 2, lr), mask.reshape(g * 2, lr))
+            student = v.view(g, 2, -1)
+        t = self._teacher_vectors(teacher, ids.reshape(g * 2, lr), mask.reshape(g * 2, lr)).view(g, 2, -1)
+        return retention_loss(student[:, 0], student[:, 1], t[:, 0], t[:, 1], self.weights.tau)
+
+    def _forward_xprt(self, batch):
+        w = self.weights
+        ids, am, mlm_labels = batch["input_ids"], batch["attention_mask"], batch["mlm_labels"]
+        g, p, l = ids.shape
+        hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))  # (G*P, L, H), (G*P, H)
+        h = hidden.shape[-1]
+        vec = vec.view(g, p, h)  # (G, P, H): 0 = anchor, 1 = s1, ...
+        anchors, s1 = vec[:, 0], vec[:, 1]
+        terms = {"xp_loss": xp_loss(anchors, s1, batch["doc_ids"], w.tau)}
+        # L_MLM on the 15% masked positions of all G*P passages, gathered before the projection.
+        mpos = mlm_labels.view(g * p, l) != -100
+        terms["mlm_loss"] = self._vocab(mlm_loss, hidden[mpos], targets=mlm_labels.view(g * p, l)[mpos])
+        terms["uniformity_loss"] = uniformity_loss(anchors)
+
+        # Decoder: every pass of every group in one call.
+        source, target, kind = decoder_pass_plan(p - 1)
+        dec_ids, dec_labels = batch["dec_input_ids"], batch["dec_labels"]  # (G, D, L)
+        if dec_ids.shape[1] != len(source):
+            raise ValueError(f"batch has {dec_ids.shape[1]} decoder passes per group, expected {len(source)}")
+        keep = [i for i, k in enumerate(kind) if self.fill_in or k == "self"]  # fill_in=False: self passes only
+        if len(keep) != len(kind):
+            sel = torch.tensor(keep, device=ids.device)
+            dec_ids, dec_labels = dec_ids[:, sel], dec_labels[:, sel]
+            source, target, kind = [source[i] for i in keep], [target[i] for i in keep], [kind[i] for i in keep]
+        d = len(source)
+        src_t = torch.tensor(source, device=ids.device)
+        tgt_t = torch.tensor(target, device=ids.device)
+        cond_vec = vec[:, src_t].reshape(g * d, h)  # (G*D, H)
+        dec_mask = am[:, tgt_t].reshape(g * d, l)  # the target passage's attention mask
+        dec_out = self.decode(cond_vec, dec_ids.reshape(g * d, l), dec_mask)
+        dec_out = dec_out.view(g, d, l + self.num_condition_vectors, h)
+        dec_pos = self._decoder_positions(dec_labels.reshape(g * d, l)).view(g, d, -1)  # (G, D, L+C)
+        is_self = torch.tensor([k == "self" for k in kind], device=ids.device)
+        if self.fill_in:
+            cross_pos = dec_pos & ~is_self.view(1, d, 1)
+            cross_labels = dec_labels[:, ~is_self][dec_labels[:, ~is_self] != -100]
+            terms["cross_fill_loss"] = self._vocab(cross_fill_loss, dec_out[cross_pos], targets=cross_labels)
+        # L_self: decoder at the masked positions of the self passes vs the encoder's distribution
+        # at the same positions of the same passage's 15%-masked pass (detached teacher).
+        self_idx = is_self.nonzero().squeeze(1)
+        self_lab = dec_labels[:, self_idx] != -100  # (G, 2, L)
+        enc_h = hidden.view(g, p, l, h)[:, tgt_t[self_idx]][self_lab]  # (M, H) same order as below
+        dec_h = dec_out[:, self_idx][dec_pos[:, self_idx]]
+        terms["self_fill_loss"] = self._vocab(self_fill_loss, dec_h, teacher_hidden=enc_h)
+
+        loss = (w.xp * terms["xp_loss"] + w.mlm * terms["mlm_loss"] + w.unif * terms["uniformity_loss"]
+                + w.self_fill * terms["self_fill_loss"])
+        if self.fill_in:
+            loss = loss + w.cross * terms["cross_fill_loss"]
+        return {"loss": loss, "_terms": terms, "_student": torch.stack([anchors, s1], dim=1)}
+
+    def _forward_contrastive_random_span(self, batch):
+        ids, am = batch["input_ids"], batch["attention_mask"]  # (G, 2, L): two crops of the anchor
+        g, v, l = ids.shape
+        _, vec = self.encode(ids.view(g * v, l), am.view(g * v, l))
+        vec = vec.view(g, v, -1)
+        c = contrastive_random_span(vec[:, 0], vec[:, 1], self.weights.tau)
+        return {"loss": c, "_terms": {"contrastive_loss": c}}
+
+    def _forward_self_reconstruction(self, batch):
+        ids, am, mlm_labels = batch["input_ids"], batch["attention_mask"], batch["mlm_labels"]  # (G, 1, L)
+        g, p, l = ids.shape
+        hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))
+        mpos = mlm_labels.view(g * p, l) != -100
+        m = self._vocab(mlm_loss, hidden[mpos], targets=mlm_labels.view(g * p, l)[mpos])
+        dec_labels = batch["dec_labels"].view(g * p, l)
+        dec_out = self.decode(vec, batch["dec_input_ids"].view(g * p, l), am.view(g * p, l))
+        r = self._vocab(cross_fill_loss, dec_out[self._decoder_positions(dec_labels)],
+                        targets=dec_labels[dec_labels != -100])
+        return {"loss": self_reconstruction(r, m), "_terms": {"recon_loss": r, "mlm_loss": m}}
+
+    def _forward_pair(self, batch, pair_alpha: float):
+        _, q = self.encode(batch["query_input_ids"], batch["query_attention_mask"])  # (B, H)
+        pids, pam = batch["passage_input_ids"], batch["passage_attention_mask"]  # (B, 1 + n, Lp)
+        b, k, lp = pids.shape
+        _, pv = self.encode(pids.view(b * k, lp), pam.view(b * k, lp))
+        pv = pv.view(b, k, -1)
+        lq = pair_q_loss(q, pv, self.weights.tau)
+        terms = {"pair_q_loss": lq}
+        if k > 1:
+            lp_ = pair_p_loss(q, pv, self.weights.tau)
+            terms["pair_p_loss"] = lp_
+        elif pair_alpha > 0:
+            raise ValueError("pair_alpha > 0 needs hard negatives (PairCollator num_negatives >= 1)")
+        else:
+            lp_ = lq.new_zeros(())
+        return {"loss": pair_loss(lq, lp_, pair_alpha), "_terms": terms}
+
+    # -- saving and loading ----------------------------------------------------------------------
+    def head_parameters(self) -> list:
+        """The "heads": the parameters the start model never trained - the decoder and the MLM head's transform
+        and output bias. The tied vocabulary projection IS the word-embedding matrix, so it counts as the
+        encoder's. The one definition of heads: train.py gives them --head_learning_rate, finetune.py freezes
+        them, xprt_heads.safetensors stores them (heads_state_dict)."""
+        return list(self.decoder.parameters()) + list(_head_params(self.encoder).values())
+
+    def heads_state_dict(self) -> dict:
+        """The head_parameters() by name (decoder.*, mlm_head.*); the projection is saved with the encoder."""
+        sd = {f"decoder.{k}": v for k, v in self.decoder.state_dict().items()}
+        sd.update({f"mlm_head.{k}": v for k, v in _head_params(self.encoder).items()})
+        return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+
+    def save_pretrained(self, out_dir: str, tokenizer, model_card: Optional[str] = None):
+        """Write a folder loadable by transformers.AutoModel AND sentence_transformers.SentenceTransformer
+        (mean pooling + normalisation, like all-MiniLM-L6-v2), plus xprt_heads.safetensors and
+        xprt_config.json so training can continue. Written to a temporary sibling, then renamed into
+        place (an existing out_dir is replaced; refusing it unless --overwrite is the script's job)."""
+        from safetensors.torch import save_file
+
+        hidden = self.encoder.config.hidden_size
+        max_len = self.max_seq_length or min(512, getattr(self.encoder.config, "max_position_embeddings", 512))
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+        ]
+        pooling = {"word_embedding_dimension": hidden, "pooling_mode_cls_token": False,
+                   "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+                   "pooling_mode_mean_sqrt_len_tokens": False}
+        xprt_config = {"objective": self.objective, "num_condition_vectors": self.num_condition_vectors,
+                       "decoder_layers": self.decoder_layers, "fill_in": self.fill_in,
+                       "weights": asdict(self.weights)}
+        with atomic_path(os.path.abspath(out_dir)) as tmp:
+            self.base.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "1_Pooling").mkdir()
+            (tmp / "2_Normalize").mkdir()
+            for name, obj in [("modules.json", modules), ("1_Pooling/config.json", pooling),
+                              ("sentence_bert_config.json", {"max_seq_length": max_len, "do_lower_case": False}),
+                              ("xprt_config.json", xprt_config)]:
+                (tmp / name).write_text(json.dumps(obj, indent=2))
+            save_file(self.heads_state_dict(), str(tmp / "xprt_heads.safetensors"))
+            if model_card:
+                (tmp / "README.md").write_text(model_card)
+
+    @classmethod
+    def from_pretrained(cls, path: str, objective: Optional[str] = None, mlm_head_from: Optional[str] = None,
+                        trust_remote_code: bool = False, **kw) -> "XPRTModel":
+        """Any checkpoint (hub id, folder, the MiniLM alias) or a folder written by save_pretrained.
+
+        A save_pretrained folder gets its decoder and MLM head back (xprt_heads.safetensors) and its
+        xprt_config.json settings; any other checkpoint gets a fresh head tied to the word embeddings, or
+        `mlm_head_from`'s (load_mlm_encoder). kw go to XPRTModel.__init__ and override xprt_config.json.
+        The model's load_message says which happened."""
+        from safetensors.torch import load_file
+
+        path = resolve_model_path(path)
+        cfg_file = os.path.join(path, "xprt_config.json")
+        saved = json.loads(Path(cfg_file).read_text()) if os.path.isfile(cfg_file) else {}
+        heads_file = os.path.join(path, "xprt_heads.safetensors")
+        has_heads = os.path.isfile(heads_file)
+        mlm, message = load_mlm_encoder(path, mlm_head_from=None if has_heads else mlm_head_from,
+                                        trust_remote_code=trust_remote_code)
+        args = {"num_condition_vectors": saved.get("num_condition_vectors", 4),
+                "decoder_layers": saved.get("decoder_layers", 1), "fill_in": saved.get("fill_in", True),
+                "max_seq_length": read_max_seq_length(path)}
+        if "weights" in saved and "weights" not in kw:
+            args["weights"] = LossWeights(**saved["weights"])
+        args.update(kw)
+        if has_heads:
+            message = f"xprt folder {path}: decoder and MLM head restored from {heads_file}"
+        model = cls(mlm, objective=objective or saved.get("objective", "xprt"), load_message=message, **args)
+        if has_heads:
+            sd = load_file(heads_file)
+            decoder_sd = {k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")}
+            model.decoder.load_state_dict(decoder_sd, strict=True)
+            head = _head_params(model.encoder)
+            head_sd = {k[len("mlm_head."):]: v for k, v in sd.items() if k.startswith("mlm_head.")}
+            if set(head_sd) != set(head):
+                raise ValueError(f"{heads_file}: MLM head tensors {sorted(head_sd)} do not match the model's "
+                                 f"{sorted(head)}")
+            with torch.no_grad():
+                for k, v in head_sd.items():
+                    head[k].copy_(v)
+        logger.info(message)
+        return model
+
+
+# ==============================================================================================================
+# 5. Collators
+# Rows -> one batch dict of tensors. All masking and cropping happens here, seeded by a torch.Generator whose
+# state is checkpointed for exact resume.
+# ==============================================================================================================
+
+
+class XPRTCollator:
+    """Rows of the groups dataset (select_groups.py) -> the batch XPRTModel.forward expects.
+
+    objective "xprt": anchor + num_related related passages per group (with positive="random",
+    slot 1 - the L_xp positive and the second self fill-in - holds `random_passage` instead of s1,
+    the paper's ablation); 15% encoder masking (BERT's 80/10/10), and one independently 60%-masked
+    copy (all [MASK]) of the target passage for each of the 2R + 2 decoder passes.
+    "self_reconstruction": the anchor only, encoder 30% / decoder 50% (RetroMAE's defaults).
+    "contrastive_random_span": two random crops of the anchor, ratio uniform in [0.1, 0.5].
+    Every objective also gets the clean anchor and s1 (retain_*) for the retention term.
+    Mask rates left at None take the objective's defaults above.
+    """
+
+    DEFAULT_RATES = {"xprt": (0.15, 0.60), "self_reconstruction": (0.30, 0.50), "contrastive_random_span": (0.0, 0.0)}
+    assert set(DEFAULT_RATES) == set(PRETRAIN_OBJECTIVES)
+
+    def __init__(self, tokenizer, objective: str = "xprt", num_related: int = 4, max_length: int = 128,
+                 encoder_mask_rate: Optional[float] = None, decoder_mask_rate: Optional[float] = None,
+                 passage_prefix: str = "", positive: str = "s1", seed: int = 0,
+                 crop_ratio: tuple = (0.1, 0.5)):
+        if objective not in PRETRAIN_OBJECTIVES:
+            raise ValueError(f"XPRTCollator objective must be one of {PRETRAIN_OBJECTIVES} "
+                             "(pair uses PairCollator)")
+        if positive not in ("s1", "random"):
+            raise ValueError(f"positive must be 's1' or 'random', got {positive!r}")
+        if num_related < 1:
+            raise ValueError("num_related must be >= 1")
+        enc_d, dec_d = self.DEFAULT_RATES[objective]
+        self.tokenizer, self.objective = tokenizer, objective
+        self.num_related, self.max_length = num_related, max_length
+        self.encoder_mask_rate = enc_d if encoder_mask_rate is None else encoder_mask_rate
+        self.decoder_mask_rate = dec_d if decoder_mask_rate is None else decoder_mask_rate
+        for name, r in [("encoder_mask_rate", self.encoder_mask_rate), ("decoder_mask_rate", self.decoder_mask_rate)]:
+            if not 0.0 <= r < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {r}")
+        self.passage_prefix, self.positive, self.crop_ratio = passage_prefix, positive, crop_ratio
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict):
+        self.generator.set_state(state["generator"])
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _tokenize(self, texts, max_length=None):
+        return self.tokenizer([self.passage_prefix + t for t in texts], padding=True, truncation=True,
+                              max_length=max_length or self.max_length, return_tensors="pt",
+                              return_special_tokens_mask=True)
+
+    def _pick(self, candidates: torch.Tensor, rate: float) -> torch.Tensor:
+        """Bernoulli(rate) over candidate positions (..., L), at least one per row that has any."""
+        pick = (torch.rand(candidates.shape, generator=self.generator) < rate) & candidates
+        empty = ~pick.any(-1) & candidates.any(-1)
+        if empty.any():  # a short passage drew no mask: mask one random candidate so every row has a target
+            scores = torch.rand(candidates.shape, generator=self.generator).masked_fill(~candidates, -1.0)
+            one = torch.zeros_like(pick).scatter_(-1, scores.argmax(-1, keepdim=True), True)
+            pick = pick | (one & empty.unsqueeze(-1))
+        return pick
+
+    def _mask_bert(self, ids, candidates, rate):
+        """BERT's 80% [MASK] / 10% random / 10% unchanged -> (masked ids, labels with -100 elsewhere)."""
+        pick = self._pick(candidates, rate)
+        labels = torch.where(pick, ids, torch.full_like(ids, -100))
+        u = torch.rand(ids.shape, generator=self.generator)
+        masked = ids.clone()
+        masked[pick & (u < 0.8)] = self.tokenizer.mask_token_id
+        rnd = pick & (u >= 0.8) & (u < 0.9)
+        masked[rnd] = torch.randint(len(self.tokenizer), ids.shape, generator=self.generator)[rnd]
+        return masked, labels
+
+    def _mask_all(self, ids, candidates, rate):
+        """Decoder masking: every picked token becomes [MASK]."""
+        pick = self._pick(candidates, rate)
+        return ids.masked_fill(pick, self.tokenizer.mask_token_id), torch.where(pick, ids, torch.full_like(ids, -100))
+
+    # -- batch -----------------------------------------------------------------------------------
+    def __call__(self, rows: list) -> dict:
+        g = len(rows)
+        if g == 0:
+            raise ValueError("empty batch")
+        for r in rows:
+            if len(r["related"]) < self.num_related:
+                raise ValueError(f"group of {r['doc_id']} has {len(r['related'])} related passages, "
+                                 f"need {self.num_related}")
+        doc_ids = torch.tensor([stable_doc_hash(r["doc_id"]) for r in rows], dtype=torch.long)
+        second = [r["random_passage"] if self.positive == "random" else r["related"][0] for r in rows]
+        clean = self._tokenize([t for r, s in zip(rows, second) for t in (r["anchor"], s)])
+        lr = clean["input_ids"].shape[1]
+        batch = {"doc_ids": doc_ids, "retain_input_ids": clean["input_ids"].view(g, 2, lr),
+                 "retain_attention_mask": clean["attention_mask"].view(g, 2, lr)}
+        if self.objective == "contrastive_random_span":
+            batch.update(self._crops([r["anchor"] for r in rows]))
+            return batch
+        if self.objective == "xprt":
+            texts = [t for r, s in zip(rows, second)
+                     for t in [r["anchor"], s] + list(r["related"][1 : self.num_related])]
+            p = 1 + self.num_related
+        else:  # self_reconstruction: the anchor only
+            texts, p = [r["anchor"] for r in rows], 1
+        enc = self._tokenize(texts)
+        ids, am = enc["input_ids"], enc["attention_mask"]
+        l = ids.shape[1]
+        cand = am.bool() & ~enc["special_tokens_mask"].bool()  # never mask [CLS], [SEP] or padding
+        masked, labels = self._mask_bert(ids, cand, self.encoder_mask_rate)
+        ids3, cand3 = ids.view(g, p, l), cand.view(g, p, l)
+        if self.objective == "xprt":
+            _, target, _ = decoder_pass_plan(self.num_related)
+            tgt = torch.tensor(target)
+            dec_ids, dec_labels = self._mask_all(ids3[:, tgt], cand3[:, tgt], self.decoder_mask_rate)  # (G, D, L)
+        else:
+            dec_ids, dec_labels = self._mask_all(ids3, cand3, self.decoder_mask_rate)  # (G, 1, L)
+        batch.update({"input_ids": masked.view(g, p, l), "attention_mask": am.view(g, p, l),
+                      "mlm_labels": labels.view(g, p, l),
+                      "dec_input_ids": dec_ids, "dec_labels": dec_labels})
+        return batch
+
+    def _crops(self, texts):
+        """Contriever's random cropping: two independent spans of each text, each of length
+        ratio ~ U[crop_ratio] of its tokens (at least one token), re-wrapped in [CLS] ... [SEP]."""
+        tok = self.tokenizer
+        body = tok([self.passage_prefix + t for t in texts], add_special_tokens=False, truncation=True,
+                   max_length=self.max_length - 2)["input_ids"]
+        lo, hi = self.crop_ratio
+        # BERT's [CLS]/[SEP]; RoBERTa-style tokenizers have <s>/</s> as bos/eos
+        first = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
+        last = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
+        views = []
+        for toks in body:
+            for _ in range(2):
+                n = len(toks)
+                ratio = lo + (hi - lo) * torch.rand((), generator=self.generator).item()
+                k = max(1, int(round(ratio * n)))
+                start = int(torch.randint(0, max(1, n - k + 1), (), generator=self.generator))
+                views.append([first] + toks[start : start + k] + [last])
+        l = max(len(v) for v in views)
+        ids = torch.full((len(views), l), tok.pad_token_id, dtype=torch.long)
+        am = torch.zeros((len(views), l), dtype=torch.long)
+        for i, v in enumerate(views):
+            ids[i, : len(v)] = torch.tensor(v)
+            am[i, : len(v)] = 1
+        g = len(texts)
+        return {"input_ids": ids.view(g, 2, l), "attention_mask": am.view(g, 2, l)}
+
+
+class PairCollator:
+    """Fine-tuning rows {"query", "positive", "negatives"} -> batch for XPRTModel(objective="pair"):
+    query_input_ids / query_attention_mask (B, Lq); passage_input_ids / passage_attention_mask
+    (B, 1 + num_negatives, Lp), the positive first. PAIR's max lengths: 32 / 128."""
+
+    def __init__(self, tokenizer, query_max_length: int = 32, passage_max_length: int = 128, query_prefix: str = "",
+                 passage_prefix: str = "", num_negatives: int = 1):
+        if num_negatives < 0:
+            raise ValueError("num_negatives must be >= 0")
+        self.tokenizer, self.qlen, self.plen = tokenizer, query_max_length, passage_max_length
+        self.query_prefix, self.passage_prefix, self.num_negatives = query_prefix, passage_prefix, num_negatives
+
+    def __call__(self, rows: list) -> dict:
+        b, k = len(rows), 1 + self.num_negatives
+        passages = []
+        for r in rows:
+            negs = list(r.get("negatives") or [])
+            if len(negs) < self.num_negatives:
+                raise ValueError(f"query {r['query'][:50]!r} has {len(negs)} negatives, need {self.num_negatives}")
+            passages += [r["positive"]] + negs[: self.num_negatives]
+        q = self.tokenizer([self.query_prefix + r["query"] for r in rows], padding=True, truncation=True,
+                           max_length=self.qlen, return_tensors="pt")
+        p = self.tokenizer([self.passage_prefix + t for t in passages], padding=True, truncation=True,
+                           max_length=self.plen, return_tensors="pt")
+        lp = p["input_ids"].shape[1]
+        return {"query_input_ids": q["input_ids"], "query_attention_mask": q["attention_mask"],
+                "passage_input_ids": p["input_ids"].view(b, k, lp),
+                "passage_attention_mask": p["attention_mask"].view(b, k, lp)}
+
+
+# ==============================================================================================================
+# 6. How the vocabulary terms are made fast
+# L_cross, L_self and L_MLM each project hidden states onto the 30K-word vocabulary. vocab_loss computes them
+# only at the positions a loss uses, chunk by chunk, never holding the (tokens x V) logits (_FusedLinearCE).
+# ==============================================================================================================
+
+
+def vocab_loss(hidden, weight, bias, targets=None, teacher_hidden=None, fused: bool = True,
+               chunk_size: int = 1024) -> torch.Tensor:
+    """Mean over positions of CE(softmax(hidden W^T + b), targets), or of KL(p_teacher || p_student)
+    with p_teacher = softmax(teacher_hidden W^T + b) (no gradient through the teacher side).
+
+    hidden: (N, H), already through the MLM head's transform and gathered at the positions a loss
+    uses (never every position: README, Notes: 1.70x vs 2.15x the encoder cost for BERT-base).
+    fused=True computes it chunk by chunk (_FusedLinearCE); fused=False is the plain reference.
+    """
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0
+    if teacher_hidden is not None:
+        teacher_hidden = teacher_hidden.detach()
+    if fused:
+        return _FusedLinearCE.apply(hidden, weight, bias, targets, teacher_hidden, chunk_size, torch.is_grad_enabled())
+    logits = F.linear(hidden, weight, bias).float()
+    if teacher_hidden is None:
+        return F.cross_entropy(logits, targets)
+    with torch.no_grad():
+        t_logp = F.log_softmax(F.linear(teacher_hidden, weight, bias).float(), dim=-1)
+    return F.kl_div(F.log_softmax(logits, -1), t_logp, log_target=True, reduction="batchmean")
 
 
 def _logits_into(out, h, weight, bias):
@@ -374,702 +1228,3 @@ class _FusedLinearCE(torch.autograd.Function):
             None,
             None,
         )
-
-
-def vocab_loss(hidden, weight, bias, targets=None, teacher_hidden=None, fused: bool = True, chunk_size: int = 1024) -> torch.Tensor:
-    """Mean over positions of CE(softmax(hidden W^T + b), targets), or of KL(p_teacher || p_student)
-    with p_teacher = softmax(teacher_hidden W^T + b) (no gradient through the teacher side).
-
-    hidden: (N, H), already through the MLM head's transform and gathered at the positions a loss
-    uses (never every position: NOTES.md, 1.70x vs 2.15x the encoder cost for BERT-base).
-    fused=True computes it chunk by chunk (_FusedLinearCE); fused=False is the plain reference.
-    """
-    if hidden.shape[0] == 0:
-        return hidden.sum() * 0.0
-    if teacher_hidden is not None:
-        teacher_hidden = teacher_hidden.detach()
-    if fused:
-        return _FusedLinearCE.apply(hidden, weight, bias, targets, teacher_hidden, chunk_size, torch.is_grad_enabled())
-    logits = F.linear(hidden, weight, bias).float()
-    if teacher_hidden is None:
-        return F.cross_entropy(logits, targets)
-    with torch.no_grad():
-        t_logp = F.log_softmax(F.linear(teacher_hidden, weight, bias).float(), dim=-1)
-    return F.kl_div(F.log_softmax(logits, -1), t_logp, log_target=True, reduction="batchmean")
-
-
-def mlm_loss(hidden, weight, bias, targets, **kw) -> torch.Tensor:
-    """L_MLM: the encoder's masked-LM cross-entropy on the 15%-masked passes that also give the
-    sentence vectors; it keeps the teacher of L_self from drifting. hidden: (M, H) transformed
-    hidden states at the masked positions, targets (M,) the original tokens."""
-    return vocab_loss(hidden, weight, bias, targets=targets, **kw)
-
-
-def cross_fill_loss(hidden, weight, bias, targets, **kw) -> torch.Tensor:
-    """L_cross (weight 0.1): masked-token cross-entropy of the conditioned one-layer decoder.
-
-    The anchor's vector -> one linear map -> 4 conditioning vectors inserted after [CLS] of a
-    related passage whose tokens are 60% masked; the decoder predicts the masked words through the
-    encoder's own MLM head. Both directions: the anchor fills each of the 4 related passages, each
-    related passage fills the anchor (8 passes per group). hidden: (M, H) transformed decoder states
-    at the masked positions of all 8 passes of all groups, targets (M,)."""
-    return vocab_loss(hidden, weight, bias, targets=targets, **kw)
-
-
-def self_fill_loss(hidden, weight, bias, teacher_hidden, **kw) -> torch.Tensor:
-    """L_self: the decoder fills a passage's own masked words from that passage's own vector; the
-    target is the encoder's word distribution (detached) at the same positions of its 15%-masked
-    pass:  KL( softmax(head(h_enc)) || softmax(head(h_dec)) ), anchor and s1 only (2 passes)."""
-    return vocab_loss(hidden, weight, bias, teacher_hidden=teacher_hidden, **kw)
-
-
-def contrastive_random_span(view1: torch.Tensor, view2: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
-    """Contriever-style baseline: two independent random crops of one passage (length ratio
-    uniform in [0.1, 0.5], XPRTCollator) form the positive pair; InfoNCE, tau = 0.05, with the
-    (gathered) in-batch crops as negatives, one direction (view1 -> view2) as in Contriever."""
-    all_v2 = gather_with_grad(view2)
-    n = view1.shape[0]
-    labels = torch.arange(n, device=view1.device) + _rank() * n
-    return info_nce(view1, all_v2, labels, tau)
-
-
-def self_reconstruction(recon_loss: torch.Tensor, encoder_mlm_loss: torch.Tensor) -> torch.Tensor:
-    """RetroMAE-style baseline: L = L_recon + L_MLM. The encoder reads the passage 30%-masked
-    (L_MLM); the same one-layer decoder rebuilds the passage, 50%-masked, from the passage's own
-    vector (L_recon, cross-entropy at the masked positions). Weights 1 and 1 as in RetroMAE."""
-    return recon_loss + encoder_mlm_loss
-
-
-def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
-    """PAIR's query-centric L_Q (Eq. 1): the query picks its positive among its positive, its hard
-    negatives and every other passage of the batch gathered from all processes (cross-batch negatives):
-        L_Q = -log exp(f(q, p+)) / (exp(f(q, p+)) + sum_{p- in N_P} exp(f(q, p-))),  f = cos / tau.
-    queries: (B, H); passages: (B, 1 + n, H), positive first. PAIR's official code uses raw inner
-    products of [CLS]; our encoders are mean-pooled cosine models, hence cos / tau (tau = 0.05)."""
-    b, k, h = passages.shape
-    all_p = gather_with_grad(passages.reshape(b * k, h))  # (world * B * k, H)
-    labels = (torch.arange(b, device=queries.device) + _rank() * b) * k
-    return info_nce(queries, all_p, labels, tau)
-
-
-def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
-    """PAIR's passage-centric L_P (Eq. 2), as in the PAIR paper and its official code: the positive
-    passage is the anchor; the candidates are its own query and the negative passages (its hard
-    negatives and every other query's, gathered across processes); the label is its query:
-        L_P = -log exp(f(p+, q)) / (exp(f(p+, q)) + sum_{p- in N_P} exp(f(p+, p-))),
-    i.e. it enforces s(p+, q) > s(p+, p-). NOTE: the seed card prints the numerator as
-    exp(-f(p+, p+)), which reads as a transcription error (a passage against itself, negated, makes
-    the loss push p+ away from itself); we implement the paper's form. Needs >= 1 negative per query."""
-    b, k, h = passages.shape
-    if k < 2:
-        raise ValueError("pair_p_loss needs at least one negative passage per query (num_negatives >= 1)")
-    pos = passages[:, 0]  # (B, H)
-    all_neg = gather_with_grad(passages[:, 1:].reshape(b * (k - 1), h))  # (world * B * n, H)
-    pos_n, q_n, neg_n = F.normalize(pos, dim=-1), F.normalize(queries, dim=-1), F.normalize(all_neg, dim=-1)
-    logits = torch.cat([(pos_n * q_n).sum(-1, keepdim=True), pos_n @ neg_n.t()], dim=1) / tau  # (B, 1 + world*B*n)
-    return F.cross_entropy(logits.float(), torch.zeros(b, dtype=torch.long, device=pos.device))
-
-
-def pair_loss(l_q: torch.Tensor, l_p: torch.Tensor, alpha: float) -> torch.Tensor:
-    """PAIR's combined objective (Eq. 3): L = (1 - alpha) L_Q + alpha L_P. alpha = 0 is plain
-    fine-tuning (PAIR's second stage); the official code's pre-training stage uses alpha = 0.1
-    constant, the seed describes a decaying alpha: both are schedules in train.py."""
-    return (1.0 - alpha) * l_q + alpha * l_p
-
-
-# ------------------------------------------------------------------------------------------------
-# Loading the encoder with its MLM head, and the frozen teacher
-# ------------------------------------------------------------------------------------------------
-
-
-def _head_params(mlm_model) -> dict:
-    """The MLM head's own parameters (not the base model's, not the projection tied to the word
-    embeddings), by name: what xprt_heads.safetensors stores and what mlm_head_from copies."""
-    prefix = mlm_model.base_model_prefix + "."
-    # named_parameters() drops duplicates, so the tied projection (= word embeddings, seen first
-    # in the base model) and BERT's decoder.bias (= predictions.bias) appear once.
-    return {k: p for k, p in mlm_model.named_parameters() if not k.startswith(prefix)}
-
-
-def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, trust_remote_code: bool = False):
-    """Any BERT-family checkpoint as an AutoModelForMaskedLM with SDPA attention -> (model, message).
-
-    E5 and MiniLM are saved as plain BertModel: transformers then reports the head
-    (cls.predictions.*) as missing keys and initialises it fresh - transform N(0, 0.02), bias 0 -
-    with the vocabulary projection tied to the word embeddings (tie_word_embeddings). That is our
-    default; `mlm_head_from` (e.g. bert-base-uncased, NOTES.md) copies another checkpoint's trained
-    head instead (the projection stays tied to OUR word embeddings). The message says which happened.
-    """
-    from transformers import AutoModelForMaskedLM
-
-    path = resolve_model_path(name_or_path)
-    model, info = AutoModelForMaskedLM.from_pretrained(
-        path, attn_implementation="sdpa", output_loading_info=True, trust_remote_code=trust_remote_code
-    )
-    prefix = model.base_model_prefix + "."
-    missing_head = sorted(k for k in info["missing_keys"] if not k.startswith(prefix))
-    missing_base = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and "position_ids" not in k)
-    if missing_base:
-        raise ValueError(f"{name_or_path}: encoder weights missing from the checkpoint: {missing_base[:5]}")
-    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = out_emb is not None and out_emb.weight is in_emb.weight
-    if mlm_head_from:
-        donor, dinfo = AutoModelForMaskedLM.from_pretrained(
-            resolve_model_path(mlm_head_from), output_loading_info=True, trust_remote_code=trust_remote_code
-        )
-        donor_missing = [k for k in dinfo["missing_keys"] if not k.startswith(donor.base_model_prefix + ".")]
-        if donor_missing:
-            raise ValueError(f"--mlm_head_from {mlm_head_from} has no trained MLM head either (missing {donor_missing[:3]})")
-        ours, theirs = _head_params(model), _head_params(donor)
-        if set(ours) != set(theirs) or any(ours[k].shape != theirs[k].shape for k in ours):
-            raise ValueError(f"MLM head of {mlm_head_from} does not fit {name_or_path} (different architecture or vocabulary)")
-        with torch.no_grad():
-            for k in ours:
-                ours[k].copy_(theirs[k])
-        message = (f"MLM head copied from {mlm_head_from} ({len(ours)} tensors); vocabulary projection "
-                   f"{'tied to' if tied else 'NOT tied to'} {name_or_path}'s word embeddings")
-    elif missing_head:
-        message = (f"{name_or_path} has no MLM head ({len(missing_head)} missing keys, e.g. {missing_head[0]}): "
-                   f"initialised fresh, projection {'tied to the word embeddings' if tied else 'NOT tied'}")
-    else:
-        message = f"MLM head loaded from {name_or_path}"
-    logger.info(message)
-    return model, message
-
-
-def read_max_seq_length(path: str) -> Optional[int]:
-    """The sentence-transformers length limit of a model folder (sentence_bert_config.json), if any."""
-    f = os.path.join(resolve_model_path(path), "sentence_bert_config.json")
-    if os.path.isfile(f):
-        return json.load(open(f)).get("max_seq_length")
-    return None
-
-
-def load_teacher(name_or_path: str, trust_remote_code: bool = False):
-    """The frozen starting model for the retention term: AutoModel, eval mode, no gradients."""
-    from transformers import AutoModel
-
-    teacher = AutoModel.from_pretrained(resolve_model_path(name_or_path), attn_implementation="sdpa",
-                                        trust_remote_code=trust_remote_code)
-    teacher.eval()
-    teacher.requires_grad_(False)
-    return teacher
-
-
-def decoder_pass_plan(num_related: int):
-    """The decoder passes of one group, in batch order: (condition_source, target, kind) lists.
-
-    Passage indices: 0 = anchor, 1 = s1, ..., num_related. With 4 related passages:
-    passes 0-3 anchor -> related_k (cross), 4-7 related_k -> anchor (cross), 8 anchor -> anchor
-    and 9 s1 -> s1 (self): 8 cross + 2 self = the paper's 10 decoder passes per group.
-    """
-    r = list(range(1, num_related + 1))
-    source = [0] * num_related + r + [0, 1]
-    target = r + [0] * num_related + [0, 1]
-    kind = ["cross"] * (2 * num_related) + ["self", "self"]
-    return source, target, kind
-
-
-# ------------------------------------------------------------------------------------------------
-# The model
-# ------------------------------------------------------------------------------------------------
-
-
-class ConditionedDecoder(nn.Module):
-    """xPRT's fill-in decoder: vector -> one linear map -> C conditioning vectors, inserted right
-    after [CLS] of a masked passage embedded by the ENCODER's own embedding layer, then one
-    Transformer layer (a BertLayer with SDPA). Predictions go through the encoder's MLM head, so
-    the decoder owns only `condition` and `layers`."""
-
-    def __init__(self, config, num_condition_vectors: int = 4, num_layers: int = 1):
-        super().__init__()
-        from transformers.models.bert.modeling_bert import BertLayer
-
-        self.config = config
-        self.num_condition_vectors = num_condition_vectors
-        self.condition = nn.Linear(config.hidden_size, num_condition_vectors * config.hidden_size)
-        self.layers = nn.ModuleList([BertLayer(config) for _ in range(num_layers)])
-
-    def forward(self, vectors, token_embeddings, attention_mask):
-        """vectors (N, H), token_embeddings (N, L, H), attention_mask (N, L) -> (N, L + C, H).
-
-        Output position 0 is [CLS], 1..C the conditioning slots, C+1.. the passage's tokens 1..L-1."""
-        from transformers.masking_utils import create_bidirectional_mask
-
-        n, _, h = token_embeddings.shape
-        c = self.num_condition_vectors
-        cond = self.condition(vectors).view(n, c, h)  # (N, C, H)
-        x = torch.cat([token_embeddings[:, :1], cond, token_embeddings[:, 1:]], dim=1)  # (N, L + C, H)
-        mask = torch.cat([attention_mask[:, :1], attention_mask.new_ones(n, c), attention_mask[:, 1:]], dim=1)
-        mask4d = create_bidirectional_mask(config=self.config, inputs_embeds=x, attention_mask=mask)
-        for layer in self.layers:
-            x = layer(x, mask4d)
-        return x
-
-
-class XPRTModel(nn.Module):
-    """Encoder (AutoModelForMaskedLM, mean pooling) + conditioned decoder + every loss term.
-
-    forward(batch) runs, for objective "xprt": ONE encoder call on all (G x 5) passages, ONE
-    decoder call on all (G x 10) passes, vocabulary logits only at the positions a loss uses
-    (fused chunked projection + CE/KL), optionally ONE teacher call on the clean anchors and s1.
-    """
-
-    def __init__(self, mlm_model, objective: str = "xprt", weights: LossWeights = LossWeights(), fill_in: bool = True,
-                 num_condition_vectors: int = 4, decoder_layers: int = 1, fused_vocab_loss: bool = True,
-                 retention_student: str = "clean"):
-        super().__init__()
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-        if retention_student not in ("clean", "masked"):
-            raise ValueError(f"retention_student must be 'clean' or 'masked', got {retention_student!r}")
-        # Which student vectors the retention term compares with the teacher's (clean text):
-        #   "clean"  (our default): the student encodes the same clean anchor and s1 in one extra pass,
-        #            so the term measures drift of the model only: exactly 0 at step 0. Costs 2 more
-        #            encoder passes per group (7 instead of the paper's 5).
-        #   "masked" (the paper's cost accounting: 5 passes + 1 teacher pass): reuse the 15%-masked
-        #            vectors; the masking noise alone then gives KL ~0.5 at step 0 (MiniLM), which under
-        #            the weight 40 dominates the early loss.
-        self.retention_student = retention_student
-        self.encoder = mlm_model
-        self.objective = objective
-        self.weights = weights
-        self.fill_in = fill_in
-        self.fused_vocab_loss = fused_vocab_loss
-        cfg = mlm_model.config
-        if getattr(cfg, "_attn_implementation", None) != "sdpa":
-            logger.warning("encoder attention is %s, not sdpa", getattr(cfg, "_attn_implementation", None))
-        self.decoder = ConditionedDecoder(cfg, num_condition_vectors, decoder_layers)
-        # BERT's init (N(0, 0.02) linear weights, LayerNorm 1/0) for the fresh decoder, as RetroMAE does.
-        self.decoder.apply(mlm_model._init_weights)
-        # Our choice: start the linear map as C stacked identities (+ the N(0, 0.02) noise above, so
-        # the C vectors differ). The mean-pooled vector then enters the decoder at the scale of the
-        # (LayerNorm-ed) token embeddings; with N(0, 0.02) alone it would be ~0.02 sqrt(H) times
-        # smaller and the decoder would start out ignoring it.
-        with torch.no_grad():
-            hsz = cfg.hidden_size
-            self.decoder.condition.weight += torch.eye(hsz).repeat(num_condition_vectors, 1)
-        self.num_condition_vectors = num_condition_vectors
-        self.decoder_layers = decoder_layers
-
-    # -- pieces ----------------------------------------------------------------------------------
-    @property
-    def base(self):
-        return self.encoder.base_model
-
-    def head_transform(self, h):
-        """The MLM head up to (not including) the vocabulary projection."""
-        enc = self.encoder
-        if hasattr(enc, "cls") and hasattr(enc.cls, "predictions"):  # BERT family
-            return enc.cls.predictions.transform(h)
-        if hasattr(enc, "lm_head") and hasattr(enc.lm_head, "dense"):  # RoBERTa family
-            return enc.lm_head.layer_norm(F.gelu(enc.lm_head.dense(h)))
-        raise ValueError(f"unsupported MLM head on {type(enc).__name__}")
-
-    def projection(self):
-        """(weight (V, H), bias (V,)): the vocabulary projection, weight = the word embeddings."""
-        out = self.encoder.get_output_embeddings()
-        bias = out.bias if out.bias is not None else self.encoder.cls.predictions.bias
-        return out.weight, bias
-
-    def _vocab(self, fn, hidden, **kw):
-        w, b = self.projection()
-        if "teacher_hidden" in kw:
-            with torch.no_grad():
-                kw["teacher_hidden"] = self.head_transform(kw["teacher_hidden"].detach())
-        return fn(self.head_transform(hidden), w, b, fused=self.fused_vocab_loss, **kw)
-
-    def encode(self, input_ids, attention_mask):
-        """(N, L) -> hidden (N, L, H), mean-pooled vectors (N, H)."""
-        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return hidden, mean_pool(hidden, attention_mask)
-
-    def decode(self, vectors, dec_input_ids, attention_mask):
-        """Conditioned decoder on (N, L) masked inputs -> (N, L + C, H)."""
-        emb = self.base.embeddings(input_ids=dec_input_ids)  # the encoder's own embedding layer
-        return self.decoder(vectors, emb, attention_mask)
-
-    def _decoder_positions(self, labels):
-        """labels (N, L) -> bool (N, L + C) selecting the decoder output rows of masked tokens."""
-        c = self.num_condition_vectors
-        lab = labels != -100
-        return torch.cat([lab[:, :1], lab.new_zeros(lab.shape[0], c), lab[:, 1:]], dim=1)
-
-    @torch.no_grad()
-    def _teacher_vectors(self, teacher, ids, mask):
-        hidden = teacher(input_ids=ids, attention_mask=mask).last_hidden_state
-        return mean_pool(hidden.float(), mask)
-
-    # -- forward ---------------------------------------------------------------------------------
-    def forward(self, batch: dict, teacher=None, retention_weight: float = 0.0, pair_alpha: float = 0.0) -> dict:
-        out = getattr(self, f"_forward_{self.objective}")(batch, pair_alpha=pair_alpha)
-        terms, loss = out.pop("_terms"), out.pop("loss")
-        if teacher is not None and retention_weight > 0 and self.objective != "pair":
-            r = self._retention(batch, teacher, out.pop("_student", None))
-            terms["retention_loss"] = r
-            loss = loss + retention_weight * r
-        out.pop("_student", None)
-        result = {"loss": loss}
-        result.update({k: v.detach() for k, v in terms.items()})
-        return result
-
-    def _retention(self, batch, teacher, student):
-        """Retention for every objective on the same pairs, as the paper gives every method the same
-        term: anchors x top related passages. With retention_student="masked" xPRT reuses its
-        vectors of the main (15%-masked) pass; otherwise (and always for the baselines, which do not
-        encode s1) the student encodes the clean anchor and s1 here, an extra pass with gradient."""
-        ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]  # (G, 2, L')
-        g, _, lr = ids.shape
-        if student is None or self.retention_student == "clean":
-            _, v = self.encode(ids.reshape(g * 2, lr), mask.reshape(g * 2, lr))
-            student = v.view(g, 2, -1)
-        t = self._teacher_vectors(teacher, ids.reshape(g * 2, lr), mask.reshape(g * 2, lr)).view(g, 2, -1)
-        return retention_loss(student[:, 0], student[:, 1], t[:, 0], t[:, 1], self.weights.tau)
-
-    def _forward_xprt(self, batch, **_):
-        w = self.weights
-        ids, am, mlm_labels = batch["input_ids"], batch["attention_mask"], batch["mlm_labels"]
-        g, p, l = ids.shape
-        hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))  # (G*P, L, H), (G*P, H)
-        h = hidden.shape[-1]
-        vec = vec.view(g, p, h)  # (G, P, H): 0 = anchor, 1 = s1, ...
-        anchors, s1 = vec[:, 0], vec[:, 1]
-        terms = {"xp_loss": xp_loss(anchors, s1, batch["doc_ids"], w.tau)}
-        # L_MLM on the 15% masked positions of all G*P passages, gathered before the projection.
-        mpos = mlm_labels.view(g * p, l) != -100
-        terms["mlm_loss"] = self._vocab(mlm_loss, hidden[mpos], targets=mlm_labels.view(g * p, l)[mpos])
-        terms["uniformity_loss"] = uniformity_loss(anchors)
-
-        # Decoder: every pass of every group in one call.
-        source, target, kind = decoder_pass_plan(p - 1)
-        dec_ids, dec_labels = batch["dec_input_ids"], batch["dec_labels"]  # (G, D, L)
-        if dec_ids.shape[1] != len(source):
-            raise ValueError(f"batch has {dec_ids.shape[1]} decoder passes per group, expected {len(source)}")
-        keep = [i for i, k in enumerate(kind) if self.fill_in or k == "self"]  # fill_in=False: self passes only
-        if len(keep) != len(kind):
-            sel = torch.tensor(keep, device=ids.device)
-            dec_ids, dec_labels = dec_ids[:, sel], dec_labels[:, sel]
-            source, target, kind = [source[i] for i in keep], [target[i] for i in keep], [kind[i] for i in keep]
-        d = len(source)
-        src_t = torch.tensor(source, device=ids.device)
-        tgt_t = torch.tensor(target, device=ids.device)
-        cond_vec = vec[:, src_t].reshape(g * d, h)  # (G*D, H)
-        dec_mask = am[:, tgt_t].reshape(g * d, l)  # the target passage's attention mask
-        dec_out = self.decode(cond_vec, dec_ids.reshape(g * d, l), dec_mask).view(g, d, l + self.num_condition_vectors, h)
-        dec_pos = self._decoder_positions(dec_labels.reshape(g * d, l)).view(g, d, -1)  # (G, D, L+C)
-        is_self = torch.tensor([k == "self" for k in kind], device=ids.device)
-        if self.fill_in:
-            cross_pos = dec_pos & ~is_self.view(1, d, 1)
-            cross_labels = dec_labels[:, ~is_self][dec_labels[:, ~is_self] != -100]
-            terms["cross_fill_loss"] = self._vocab(cross_fill_loss, dec_out[cross_pos], targets=cross_labels)
-        # L_self: decoder at the masked positions of the self passes vs the encoder's distribution
-        # at the same positions of the same passage's 15%-masked pass (detached teacher).
-        self_idx = is_self.nonzero().squeeze(1)
-        self_lab = dec_labels[:, self_idx] != -100  # (G, 2, L)
-        enc_h = hidden.view(g, p, l, h)[:, tgt_t[self_idx]][self_lab]  # (M, H) same order as below
-        dec_h = dec_out[:, self_idx][dec_pos[:, self_idx]]
-        terms["self_fill_loss"] = self._vocab(self_fill_loss, dec_h, teacher_hidden=enc_h)
-
-        loss = (w.xp * terms["xp_loss"] + w.mlm * terms["mlm_loss"] + w.unif * terms["uniformity_loss"]
-                + w.self_fill * terms["self_fill_loss"])
-        if self.fill_in:
-            loss = loss + w.cross * terms["cross_fill_loss"]
-        return {"loss": loss, "_terms": terms, "_student": torch.stack([anchors, s1], dim=1)}
-
-    def _forward_contrastive_random_span(self, batch, **_):
-        ids, am = batch["input_ids"], batch["attention_mask"]  # (G, 2, L): two crops of the anchor
-        g, v, l = ids.shape
-        _, vec = self.encode(ids.view(g * v, l), am.view(g * v, l))
-        vec = vec.view(g, v, -1)
-        c = contrastive_random_span(vec[:, 0], vec[:, 1], self.weights.tau)
-        return {"loss": c, "_terms": {"contrastive_loss": c}}
-
-    def _forward_self_reconstruction(self, batch, **_):
-        ids, am, mlm_labels = batch["input_ids"], batch["attention_mask"], batch["mlm_labels"]  # (G, 1, L)
-        g, p, l = ids.shape
-        hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))
-        mpos = mlm_labels.view(g * p, l) != -100
-        m = self._vocab(mlm_loss, hidden[mpos], targets=mlm_labels.view(g * p, l)[mpos])
-        dec_labels = batch["dec_labels"].view(g * p, l)
-        dec_out = self.decode(vec, batch["dec_input_ids"].view(g * p, l), am.view(g * p, l))
-        r = self._vocab(cross_fill_loss, dec_out[self._decoder_positions(dec_labels)], targets=dec_labels[dec_labels != -100])
-        return {"loss": self_reconstruction(r, m), "_terms": {"recon_loss": r, "mlm_loss": m}}
-
-    def _forward_pair(self, batch, pair_alpha: float = 0.0, **_):
-        _, q = self.encode(batch["query_input_ids"], batch["query_attention_mask"])  # (B, H)
-        pids, pam = batch["passage_input_ids"], batch["passage_attention_mask"]  # (B, 1 + n, Lp)
-        b, k, lp = pids.shape
-        _, pv = self.encode(pids.view(b * k, lp), pam.view(b * k, lp))
-        pv = pv.view(b, k, -1)
-        lq = pair_q_loss(q, pv, self.weights.tau)
-        terms = {"pair_q_loss": lq}
-        if k > 1:
-            lp_ = pair_p_loss(q, pv, self.weights.tau)
-            terms["pair_p_loss"] = lp_
-        elif pair_alpha > 0:
-            raise ValueError("pair_alpha > 0 needs hard negatives (PairCollator num_negatives >= 1)")
-        else:
-            lp_ = lq.new_zeros(())
-        return {"loss": pair_loss(lq, lp_, pair_alpha), "_terms": terms}
-
-    # -- saving and loading ----------------------------------------------------------------------
-    def heads_state_dict(self) -> dict:
-        """Decoder + MLM head tensors (the projection is the word embeddings, saved with the encoder)."""
-        sd = {f"decoder.{k}": v for k, v in self.decoder.state_dict().items()}
-        sd.update({f"mlm_head.{k}": v for k, v in _head_params(self.encoder).items()})
-        return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
-
-    def save_pretrained(self, out_dir: str, tokenizer, model_card: Optional[str] = None):
-        """Write a folder loadable by transformers.AutoModel AND sentence_transformers.SentenceTransformer
-        (mean pooling + normalisation, like all-MiniLM-L6-v2), plus xprt_heads.safetensors and
-        xprt_config.json so training can continue. Written to a temporary sibling, then renamed into
-        place (an existing out_dir is replaced; refusing it unless --overwrite is the script's job)."""
-        from safetensors.torch import save_file
-
-        out_dir = os.path.abspath(out_dir)
-        parent = os.path.dirname(out_dir)
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".tmp-", dir=parent)
-        try:
-            self.base.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            hidden = self.encoder.config.hidden_size
-            # Keep the start model's sentence-transformers length limit (MiniLM: 256) so a trained model is
-            # evaluated at the same length as its start; else the position table's size, at most 512.
-            max_len = getattr(self, "max_seq_length", None) or min(512, getattr(self.encoder.config, "max_position_embeddings", 512))
-            modules = [
-                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-            ]
-            pooling = {"word_embedding_dimension": hidden, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
-                       "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}
-            os.makedirs(os.path.join(tmp, "1_Pooling"))
-            os.makedirs(os.path.join(tmp, "2_Normalize"))
-            for name, obj in [("modules.json", modules), ("1_Pooling/config.json", pooling),
-                              ("sentence_bert_config.json", {"max_seq_length": max_len, "do_lower_case": False}),
-                              ("xprt_config.json", {"objective": self.objective, "num_condition_vectors": self.num_condition_vectors,
-                                                    "decoder_layers": self.decoder_layers, "fill_in": self.fill_in,
-                                                    "weights": asdict(self.weights)})]:
-                with open(os.path.join(tmp, name), "w") as f:
-                    json.dump(obj, f, indent=2)
-            save_file(self.heads_state_dict(), os.path.join(tmp, "xprt_heads.safetensors"))
-            if model_card:
-                with open(os.path.join(tmp, "README.md"), "w") as f:
-                    f.write(model_card)
-            if os.path.exists(out_dir):
-                shutil.rmtree(out_dir)
-            os.replace(tmp, out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    @classmethod
-    def from_pretrained(cls, path: str, objective: Optional[str] = None, mlm_head_from: Optional[str] = None,
-                        trust_remote_code: bool = False, **kw) -> "XPRTModel":
-        """Encoder from `path` (any checkpoint, or a folder written by save_pretrained); restores the
-        decoder and MLM head when xprt_heads.safetensors is there. kw go to XPRTModel.__init__ and
-        override xprt_config.json."""
-        from safetensors.torch import load_file
-
-        path = resolve_model_path(path)
-        cfg_file = os.path.join(path, "xprt_config.json")
-        saved = json.load(open(cfg_file)) if os.path.isfile(cfg_file) else {}
-        heads_file = os.path.join(path, "xprt_heads.safetensors")
-        mlm, message = load_mlm_encoder(path, mlm_head_from=None if os.path.isfile(heads_file) else mlm_head_from,
-                                        trust_remote_code=trust_remote_code)
-        args = {"num_condition_vectors": saved.get("num_condition_vectors", 4), "decoder_layers": saved.get("decoder_layers", 1),
-                "fill_in": saved.get("fill_in", True)}
-        if "weights" in saved and "weights" not in kw:
-            args["weights"] = LossWeights(**saved["weights"])
-        args.update(kw)
-        model = cls(mlm, objective=objective or saved.get("objective", "xprt"), **args)
-        model.max_seq_length = read_max_seq_length(path)
-        if os.path.isfile(heads_file):
-            sd = load_file(heads_file)
-            model.decoder.load_state_dict({k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")}, strict=True)
-            head = _head_params(model.encoder)
-            head_sd = {k[len("mlm_head."):]: v for k, v in sd.items() if k.startswith("mlm_head.")}
-            if set(head_sd) != set(head):
-                raise ValueError(f"{heads_file}: MLM head tensors {sorted(head_sd)} do not match the model's {sorted(head)}")
-            with torch.no_grad():
-                for k, v in head_sd.items():
-                    head[k].copy_(v)
-            message = f"decoder and MLM head restored from {heads_file}"
-        model.load_message = message
-        logger.info(message)
-        return model
-
-
-# ------------------------------------------------------------------------------------------------
-# Collators: rows -> one batch dict of tensors (all masking and cropping happens here, on CPU
-# workers, seeded by a torch.Generator whose state is checkpointed for exact resume)
-# ------------------------------------------------------------------------------------------------
-
-
-class XPRTCollator:
-    """Rows of the groups dataset (select_groups.py) -> the batch XPRTModel.forward expects.
-
-    objective "xprt": anchor + num_related related passages per group (with positive="random",
-    slot 1 - the L_xp positive and the second self fill-in - holds `random_passage` instead of s1,
-    the paper's ablation); 15% encoder masking (BERT's 80/10/10), and one independently 60%-masked
-    copy (all [MASK]) of the target passage for each of the 2R + 2 decoder passes.
-    "self_reconstruction": the anchor only, encoder 30% / decoder 50% (RetroMAE's defaults).
-    "contrastive_random_span": two random crops of the anchor, ratio uniform in [0.1, 0.5].
-    Every objective also gets the clean anchor and s1 (retain_*) for the retention term.
-    Mask rates left at None take the objective's defaults above.
-    """
-
-    DEFAULT_RATES = {"xprt": (0.15, 0.60), "self_reconstruction": (0.30, 0.50), "contrastive_random_span": (0.0, 0.0)}
-
-    def __init__(self, tokenizer, objective: str = "xprt", num_related: int = 4, max_length: int = 128,
-                 encoder_mask_rate: Optional[float] = None, decoder_mask_rate: Optional[float] = None,
-                 passage_prefix: str = "", positive: str = "s1", seed: int = 0,
-                 crop_ratio: tuple = (0.1, 0.5)):
-        if objective not in self.DEFAULT_RATES:
-            raise ValueError(f"XPRTCollator objective must be one of {tuple(self.DEFAULT_RATES)} (pair uses PairCollator)")
-        if positive not in ("s1", "random"):
-            raise ValueError(f"positive must be 's1' or 'random', got {positive!r}")
-        if num_related < 1:
-            raise ValueError("num_related must be >= 1")
-        enc_d, dec_d = self.DEFAULT_RATES[objective]
-        self.tokenizer, self.objective, self.num_related, self.max_length = tokenizer, objective, num_related, max_length
-        self.encoder_mask_rate = enc_d if encoder_mask_rate is None else encoder_mask_rate
-        self.decoder_mask_rate = dec_d if decoder_mask_rate is None else decoder_mask_rate
-        for name, r in [("encoder_mask_rate", self.encoder_mask_rate), ("decoder_mask_rate", self.decoder_mask_rate)]:
-            if not 0.0 <= r < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {r}")
-        self.passage_prefix, self.positive, self.crop_ratio = passage_prefix, positive, crop_ratio
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict):
-        self.generator.set_state(state["generator"])
-
-    # -- helpers -------------------------------------------------------------------------------
-    def _tokenize(self, texts, max_length=None):
-        return self.tokenizer([self.passage_prefix + t for t in texts], padding=True, truncation=True,
-                              max_length=max_length or self.max_length, return_tensors="pt",
-                              return_special_tokens_mask=True)
-
-    def _pick(self, candidates: torch.Tensor, rate: float) -> torch.Tensor:
-        """Bernoulli(rate) over candidate positions (..., L), at least one per row that has any."""
-        pick = (torch.rand(candidates.shape, generator=self.generator) < rate) & candidates
-        empty = ~pick.any(-1) & candidates.any(-1)
-        if empty.any():  # a short passage drew no mask: mask one random candidate so every row has a target
-            scores = torch.rand(candidates.shape, generator=self.generator).masked_fill(~candidates, -1.0)
-            one = torch.zeros_like(pick).scatter_(-1, scores.argmax(-1, keepdim=True), True)
-            pick = pick | (one & empty.unsqueeze(-1))
-        return pick
-
-    def _mask_bert(self, ids, candidates, rate):
-        """BERT's 80% [MASK] / 10% random / 10% unchanged -> (masked ids, labels with -100 elsewhere)."""
-        pick = self._pick(candidates, rate)
-        labels = torch.where(pick, ids, torch.full_like(ids, -100))
-        u = torch.rand(ids.shape, generator=self.generator)
-        masked = ids.clone()
-        masked[pick & (u < 0.8)] = self.tokenizer.mask_token_id
-        rnd = pick & (u >= 0.8) & (u < 0.9)
-        masked[rnd] = torch.randint(len(self.tokenizer), ids.shape, generator=self.generator)[rnd]
-        return masked, labels
-
-    def _mask_all(self, ids, candidates, rate):
-        """Decoder masking: every picked token becomes [MASK]."""
-        pick = self._pick(candidates, rate)
-        return ids.masked_fill(pick, self.tokenizer.mask_token_id), torch.where(pick, ids, torch.full_like(ids, -100))
-
-    # -- batch -----------------------------------------------------------------------------------
-    def __call__(self, rows: list) -> dict:
-        g = len(rows)
-        if g == 0:
-            raise ValueError("empty batch")
-        for r in rows:
-            if len(r["related"]) < self.num_related:
-                raise ValueError(f"group of {r['doc_id']} has {len(r['related'])} related passages, need {self.num_related}")
-        doc_ids = torch.tensor([stable_doc_hash(r["doc_id"]) for r in rows], dtype=torch.long)
-        second = [r["random_passage"] if self.positive == "random" else r["related"][0] for r in rows]
-        clean = self._tokenize([t for r, s in zip(rows, second) for t in (r["anchor"], s)])
-        lr = clean["input_ids"].shape[1]
-        batch = {"doc_ids": doc_ids, "retain_input_ids": clean["input_ids"].view(g, 2, lr),
-                 "retain_attention_mask": clean["attention_mask"].view(g, 2, lr)}
-        if self.objective == "contrastive_random_span":
-            batch.update(self._crops([r["anchor"] for r in rows]))
-            return batch
-        if self.objective == "xprt":
-            texts = [t for r, s in zip(rows, second) for t in [r["anchor"], s] + list(r["related"][1 : self.num_related])]
-            p = 1 + self.num_related
-        else:  # self_reconstruction: the anchor only
-            texts, p = [r["anchor"] for r in rows], 1
-        enc = self._tokenize(texts)
-        ids, am = enc["input_ids"], enc["attention_mask"]
-        l = ids.shape[1]
-        cand = am.bool() & ~enc["special_tokens_mask"].bool()  # never mask [CLS], [SEP] or padding
-        masked, labels = self._mask_bert(ids, cand, self.encoder_mask_rate)
-        ids3, cand3 = ids.view(g, p, l), cand.view(g, p, l)
-        if self.objective == "xprt":
-            _, target, _ = decoder_pass_plan(self.num_related)
-            tgt = torch.tensor(target)
-            dec_ids, dec_labels = self._mask_all(ids3[:, tgt], cand3[:, tgt], self.decoder_mask_rate)  # (G, D, L)
-        else:
-            dec_ids, dec_labels = self._mask_all(ids3, cand3, self.decoder_mask_rate)  # (G, 1, L)
-        batch.update({"input_ids": masked.view(g, p, l), "attention_mask": am.view(g, p, l), "mlm_labels": labels.view(g, p, l),
-                      "dec_input_ids": dec_ids, "dec_labels": dec_labels})
-        return batch
-
-    def _crops(self, texts):
-        """Contriever's random cropping: two independent spans of each text, each of length
-        ratio ~ U[crop_ratio] of its tokens (at least one token), re-wrapped in [CLS] ... [SEP]."""
-        tok = self.tokenizer
-        body = tok([self.passage_prefix + t for t in texts], add_special_tokens=False, truncation=True,
-                   max_length=self.max_length - 2)["input_ids"]
-        lo, hi = self.crop_ratio
-        # BERT's [CLS]/[SEP]; RoBERTa-style tokenizers have <s>/</s> as bos/eos
-        first = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
-        last = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
-        views = []
-        for toks in body:
-            for _ in range(2):
-                n = len(toks)
-                ratio = lo + (hi - lo) * torch.rand((), generator=self.generator).item()
-                k = max(1, int(round(ratio * n)))
-                start = int(torch.randint(0, max(1, n - k + 1), (), generator=self.generator))
-                views.append([first] + toks[start : start + k] + [last])
-        l = max(len(v) for v in views)
-        ids = torch.full((len(views), l), tok.pad_token_id, dtype=torch.long)
-        am = torch.zeros((len(views), l), dtype=torch.long)
-        for i, v in enumerate(views):
-            ids[i, : len(v)] = torch.tensor(v)
-            am[i, : len(v)] = 1
-        g = len(texts)
-        return {"input_ids": ids.view(g, 2, l), "attention_mask": am.view(g, 2, l)}
-
-
-class PairCollator:
-    """Fine-tuning rows {"query", "positive", "negatives"} -> batch for XPRTModel(objective="pair"):
-    query_input_ids / query_attention_mask (B, Lq); passage_input_ids / passage_attention_mask
-    (B, 1 + num_negatives, Lp), the positive first. PAIR's max lengths: 32 / 128."""
-
-    def __init__(self, tokenizer, query_max_length: int = 32, passage_max_length: int = 128, query_prefix: str = "",
-                 passage_prefix: str = "", num_negatives: int = 1):
-        if num_negatives < 0:
-            raise ValueError("num_negatives must be >= 0")
-        self.tokenizer, self.qlen, self.plen = tokenizer, query_max_length, passage_max_length
-        self.query_prefix, self.passage_prefix, self.num_negatives = query_prefix, passage_prefix, num_negatives
-
-    def __call__(self, rows: list) -> dict:
-        b, k = len(rows), 1 + self.num_negatives
-        passages = []
-        for r in rows:
-            negs = list(r.get("negatives") or [])
-            if len(negs) < self.num_negatives:
-                raise ValueError(f"query {r['query'][:50]!r} has {len(negs)} negatives, need {self.num_negatives}")
-            passages += [r["positive"]] + negs[: self.num_negatives]
-        q = self.tokenizer([self.query_prefix + r["query"] for r in rows], padding=True, truncation=True,
-                           max_length=self.qlen, return_tensors="pt")
-        p = self.tokenizer([self.passage_prefix + t for t in passages], padding=True, truncation=True,
-                           max_length=self.plen, return_tensors="pt")
-        lp = p["input_ids"].shape[1]
-        return {"query_input_ids": q["input_ids"], "query_attention_mask": q["attention_mask"],
-                "passage_input_ids": p["input_ids"].view(b, k, lp), "passage_attention_mask": p["attention_mask"].view(b, k, lp)}

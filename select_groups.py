@@ -186,7 +186,7 @@ def _iter_hf_dataset(name, config, split):
 
     ds = datasets.load_dataset(name, config, split=split, streaming=True)
     for i, row in enumerate(ds, 1):
-        yield f"{name}:row {i}", row, ""
+        yield f"{name}:row {i}", row, None, ""
 
 
 def _iter_parquet(path, columns):
@@ -198,7 +198,7 @@ def _iter_parquet(path, columns):
     for batch in pf.iter_batches(batch_size=1024, columns=cols):  # bounded memory
         for rec in batch.to_pylist():
             row += 1
-            yield f"{path}:row {row}", rec, ""
+            yield f"{path}:row {row}", rec, None, ""
 
 
 def _iter_jsonl(path):
@@ -211,14 +211,14 @@ def _iter_jsonl(path):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                yield where, "invalid_utf8", str(err)
+                yield where, None, "invalid_utf8", str(err)
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                yield where, "malformed_json", str(err)
+                yield where, None, "malformed_json", str(err)
                 continue
-            yield where, obj, ""
+            yield where, obj, None, ""
 
 
 def _iter_local_files(patterns, columns):
@@ -230,7 +230,9 @@ def _iter_local_files(patterns, columns):
 
 
 def iter_raw_records(args):
-    """Yield (where, obj_or_reason, detail): a dict, or a SKIP_REASONS string for unreadable records.
+    """Yield (where, obj, skip, detail): the decoded record and skip None, or obj None and a SKIP_REASONS entry
+    for a record that could not be decoded. (A record that decodes to a plain JSON string is an object like any
+    other, and parse_record skips it as not_an_object.)
 
     At most --max_docs records (blank lines are not records) when it is positive.
     """
@@ -294,9 +296,9 @@ def iter_records(args):
     from modeling_xprt import stable_doc_hash
 
     seen = set()
-    for i, (where, obj, detail) in enumerate(iter_raw_records(args)):
-        if isinstance(obj, str):  # the reader's SKIP_REASONS entry
-            d = Doc(index=i, where=where, skip=obj, detail=detail)
+    for i, (where, obj, skip, detail) in enumerate(iter_raw_records(args)):
+        if skip:  # the reader could not decode the record (a SKIP_REASONS entry)
+            d = Doc(index=i, where=where, skip=skip, detail=detail)
         else:
             d = parse_record(i, where, obj, id_field=args.id_field, text_field=args.text_field,
                              url_field=args.url_field, max_doc_chars=args.max_doc_chars)

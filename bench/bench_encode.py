@@ -1,5 +1,6 @@
 """
-Encoding throughput of evaluate.encode_texts against sentence-transformers' `encode`, same run.
+Encoding throughput of modeling_xprt.embed_texts (the batch embedder every script uses) against
+sentence-transformers' `encode`, same run.
 
 Same model, same texts, same batch size, same max length, same device and dtype; both produce
 L2-normalised mean-pooled vectors, and the script checks they agree (cosine > 0.999 per text) before
@@ -11,7 +12,7 @@ From the repository root (it imports evaluate.py and modeling_xprt.py from there
     python -m bench.bench_encode                          # bundled data/eval texts, all-MiniLM-L6-v2
     python -m bench.bench_encode --data ../shared/data --num_texts 2000 --batch_size 64
 
-Where the speed comes from (evaluate.encode_texts' docstring): one tokenizer call for the whole list,
+Where the speed comes from (modeling_xprt.embed_texts' docstring): one tokenizer call for the whole list,
 batches sorted by token count (sentence-transformers sorts by character count), no attention mask
 when a batch has no padding (SDPA's unmasked path), inference_mode. Last line: `ratio: <x>`
 (sentence-transformers time / ours; > 1 means ours is faster).
@@ -86,8 +87,7 @@ def main():
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer
 
-    from evaluate import encode_texts
-    from modeling_xprt import pick_device_and_dtype, resolve_model_path
+    from modeling_xprt import embed_texts, pick_device_and_dtype, resolve_model_path
 
     path = resolve_model_path(args.model)
     device, dtype = pick_device_and_dtype(args.device, args.dtype)
@@ -106,7 +106,7 @@ def main():
                          show_progress_bar=False)
 
     def run_ours():
-        return encode_texts(ours, tok, texts, batch_size=args.batch_size, max_length=args.max_length)
+        return embed_texts(ours, tok, texts, batch_size=args.batch_size, max_length=args.max_length).numpy()
 
     def timed(fn):
         if device.type == "cuda":
@@ -135,7 +135,7 @@ def main():
     # on a shared machine the spread is large; the median and total ratios are printed for context
     print(f"median ratio {np.median(t_st) / np.median(t_ours):.3f}, total-time ratio {sum(t_st) / sum(t_ours):.3f}")
     print(f"sentence-transformers encode: {len(texts) / best_st:.1f} texts/s ({n_tok / best_st:.0f} tokens/s)")
-    print(f"evaluate.encode_texts:        {len(texts) / best_ours:.1f} texts/s ({n_tok / best_ours:.0f} tokens/s)")
+    print(f"modeling_xprt.embed_texts:    {len(texts) / best_ours:.1f} texts/s ({n_tok / best_ours:.0f} tokens/s)")
     print(f"ratio: {best_st / best_ours:.3f}")
 
 

@@ -16,7 +16,7 @@ SEEDS=${SEEDS:-42}
 
 finetune() {  # name, start model, alpha, seed, extra flags...
   local name=$1 start=$2 alpha=$3 seed=$4; shift 4
-  [ -f "$OUT/$name/model/config.json" ] || run $PY train.py --stage finetune --model_name_or_path "$start" \
+  [ -f "$OUT/$name/model/config.json" ] || run $PY finetune.py --model_name_or_path "$start" \
       --beir_dir "$SHARED/scifact" --output_dir "$OUT/$name" --pair_alpha "$alpha" \
       --per_device_train_batch_size $BATCH --num_train_epochs $EPOCHS --seed "$seed" --logging_steps 5 \
       --report_to none --overwrite "$@"

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import evaluate as ev
+import torch
+from modeling_xprt import load_beir
 from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 
@@ -275,12 +277,12 @@ def test_bad_input_errors(tmp_path):
     # qrels ids absent from the corpus: counted, warned, dropped
     b = write_beir(tmp_path / "b1", extra_qrels=[("q1", "ghost1"), ("q2", "ghost2")])
     with pytest.warns(UserWarning, match="2 qrels lines point to documents absent"):
-        data = ev.load_beir_folder(b)
+        data = load_beir(b)
     assert data["qrels"] == {"q1": {"d1": 1}, "q2": {"d2": 1}}
     # an empty judged query is an error
     b = write_beir(tmp_path / "b2", queries={"q1": "find apple", "q2": "  "})
     with pytest.raises(ValueError, match="1 judged queries have an empty text"):
-        ev.load_beir_folder(b)
+        load_beir(b)
     # a folder that is not a model
     with pytest.raises(ValueError, match="not a model"):
         ev.XPRTEncoder(str(tmp_path / "weird"))
@@ -305,21 +307,28 @@ def test_prefix_auto_rule(tmp_path):
     assert ev.uses_e5_prefixes(str(run))  # a model continued from E5 keeps E5's prefixes
 
 
-def test_encode_texts_matches_embed_texts(tiny_bert):
+def test_batched_embedder_matches_one_text_at_a_time(tiny_bert):
+    """modeling_xprt.embed_texts (token-sorted batches, dedup, the unmasked path for unpadded batches) equals
+    encoding each text alone with the plain mean-pool formula."""
     from transformers import AutoModel, AutoTokenizer
 
-    from modeling_xprt import embed_texts
+    from modeling_xprt import embed_texts, mean_pool
 
     tok = AutoTokenizer.from_pretrained(tiny_bert)
     model = AutoModel.from_pretrained(tiny_bert).eval()
     texts = ["a short one", "a somewhat longer text with more words in it", "x", "same len a", "same len b",
              "word " * 300, "x", "a short one"]  # repeated texts are encoded once, returned twice
-    ours = ev.encode_texts(model, tok, texts, batch_size=2, max_length=64, prefix="query: ")
-    ref = embed_texts(model, tok, texts, batch_size=2, max_length=64, prefix="query: ").numpy()
-    np.testing.assert_allclose(ours, ref, atol=1e-5)
+    ours = embed_texts(model, tok, texts, batch_size=2, max_length=64, prefix="query: ").numpy()
+    ref = []
+    with torch.no_grad():
+        for t in texts:
+            enc = tok(["query: " + t], truncation=True, max_length=64, return_tensors="pt")
+            v = mean_pool(model(**enc).last_hidden_state, enc["attention_mask"])
+            ref.append(torch.nn.functional.normalize(v, dim=-1)[0].numpy())
+    np.testing.assert_allclose(ours, np.stack(ref), atol=1e-5)
     assert ours.shape == (8, 32) and np.allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
     np.testing.assert_array_equal(ours[6], ours[2])
-    assert ev.encode_texts(model, tok, [], batch_size=2).shape == (0, 32)
+    assert embed_texts(model, tok, [], batch_size=2).shape == (0, 32)
 
 
 def test_wrapper_end_to_end_on_tiny_bert(tiny_bert, beir, tmp_path):

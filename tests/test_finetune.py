@@ -1,4 +1,4 @@
-"""train.py --stage finetune: BEIR loading, hard-negative mining, PAIR stage-1 generation + denoising on tiny random
+"""finetune.py: BEIR loading, hard-negative mining, PAIR stage-1 generation + denoising on tiny random
 models, and a few fine-tuning steps whose loss falls."""
 
 import json
@@ -8,8 +8,10 @@ import pytest
 from conftest import cli_args
 import torch
 
-import train
-from test_train import read_log, run
+import finetune
+from modeling_xprt import load_beir
+from test_train import read_log
+from test_train import run as run_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,8 +41,20 @@ def beir(tmp_path_factory):
     return make_beir(tmp_path_factory.mktemp("beir"))
 
 
+def run(argv):
+    return run_main(argv, main=finetune.main)
+
+
+def read_beir(folder, split):
+    """load_beir as finetune.py reads it: passages as 'title text', the relevant (score > 0) qrels."""
+    data = load_beir(folder, split)
+    corpus = {d: finetune.passage_text(*tt) for d, tt in data["corpus"].items()}
+    qrels = {q: {d: s for d, s in ds.items() if s > 0} for q, ds in data["qrels"].items()}
+    return corpus, data["queries"], qrels
+
+
 def test_load_beir_reads_train_qrels(beir):
-    corpus, queries, qrels = train.load_beir(str(beir), "train")
+    corpus, queries, qrels = read_beir(str(beir), "train")
     assert len(corpus) == 61 and len(queries) == 16
     assert qrels["q0"] == {"d0": 1, "d5": 1} and sum(len(v) for v in qrels.values()) == 17
 
@@ -52,17 +66,17 @@ def test_mined_negatives_never_include_a_positive_of_the_same_query(beir, tiny_b
 
     from modeling_xprt import embed_texts
 
-    corpus, queries, qrels = train.load_beir(str(beir), "train")
+    corpus, queries, qrels = read_beir(str(beir), "train")
     model, tok = AutoModel.from_pretrained(tiny_bert), AutoTokenizer.from_pretrained(tiny_bert)
     qids, cids = sorted(qrels), sorted(corpus)
     args = (model, tok, [queries[q] for q in qids], [set(qrels[q]) for q in qids], cids, [corpus[c] for c in cids])
-    pools = train.mine_hard_negatives(*args, rank_min=1, rank_max=len(cids))
+    pools = finetune.mine_hard_negatives(*args, rank_min=1, rank_max=len(cids))
     for q, pool in zip(qids, pools):
         assert not set(pool) & set(qrels[q]), q
         dup = {"dup-1", "d1"} if q == "q1" else set()
         assert set(pool) == set(cids) - set(qrels[q]) - dup, q
     # a window [10, 30] keeps, in rank order, ranks 10..30 of an independent ranking, minus positives
-    deep = train.mine_hard_negatives(*args, rank_min=10, rank_max=30)
+    deep = finetune.mine_hard_negatives(*args, rank_min=10, rank_max=30)
     q = embed_texts(model, tok, [queries[x] for x in qids], max_length=32)
     c = embed_texts(model, tok, [corpus[x] for x in cids], max_length=128)
     top = (q @ c.T).topk(30, dim=1).indices.tolist()
@@ -98,25 +112,25 @@ def test_pseudo_query_generation_and_denoising_on_tiny_random_models(tmp_path):
     tok = AutoTokenizer.from_pretrained(gen_path)
     gen = AutoModelForSeq2SeqLM.from_pretrained(gen_path).eval()
     passages = ["The heart pumps blood through the body.", "Rain falls from clouds.", "Stocks rose on Monday."]
-    pairs = train.generate_pseudo_queries(gen, tok, passages, num_per_passage=2, max_new_tokens=6, batch_size=2)
+    pairs = finetune.generate_pseudo_queries(gen, tok, passages, num_per_passage=2, max_new_tokens=6, batch_size=2)
     assert [pi for pi, _ in pairs] == [0, 0, 1, 1, 2, 2]
     assert all(isinstance(q, str) for _, q in pairs)
-    assert pairs == train.generate_pseudo_queries(gen, tok, passages, 2, 6, batch_size=2)  # seeded sampling
+    assert pairs == finetune.generate_pseudo_queries(gen, tok, passages, 2, 6, batch_size=2)  # seeded sampling
     ce = AutoModelForSequenceClassification.from_pretrained(ce_path).eval()
     qs, ps = [q or "empty" for _, q in pairs], [passages[pi] for pi, _ in pairs]
-    scores = train.cross_encoder_scores(ce, tok, qs, ps, batch_size=4)
+    scores = finetune.cross_encoder_scores(ce, tok, qs, ps, batch_size=4)
     # independent computation: one pair at a time
     with torch.no_grad():
         ref = torch.stack([torch.sigmoid(ce(**tok(q, p, return_tensors="pt")).logits[0, 0]) for q, p in zip(qs, ps)])
     assert torch.allclose(scores, ref, atol=1e-5)
     thr = scores.median().item()
-    kept = train.denoise_pseudo_queries(list(zip([pi for pi, _ in pairs], qs)), passages, scores, thr)
+    kept = finetune.denoise_pseudo_queries(list(zip([pi for pi, _ in pairs], qs)), passages, scores, thr)
     assert kept == [(pi, q) for pi, q, s in zip([p for p, _ in pairs], qs, scores.tolist()) if s >= thr]
     assert 0 < len(kept) < len(pairs)
 
 
 def ft_args(model, beir, out, **kw):
-    args = {"--stage": "finetune", "--model_name_or_path": model, "--beir_dir": beir, "--output_dir": out,
+    args = {"--model_name_or_path": model, "--beir_dir": beir, "--output_dir": out,
             "--per_device_train_batch_size": 4, "--report_to": "none", "--logging_steps": 1, "--seed": 3,
             "--negatives_rank_min": 2, "--negatives_rank_max": 20, "--learning_rate": 2e-3, "--warmup_ratio": 0.0,
             "--lr_scheduler_type": "constant"}
@@ -138,7 +152,7 @@ def test_finetune_stage_runs_and_its_loss_falls(tiny_bert, beir, tmp_path, alpha
     last = sum(log[s]["loss"] for s in range(13, 17)) / 4
     assert last < first, (first, last)
     assert "pair_q_loss" in log[1]
-    want = [train.pair_alpha_at(s - 1, 16, alpha, schedule) for s in (1, 8, 16)]
+    want = [finetune.pair_alpha_at(s - 1, 16, alpha, schedule) for s in (1, 8, 16)]
     assert [log[s]["pair_alpha"] for s in (1, 8, 16)] == pytest.approx(want)
     if alpha > 0:
         assert "pair_p_loss" in log[1]
@@ -194,7 +208,7 @@ def test_finetune_under_deepspeed_zero3_one_cpu_process(tiny_bert, beir, tmp_pat
     root = Path(__file__).resolve().parents[1]
     out, plain = tmp_path / "ds", tmp_path / "plain"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(root / "configs" / "accelerate_cpu_deepspeed_zero3.yaml"), str(root / "train.py")]
+           str(root / "configs" / "accelerate_cpu_deepspeed_zero3.yaml"), str(root / "finetune.py")]
     proc = subprocess.run(cmd + ft_args(tiny_bert, beir, out, **{"--max_train_steps": 3}), cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -205,3 +219,19 @@ def test_finetune_under_deepspeed_zero3_one_cpu_process(tiny_bert, beir, tmp_pat
     for s in (1, 2, 3):
         assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-4), s
     assert (out / "model" / "model.safetensors").exists()
+
+
+def test_pair_alpha_schedule_values():
+    assert [finetune.pair_alpha_at(t, 10, 0.1, "constant") for t in (0, 5, 9)] == [0.1, 0.1, 0.1]
+    lin = [finetune.pair_alpha_at(t, 10, 0.5, "linear") for t in range(11)]
+    assert lin[0] == 0.5 and lin[5] == pytest.approx(0.25) and lin[10] == 0.0
+    assert all(a > b for a, b in zip(lin, lin[1:]))
+
+
+def test_flags_fail_early():
+    with pytest.raises(SystemExit):
+        finetune.parse_args(["--output_dir", "x"])  # no data
+    ft = finetune.parse_args(["--output_dir", "x", "--beir_dir", "b"])
+    assert ft.learning_rate == 3e-5 and ft.warmup_ratio == 0.1
+    assert not hasattr(ft, "retention_weight")  # PAIR's loss has no retention term: not even a flag
+    assert (ft.query_max_length, ft.passage_max_length) == (32, 128)

@@ -1,7 +1,6 @@
 """The shared pieces of modeling_xprt.py: model resolution, mean pooling and embed_texts."""
 
 import torch
-import torch.nn.functional as F
 
 from modeling_xprt import embed_texts, mean_pool, resolve_model_path
 

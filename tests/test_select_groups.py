@@ -319,3 +319,12 @@ def test_two_processes_match_one(tmp_path, tiny_bert, small_corpus):
             assert x[k] == y[k], k
         for k in ("anchor_centrality", "related_cosine", "related_tfidf", "related_rrf"):
             np.testing.assert_allclose(x[k], y[k], atol=1e-5)
+
+
+def test_a_plain_json_string_record_is_not_an_object(tmp_path):
+    """A line that decodes to a JSON string is a record of the wrong type, counted under not_an_object (it was once
+    mistaken for a reader's skip reason and counted under a reason of its own text)."""
+    path = tmp_path / "s.jsonl"
+    path.write_text('"hello"\n"malformed_json"\n')
+    args = sg.parse_args(["--input", str(path), "--output_dir", str(tmp_path / "o"), "--skip_bad_lines"])
+    assert [d.skip for d in sg.iter_records(args)] == ["not_an_object", "not_an_object"]

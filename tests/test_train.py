@@ -1,13 +1,12 @@
-"""train.py --stage pretrain: schedules, batching, every objective and ablation, resume, NaN handling, saving,
+"""train.py: schedules, batching, every objective and ablation, resume, NaN handling, saving,
 and DeepSpeed ZeRO-2 under `accelerate launch`.
 
 Runs use the tiny random BERT (conftest) on a small groups folder built here from the bundled sample documents in
-the groups schema of INTERFACE.md, so they take seconds each on a CPU.
+the groups schema of select_groups.group_schema(), so they take seconds each on a CPU.
 """
 
 import json
 import math
-import os
 import random
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from conftest import cli_args
 import torch
 
 import train
+from select_groups import group_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,13 +51,8 @@ def make_groups(out: Path, num_groups: int, num_related: int = 4, seed: int = 0)
                 break
         if len(rows) == num_groups:
             break
-    schema = pa.schema([("doc_id", pa.string()), ("group_index", pa.int32()), ("anchor_index", pa.int32()),
-                        ("anchor", pa.string()), ("anchor_centrality", pa.float32()), ("related", pa.list_(pa.string())),
-                        ("related_index", pa.list_(pa.int32())), ("related_cosine", pa.list_(pa.float32())),
-                        ("related_tfidf", pa.list_(pa.float32())), ("related_rrf", pa.list_(pa.float32())),
-                        ("random_passage", pa.string()), ("num_passages", pa.int32())])
     out.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), out / "shard-00000.parquet")
+    pq.write_table(pa.Table.from_pylist(rows, schema=group_schema()), out / "shard-00000.parquet")
     (out / "stats.json").write_text(json.dumps({"groups": len(rows)}))
     return out
 
@@ -70,10 +65,10 @@ def reset_accelerate():
     GradientState._reset_state()
 
 
-def run(argv):
+def run(argv, main=train.main):
     reset_accelerate()
     try:
-        return train.main([str(a) for a in argv])
+        return main([str(a) for a in argv])
     finally:
         reset_accelerate()
 
@@ -144,13 +139,6 @@ def test_padding_efficiency_counts_every_attention_mask():
     assert train.padding_efficiency(batch) == (7, 10)
 
 
-def test_pair_alpha_schedule_values():
-    assert [train.pair_alpha_at(t, 10, 0.1, "constant") for t in (0, 5, 9)] == [0.1, 0.1, 0.1]
-    lin = [train.pair_alpha_at(t, 10, 0.5, "linear") for t in range(11)]
-    assert lin[0] == 0.5 and lin[5] == pytest.approx(0.25) and lin[10] == 0.0
-    assert all(a > b for a, b in zip(lin, lin[1:]))
-
-
 def test_flags_fail_early():
     with pytest.raises(SystemExit):
         train.parse_args(["--output_dir", "x"])  # pretrain without groups
@@ -159,9 +147,6 @@ def test_flags_fail_early():
     a = train.parse_args(["--output_dir", "x", "--groups_dir", "g"])
     assert a.learning_rate == 1e-6 and a.model_name_or_path == "intfloat/e5-base-unsupervised"
     assert a.retention_weight == 40.0 and a.retention_final_weight == 0.0
-    ft = train.parse_args(["--output_dir", "x", "--stage", "finetune", "--beir_dir", "b"])
-    assert ft.learning_rate == 3e-5 and ft.retention_weight == 0.0 and ft.warmup_ratio == 0.1
-    assert (ft.query_max_length, ft.passage_max_length) == (32, 128)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -326,13 +311,10 @@ def test_head_learning_rate_groups_every_parameter_once(tiny_bert):
     """--head_learning_rate: the decoder and the MLM head's transform and bias get it; the encoder, and the tied
     vocabulary projection (the word embeddings themselves), keep --learning_rate; biases and LayerNorm weights are
     not decayed; every trainable tensor is in exactly one group."""
-    import argparse
-
     from modeling_xprt import XPRTModel, load_mlm_encoder
 
     model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0])
-    groups = train.optimizer_groups(model, argparse.Namespace(learning_rate=1e-6, head_learning_rate=1e-4,
-                                                              weight_decay=0.01))
+    groups = train.optimizer_groups(model, learning_rate=1e-6, head_learning_rate=1e-4, weight_decay=0.01)
     where = {id(p): (g["lr"], g["weight_decay"]) for g in groups for p in g["params"]}
     assert sum(len(g["params"]) for g in groups) == len(where) == len(list(model.parameters()))
     named = dict(model.named_parameters())
@@ -344,7 +326,7 @@ def test_head_learning_rate_groups_every_parameter_once(tiny_bert):
     assert where[id(named["encoder.cls.predictions.transform.dense.weight"])] == (1e-4, 0.01)
     assert where[id(named["encoder.cls.predictions.bias"])] == (1e-4, 0.0)
     # default: one lr for all, as in the paper
-    same = train.optimizer_groups(model, argparse.Namespace(learning_rate=1e-6, head_learning_rate=None, weight_decay=0.01))
+    same = train.optimizer_groups(model, learning_rate=1e-6, head_learning_rate=None, weight_decay=0.01)
     assert {g["lr"] for g in same} == {1e-6}
 
 

@@ -1,0 +1,336 @@
+"""
+PAIR's fine-tuning stage: the encoder trained on (query, positive passage) pairs with PAIR's loss
+(1 - alpha) L_Q + alpha L_P (modeling_xprt.pair_q_loss / pair_p_loss / pair_loss).
+
+Read it beside the PAIR paper. In the xPRT project it answers "does the pre-training gain survive fine-tuning?":
+fine-tune the start model and the xPRT model the same way and compare. The steps, in the order of this file:
+  1. flags
+  2. PAIR's alpha schedule (constant, as the official code; or linear decay, as the paper describes)
+  3. the data: labelled pairs (a BEIR folder's train qrels, or a triples file), or PAIR's stage 1 - pseudo-queries
+     generated for corpus passages and kept when a cross-encoder agrees; hard negatives mined with the start model
+  4. main: the model, the rows, and the Accelerate loop shared with train.py (train.train_loop)
+
+    accelerate launch finetune.py --model_name_or_path runs/xprt/model --beir_dir scifact/ --output_dir runs/ft
+
+The loop is imported from train.py rather than copied: resume, non-finite handling, DeepSpeed's quirks and
+logging then live in one place and a fix lands in both stages at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from modeling_xprt import E5_PASSAGE_PREFIX, E5_QUERY_PREFIX, atomic_write, load_beir, read_jsonl
+from train import add_common_args, check_common_args, load_model, make_accelerator, prepare_output_dir, train_loop
+from train import optimizer_groups, whole_weights
+
+DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. Flags
+# ----------------------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("fine-tuning data")
+    g.add_argument("--beir_dir", default=None,
+                   help="BEIR-layout folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)")
+    g.add_argument("--qrels_split", default="train", help="qrels file used for training (never the test split)")
+    g.add_argument("--triples_file", default=None,
+                   help="TSV (query<TAB>positive[<TAB>negative...]) or JSONL ({query, positive, negatives}) of pairs")
+    g.add_argument("--num_negatives", type=int, default=1, help="hard negatives per query in each step")
+    g.add_argument("--negatives_rank_min", type=int, default=10,
+                   help="mined negatives come from ranks [min, max] of the starting model (1-based); skipping the "
+                        "very top avoids unlabelled true positives (false negatives)")
+    g.add_argument("--negatives_rank_max", type=int, default=100, help="last rank of the mining window")
+    g.add_argument("--mined_negatives", default=None,
+                   help="mined_negatives.json of an earlier run (same start model and data) to reuse instead of "
+                        "mining")
+    g.add_argument("--mining_batch_size", type=int, default=64, help="batch size when embedding for mining")
+    g.add_argument("--query_max_length", type=int, default=32, help="max query tokens (PAIR: 32)")
+    g.add_argument("--passage_max_length", type=int, default=128, help="max passage tokens (PAIR: 128)")
+
+    g = p.add_argument_group("PAIR's loss")
+    g.add_argument("--pair_alpha", type=float, default=0.0,
+                   help="alpha of (1 - alpha) L_Q + alpha L_P; 0 = plain fine-tuning (PAIR stage 2), 0.1 = "
+                        "official code")
+    g.add_argument("--pair_alpha_schedule", choices=["constant", "linear"], default="constant",
+                   help="constant alpha (official code) or linear decay from --pair_alpha to 0 (PAIR's "
+                        "description)")
+
+    g = p.add_argument_group("PAIR stage 1: pseudo-queries (needs real generator / cross-encoder weights)")
+    g.add_argument("--generate_pseudo_queries", action="store_true",
+                   help="generate queries for corpus passages with a seq2seq model and keep those a cross-encoder "
+                        "accepts")
+    g.add_argument("--generator_model", default=None, help="seq2seq generator (e.g. a doc2query T5)")
+    g.add_argument("--cross_encoder_model", default=None, help="sequence-classification cross-encoder for denoising")
+    g.add_argument("--pseudo_queries_per_passage", type=int, default=1, help="queries sampled per passage")
+    g.add_argument("--max_pseudo_passages", type=int, default=1000, help="passages used for generation")
+    g.add_argument("--denoise_threshold", type=float, default=0.5,
+                   help="keep a pseudo pair when the cross-encoder's relevance probability is at least this")
+    g.add_argument("--pseudo_query_max_length", type=int, default=32, help="max generated query tokens")
+    add_common_args(p, DEFAULT_LR)
+    args = p.parse_args(argv)
+
+    # Sanity checks that fail early with a clear message.
+    check_common_args(args)
+    if not (args.beir_dir or args.triples_file or args.generate_pseudo_queries):
+        raise SystemExit("finetune.py needs --beir_dir, --triples_file or --generate_pseudo_queries")
+    if args.generate_pseudo_queries and not (args.generator_model and args.cross_encoder_model):
+        raise SystemExit("--generate_pseudo_queries needs --generator_model and --cross_encoder_model")
+    if not 0.0 <= args.pair_alpha <= 1.0:
+        raise SystemExit("--pair_alpha must be in [0, 1]")
+    if not 1 <= args.negatives_rank_min <= args.negatives_rank_max:
+        raise SystemExit("need 1 <= --negatives_rank_min <= --negatives_rank_max")
+    if args.num_negatives < 0:
+        raise SystemExit("--num_negatives must be >= 0")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. PAIR's alpha
+# ----------------------------------------------------------------------------------------------------------------
+def pair_alpha_at(step: int, total_steps: int, alpha_0: float, schedule: str) -> float:
+    """PAIR's alpha in L = (1 - alpha) L_Q + alpha L_P at optimiser step `step` (0-based).
+
+    constant: alpha_0 every step (the official code's pre-training uses 0.1);
+    linear:   alpha_0 * (1 - step / total_steps), decaying to 0 (PAIR's "dynamic decay from alpha_0 > 0").
+    Fine-tuning in PAIR's stage 2 is alpha = 0.
+    """
+    if schedule == "constant":
+        return alpha_0
+    return alpha_0 * max(0.0, 1.0 - step / max(1, total_steps))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. Data: labelled pairs, PAIR stage-1 pseudo-queries, hard-negative mining
+# ----------------------------------------------------------------------------------------------------------------
+def load_triples(path: str):
+    """Rows {query, positive, negatives} from TSV (query, positive, negatives...) or JSONL."""
+    rows = []
+    if path.endswith((".jsonl", ".json")):
+        for r in read_jsonl(path):
+            negs = r.get("negatives", [r["negative"]] if "negative" in r else [])
+            rows.append({"query": r["query"], "positive": r["positive"], "negatives": list(negs)})
+    else:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) >= 2:
+                    rows.append({"query": parts[0], "positive": parts[1], "negatives": parts[2:]})
+    if not rows:
+        raise ValueError(f"no (query, positive) rows in {path}")
+    return rows
+
+
+def passage_text(title: str, text: str) -> str:
+    """A BEIR document as the encoder reads it: 'title text'."""
+    return (title + " " + text).strip()
+
+
+@torch.no_grad()
+def generate_pseudo_queries(generator, gen_tokenizer, passages, num_per_passage=1, max_new_tokens=32,
+                            passage_max_length=256, batch_size=16, seed=0):
+    """PAIR stage 1, part 1: sample queries for passages with a seq2seq generator (docT5query-style top-k sampling).
+
+    Returns [(passage_index, query)], num_per_passage per passage. Useful only with real generator weights
+    (e.g. a doc2query T5); random weights give random tokens (that is what the tests use).
+    """
+    torch.manual_seed(seed)
+    device = next(generator.parameters()).device
+    out = []
+    for s in range(0, len(passages), batch_size):
+        chunk = passages[s:s + batch_size]
+        enc = gen_tokenizer(chunk, truncation=True, max_length=passage_max_length, padding=True,
+                            return_tensors="pt").to(device)
+        ids = generator.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], do_sample=True,
+                                 top_k=10, max_new_tokens=max_new_tokens, num_return_sequences=num_per_passage)
+        texts = gen_tokenizer.batch_decode(ids, skip_special_tokens=True)
+        out += [(s + j // num_per_passage, t.strip()) for j, t in enumerate(texts)]
+    return out
+
+
+@torch.no_grad()
+def cross_encoder_scores(cross_encoder, ce_tokenizer, queries, passages, max_length=256, batch_size=32):
+    """Relevance probability of each (query, passage): sigmoid of a 1-logit head, else softmax[:, -1]."""
+    device = next(cross_encoder.parameters()).device
+    scores = []
+    for s in range(0, len(queries), batch_size):
+        enc = ce_tokenizer(queries[s:s + batch_size], passages[s:s + batch_size], truncation=True,
+                           max_length=max_length, padding=True, return_tensors="pt").to(device)
+        logits = cross_encoder(**enc).logits.float()
+        scores.append(torch.sigmoid(logits[:, 0]) if logits.shape[1] == 1 else logits.softmax(-1)[:, -1])
+    return torch.cat(scores).cpu() if scores else torch.empty(0)
+
+
+def denoise_pseudo_queries(pairs, passages, scores, threshold):
+    """PAIR stage 1, part 2: keep (passage_index, query) pairs whose cross-encoder probability >= threshold."""
+    return [(pi, q) for (pi, q), s in zip(pairs, scores.tolist()) if s >= threshold and q]
+
+
+def pseudo_query_pairs(args, accelerator, corpus: dict):
+    """PAIR stage 1 on the first --max_pseudo_passages corpus passages: [(passage id, query)] that the
+    cross-encoder keeps."""
+    from transformers import AutoModelForSeq2SeqLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    ids = sorted(corpus)[: args.max_pseudo_passages]
+    texts = [corpus[d] for d in ids]
+    gen_tok = AutoTokenizer.from_pretrained(args.generator_model)
+    gen = AutoModelForSeq2SeqLM.from_pretrained(args.generator_model).to(accelerator.device).eval()
+    pairs = generate_pseudo_queries(gen, gen_tok, texts, args.pseudo_queries_per_passage,
+                                    args.pseudo_query_max_length, seed=args.seed)
+    ce_tok = AutoTokenizer.from_pretrained(args.cross_encoder_model)
+    ce = AutoModelForSequenceClassification.from_pretrained(args.cross_encoder_model).to(accelerator.device).eval()
+    scores = cross_encoder_scores(ce, ce_tok, [q for _, q in pairs], [texts[i] for i, _ in pairs])
+    kept = denoise_pseudo_queries(pairs, texts, scores, args.denoise_threshold)
+    accelerator.print(f"pseudo-queries: {len(pairs)} generated, {len(kept)} kept by the cross-encoder "
+                      f"(threshold {args.denoise_threshold})")
+    return [(ids[pi], q) for pi, q in kept]
+
+
+@torch.no_grad()
+def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_ids, corpus_texts, rank_min, rank_max,
+                        query_max_length=32, passage_max_length=128, query_prefix="", passage_prefix="",
+                        batch_size=64):
+    """For each query, corpus ids ranked rank_min..rank_max (1-based) by the starting model, minus its positives.
+
+    Hard negatives are what PAIR and RocketQA train on; the very top ranks are skipped because on sparsely judged
+    data (one or two positives per query) they are often unlabelled positives. A passage whose text equals one of
+    the query's positives is excluded as well (duplicated corpus entries). positive_ids[i] is the set of ALL
+    positives of query i, so no query ever gets one of its own positives as a negative.
+    """
+    from modeling_xprt import embed_texts
+
+    q = embed_texts(encoder, tokenizer, query_texts, batch_size, query_max_length, query_prefix,
+                    desc="mining: queries")
+    c = embed_texts(encoder, tokenizer, corpus_texts, batch_size, passage_max_length, passage_prefix,
+                    show_progress=True, desc="mining: corpus")
+    text_of = dict(zip(corpus_ids, corpus_texts))
+    k = min(rank_max, len(corpus_ids))
+    top = (q @ c.T).topk(k, dim=1).indices  # (queries, k), best first
+    pools = []
+    for i, row in enumerate(top.tolist()):
+        pos_texts = {text_of.get(d) for d in positive_ids[i]}
+        window = [corpus_ids[j] for j in row[rank_min - 1:k]]
+        pools.append([d for d in window if d not in positive_ids[i] and text_of[d] not in pos_texts])
+    return pools
+
+
+def negative_pools(args, accelerator, encoder, tokenizer, corpus, queries, positives):
+    """The mined pool of every (query, positives) row: reused from --mined_negatives, or mined on the main process
+    while the others wait. Written to <output_dir>/mined_negatives.json either way."""
+    cache = Path(args.output_dir) / "mined_negatives.json"
+    if args.mined_negatives:  # reuse pools mined by an earlier run with the same start model and data
+        pools = json.loads(Path(args.mined_negatives).read_text())
+        if len(pools) != len(queries):
+            raise SystemExit(f"{args.mined_negatives}: {len(pools)} pools for {len(queries)} queries: "
+                             "mined for other data; drop --mined_negatives to mine again")
+        if accelerator.is_main_process:
+            atomic_write(cache, json.dumps(pools))
+    elif accelerator.is_main_process:
+        cids = sorted(corpus)
+        qp, pp = (E5_QUERY_PREFIX, E5_PASSAGE_PREFIX) if args.e5_prefixes else ("", "")
+        pools = mine_hard_negatives(encoder, tokenizer, queries, positives, cids, [corpus[d] for d in cids],
+                                    args.negatives_rank_min, args.negatives_rank_max, args.query_max_length,
+                                    args.passage_max_length, qp, pp, args.mining_batch_size)
+        atomic_write(cache, json.dumps(pools))
+    accelerator.wait_for_everyone()
+    pools = json.loads(cache.read_text())
+    short = sum(len(p) < args.num_negatives for p in pools)
+    if short:
+        raise SystemExit(f"{short} queries have fewer than {args.num_negatives} mined negatives in ranks "
+                         f"{args.negatives_rank_min}-{args.negatives_rank_max}: widen the window")
+    return pools
+
+
+def build_finetune_rows(args, accelerator, encoder, tokenizer):
+    """Rows {query, positive, negative_pool | negatives}: the triples file's rows, then one row per (query,
+    relevant passage) of the BEIR qrels, then the kept pseudo-queries; the last two get mined pools."""
+    rows = load_triples(args.triples_file) if args.triples_file else []
+    corpus = {}
+    mined = []  # (row, query text, set of positive ids): rows that still need negatives
+    if args.beir_dir:
+        beir = load_beir(args.beir_dir, args.qrels_split)
+        corpus = {d: passage_text(*tt) for d, tt in beir["corpus"].items()}
+        qrels = {q: {d for d, s in ds.items() if s > 0} for q, ds in beir["qrels"].items()}
+        for qid in sorted(qrels):
+            for did in sorted(qrels[qid]):
+                mined.append(({"query": beir["queries"][qid], "positive": corpus[did]}, beir["queries"][qid],
+                              qrels[qid]))
+    if args.generate_pseudo_queries:
+        if not corpus:
+            raise SystemExit("--generate_pseudo_queries needs a corpus: pass --beir_dir")
+        with whole_weights():  # the generator and cross-encoder are ours to run, never prepared
+            kept = pseudo_query_pairs(args, accelerator, corpus)
+        mined += [({"query": q, "positive": corpus[pid]}, q, {pid}) for pid, q in kept]
+    if mined:
+        pools = negative_pools(args, accelerator, encoder, tokenizer, corpus, [q for _, q, _ in mined],
+                               [pos for _, _, pos in mined])
+        for (r, _, _), pool in zip(mined, pools):
+            r["negative_pool"] = [corpus[d] for d in pool]
+        rows += [r for r, _, _ in mined]
+    for r in rows:
+        if "negative_pool" not in r and len(r.get("negatives", [])) < args.num_negatives:
+            raise SystemExit(f"a triple has fewer than {args.num_negatives} negatives and no corpus to mine from")
+    return rows
+
+
+def pick_negatives(row, num, seed, epoch):
+    """The step's hard negatives for one row: a sample of its mined pool, a function of (seed, epoch, row) only,
+    so a resumed run draws the same negatives."""
+    if "negative_pool" not in row:
+        return list(row.get("negatives", []))[:num]
+    rng = random.Random(f"{seed}-{epoch}-{row['__index__']}")
+    return rng.sample(row["negative_pool"], num)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. Main
+# ----------------------------------------------------------------------------------------------------------------
+def main(argv=None):
+    args = parse_args(argv)
+    from accelerate.utils import set_seed
+
+    from modeling_xprt import PairCollator
+
+    # The idle heads are frozen below, so every trainable parameter gets a gradient: no unused-parameter search.
+    accelerator = make_accelerator(args, find_unused_parameters=False)
+    prepare_output_dir(accelerator, args, extra_outputs=("mined_negatives.json",))
+    set_seed(args.seed)
+    model, tokenizer = load_model(accelerator, args, "pair")
+    # PAIR's losses read only the pooled encoder vectors: the decoder and the MLM head's own parameters (transform,
+    # output bias; the tied projection is the word embeddings and stays trainable) get no gradient. Frozen, they
+    # stay out of the optimiser and DDP's reducer, and are saved unchanged for a later pre-training run.
+    for p in model.head_parameters():
+        p.requires_grad_(False)
+
+    # ---- data: the start model mines the hard negatives, on the accelerator
+    model.encoder.to(accelerator.device)
+    rows = build_finetune_rows(args, accelerator, model.encoder, tokenizer)
+    lengths = [len(r["query"]) + len(r["positive"]) for r in rows]
+    qp, pp = (E5_QUERY_PREFIX, E5_PASSAGE_PREFIX) if args.e5_prefixes else ("", "")
+    collator = PairCollator(tokenizer, query_max_length=args.query_max_length,
+                            passage_max_length=args.passage_max_length, query_prefix=qp, passage_prefix=pp,
+                            num_negatives=args.num_negatives)
+
+    def step_inputs(rows_b, epoch, step, max_steps):
+        rows_b = [{"query": r["query"], "positive": r["positive"],
+                   "negatives": pick_negatives(r, args.num_negatives, args.seed, epoch)} for r in rows_b]
+        alpha = pair_alpha_at(step, max_steps, args.pair_alpha, args.pair_alpha_schedule)
+        return rows_b, {"pair_alpha": alpha}, {"retention_weight": 0.0, "pair_alpha": alpha}
+
+    param_groups = optimizer_groups(model, args.learning_rate, None, args.weight_decay)
+    title = f"xprt finetune (PAIR loss, alpha {args.pair_alpha} {args.pair_alpha_schedule})"
+    return train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, step_inputs,
+                      param_groups=param_groups, unit="queries", card_title=title,
+                      skip_keys=("retain_",))
+
+
+if __name__ == "__main__":
+    main()
