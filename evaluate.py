@@ -20,8 +20,10 @@ Banking77's train/test csv. Results are cached per (model, task, data, settings)
 finished tasks. Outputs: results.md, results.json and results.png in --output_dir.
 
 Prefixes: E5 models were trained with "query: " / "passage: " and lose a lot without them (README, Notes);
-models trained without them (all-MiniLM-L6-v2) lose with them. `--prefix_mode auto` (default) uses
-E5 prefixes when the model's name, path or config names an E5 model, and none otherwise.
+models trained without them (all-MiniLM-L6-v2) lose with them. `--prefix_mode auto` (default) applies the
+repository's one rule (modeling_xprt.model_prompts): a model folder's own sentence-transformers prompts (train.py
+and finetune.py write them), else E5's prefixes for an E5 model (by name, or by the start model a folder records),
+else none.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from modeling_xprt import (E5_PASSAGE_PREFIX, E5_QUERY_PREFIX, atomic_path, atomic_write, embed_texts, load_beir,
+from modeling_xprt import (E5_PROMPTS, atomic_path, atomic_write, embed_texts, load_beir, model_prompts,
                            pick_device_and_dtype, resolve_model_path)
 
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (README, Notes); keep it inside the repo.
@@ -65,38 +67,6 @@ DEFAULT_BENCHMARK = "MTEB(eng, v2)"
 # ---------------------------------------------------------------------------------------------------
 # 1. The mteb model wrapper (encoding: modeling_xprt.embed_texts, the batch embedder every script shares)
 # ---------------------------------------------------------------------------------------------------
-
-_E5_RE = re.compile(r"(^|[^a-z0-9])(m?e5)([^a-z0-9]|$)")
-
-
-def uses_e5_prefixes(name_or_path: str) -> bool:
-    """The `--prefix_mode auto` rule: does the model's name, path or saved config name an E5 model?
-
-    Looked at, in order: the name as given, the resolved path, `_name_or_path` in config.json, and
-    every string in xprt_config.json (train.py records the starting checkpoint there). "e5" must be a
-    word of its own ("e5-base", "intfloat/e5", "multilingual-e5"), so names that merely contain the two
-    characters do not count. A model continued from E5 keeps E5's prefixes, which is what we want.
-    """
-    candidates = [name_or_path, resolve_model_path(name_or_path)]
-    folder = Path(candidates[1])
-    for fname in ("config.json", "xprt_config.json"):
-        f = folder / fname
-        if f.is_file():
-            try:
-                cfg = json.loads(f.read_text())
-            except ValueError:
-                continue
-            stack = [cfg]
-            while stack:  # every string value, nested or not
-                x = stack.pop()
-                if isinstance(x, dict):
-                    stack.extend(x.values())
-                elif isinstance(x, list):
-                    stack.extend(x)
-                elif isinstance(x, str):
-                    candidates.append(x)
-    return any(_E5_RE.search(c.lower()) for c in candidates)
-
 
 def check_model_folder(name_or_path: str) -> str:
     """Resolve a model name and fail early, in words, on a folder that is not a model."""
@@ -144,10 +114,13 @@ class XPRTEncoder(AbsEncoder):
         except (OSError, ValueError) as err:
             raise ValueError(f"could not load a model from {name_or_path!r} ({path}): {err}") from err
         self.model.to(self.device).eval()
-        e5 = prefix_mode == "e5" or (prefix_mode == "auto" and uses_e5_prefixes(name_or_path))
-        self.prefix_mode = "e5" if e5 else "none"
-        self.query_prefix = query_prefix if query_prefix is not None else (E5_QUERY_PREFIX if e5 else "")
-        self.passage_prefix = passage_prefix if passage_prefix is not None else (E5_PASSAGE_PREFIX if e5 else "")
+        # the repository's one prefix rule (modeling_xprt.model_prompts): a train.py / finetune.py folder carries
+        # its prompts in config_sentence_transformers.json; a hub E5 model is known by its name
+        prompts = model_prompts(name_or_path, prefix_mode)
+        e5 = prompts == E5_PROMPTS
+        self.prefix_mode = "e5" if e5 else ("none" if not any(prompts.values()) else "model")
+        self.query_prefix = query_prefix if query_prefix is not None else prompts["query"]
+        self.passage_prefix = passage_prefix if passage_prefix is not None else prompts["document"]
         # A sentence-transformers folder states the length the model was trained and scored with
         # (all-MiniLM-L6-v2: 256); the MTEB leaderboard numbers use it, so we do too unless told.
         st_cfg = Path(path) / "sentence_bert_config.json"
@@ -525,8 +498,8 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
         if len(set(lengths.values())) > 1:  # e.g. MiniLM's folder says 256, a train.py save says 512
             warnings.warn(f"models run with different max lengths {lengths}: long documents are cut differently; "
                           "pass --max_length to compare like with like")
-        logger.info("model %s: prefixes query=%r passage=%r", model_name,
-                    getattr(encoder, "query_prefix", ""), getattr(encoder, "passage_prefix", ""))
+        print(f"model {model_name}: prefixes: query {getattr(encoder, 'query_prefix', '')!r}, "
+              f"passage {getattr(encoder, 'passage_prefix', '')!r}", flush=True)
         out["results"][model_name] = {}
         for name, local, bench_task in tqdm(specs, desc=f"tasks [{model_name}]", disable=not show_progress):
             ident = [encoder.fingerprint(), name, data_keys.get(name),

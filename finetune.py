@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from modeling_xprt import E5_PASSAGE_PREFIX, E5_QUERY_PREFIX, atomic_write, load_beir, read_jsonl
+from modeling_xprt import atomic_write, load_beir, read_jsonl
 from train import add_common_args, check_common_args, load_model, make_accelerator, prepare_output_dir, train_loop
 from train import optimizer_groups, whole_weights
 
@@ -235,7 +235,7 @@ def negative_pools(args, accelerator, encoder, tokenizer, corpus, queries, posit
             atomic_write(cache, json.dumps(pools))
     elif accelerator.is_main_process:
         cids = sorted(corpus)
-        qp, pp = (E5_QUERY_PREFIX, E5_PASSAGE_PREFIX) if args.e5_prefixes else ("", "")
+        qp, pp = args.prompts["query"], args.prompts["document"]
         pools = mine_hard_negatives(encoder, tokenizer, queries, positives, cids, [corpus[d] for d in cids],
                                     args.negatives_rank_min, args.negatives_rank_max, args.query_max_length,
                                     args.passage_max_length, qp, pp, args.mining_batch_size)
@@ -304,6 +304,7 @@ def main(argv=None):
     prepare_output_dir(accelerator, args, extra_outputs=("mined_negatives.json",))
     set_seed(args.seed)
     model, tokenizer = load_model(accelerator, args, "pair")
+    args.prompts = model.prompts  # the prefixes mining and the collator use (printed by load_model)
     # PAIR's losses read only the pooled encoder vectors: the decoder and the MLM head's own parameters (transform,
     # output bias; the tied projection is the word embeddings and stays trainable) get no gradient. Frozen, they
     # stay out of the optimiser and DDP's reducer, and are saved unchanged for a later pre-training run.
@@ -314,7 +315,7 @@ def main(argv=None):
     model.encoder.to(accelerator.device)
     rows = build_finetune_rows(args, accelerator, model.encoder, tokenizer)
     lengths = [len(r["query"]) + len(r["positive"]) for r in rows]
-    qp, pp = (E5_QUERY_PREFIX, E5_PASSAGE_PREFIX) if args.e5_prefixes else ("", "")
+    qp, pp = model.prompts["query"], model.prompts["document"]
     collator = PairCollator(tokenizer, query_max_length=args.query_max_length,
                             passage_max_length=args.passage_max_length, query_prefix=qp, passage_prefix=pp,
                             num_negatives=args.num_negatives)

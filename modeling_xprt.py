@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -173,6 +174,69 @@ def load_beir(folder, split: str = "test") -> dict:
     if empty:
         raise ValueError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
     return {"corpus": corpus, "queries": queries, "qrels": qrels}
+
+
+# "e5" as a word of its own in a model's name ("e5-base", "intfloat/e5", "multilingual-e5"), not inside a word
+_E5_NAME = re.compile(r"(^|[^a-z0-9])(m?e5)([^a-z0-9]|$)")
+NO_PROMPTS = {"query": "", "document": ""}
+E5_PROMPTS = {"query": E5_QUERY_PREFIX, "document": E5_PASSAGE_PREFIX}
+
+
+def _read_json(path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def model_prompts(name_or_path: str, mode: str = "auto", _depth: int = 0) -> dict:
+    """The one prefix rule of the repository: {"query": prefix, "document": prefix} for a model.
+
+    mode "e5" / "none" force E5's "query: " / "passage: " or no prefix. mode "auto", in order:
+      1. the folder's config_sentence_transformers.json "prompts" (where sentence-transformers keeps them, and
+         where train.py / finetune.py write them), when it names a query or document prompt;
+      2. the folder's xprt_config.json "start_model" (written by save_pretrained): that model's prompts, so a model
+         continued from E5 keeps E5's prefixes;
+      3. the name: an E5 model ("e5" a word of the name as given, of the resolved path, or of config.json's
+         _name_or_path) gets E5's prefixes (README, Notes: wrong prefixes cost E5 a lot);
+      4. otherwise none (all-MiniLM-L6-v2 was trained without prefixes).
+    """
+    if mode == "e5":
+        return dict(E5_PROMPTS)
+    if mode == "none":
+        return dict(NO_PROMPTS)
+    if mode != "auto":
+        raise ValueError(f"prefix mode must be auto, e5 or none, got {mode!r}")
+    path = resolve_model_path(name_or_path)
+    folder = Path(path)
+    if folder.is_dir():
+        prompts = _read_json(folder / "config_sentence_transformers.json").get("prompts") or {}
+        query = prompts.get("query")
+        document = next((prompts[k] for k in ("document", "passage", "corpus") if k in prompts), None)
+        if query is not None or document is not None:
+            return {"query": query or "", "document": document or ""}
+        start = _read_json(folder / "xprt_config.json").get("start_model")
+        if isinstance(start, str) and start and _depth < 8:
+            return model_prompts(start, "auto", _depth + 1)
+    names = [name_or_path, path, str(_read_json(folder / "config.json").get("_name_or_path", ""))]
+    return dict(E5_PROMPTS) if any(_E5_NAME.search(n.lower()) for n in names) else dict(NO_PROMPTS)
+
+
+def describe_prompts(prompts: dict) -> str:
+    """One log line: which prefixes a script uses."""
+    return f"prefixes: query {prompts['query']!r}, passage {prompts['document']!r}"
+
+
+@contextlib.contextmanager
+def dropout_off(module: nn.Module):
+    """Run `module` in eval mode (no dropout) inside the block, then restore its mode. In eval mode transformers
+    also skips gradient checkpointing for the pass, so no recomputation can run with a different dropout."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
 
 
 def stable_doc_hash(doc_id: str) -> int:
@@ -627,10 +691,14 @@ class XPRTModel(nn.Module):
     def __init__(self, mlm_model, objective: str = "xprt", weights: LossWeights = LossWeights(),
                  fill_in: bool = True, num_condition_vectors: int = 4, decoder_layers: int = 1,
                  fused_vocab_loss: bool = True, retention_student: str = "clean",
-                 max_seq_length: Optional[int] = None, load_message: str = ""):
+                 max_seq_length: Optional[int] = None, load_message: str = "", start_model: str = "",
+                 prompts: Optional[dict] = None):
         """max_seq_length: the sentence-transformers length limit written into the saved folder (the start
         model's, so a trained model is evaluated at the same length as its start; None: the position table's
-        size, at most 512). load_message: how the weights came to be (from_pretrained fills it in)."""
+        size, at most 512). load_message: how the weights came to be (from_pretrained fills it in).
+        start_model: the checkpoint training started from (kept through continued runs), and prompts: the
+        {"query", "document"} prefixes the model is trained and used with (model_prompts); both are written
+        into the saved folder, where sentence-transformers and evaluate.py read them."""
         super().__init__()
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -666,6 +734,8 @@ class XPRTModel(nn.Module):
         self.decoder_layers = decoder_layers
         self.max_seq_length = max_seq_length
         self.load_message = load_message
+        self.start_model = start_model
+        self.prompts = dict(prompts or NO_PROMPTS)
 
     # -- pieces ----------------------------------------------------------------------------------
     @property
@@ -740,11 +810,15 @@ class XPRTModel(nn.Module):
         """Retention for every objective on the same pairs, as the paper gives every method the same
         term: anchors x top related passages. With retention_student="masked" xPRT reuses its
         vectors of the main (15%-masked) pass; otherwise (and always for the baselines, which do not
-        encode s1) the student encodes the clean anchor and s1 here, an extra pass with gradient."""
+        encode s1) the student encodes the clean anchor and s1 here, an extra pass with gradient and
+        WITHOUT dropout: the teacher runs without it, so the term measures the model's drift only and
+        is 0 at step 0 (with dropout it was 0.010-0.012 on MiniLM, x40 in the loss: a dropout-consistency
+        term nobody chose)."""
         ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]  # (G, 2, L')
         g, _, lr = ids.shape
         if student is None or self.retention_student == "clean":
-            _, v = self.encode(ids.reshape(g * 2, lr), mask.reshape(g * 2, lr))
+            with dropout_off(self.base):
+                _, v = self.encode(ids.reshape(g * 2, lr), mask.reshape(g * 2, lr))
             student = v.view(g, 2, -1)
         t = self._teacher_vectors(teacher, ids.reshape(g * 2, lr), mask.reshape(g * 2, lr)).view(g, 2, -1)
         return retention_loss(student[:, 0], student[:, 1], t[:, 0], t[:, 1], self.weights.tau)
@@ -870,7 +944,10 @@ class XPRTModel(nn.Module):
                    "pooling_mode_mean_sqrt_len_tokens": False}
         xprt_config = {"objective": self.objective, "num_condition_vectors": self.num_condition_vectors,
                        "decoder_layers": self.decoder_layers, "fill_in": self.fill_in,
-                       "weights": asdict(self.weights)}
+                       "weights": asdict(self.weights), "start_model": self.start_model, "prompts": self.prompts}
+        # sentence-transformers' own config: encode_query / encode_document apply these prompts, and mteb's
+        # sentence-transformers wrapper and evaluate.py read them (model_prompts)
+        st_config = {"prompts": self.prompts, "default_prompt_name": None, "similarity_fn_name": "cosine"}
         with atomic_path(os.path.abspath(out_dir)) as tmp:
             self.base.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
@@ -878,7 +955,7 @@ class XPRTModel(nn.Module):
             (tmp / "2_Normalize").mkdir()
             for name, obj in [("modules.json", modules), ("1_Pooling/config.json", pooling),
                               ("sentence_bert_config.json", {"max_seq_length": max_len, "do_lower_case": False}),
-                              ("xprt_config.json", xprt_config)]:
+                              ("xprt_config.json", xprt_config), ("config_sentence_transformers.json", st_config)]:
                 (tmp / name).write_text(json.dumps(obj, indent=2))
             save_file(self.heads_state_dict(), str(tmp / "xprt_heads.safetensors"))
             if model_card:
@@ -886,16 +963,16 @@ class XPRTModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, objective: Optional[str] = None, mlm_head_from: Optional[str] = None,
-                        trust_remote_code: bool = False, **kw) -> "XPRTModel":
+                        trust_remote_code: bool = False, prefixes: str = "auto", **kw) -> "XPRTModel":
         """Any checkpoint (hub id, folder, the MiniLM alias) or a folder written by save_pretrained.
 
         A save_pretrained folder gets its decoder and MLM head back (xprt_heads.safetensors) and its
         xprt_config.json settings; any other checkpoint gets a fresh head tied to the word embeddings, or
         `mlm_head_from`'s (load_mlm_encoder). kw go to XPRTModel.__init__ and override xprt_config.json.
-        The model's load_message says which happened."""
+        The model's load_message says which happened. prefixes: "auto" (model_prompts' rule), "e5" or "none"."""
         from safetensors.torch import load_file
 
-        path = resolve_model_path(path)
+        name, path = path, resolve_model_path(path)
         cfg_file = os.path.join(path, "xprt_config.json")
         saved = json.loads(Path(cfg_file).read_text()) if os.path.isfile(cfg_file) else {}
         heads_file = os.path.join(path, "xprt_heads.safetensors")
@@ -904,7 +981,8 @@ class XPRTModel(nn.Module):
                                         trust_remote_code=trust_remote_code)
         args = {"num_condition_vectors": saved.get("num_condition_vectors", 4),
                 "decoder_layers": saved.get("decoder_layers", 1), "fill_in": saved.get("fill_in", True),
-                "max_seq_length": read_max_seq_length(path)}
+                "max_seq_length": read_max_seq_length(path), "start_model": saved.get("start_model") or name,
+                "prompts": model_prompts(name, prefixes)}
         if "weights" in saved and "weights" not in kw:
             args["weights"] = LossWeights(**saved["weights"])
         args.update(kw)
@@ -945,6 +1023,11 @@ class XPRTCollator:
     "contrastive_random_span": two random crops of the anchor, ratio uniform in [0.1, 0.5].
     Every objective also gets the clean anchor and s1 (retain_*) for the retention term.
     Mask rates left at None take the objective's defaults above.
+    max_length counts the passage's own tokens: select_groups.py packs passages to --passage_tokens (128) without
+    [CLS], [SEP] and the prefix, so the sequences are max_length + specials + prefix long and a selected passage
+    reaches the encoder whole. The prefix ("passage: " for E5) is never a masking candidate: it is the same in
+    every passage, and a masked prefix would both corrupt the input E5 was trained on and make "passage" and ":"
+    fill-in targets.
     """
 
     DEFAULT_RATES = {"xprt": (0.15, 0.60), "self_reconstruction": (0.30, 0.50), "contrastive_random_span": (0.0, 0.0)}
@@ -970,6 +1053,8 @@ class XPRTCollator:
             if not 0.0 <= r < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {r}")
         self.passage_prefix, self.positive, self.crop_ratio = passage_prefix, positive, crop_ratio
+        self.prefix_ids = tokenizer(passage_prefix, add_special_tokens=False)["input_ids"] if passage_prefix else []
+        self.seq_length = max_length + len(self.prefix_ids) + tokenizer.num_special_tokens_to_add(pair=False)
         self.generator = torch.Generator().manual_seed(seed)
 
     def state_dict(self) -> dict:
@@ -981,7 +1066,7 @@ class XPRTCollator:
     # -- helpers -------------------------------------------------------------------------------
     def _tokenize(self, texts, max_length=None):
         return self.tokenizer([self.passage_prefix + t for t in texts], padding=True, truncation=True,
-                              max_length=max_length or self.max_length, return_tensors="pt",
+                              max_length=max_length or self.seq_length, return_tensors="pt",
                               return_special_tokens_mask=True)
 
     def _pick(self, candidates: torch.Tensor, rate: float) -> torch.Tensor:
@@ -1038,6 +1123,7 @@ class XPRTCollator:
         ids, am = enc["input_ids"], enc["attention_mask"]
         l = ids.shape[1]
         cand = am.bool() & ~enc["special_tokens_mask"].bool()  # never mask [CLS], [SEP] or padding
+        cand[:, 1 : 1 + len(self.prefix_ids)] = False  # nor the prefix, right after [CLS]
         masked, labels = self._mask_bert(ids, cand, self.encoder_mask_rate)
         ids3, cand3 = ids.view(g, p, l), cand.view(g, p, l)
         if self.objective == "xprt":
@@ -1053,10 +1139,10 @@ class XPRTCollator:
 
     def _crops(self, texts):
         """Contriever's random cropping: two independent spans of each text, each of length
-        ratio ~ U[crop_ratio] of its tokens (at least one token), re-wrapped in [CLS] ... [SEP]."""
+        ratio ~ U[crop_ratio] of its tokens (at least one token), re-wrapped in [CLS] prefix ... [SEP]
+        (the prefix is not cropped: every view is a passage as E5 reads it)."""
         tok = self.tokenizer
-        body = tok([self.passage_prefix + t for t in texts], add_special_tokens=False, truncation=True,
-                   max_length=self.max_length - 2)["input_ids"]
+        body = tok(list(texts), add_special_tokens=False, truncation=True, max_length=self.max_length)["input_ids"]
         lo, hi = self.crop_ratio
         # BERT's [CLS]/[SEP]; RoBERTa-style tokenizers have <s>/</s> as bos/eos
         first = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
@@ -1068,7 +1154,7 @@ class XPRTCollator:
                 ratio = lo + (hi - lo) * torch.rand((), generator=self.generator).item()
                 k = max(1, int(round(ratio * n)))
                 start = int(torch.randint(0, max(1, n - k + 1), (), generator=self.generator))
-                views.append([first] + toks[start : start + k] + [last])
+                views.append([first] + self.prefix_ids + toks[start : start + k] + [last])
         l = max(len(v) for v in views)
         ids = torch.full((len(views), l), tok.pad_token_id, dtype=torch.long)
         am = torch.zeros((len(views), l), dtype=torch.long)

@@ -77,8 +77,9 @@ def _embedding_flags(g):
                    help="Selection encoder (paper: E5-base-unsupervised). 'all-MiniLM-L6-v2' uses the bundled "
                         "offline weights.")
     g.add_argument("--passage_prefix", default=None,
-                   help="Prefix put before every passage when embedding. Default: 'passage: ' when the model "
-                        "name contains 'e5' (E5 convention), else ''.")
+                   help="Prefix put before every passage when embedding. Default: the model's own document prefix "
+                        "(modeling_xprt.model_prompts: its sentence-transformers prompts, else 'passage: ' for an "
+                        "E5 model, else '').")
     g.add_argument("--passage_tokens", type=int, default=128,
                    help="Token budget of one passage (tokenizer of the selection encoder, without special tokens).")
     g.add_argument("--min_passage_tokens", type=int, default=16,
@@ -154,8 +155,10 @@ def parse_args(argv=None):
         p.error("--inspect_only needs --inspect N with N >= 1")
     if args.chunk_docs < 1 or args.rrf_k <= 0:
         p.error("--chunk_docs must be >= 1 and --rrf_k > 0")
-    if args.passage_prefix is None:
-        args.passage_prefix = "passage: " if "e5" in args.model_name_or_path.lower() else ""
+    if args.passage_prefix is None:  # the repository's one prefix rule, as train.py and evaluate.py apply it
+        from modeling_xprt import model_prompts
+
+        args.passage_prefix = model_prompts(args.model_name_or_path)["document"]
     return args
 
 

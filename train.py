@@ -30,8 +30,7 @@ from pathlib import Path
 
 import torch
 
-from modeling_xprt import (E5_PASSAGE_PREFIX, PRETRAIN_OBJECTIVES, atomic_path, read_jsonl,
-                           resolve_model_path)
+from modeling_xprt import PRETRAIN_OBJECTIVES, atomic_path, describe_prompts, read_jsonl, resolve_model_path
 
 PAPER_MODEL = "intfloat/e5-base-unsupervised"  # the paper's starting checkpoint (needs the hub or a local copy)
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
@@ -47,8 +46,11 @@ def add_common_args(p: argparse.ArgumentParser, default_lr: float):
                    help="starting encoder: hub id, local folder, an xprt output folder (heads restored), or the "
                         "offline alias all-MiniLM-L6-v2. The paper starts from intfloat/e5-base-unsupervised")
     g.add_argument("--trust_remote_code", action="store_true", help="allow custom model code from the hub")
-    g.add_argument("--e5_prefixes", action="store_true",
-                   help="prefix texts with 'query: ' / 'passage: ' (E5 convention; pre-training uses 'passage: ')")
+    g.add_argument("--prefixes", choices=["auto", "e5", "none"], default="auto",
+                   help="text prefixes: auto = the start model's own (its sentence-transformers prompts, else E5's "
+                        "'query: ' / 'passage: ' when it is an E5 model, else none: modeling_xprt.model_prompts); "
+                        "e5 / none force them. Pre-training reads passages only (the 'passage: ' prefix). Saved "
+                        "with the model"),
     g.add_argument("--tau", type=float, default=None, help="InfoNCE temperature (paper: 0.05)")
 
     g = p.add_argument_group("optimisation")
@@ -114,7 +116,9 @@ def parse_args(argv=None):
     g = p.add_argument_group("pre-training data")
     g.add_argument("--groups_dir", required=True, help="folder of parquet shards written by select_groups.py")
     g.add_argument("--num_related", type=int, default=4, help="related passages per group (paper: 4)")
-    g.add_argument("--max_length", type=int, default=128, help="max tokens per passage")
+    g.add_argument("--max_length", type=int, default=128,
+                   help="max tokens of a passage itself; [CLS], [SEP] and the prefix come on top (select_groups.py "
+                        "packs passages to --passage_tokens 128 without them, so they arrive whole)")
     g.add_argument("--encoder_mask_rate", type=float, default=None,
                    help="mask rate of the encoder passes (default: the objective's; xprt 15%% as in the paper, "
                         "self_reconstruction 30%% as RetroMAE)")
@@ -375,9 +379,12 @@ def load_model(accelerator, args, objective: str, **kw):
                     ("mlm", "mlm_weight"), ("unif", "unif_weight"), ("tau", "tau")]
     weights = LossWeights(**{f: getattr(args, a) for f, a in weight_flags if getattr(args, a, None) is not None})
     with whole_weights():
-        model = XPRTModel.from_pretrained(model_path, objective=objective, weights=weights,
-                                          trust_remote_code=args.trust_remote_code, **kw)
+        # the name as given, not the resolved path: the start model (and its prefixes) are recorded by name
+        model = XPRTModel.from_pretrained(args.model_name_or_path, objective=objective, weights=weights,
+                                          trust_remote_code=args.trust_remote_code, prefixes=args.prefixes, **kw)
     accelerator.print(f"model: {model.load_message}")
+    accelerator.print(f"{describe_prompts(model.prompts)} (--prefixes {args.prefixes}; start model "
+                      f"{model.start_model})")
     if zero3(accelerator):
         # The tied vocabulary projection (= the word embeddings) and its bias are read in XPRTModel.forward outside
         # the modules that own them: ZeRO-3 must keep them gathered for the whole forward and backward.
@@ -492,7 +499,9 @@ def resume(accelerator, args, collator, state):
 
 def model_card(args, title: str, summary) -> str:
     cfg = {k: v for k, v in sorted(vars(args).items())}
-    prefixes = "; prefix queries with `query: ` and passages with `passage: `" if args.e5_prefixes else ""
+    prompts = getattr(args, "prompts", None) or {}
+    prefixes = (f"; prefix queries with `{prompts['query']}` and passages with `{prompts['document']}`"
+                if any(prompts.values()) else "")
     return (
         "---\nlibrary_name: sentence-transformers\npipeline_tag: sentence-similarity\ntags: [xprt, retrieval]\n---\n\n"
         f"# {title}\n\n"
@@ -766,6 +775,7 @@ def main(argv=None):
 
     model, tokenizer = load_model(accelerator, args, args.objective, mlm_head_from=args.mlm_head_from,
                                   fill_in=not args.no_fill_in, retention_student=args.retention_student)
+    args.prompts = model.prompts  # recorded in the model card
 
     # ---- data: the groups; a different mask RNG per process, the same across restarts
     rows = load_groups(args.groups_dir, args.max_groups)
@@ -773,7 +783,7 @@ def main(argv=None):
     collator = XPRTCollator(tokenizer, objective=args.objective, num_related=args.num_related,
                             max_length=args.max_length, encoder_mask_rate=args.encoder_mask_rate,
                             decoder_mask_rate=args.decoder_mask_rate,
-                            passage_prefix=E5_PASSAGE_PREFIX if args.e5_prefixes else "", positive=args.positive,
+                            passage_prefix=model.prompts["document"], positive=args.positive,
                             seed=args.seed + accelerator.process_index)
 
     # ---- the retention term: a frozen teacher (never prepared: it never trains) and the 40 -> 0 weight, whose

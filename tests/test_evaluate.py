@@ -293,18 +293,31 @@ def test_bad_input_errors(tmp_path):
 # ---------------------------------------------------------------- the real wrapper on a tiny BERT
 
 
-def test_prefix_auto_rule(tmp_path):
-    assert ev.uses_e5_prefixes("intfloat/e5-base-unsupervised")
-    assert ev.uses_e5_prefixes("intfloat/multilingual-e5-small")
-    assert not ev.uses_e5_prefixes("all-MiniLM-L6-v2")
-    assert not ev.uses_e5_prefixes("bert-base-uncased")
-    assert not ev.uses_e5_prefixes("some/modele5x")  # "e5" inside a word does not count
+def test_prefix_auto_rule(tmp_path, tiny_bert):
+    from transformers import AutoTokenizer
+
+    from modeling_xprt import E5_PROMPTS, NO_PROMPTS, XPRTModel, model_prompts
+
+    assert model_prompts("intfloat/e5-base-unsupervised") == E5_PROMPTS
+    assert model_prompts("intfloat/multilingual-e5-small") == E5_PROMPTS
+    assert model_prompts("all-MiniLM-L6-v2") == NO_PROMPTS
+    assert model_prompts("bert-base-uncased") == NO_PROMPTS
+    assert model_prompts("some/modele5x") == NO_PROMPTS  # "e5" inside a word does not count
+    assert model_prompts("all-MiniLM-L6-v2", "e5") == E5_PROMPTS and model_prompts("x/e5", "none") == NO_PROMPTS
+    # a folder saved by the real producer (XPRTModel.save_pretrained) from a start model named like E5 keeps E5's
+    # prefixes under any folder name: they are written where sentence-transformers reads them
+    e5_start = tmp_path / "e5-tiny"
+    e5_start.symlink_to(tiny_bert, target_is_directory=True)
+    model = XPRTModel.from_pretrained(str(e5_start))
+    assert model.prompts == E5_PROMPTS and model.start_model == str(e5_start)
     run = tmp_path / "runs" / "xprt"
-    run.mkdir(parents=True)
-    (run / "config.json").write_text("{}")
-    assert not ev.uses_e5_prefixes(str(run))
-    (run / "xprt_config.json").write_text(json.dumps({"init": {"model": "intfloat/e5-base-unsupervised"}}))
-    assert ev.uses_e5_prefixes(str(run))  # a model continued from E5 keeps E5's prefixes
+    model.save_pretrained(str(run), AutoTokenizer.from_pretrained(tiny_bert))
+    assert model_prompts(str(run)) == E5_PROMPTS
+    assert json.loads((run / "xprt_config.json").read_text())["start_model"] == str(e5_start)
+    assert ev.XPRTEncoder(str(run)).passage_prefix == "passage: "
+    plain = tmp_path / "runs" / "plain"
+    XPRTModel.from_pretrained(str(tiny_bert)).save_pretrained(str(plain), AutoTokenizer.from_pretrained(tiny_bert))
+    assert model_prompts(str(plain)) == NO_PROMPTS
 
 
 def test_batched_embedder_matches_one_text_at_a_time(tiny_bert):
