@@ -278,6 +278,20 @@ def build_finetune_rows(args, accelerator, encoder, tokenizer):
     for r in rows:
         if "negative_pool" not in r and len(r.get("negatives", [])) < args.num_negatives:
             raise SystemExit(f"a triple has fewer than {args.num_negatives} negatives and no corpus to mine from")
+    return add_relevant(rows)
+
+
+def add_relevant(rows):
+    """Give every row "relevant": the texts of every passage labelled relevant to its query, i.e. the positives of
+    all rows with the same query text (a BEIR row: all qrels positives of its query; a triple or pseudo-query row:
+    its positive, and those of rows with the identical query). The losses keep them out of the row's negatives
+    (modeling_xprt.pair_false_negatives). Rows of one query share one list. Returns `rows`."""
+    relevant = {}
+    for r in rows:
+        relevant.setdefault(r["query"], {})[r["positive"]] = None  # a dict: ordered, no repeats
+    lists = {q: list(texts) for q, texts in relevant.items()}
+    for r in rows:
+        r["relevant"] = lists[r["query"]]
     return rows
 
 
@@ -288,6 +302,36 @@ def pick_negatives(row, num, seed, epoch):
         return list(row.get("negatives", []))[:num]
     rng = random.Random(f"{seed}-{epoch}-{row['__index__']}")
     return rng.sample(row["negative_pool"], num)
+
+
+def count_false_negatives(rows, batches, num_negatives, seed, epoch=0, world=1) -> dict:
+    """What PAIR's losses will mask in one epoch, counted exactly without the model: the in-batch candidates of L_Q
+    (every passage slot of the step; L_P's candidates are the negative slots, a subset) that
+    modeling_xprt.pair_false_negatives excludes for each row, with the ids and negatives the training step uses.
+
+    batches: the sampler's batches (row indices) of `epoch`; accelerate deals batch t to process t mod world, so one
+    step's gathered candidates are `world` consecutive batches (an incomplete last step is left out).
+    Returns {"steps", "rows", "candidates", "masked", "masked_own_positive", "rows_with_masked"}: masked counts
+    (row, candidate) pairs, masked_own_positive those that are a copy of the row's own positive.
+    """
+    from modeling_xprt import pair_false_negatives, pair_text_ids
+
+    out = dict.fromkeys(("steps", "rows", "candidates", "masked", "masked_own_positive", "rows_with_masked"), 0)
+    for s in range(0, len(batches) - world + 1, world):
+        step = [{**rows[i], "__index__": i} for b in batches[s:s + world] for i in b]
+        step = [{**r, "negatives": pick_negatives(r, num_negatives, seed, epoch)} for r in step]
+        passage_ids, relevant_ids = pair_text_ids(step, num_negatives)
+        b, k = passage_ids.shape
+        candidates = passage_ids.reshape(b * k)
+        exclude = pair_false_negatives(candidates, relevant_ids, torch.arange(b) * k)  # (B, B * k)
+        own = exclude & (candidates.unsqueeze(0) == passage_ids[:, :1])
+        out["steps"] += 1
+        out["rows"] += b
+        out["candidates"] += b * (b * k - 1)
+        out["masked"] += int(exclude.sum())
+        out["masked_own_positive"] += int(own.sum())
+        out["rows_with_masked"] += int(exclude.any(dim=1).sum())
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -320,8 +364,24 @@ def main(argv=None):
                             passage_max_length=args.passage_max_length, query_prefix=qp, passage_prefix=pp,
                             num_negatives=args.num_negatives)
 
+    # No batch holds two rows of one query (a query with several positives has several rows), and the losses mask
+    # every in-batch copy of a row's positive or other passage labelled relevant to its query. The exact count of
+    # what they will mask in the first epoch, from the sampler's batches (train.prepare_run builds the same one):
+    keys = [r["query"] for r in rows]
+    if accelerator.is_main_process:
+        from train import LengthGroupedBatchSampler
+
+        first = LengthGroupedBatchSampler(lengths, args.per_device_train_batch_size, args.seed, keys=keys).batches()
+        c = count_false_negatives(rows, first, args.num_negatives, args.seed, 0, accelerator.num_processes)
+        accelerator.print(
+            f"false negatives masked in epoch 0 (exact count over its {c['steps']} steps): {c['masked']} of "
+            f"{c['candidates']} in-batch candidates ({c['masked_own_positive']} copies of the row's own positive, "
+            f"{c['masked'] - c['masked_own_positive']} other passages labelled relevant to its query); "
+            f"{c['rows_with_masked']} of {c['rows']} rows ({100 * c['rows_with_masked'] / max(1, c['rows']):.1f}%) "
+            "had at least one")
+
     def step_inputs(rows_b, epoch, step, max_steps):
-        rows_b = [{"query": r["query"], "positive": r["positive"],
+        rows_b = [{"query": r["query"], "positive": r["positive"], "relevant": r.get("relevant"),
                    "negatives": pick_negatives(r, args.num_negatives, args.seed, epoch)} for r in rows_b]
         alpha = pair_alpha_at(step, max_steps, args.pair_alpha, args.pair_alpha_schedule)
         return rows_b, {"pair_alpha": alpha}, {"retention_weight": 0.0, "pair_alpha": alpha}
@@ -330,7 +390,7 @@ def main(argv=None):
     title = f"xprt finetune (PAIR loss, alpha {args.pair_alpha} {args.pair_alpha_schedule})"
     return train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, step_inputs,
                       param_groups=param_groups, unit="queries", card_title=title,
-                      skip_keys=("retain_",))
+                      skip_keys=("retain_",), batch_keys=keys)
 
 
 if __name__ == "__main__":

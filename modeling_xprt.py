@@ -241,7 +241,8 @@ def dropout_off(module: nn.Module):
 
 def stable_doc_hash(doc_id: str) -> int:
     """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label
-    of L_xp, and the duplicate-id check of select_groups.py."""
+    of L_xp, the duplicate-id check of select_groups.py, and PAIR's passage ids (of the passage *text*, so that
+    duplicated corpus entries get one id: PairCollator, pair_false_negatives)."""
     return int.from_bytes(hashlib.blake2b(str(doc_id).encode("utf-8"), digest_size=8).digest(), "little", signed=True)
 
 
@@ -486,26 +487,59 @@ def self_reconstruction(recon_loss: torch.Tensor, encoder_mlm_loss: torch.Tensor
     return recon_loss + encoder_mlm_loss
 
 
-def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
+def pair_false_negatives(candidate_ids: torch.Tensor, relevant_ids: torch.Tensor,
+                         labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The in-batch false negatives of PAIR's losses, as the `exclude` mask of info_nce:
+
+        exclude[i, c] = (id(c) in R_i) and (c != label_i),   R_i = ids of every passage labelled relevant to q_i
+
+    A candidate whose text is row i's positive (a duplicate in another slot) or another passage labelled relevant
+    to row i's query is not a negative of row i; it leaves row i's denominator. Ids are stable_doc_hash of the
+    passage text (PairCollator). candidate_ids: (C,) int64, the gathered candidates; relevant_ids: (B, R) int64,
+    the local rows' relevant passages, padded by repeating an id the row already holds (PairCollator), so padding
+    never matches anything its real ids do not; labels: (B,) each row's own column, which always stays.
+    Returns (B, C) bool. The one definition of the rule: pair_q_loss, pair_p_loss and finetune.py's start-up
+    count all call it.
+    """
+    exclude = (relevant_ids.unsqueeze(-1) == candidate_ids.view(1, 1, -1)).any(dim=1)  # (B, R, C) -> (B, C)
+    if labels is not None:
+        exclude[torch.arange(exclude.shape[0], device=exclude.device), labels] = False
+    return exclude
+
+
+def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05,
+                passage_ids: Optional[torch.Tensor] = None,
+                relevant_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """PAIR's query-centric L_Q (Eq. 1): the query picks its positive among its positive, its hard
     negatives and every other passage of the batch gathered from all processes (cross-batch negatives):
         L_Q = -log exp(f(q, p+)) / (exp(f(q, p+)) + sum_{p- in N_P} exp(f(q, p-))),  f = cos / tau.
     queries: (B, H); passages: (B, 1 + n, H), positive first. PAIR's official code uses raw inner
-    products of [CLS]; our encoders are mean-pooled cosine models, hence cos / tau (tau = 0.05)."""
+    products of [CLS]; our encoders are mean-pooled cosine models, hence cos / tau (tau = 0.05).
+    N_P leaves out the false negatives when the ids are given (pair_false_negatives): passage_ids (B, 1 + n)
+    int64, gathered like the passages; relevant_ids (B, R) int64 (None: each row's own positive only).
+    Without ids every other passage is a negative (a duplicate of q's positive then caps p+ at 1/2)."""
     b, k, h = passages.shape
     all_p = gather_with_grad(passages.reshape(b * k, h))  # (world * B * k, H)
     labels = (torch.arange(b, device=queries.device) + _rank() * b) * k
-    return info_nce(queries, all_p, labels, tau)
+    exclude = None
+    if passage_ids is not None:
+        relevant_ids = passage_ids[:, :1] if relevant_ids is None else relevant_ids
+        exclude = pair_false_negatives(gather_no_grad(passage_ids.reshape(b * k)), relevant_ids, labels)
+    return info_nce(queries, all_p, labels, tau, exclude)
 
 
-def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
+def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05,
+                passage_ids: Optional[torch.Tensor] = None,
+                relevant_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """PAIR's passage-centric L_P (Eq. 2), as in the PAIR paper and its official code: the positive
     passage is the anchor; the candidates are its own query and the negative passages (its hard
     negatives and every other query's, gathered across processes); the label is its query:
         L_P = -log exp(f(p+, q)) / (exp(f(p+, q)) + sum_{p- in N_P} exp(f(p+, p-))),
     i.e. it enforces s(p+, q) > s(p+, p-). NOTE: the seed card prints the numerator as
     exp(-f(p+, p+)), which reads as a transcription error (a passage against itself, negated, makes
-    the loss push p+ away from itself); we implement the paper's form. Needs >= 1 negative per query."""
+    the loss push p+ away from itself); we implement the paper's form. Needs >= 1 negative per query.
+    With passage_ids / relevant_ids (as in pair_q_loss) N_P leaves out the negatives labelled relevant to q
+    (pair_false_negatives): a copy of p+ among them would otherwise score f(p+, p+) = 1 / tau, above any query."""
     b, k, h = passages.shape
     if k < 2:
         raise ValueError("pair_p_loss needs at least one negative passage per query (num_negatives >= 1)")
@@ -513,6 +547,13 @@ def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
     all_neg = gather_with_grad(passages[:, 1:].reshape(b * (k - 1), h))  # (world * B * n, H)
     pos_n, q_n, neg_n = F.normalize(pos, dim=-1), F.normalize(queries, dim=-1), F.normalize(all_neg, dim=-1)
     logits = torch.cat([(pos_n * q_n).sum(-1, keepdim=True), pos_n @ neg_n.t()], dim=1) / tau  # (B, 1 + world*B*n)
+    if passage_ids is not None:
+        relevant_ids = passage_ids[:, :1] if relevant_ids is None else relevant_ids
+        neg_ids = gather_no_grad(passage_ids[:, 1:].reshape(b * (k - 1)))
+        # column 0 is the query (the label): never excluded
+        exclude = torch.cat([torch.zeros(b, 1, dtype=torch.bool, device=pos.device),
+                             pair_false_negatives(neg_ids, relevant_ids)], dim=1)
+        logits = logits.masked_fill(exclude, float("-inf"))
     return F.cross_entropy(logits.float(), torch.zeros(b, dtype=torch.long, device=pos.device))
 
 
@@ -900,10 +941,11 @@ class XPRTModel(nn.Module):
         b, k, lp = pids.shape
         _, pv = self.encode(pids.view(b * k, lp), pam.view(b * k, lp))
         pv = pv.view(b, k, -1)
-        lq = pair_q_loss(q, pv, self.weights.tau)
+        ids = {"passage_ids": batch.get("passage_ids"), "relevant_ids": batch.get("relevant_ids")}  # None: no mask
+        lq = pair_q_loss(q, pv, self.weights.tau, **ids)
         terms = {"pair_q_loss": lq}
         if k > 1:
-            lp_ = pair_p_loss(q, pv, self.weights.tau)
+            lp_ = pair_p_loss(q, pv, self.weights.tau, **ids)
             terms["pair_p_loss"] = lp_
         elif pair_alpha > 0:
             raise ValueError("pair_alpha > 0 needs hard negatives (PairCollator num_negatives >= 1)")
@@ -1165,10 +1207,32 @@ class XPRTCollator:
         return {"input_ids": ids.view(g, 2, l), "attention_mask": am.view(g, 2, l)}
 
 
+def pair_text_ids(rows: list, num_negatives: int) -> tuple:
+    """The ids of PAIR's false-negative mask (pair_false_negatives) for rows {"query", "positive", "negatives",
+    optional "relevant"}: stable_doc_hash of the passage *text*, so a duplicated corpus entry gets its copy's id.
+
+    passage_ids (B, 1 + num_negatives) int64: every passage slot, the positive first, as PairCollator lays them out.
+    relevant_ids (B, R) int64: the row's positive, then every other passage labelled relevant to its query (the
+    row's "relevant" texts; finetune.py fills in all positives of the query), R = the longest list of the batch.
+    Shorter rows are padded by repeating their positive's id: a value the row already holds, so padding never
+    matches a candidate that the real ids do not (no value of the 64-bit hash space has to be reserved).
+    """
+    slots = [[r["positive"]] + list(r.get("negatives") or [])[:num_negatives] for r in rows]
+    passage_ids = torch.tensor([[stable_doc_hash(t) for t in texts] for texts in slots], dtype=torch.long)
+    relevant = [list(dict.fromkeys([stable_doc_hash(r["positive"])] +
+                                   [stable_doc_hash(t) for t in r.get("relevant") or []])) for r in rows]
+    width = max(len(x) for x in relevant)
+    relevant_ids = torch.tensor([x + [x[0]] * (width - len(x)) for x in relevant], dtype=torch.long)
+    return passage_ids, relevant_ids
+
+
 class PairCollator:
     """Fine-tuning rows {"query", "positive", "negatives"} -> batch for XPRTModel(objective="pair"):
     query_input_ids / query_attention_mask (B, Lq); passage_input_ids / passage_attention_mask
-    (B, 1 + num_negatives, Lp), the positive first. PAIR's max lengths: 32 / 128."""
+    (B, 1 + num_negatives, Lp), the positive first. PAIR's max lengths: 32 / 128.
+    Also passage_ids (B, 1 + num_negatives) and relevant_ids (B, R), the text ids the losses mask false negatives
+    with (pair_text_ids; a row's optional "relevant" holds the texts of every passage labelled relevant to its
+    query)."""
 
     def __init__(self, tokenizer, query_max_length: int = 32, passage_max_length: int = 128, query_prefix: str = "",
                  passage_prefix: str = "", num_negatives: int = 1):
@@ -1190,9 +1254,11 @@ class PairCollator:
         p = self.tokenizer([self.passage_prefix + t for t in passages], padding=True, truncation=True,
                            max_length=self.plen, return_tensors="pt")
         lp = p["input_ids"].shape[1]
+        passage_ids, relevant_ids = pair_text_ids(rows, self.num_negatives)
         return {"query_input_ids": q["input_ids"], "query_attention_mask": q["attention_mask"],
                 "passage_input_ids": p["input_ids"].view(b, k, lp),
-                "passage_attention_mask": p["attention_mask"].view(b, k, lp)}
+                "passage_attention_mask": p["attention_mask"].view(b, k, lp),
+                "passage_ids": passage_ids, "relevant_ids": relevant_ids}
 
 
 # ==============================================================================================================

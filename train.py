@@ -212,14 +212,20 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     batches: padding drops a lot while each batch still mixes documents (in-batch negatives stay random enough).
     Incomplete last batches are dropped so every step has the same number of negatives. Being a function of
     (seed, epoch) is what makes skip_first_batches land on the same data after a resume.
+    keys (fine-tuning: each row's query): no two rows of one batch share a key (sentence-transformers'
+    NoDuplicatesBatchSampler rule; _cut_without_repeats); None (pre-training) cuts the order as it is.
     """
 
-    def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50):
+    def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50,
+                 keys=None):
         self.lengths, self.batch_size, self.seed = list(lengths), batch_size, seed
         self.group, self.mega = group_by_length, mega
         self.epoch, self.drop_last = 0, True
+        self.keys = None if keys is None else list(keys)
         if len(self.lengths) < batch_size:
             raise ValueError(f"{len(self.lengths)} examples cannot fill one batch of {batch_size}")
+        if self.keys is not None and len(self.keys) != len(self.lengths):
+            raise ValueError(f"{len(self.keys)} keys for {len(self.lengths)} examples")
 
     def set_epoch(self, epoch: int):
         self.epoch = epoch
@@ -232,8 +238,62 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
             span = self.batch_size * self.mega
             order = [i for s in range(0, len(order), span)
                      for i in sorted(order[s:s + span], key=lambda i: -self.lengths[i])]
-        out = [order[s:s + self.batch_size] for s in range(0, len(order) - self.batch_size + 1, self.batch_size)]
+        if self.keys is None:
+            out = [order[s:s + self.batch_size] for s in range(0, len(order) - self.batch_size + 1, self.batch_size)]
+        else:
+            out = self._cut_without_repeats(order)
         rng.shuffle(out)
+        return out
+
+    def _cut_without_repeats(self, order):
+        """Cut `order` into len(self) full batches in which no key repeats, keeping close to the order (so to the
+        length grouping). Rows are taken in order. A row whose key the batch already holds trades places with the
+        last row of the previous batch that the batch can take (its neighbour in length) when that batch lacks its
+        key; otherwise it waits at the head of the queue for the next batch. Trading costs less padding than
+        waiting: the traded row is one place out of order, a waiting row up to a batch. When only waiting rows are
+        left to fill the last batches, they trade with earlier batches (the nearest first). Deterministic in
+        `order`."""
+        from collections import deque
+
+        keys, bs = self.keys, self.batch_size
+        queue, out = deque(order), []
+
+        def trade(i, b, held):  # put row i into earlier batch b for b's last row the current batch can take
+            if keys[i] in {keys[j] for j in b}:
+                return None
+            pos = next((pos for pos in reversed(range(len(b))) if keys[b[pos]] not in held), None)
+            if pos is None:
+                return None
+            b[pos], taken = i, b[pos]
+            return taken
+
+        while len(out) < len(self):
+            batch, held, waiting = [], set(), []
+            while queue and len(batch) < bs:
+                i = queue.popleft()
+                if keys[i] in held:
+                    taken = trade(i, out[-1], held) if out else None
+                    if taken is None:
+                        waiting.append(i)
+                        continue
+                    i = taken
+                batch.append(i)
+                held.add(keys[i])
+            for i in list(waiting):  # the queue ran dry (only near the end): trade with any earlier batch
+                if len(batch) == bs:
+                    break
+                for b in reversed(out):
+                    taken = trade(i, b, held)
+                    if taken is not None:
+                        waiting.remove(i)
+                        batch.append(taken)
+                        held.add(keys[taken])
+                        break
+            if len(batch) < bs:
+                raise ValueError(f"cannot cut {len(self.lengths)} rows into {len(self)} batches of {bs} without "
+                                 "repeating a key (a key with more rows than batches?): lower the batch size")
+            out.append(batch)
+            queue.extendleft(reversed(waiting))  # first in line for the next batch
         return out
 
     def __iter__(self):
@@ -604,13 +664,13 @@ class LogWindow:
         return rec
 
 
-def prepare_run(accelerator, args, model, rows, lengths, collator, schedules, param_groups):
+def prepare_run(accelerator, args, model, rows, lengths, collator, schedules, param_groups, batch_keys=None):
     """The loader (length-grouped batches), AdamW, accelerator.prepare, the lr schedule, the checkpointed state,
     and --resume_from_checkpoint. Returns what the loop needs, as a dict."""
     from transformers import get_scheduler
 
     # per-device batches: accelerate hands whole batches to the processes in turn
-    batch_sampler = LengthGroupedBatchSampler(lengths, args.per_device_train_batch_size, args.seed)
+    batch_sampler = LengthGroupedBatchSampler(lengths, args.per_device_train_batch_size, args.seed, keys=batch_keys)
     # generator: the DataLoader draws its base seed from it, not from the global RNG that drives dropout
     dataloader = torch.utils.data.DataLoader(RowsDataset(rows), batch_sampler=batch_sampler, collate_fn=list,
                                              generator=torch.Generator().manual_seed(args.seed))
@@ -647,7 +707,7 @@ def prepare_run(accelerator, args, model, rows, lengths, collator, schedules, pa
 
 
 def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, step_inputs, *, schedules=(),
-               param_groups=None, skip_keys=(), unit="rows", card_title="xprt"):
+               param_groups=None, skip_keys=(), unit="rows", card_title="xprt", batch_keys=None):
     """Prepare, (resume), loop, save: the Accelerate part of both stages.
 
     rows / lengths: the training rows and their lengths (for length-grouped batches); collator: rows -> batch.
@@ -655,13 +715,14 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
     stages differ (pre-training: the retention weight and teacher; fine-tuning: the step's negatives and PAIR's
     alpha). schedules: objects with step() / state_dict() stepped once per optimiser step and checkpointed (the
     retention schedule); their total_steps is set here, once the prepared loader gives the run's length.
+    batch_keys: one key per row that no batch may repeat (fine-tuning: the query; LengthGroupedBatchSampler).
     Returns {"completed_steps", "max_steps", "output_dir", "trainable_parameters"}.
     """
     from tqdm.auto import tqdm
 
     out = Path(args.output_dir)
     ckpt_dir, log_path = out / "checkpoints", out / "train_log.jsonl"
-    run = prepare_run(accelerator, args, model, rows, lengths, collator, schedules, param_groups)
+    run = prepare_run(accelerator, args, model, rows, lengths, collator, schedules, param_groups, batch_keys)
     model, optimizer, dataloader, lr_scheduler = run["model"], run["optimizer"], run["dataloader"], run["lr_scheduler"]
     state, max_steps, world = run["state"], run["max_steps"], accelerator.num_processes
 

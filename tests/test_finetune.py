@@ -2,6 +2,7 @@
 models, and a few fine-tuning steps whose loss falls."""
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -140,12 +141,26 @@ def ft_args(model, beir, out, **kw):
 
 @pytest.mark.parametrize("alpha,schedule", [pytest.param(0.0, "constant", marks=pytest.mark.slow), (0.1, "constant"),
                                             pytest.param(0.5, "linear", marks=pytest.mark.slow)])
-def test_finetune_stage_runs_and_its_loss_falls(tiny_bert, beir, tmp_path, alpha, schedule):
+def test_finetune_stage_runs_and_its_loss_falls(tiny_bert, beir, tmp_path, capsys, alpha, schedule):
     """4 queries per step, one mined negative each; 17 pairs -> 4 steps per epoch; the loss averaged over the first
-    epoch is above the last epoch's."""
+    epoch is above the last epoch's. The start-up line counts the false negatives the losses mask in epoch 0."""
     out = tmp_path / "ft"
     res = run(ft_args(tiny_bert, beir, out, **{"--pair_alpha": alpha, "--pair_alpha_schedule": schedule,
                                                "--num_train_epochs": 4}))
+    printed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("false negatives"))
+    # recount from the rows as build_finetune_rows makes them (BEIR order, the mined pools) and the sampler
+    from train import LengthGroupedBatchSampler
+
+    corpus, queries, qrels = read_beir(str(beir), "train")
+    pools = json.loads((out / "mined_negatives.json").read_text())
+    rows = [{"query": queries[q], "positive": corpus[d]} for q in sorted(qrels) for d in sorted(qrels[q])]
+    rows = finetune.add_relevant([{**r, "negative_pool": [corpus[d] for d in p]} for r, p in zip(rows, pools)])
+    assert rows[0]["relevant"] == [corpus["d0"], corpus["d5"]]  # q0's two positives
+    keys = [r["query"] for r in rows]
+    batches = LengthGroupedBatchSampler([len(r["query"]) + len(r["positive"]) for r in rows], 4, 3, keys=keys).batches()
+    c = finetune.count_false_negatives(rows, batches, 1, 3)
+    assert f"{c['masked']} of {c['candidates']} in-batch candidates" in printed, (printed, c)
+    assert f"{c['rows_with_masked']} of {c['rows']} rows" in printed, (printed, c)
     assert res["completed_steps"] == 16
     log = read_log(out)
     first = sum(log[s]["loss"] for s in range(1, 5)) / 4
@@ -219,6 +234,90 @@ def test_finetune_under_deepspeed_zero3_one_cpu_process(tiny_bert, beir, tmp_pat
     for s in (1, 2, 3):
         assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-4), s
     assert (out / "model" / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# false negatives: no repeated query in a batch, every relevant passage masked
+# ---------------------------------------------------------------------------------------------------------------
+def test_sampler_never_repeats_a_query_in_a_batch_and_stays_length_grouped():
+    """604 rows of 250 queries with 1-5 positives each, drawn from 300 passages (length = query + positive, as
+    finetune.py measures it). keys: no batch holds a query twice; full batches, len(sampler) of them; a function of
+    (seed, epoch); padding within a point of the keyless sampler's."""
+    from train import LengthGroupedBatchSampler
+
+    rng = random.Random(0)
+    passages = [rng.randint(100, 1500) for _ in range(300)]
+    keys, lengths = [], []
+    for q in range(250):
+        query_length = rng.randint(20, 120)
+        for p in rng.sample(range(300), rng.choice([1, 1, 2, 3, 5])):
+            keys.append(f"q{q}")
+            lengths.append(query_length + passages[p])
+    n = len(keys)
+    s = LengthGroupedBatchSampler(lengths, 16, seed=5, keys=keys)
+    b0 = s.batches()
+    plain = LengthGroupedBatchSampler(lengths, 16, seed=5).batches()
+    assert sum(len({keys[i] for i in b}) < len(b) for b in plain) > len(plain) // 2  # the problem is real
+    assert len(b0) == len(s) == n // 16 and all(len(b) == 16 for b in b0)
+    assert all(len({keys[i] for i in b}) == 16 for b in b0)
+    flat = [i for b in b0 for i in b]
+    assert len(set(flat)) == len(flat)
+    assert b0 == LengthGroupedBatchSampler(lengths, 16, seed=5, keys=keys).batches()
+    s.set_epoch(1)
+    b1 = s.batches()
+    assert b1 != b0 and all(len({keys[i] for i in b}) == 16 for b in b1)
+
+    def eff(batches):  # real / processed, each batch padded to its longest member
+        return sum(lengths[i] for b in batches for i in b) / sum(max(lengths[i] for i in b) * len(b) for b in batches)
+
+    shuffled = LengthGroupedBatchSampler(lengths, 16, seed=5, group_by_length=False, keys=keys).batches()
+    assert eff(b0) > 0.95 and eff(b0) > eff(plain) - 0.01 and eff(shuffled) < 0.75, (eff(b0), eff(plain), eff(shuffled))
+    # distinct keys: nothing waits, the batches are the keyless sampler's
+    assert LengthGroupedBatchSampler(lengths, 16, 5, keys=range(n)).batches() == plain
+
+
+def test_sampler_fills_the_last_batches_by_swapping_and_refuses_the_impossible():
+    """One query has as many rows as there are batches, all shorter than every other row: length sorting puts them at
+    the end, where only they are left; swaps with earlier batches still give every batch exactly one of them."""
+    from train import LengthGroupedBatchSampler
+
+    lengths = [1000 - i for i in range(30)] + [10 - i for i in range(10)]
+    keys = [f"u{i}" for i in range(30)] + ["heavy"] * 10
+    batches = LengthGroupedBatchSampler(lengths, 4, seed=1, keys=keys).batches()
+    assert len(batches) == 10 and all(len(b) == 4 for b in batches)
+    assert [sum(keys[i] == "heavy" for i in b) for b in batches] == [1] * 10
+    assert len({i for b in batches for i in b}) == 40
+    with pytest.raises(ValueError, match="without repeating a key"):
+        LengthGroupedBatchSampler(lengths, 4, seed=1, keys=keys[:29] + ["heavy"] * 11).batches()
+
+
+def hand_rows():
+    """qa has two positives, A and B; qb's positive is B too and its negative is A; qc is unrelated."""
+    return finetune.add_relevant([{"query": "qa", "positive": "A", "negatives": ["X"]},
+                                  {"query": "qa", "positive": "B", "negatives": ["Y"]},
+                                  {"query": "qb", "positive": "B", "negatives": ["A"]},
+                                  {"query": "qc", "positive": "C", "negatives": ["Z"]}])
+
+
+def test_rows_carry_every_passage_labelled_relevant_to_their_query():
+    rows = hand_rows()
+    assert [r["relevant"] for r in rows] == [["A", "B"], ["A", "B"], ["B"], ["C"]]
+
+
+def test_count_false_negatives_by_hand():
+    """Batches [0, 2] and [1, 3], one negative each. One process: row 0 (qa: A, B) meets B (row 2's positive) and A
+    (row 2's negative, a copy of its own positive): 2 masked, 1 a copy; rows 1-3 meet nothing of theirs. Two
+    processes (one step, candidates A X B A B Y C Z): row 0 masks B, A, B (one copy of A); row 2 (qb: B) masks
+    row 1's B (a copy); row 1 (qa, label B at column 4) masks A, B, A (B at column 2 a copy); row 3 nothing."""
+    rows = hand_rows()
+    one = finetune.count_false_negatives(rows, [[0, 2], [1, 3]], num_negatives=1, seed=0)
+    assert one == {"steps": 2, "rows": 4, "candidates": 4 * 3, "masked": 2, "masked_own_positive": 1,
+                   "rows_with_masked": 1}
+    two = finetune.count_false_negatives(rows, [[0, 2], [1, 3]], num_negatives=1, seed=0, world=2)
+    assert two == {"steps": 1, "rows": 4, "candidates": 4 * 7, "masked": 7, "masked_own_positive": 3,
+                   "rows_with_masked": 3}
+    # no hard negatives: only the positive slots count
+    assert finetune.count_false_negatives(rows, [[0, 2], [1, 3]], 0, 0)["masked"] == 1
 
 
 def test_pair_alpha_schedule_values():

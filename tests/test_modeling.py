@@ -174,6 +174,108 @@ def test_pair_losses_against_independent_computation():
         mx.pair_p_loss(q, p[:, :1], tau)
 
 
+def pair_losses_by_loop(q, p, tau, dropped):
+    """L_Q and L_P one row at a time, each row's denominator without the candidates dropped[i] ((row, slot) pairs):
+    the batch as it would be without those candidates, for that row only."""
+    f = lambda x, y: F.cosine_similarity(x, y, dim=0) / tau  # noqa: E731
+    b, k = p.shape[:2]
+    lq = lp = 0.0
+    for i in range(b):
+        every = [(r, j) for r in range(b) for j in range(k) if (r, j) not in dropped[i]]
+        negs = [(r, j) for r in range(b) for j in range(1, k) if (r, j) not in dropped[i]]
+        lq = lq - f(q[i], p[i, 0]) + torch.logsumexp(torch.stack([f(q[i], p[c]) for c in every]), 0)
+        lp_logits = [f(p[i, 0], q[i])] + [f(p[i, 0], p[c]) for c in negs]
+        lp = lp - f(p[i, 0], q[i]) + torch.logsumexp(torch.stack(lp_logits), 0)
+    return lq / b, lp / b
+
+
+def test_pair_losses_leave_out_a_copy_of_the_rows_positive():
+    """Row 0's positive A also sits in row 2's negative slot (same text: same id, same vector). Without ids row 0
+    scores A against itself (its L_Q term cannot fall below ln 2); with the ids row 0's L_Q and L_P, values and
+    gradients, equal those of the batch without that candidate, and the other rows are untouched."""
+    torch.manual_seed(8)
+    b, n, h, tau = 3, 1, 8, 0.05
+    p0 = torch.randn(b, 1 + n, h)
+    q = p0[:, 0] + 0.3 * torch.randn(b, h)  # each query near its positive: a trained model's situation
+    p0[2, 1] = p0[0, 0]
+    ids = torch.tensor([[10, 11], [20, 21], [30, 10]])  # stable_doc_hash of the texts, as PairCollator gives them
+    p = p0.clone().requires_grad_(True)
+    lq, lp = mx.pair_q_loss(q, p, tau, ids), mx.pair_p_loss(q, p, tau, ids)
+    (lq + lp).backward()
+    p_ref = p0.clone().requires_grad_(True)
+    want_q, want_p = pair_losses_by_loop(q, p_ref, tau, [{(2, 1)}, set(), set()])
+    (want_q + want_p).backward()
+    assert torch.allclose(lq, want_q, atol=1e-5) and torch.allclose(lp, want_p, atol=1e-5)
+    assert torch.allclose(p.grad, p_ref.grad, atol=1e-5)
+    # relevant_ids given explicitly (the positive, padded by repeating it) is the same as the default
+    rel = torch.tensor([[10, 10], [20, 20], [30, 30]])
+    assert torch.allclose(mx.pair_q_loss(q, p0, tau, ids, rel), lq.detach(), atol=1e-6)
+    # without ids: the old behaviour, and row 0's L_Q term is at least ln 2 (the copy scores as high as A)
+    old_q, old_p = pair_losses_by_loop(q, p0, tau, [set(), set(), set()])
+    assert torch.allclose(mx.pair_q_loss(q, p0, tau), old_q, atol=1e-5)
+    assert torch.allclose(mx.pair_p_loss(q, p0, tau), old_p, atol=1e-5)
+    f = lambda x, y: F.cosine_similarity(x, y, dim=0) / tau  # noqa: E731
+    logits0 = torch.stack([f(q[0], p0[r, j]) for r in range(b) for j in range(2)])
+    assert -f(q[0], p0[0, 0]) + torch.logsumexp(logits0, 0) >= math.log(2)  # row 0's unmasked L_Q term
+    assert lq < 0.05 and old_q - lq > 0.95 * math.log(2) / b, (old_q, lq)  # the mask takes that ln 2 away
+    # L_P: the copy scores f(A, A) = 1 / tau, the highest logit there is, so row 0's unmasked term is >= ln 2 too
+    assert lp < 0.05 and old_p - lp > 0.95 * math.log(2) / b, (old_p, lp)
+
+
+def test_pair_losses_leave_out_a_passage_labelled_relevant_to_the_query_in_another_row():
+    """Row 1's positive B is labelled relevant to row 0's query too, and also sits in row 2's negative slot: both B
+    candidates leave row 0's L_Q (and the negative one its L_P); row 1 keeps B as its label; row 2 is untouched."""
+    torch.manual_seed(9)
+    b, n, h, tau = 3, 1, 8, 0.05
+    p = torch.randn(b, 1 + n, h)
+    q = p[:, 0] + 0.3 * torch.randn(b, h)
+    q[0] = q[0] + p[1, 0]  # query 0 is close to both its relevant passages
+    p[2, 1] = p[1, 0]
+    ids = torch.tensor([[10, 11], [20, 21], [30, 20]])
+    rel = torch.tensor([[10, 20], [20, 20], [30, 30]])  # row 0: A and B; the others their positive (padded)
+    want = torch.tensor([[False, False, True, False, False, True],
+                         [False, False, False, False, False, True],
+                         [False, False, False, False, False, False]])
+    labels = torch.tensor([0, 2, 4])
+    assert torch.equal(mx.pair_false_negatives(ids.reshape(-1), rel, labels), want)
+    # row 1's B in row 2's negative slot is a copy of row 1's own positive: masked for row 1 as well
+    want_q, want_p = pair_losses_by_loop(q, p, tau, [{(1, 0), (2, 1)}, {(2, 1)}, set()])
+    assert torch.allclose(mx.pair_q_loss(q, p, tau, ids, rel), want_q, atol=1e-5)
+    assert torch.allclose(mx.pair_p_loss(q, p, tau, ids, rel), want_p, atol=1e-5)
+    plain_q, _ = pair_losses_by_loop(q, p, tau, [set(), set(), set()])
+    assert plain_q - want_q > 0.1, (plain_q, want_q)
+
+
+def test_pair_collator_gives_text_ids_and_the_model_masks_with_them(tiny_bert, tok):
+    """passage_ids = stable_doc_hash of each slot's text; relevant_ids = the positive, the other relevant texts,
+    padded with the positive's id. Through XPRTModel the ids reach both losses."""
+    rows = [{"query": "what is a perfect game", "positive": "a perfect game is rare", "negatives": ["rain today"],
+             "relevant": ["a perfect game is rare", "no hitter and perfect game"]},
+            {"query": "who calls strikes", "positive": "the umpire calls strikes",
+             "negatives": ["a perfect game is rare"]},
+            {"query": "ball and bat", "positive": "no hitter and perfect game", "negatives": ["stocks rose"]}]
+    h = mx.stable_doc_hash
+    batch = mx.PairCollator(tok, num_negatives=1)(rows)
+    assert batch["passage_ids"].tolist() == [[h(t) for t in [r["positive"]] + r["negatives"]] for r in rows]
+    assert batch["relevant_ids"].tolist() == [[h(rows[0]["positive"]), h(rows[2]["positive"])],
+                                              [h(rows[1]["positive"])] * 2, [h(rows[2]["positive"])] * 2]
+    assert batch["passage_ids"].dtype == batch["relevant_ids"].dtype == torch.long
+    model = make_model(tiny_bert, objective="pair").eval()
+    with torch.no_grad():
+        out = model(batch, pair_alpha=0.1)
+        bare = model({k: v for k, v in batch.items() if not k.endswith("_ids") or "input" in k}, pair_alpha=0.1)
+        _, qv = model.encode(batch["query_input_ids"], batch["query_attention_mask"])
+        pids, pam = batch["passage_input_ids"], batch["passage_attention_mask"]
+        _, pv = model.encode(pids.view(6, -1), pam.view(6, -1))
+        pv = pv.view(3, 2, -1)
+    ids = (batch["passage_ids"], batch["relevant_ids"])
+    assert torch.allclose(out["pair_q_loss"], mx.pair_q_loss(qv, pv, 0.05, *ids), atol=1e-5)
+    assert torch.allclose(out["pair_p_loss"], mx.pair_p_loss(qv, pv, 0.05, *ids), atol=1e-5)
+    assert torch.allclose(bare["pair_q_loss"], mx.pair_q_loss(qv, pv, 0.05), atol=1e-5)
+    assert not torch.allclose(out["pair_q_loss"], bare["pair_q_loss"], atol=1e-4)
+    assert not torch.allclose(out["pair_p_loss"], bare["pair_p_loss"], atol=1e-4)
+
+
 def test_contrastive_random_span_is_one_direction_infonce():
     torch.manual_seed(7)
     v1, v2 = torch.randn(4, 8), torch.randn(4, 8)
@@ -524,7 +626,7 @@ def test_two_process_gather_equals_single_process(tmp_path):
     from safetensors.torch import load_file
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from dist_xp_check import fixed_batch
+    from dist_xp_check import fixed_batch, pair_ids
 
     out = tmp_path / "dist.safetensors"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -534,17 +636,21 @@ def test_two_process_gather_equals_single_process(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = load_file(str(out))
     xa, xs, w0, docs, xq, xp = fixed_batch()
-    for name in ("xp", "pair_q", "pair_p"):
+    ids = pair_ids()
+    for name in ("xp", "pair_q", "pair_p", "pair_q_masked", "pair_p_masked"):
         w = w0.clone().requires_grad_(True)
         if name == "xp":
             loss = mx.xp_loss(xa @ w, xs @ w, docs, 0.05)
-        elif name == "pair_q":
-            loss = mx.pair_q_loss(xq @ w, xp @ w, 0.05)
+        elif name.startswith("pair_q"):
+            loss = mx.pair_q_loss(xq @ w, xp @ w, 0.05, *(ids if name.endswith("masked") else ()))
         else:
-            loss = mx.pair_p_loss(xq @ w, xp @ w, 0.05)
+            loss = mx.pair_p_loss(xq @ w, xp @ w, 0.05, *(ids if name.endswith("masked") else ()))
         loss.backward()
         assert torch.allclose(got[f"{name}_loss"], loss.detach(), atol=1e-5), name
         assert torch.allclose(got[f"{name}_grad"], w.grad, atol=1e-5, rtol=1e-4), name
+    # the false negatives sit across the two processes: masking removes terms from denominators, both losses fall
+    for name in ("pair_q", "pair_p"):
+        assert got[f"{name}_masked_loss"] < got[f"{name}_loss"] - 1e-4, name
 
 
 def test_real_minilm_has_no_head_and_gets_a_tied_one(minilm_path):
