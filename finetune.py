@@ -27,7 +27,7 @@ import torch
 
 from modeling_xprt import atomic_write, load_beir, read_jsonl
 from train import add_common_args, check_common_args, load_model, make_accelerator, prepare_output_dir, train_loop
-from train import optimizer_groups, whole_weights
+from train import LengthGroupedBatchSampler, optimizer_groups, whole_weights
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 
@@ -369,8 +369,6 @@ def main(argv=None):
     # what they will mask in the first epoch, from the sampler's batches (train.prepare_run builds the same one):
     keys = [r["query"] for r in rows]
     if accelerator.is_main_process:
-        from train import LengthGroupedBatchSampler
-
         first = LengthGroupedBatchSampler(lengths, args.per_device_train_batch_size, args.seed, keys=keys).batches()
         c = count_false_negatives(rows, first, args.num_negatives, args.seed, 0, accelerator.num_processes)
         accelerator.print(

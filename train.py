@@ -615,46 +615,73 @@ def plot_loss_curves(log_path: Path, png_path: Path):
 # ----------------------------------------------------------------------------------------------------------------
 # The loop (both stages)
 # ----------------------------------------------------------------------------------------------------------------
-def check_finite(accelerator, args, terms: dict, where: str) -> bool:
-    """True when every loss term is finite on every process. A NaN on any process must stop (or skip on) every
-    process together, or DDP would hang."""
+def finite_everywhere(accelerator, terms: dict, where: str) -> bool:
+    """--on_nonfinite skip: True when every loss term is finite on every process, decided before this micro-batch's
+    backward. A NaN on any process must skip on every process together, or DDP would hang. This costs one
+    device-to-host sync per micro-batch, which is why only the skip mode does it (LogWindow watches on the device
+    otherwise)."""
     bad = [k for k, v in terms.items() if not torch.isfinite(v)]
     n_bad = accelerator.reduce(torch.tensor(float(len(bad)), device=accelerator.device), "sum").item()
-    if not n_bad:
-        return True
-    where = f"{where}, term(s) {bad or 'on another process'}"
-    if args.on_nonfinite == "stop":
-        raise FloatingPointError(f"non-finite loss at {where}; nothing was saved from this state. "
-                                 "Lower --learning_rate or use --on_nonfinite skip")
-    accelerator.print(f"skipping non-finite loss at {where}")
-    return False
+    if n_bad:
+        accelerator.print(f"skipping non-finite loss at {where}, term(s) {bad or 'on another process'}")
+    return not n_bad
 
 
 class LogWindow:
-    """Sums of the loss terms and token counts since the last logging step; `record` averages them over
-    micro-batches and processes into one train_log.jsonl line."""
+    """The loss terms, token counts and non-finite flags since the last logging step, kept ON THE DEVICE: a step
+    adds to them without reading anything back (a `.item()` per term per step would stall a GPU on the host every
+    step). `check_finite` and `record` read them once per logging step (and before a checkpoint)."""
 
     def __init__(self):
         self.reset()
 
     def reset(self):
         self.t0, self.real, self.proc, self.sums, self.n_micro, self.n_skipped = time.time(), 0, 0, {}, 0, 0
+        self.bad, self.first_bad = {}, None  # per-term "was ever non-finite"; the first step that was
 
-    def add_terms(self, terms: dict):
+    def add_terms(self, terms: dict, step: int):
+        """Add one micro-batch's detached loss terms (0-dim device tensors); `step` is the optimiser step (1-based)
+        they belong to, remembered on the device if a term is non-finite."""
         for k, v in terms.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v.item()  # note: .item() is a device sync point
+            v = v.detach().float()
+            self.sums[k] = self.sums[k] + v if k in self.sums else v
+            bad = ~torch.isfinite(v)
+            self.bad[k] = self.bad[k] | bad if k in self.bad else bad
+            step_t = torch.where(bad, step, torch.iinfo(torch.int64).max)
+            self.first_bad = step_t if self.first_bad is None else torch.minimum(self.first_bad, step_t)
         self.n_micro += 1
+
+    def check_finite(self, accelerator, epoch: int):
+        """Raise, on every process together, when a loss term was non-finite on any process since the last check,
+        naming the first such step and the terms. Checked at logging steps only, so the run may go on for up to
+        --logging_steps - 1 steps after the bad one (no checkpoint or model is written from them: this check runs
+        before each)."""
+        if not self.bad:
+            return
+        keys = sorted(self.bad)
+        # max over processes: a flag set anywhere, and (negated) the earliest bad step
+        flags = torch.stack([self.bad[k].double() for k in keys] + [-self.first_bad.double()])
+        flags = accelerator.reduce(flags, "max").tolist()  # the one read-back
+        bad = [k for k, f in zip(keys, flags) if f > 0]
+        if bad:
+            first = int(-flags[-1])
+            raise FloatingPointError(
+                f"non-finite loss at step {first} (epoch {epoch}; found at the logging step after it), term(s) "
+                f"{bad}; nothing was saved from this state. Lower --learning_rate or use --on_nonfinite skip")
 
     def record(self, accelerator, args, step: int, epoch: int, lr_scheduler, optimizer, scalars: dict) -> dict:
         world, dt = accelerator.num_processes, time.time() - self.t0
         keys = sorted(self.sums)
-        local = [self.sums[k] / max(self.n_micro, 1) for k in keys] + [self.real, self.proc]
-        vals = accelerator.reduce(torch.tensor(local, device=accelerator.device, dtype=torch.float64), "sum")
+        device = accelerator.device
+        means = [self.sums[k].double() / max(self.n_micro, 1) for k in keys]
+        counts = torch.tensor([self.real, self.proc], device=device, dtype=torch.float64)
+        vals = accelerator.reduce(torch.cat([torch.stack(means).to(device), counts]) if means else counts, "sum")
+        vals = vals.tolist()  # the one read-back of the window
         rec = {"step": step, "epoch": epoch}
-        rec.update({k: vals[i].item() / world for i, k in enumerate(keys)})
+        rec.update({k: vals[i] / world for i, k in enumerate(keys)})
         rec.update({"lr": lr_scheduler.get_last_lr()[0], **scalars,
-                    "padding_efficiency": vals[-2].item() / max(vals[-1].item(), 1),
-                    "tokens_per_s": vals[-2].item() / dt, "time_per_step_s": dt / args.logging_steps})
+                    "padding_efficiency": vals[-2] / max(vals[-1], 1),
+                    "tokens_per_s": vals[-2] / dt, "time_per_step_s": dt / args.logging_steps})
         if getattr(args, "head_learning_rate", None) is not None:
             lrs = lr_scheduler.get_last_lr()  # one per optimiser group, in order
             rec["head_lr"] = next(lr for lr, g in zip(lrs, optimizer.param_groups) if g["name"] == "heads")
@@ -754,8 +781,10 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
         active = accelerator.skip_first_batches(dataloader, skip) if skip else dataloader
         for rows_b in active:
             rows_b, model_kw, scalars = step_inputs(rows_b, epoch, state.completed_steps, max_steps)
-            batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in collator(rows_b).items()}
-            real, proc = padding_efficiency(batch, skip=skip_keys)
+            batch = collator(rows_b)
+            real, proc = padding_efficiency(batch, skip=skip_keys)  # on the CPU tensors: no device sync
+            batch = {k: v.to(accelerator.device, non_blocking=True) if torch.is_tensor(v) else v
+                     for k, v in batch.items()}
             window.real, window.proc = window.real + real, window.proc + proc
             if not first_step_printed:
                 accum = args.gradient_accumulation_steps * world
@@ -764,14 +793,15 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
             with accelerator.accumulate(model):
                 outputs = model(batch, **model_kw)
                 terms = {k: v for k, v in outputs.items() if torch.is_tensor(v) and v.dim() == 0}
-                if check_finite(accelerator, args, terms, f"step {state.completed_steps + 1} (epoch {epoch})"):
+                where = f"step {state.completed_steps + 1} (epoch {epoch})"
+                if args.on_nonfinite == "stop" or finite_everywhere(accelerator, terms, where):
                     accelerator.backward(outputs["loss"])
                     if accelerator.sync_gradients and args.max_grad_norm > 0:
                         accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad()
-                    window.add_terms(terms)
+                    window.add_terms(terms, state.completed_steps + 1)
                 else:
                     optimizer.zero_grad()  # drops this step's accumulated gradients too: nothing non-finite applied
                     window.n_skipped += 1
@@ -783,7 +813,11 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
             for s in schedules:
                 s.step()
             progress.update(1)
-            if state.completed_steps % args.logging_steps == 0 or state.completed_steps == stop_at:
+            log_now = state.completed_steps % args.logging_steps == 0 or state.completed_steps == stop_at
+            ckpt_now = args.checkpointing_steps and state.completed_steps % args.checkpointing_steps == 0
+            if args.on_nonfinite == "stop" and (log_now or ckpt_now):
+                window.check_finite(accelerator, epoch)  # --on_nonfinite stop: before anything is logged or saved
+            if log_now:
                 rec = window.record(accelerator, args, state.completed_steps, epoch, lr_scheduler, optimizer, scalars)
                 accelerator.log({k: v for k, v in rec.items() if k != "step"}, step=state.completed_steps)
                 if log_f:
@@ -791,7 +825,7 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
                     log_f.flush()
                 progress.set_postfix(loss=f"{rec.get('loss', float('nan')):.4f}",
                                      s_per_step=f"{rec['time_per_step_s']:.2f}")
-            if args.checkpointing_steps and state.completed_steps % args.checkpointing_steps == 0:
+            if ckpt_now:
                 save_checkpoint(accelerator, model, collator, ckpt_dir, state.completed_steps,
                                 args.checkpoints_total_limit)
             if state.completed_steps >= stop_at:

@@ -405,3 +405,65 @@ def test_two_process_run_resumes_exactly(tiny_bert, groups, tmp_path):
     for s in (3, 4):
         for k in ("loss", "xp_loss", "cross_fill_loss", "retention_loss"):
             assert a[s][k] == pytest.approx(b[s][k], rel=1e-5), (s, k)
+
+
+def test_no_host_reads_outside_logging_steps(tiny_bert, groups, tmp_path, monkeypatch):
+    """The loop reads nothing back from the device between logging steps: loss terms, token counts and the
+    non-finite watch stay on the device (LogWindow); the repository's `.item()` / `.tolist()` calls run only inside
+    the logging-step check and record. (Boolean-mask gathers inside the model's forward are device syncs too; they
+    are not counted here.)"""
+    calls = {"outside": [], "inside": 0}
+    where = {"loop": False, "log": False}
+    orig_item, orig_tolist = torch.Tensor.item, torch.Tensor.tolist
+
+    ours = {str(ROOT / f) for f in ("train.py", "modeling_xprt.py", "finetune.py")}
+
+    def counted(orig):
+        def f(self, *a, **kw):
+            caller = sys._getframe(1).f_code  # reads by the repository's code (torch's CPU-side ones are no syncs)
+            if where["loop"] and caller.co_filename in ours:
+                if where["log"]:
+                    calls["inside"] += 1
+                else:
+                    calls["outside"].append(f"{caller.co_filename}:{caller.co_name}")
+            return orig(self, *a, **kw)
+        return f
+
+    def flagged(orig, flag, value):
+        def f(*a, **kw):
+            where[flag] = value
+            try:
+                return orig(*a, **kw)
+            finally:
+                where[flag] = not value if flag == "log" else where[flag]
+        return f
+
+    import modeling_xprt
+
+    orig_forward = modeling_xprt.XPRTModel.forward
+
+    def forward(self, *a, **kw):
+        where["loop"] = True
+        return orig_forward(self, *a, **kw)
+
+    monkeypatch.setattr(modeling_xprt.XPRTModel, "forward", forward)
+    monkeypatch.setattr(train.LogWindow, "record", flagged(train.LogWindow.record, "log", True))
+    monkeypatch.setattr(train.LogWindow, "check_finite", flagged(train.LogWindow.check_finite, "log", True))
+    monkeypatch.setattr(train, "plot_loss_curves", flagged(train.plot_loss_curves, "loop", False))
+    monkeypatch.setattr(torch.Tensor, "item", counted(orig_item))
+    monkeypatch.setattr(torch.Tensor, "tolist", counted(orig_tolist))
+    res = run(base_args(tiny_bert, groups, tmp_path / "h", **{"--max_train_steps": 6, "--max_groups": 8,
+                                                               "--logging_steps": 3, "--no_save_model": True}))
+    assert res["completed_steps"] == 6
+    assert calls["outside"] == [], calls["outside"][:3]
+    assert calls["inside"] == 2 * 2  # two logging steps, one read-back each in check_finite and record
+
+
+def test_nonfinite_loss_found_at_the_next_logging_step_names_its_step(nan_at_step_3, tiny_bert, groups, tmp_path):
+    """The non-finite watch stays on the device and is read at logging steps: with --logging_steps 5 the NaN of
+    step 3 stops the run at step 5, still naming step 3 and the term; no model is written."""
+    argv = base_args(tiny_bert, groups, tmp_path / "n5", **{"--max_train_steps": 6, "--max_groups": 8,
+                                                             "--logging_steps": 5})
+    with pytest.raises(FloatingPointError, match=r"step 3 .*cross_fill_loss"):
+        run(argv)
+    assert not (tmp_path / "n5" / "model").exists()
