@@ -174,18 +174,21 @@ def test_every_objective_and_ablation_loss_falls_on_a_repeated_batch(name, tiny_
     weight 1 so that the decay of the weight cannot make the total fall by itself). 2 related passages per group
     keep it fast (the 4-related xprt path runs in the other tests)."""
     out = tmp_path / name
-    argv = base_args(tiny_bert, groups, out, **{"--max_groups": 4, "--max_train_steps": 10, "--learning_rate": 2e-3,
+    # two fresh random crops of 4 anchors per step make the contrastive loss swing by 2x from step to step: that
+    # baseline gets more steps to show its trend
+    steps = 24 if name == "contrastive_random_span" else 10
+    argv = base_args(tiny_bert, groups, out, **{"--max_groups": 4, "--max_train_steps": steps, "--learning_rate": 2e-3,
                                                "--num_related": 2, "--max_length": 24,
                                                "--lr_scheduler_type": "constant", "--warmup_ratio": 0.0,
                                                "--retention_weight": 1.0, "--retention_schedule": "constant",
                                                "--no_save_model": True}, **OBJECTIVE_RUNS[name])
     res = run(argv)
-    assert res["completed_steps"] == 10
+    assert res["completed_steps"] == steps
     log = read_log(out)
     terms = {k for k in log[1] if k.endswith("_loss")}
     assert terms == EXPECTED_TERMS[name]
     first = sum(log[s]["loss"] for s in (1, 2, 3)) / 3
-    last = sum(log[s]["loss"] for s in (8, 9, 10)) / 3
+    last = sum(log[s]["loss"] for s in (steps - 2, steps - 1, steps)) / 3
     assert last < first - 0.05 * abs(first), (name, first, last)
     assert all(math.isfinite(log[s][k]) for s in log for k in terms)
 
