@@ -19,13 +19,15 @@ logging then live in one place and a fix lands in both stages at once.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from modeling_xprt import atomic_write, load_beir, read_jsonl
+from modeling_xprt import atomic_write, load_beir
 from train import add_common_args, check_common_args, load_model, make_accelerator, prepare_output_dir, train_loop
 from train import LengthGroupedBatchSampler, optimizer_groups, whole_weights
 
@@ -51,8 +53,15 @@ def parse_args(argv=None):
     g.add_argument("--negatives_rank_max", type=int, default=100, help="last rank of the mining window")
     g.add_argument("--mined_negatives", default=None,
                    help="mined_negatives.json of an earlier run (same start model and data) to reuse instead of "
-                        "mining")
+                        "mining, e.g. one written by --mine_only")
+    g.add_argument("--mine_only", action="store_true",
+                   help="mine the hard negatives (all processes share the corpus), write "
+                        "<output_dir>/mined_negatives.json and exit without training: mining as its own step")
     g.add_argument("--mining_batch_size", type=int, default=64, help="batch size when embedding for mining")
+    g.add_argument("--mining_chunk_size", type=int, default=16384,
+                   help="corpus passages each process encodes and scores at a time (rounded to whole batches): "
+                        "memory per process grows with it (its vectors; its scores against 256 queries at a time, "
+                        "about 0.1 GB at 16384), the pools do not depend on it")
     g.add_argument("--query_max_length", type=int, default=32, help="max query tokens (PAIR: 32)")
     g.add_argument("--passage_max_length", type=int, default=128, help="max passage tokens (PAIR: 128)")
 
@@ -90,6 +99,10 @@ def parse_args(argv=None):
         raise SystemExit("need 1 <= --negatives_rank_min <= --negatives_rank_max")
     if args.num_negatives < 0:
         raise SystemExit("--num_negatives must be >= 0")
+    if args.mine_only and (args.mined_negatives or not (args.beir_dir or args.generate_pseudo_queries)):
+        raise SystemExit("--mine_only needs a corpus to mine (--beir_dir) and no --mined_negatives")
+    if args.mining_batch_size < 1 or args.mining_chunk_size < 1:
+        raise SystemExit("--mining_batch_size and --mining_chunk_size must be >= 1")
     return args
 
 
@@ -112,21 +125,36 @@ def pair_alpha_at(step: int, total_steps: int, alpha_0: float, schedule: str) ->
 # 3. Data: labelled pairs, PAIR stage-1 pseudo-queries, hard-negative mining
 # ----------------------------------------------------------------------------------------------------------------
 def load_triples(path: str):
-    """Rows {query, positive, negatives} from TSV (query, positive, negatives...) or JSONL."""
-    rows = []
-    if path.endswith((".jsonl", ".json")):
-        for r in read_jsonl(path):
-            negs = r.get("negatives", [r["negative"]] if "negative" in r else [])
-            rows.append({"query": r["query"], "positive": r["positive"], "negatives": list(negs)})
-    else:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                parts = line.rstrip("\n").split("\t")
-                if len(parts) >= 2:
-                    rows.append({"query": parts[0], "positive": parts[1], "negatives": parts[2:]})
-    if not rows:
+    """Rows {query, positive, negatives} from TSV (query<TAB>positive[<TAB>negative...]) or JSONL ({query,
+    positive, negatives | negative}), yielded one line at a time: a file of millions of triples is never read
+    whole. Blank lines are skipped; a malformed line stops with `file:line: reason`."""
+    jsonl, n = path.endswith((".jsonl", ".json")), 0
+    with open(path, encoding="utf-8-sig") as f:  # -sig: real-world files often start with a UTF-8 BOM
+        for line_no, line in enumerate(f, 1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            if jsonl:
+                try:
+                    r = json.loads(line)
+                except ValueError as err:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from err
+                if not isinstance(r, dict):
+                    raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(r).__name__}")
+                negs = r.get("negatives", [r["negative"]] if "negative" in r else [])
+                row = {"query": r.get("query"), "positive": r.get("positive"), "negatives": negs}
+            else:
+                parts = line.split("\t")
+                row = {"query": parts[0], "positive": parts[1] if len(parts) > 1 else None, "negatives": parts[2:]}
+            bad = [k for k in ("query", "positive") if not isinstance(row[k], str) or not row[k].strip()]
+            if bad or not isinstance(row["negatives"], list):
+                what = f"empty or missing {' and '.join(bad)}" if bad else "negatives is not a list"
+                form = "{query, positive, negatives}" if jsonl else "query<TAB>positive[<TAB>negative...]"
+                raise ValueError(f"{path}:{line_no}: {what} (expected {form})")
+            n += 1
+            yield row
+    if not n:
         raise ValueError(f"no (query, positive) rows in {path}")
-    return rows
 
 
 def passage_text(title: str, text: str) -> str:
@@ -194,54 +222,194 @@ def pseudo_query_pairs(args, accelerator, corpus: dict):
     return [(ids[pi], q) for pi, q in kept]
 
 
+def _rank_and_world():
+    """(rank, world size) of the torch.distributed group that accelerate / torchrun formed; (0, 1) without one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather_arrays(arr: np.ndarray, world: int) -> np.ndarray:
+    """Every process's numpy array, concatenated in rank order (the array itself when alone)."""
+    if world == 1:
+        return arr
+    parts = [None] * world
+    torch.distributed.all_gather_object(parts, arr)
+    return np.concatenate(parts)
+
+
+_LOW = 2 ** 32  # corpus indices live in the low 32 bits of a ranking key
+
+
+def _ranking_keys(scores: torch.Tensor, corpus_index: torch.Tensor) -> torch.Tensor:
+    """int64 keys that order candidates by score, then corpus index, both descending.
+
+    The high 32 bits hold the float32 score's bits made order-preserving (negative floats have their magnitude
+    bits flipped), the low 32 bits the corpus index. No two candidates share a key, so topk on the keys is exact
+    and deterministic: equal scores (a duplicated passage, or a coincidence) always rank the higher corpus index
+    first, whether the corpus is scored in one piece or in chunks, by one process or several. (The former single
+    torch.topk left the order of equal scores unspecified: on CPU it put the higher index first in most rows,
+    not all.)"""
+    keys = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 and 0.0 get the same key
+    keys = torch.where(keys < 0, keys ^ 0x7FFFFFFF, keys)  # negative floats: a larger magnitude sorts lower
+    return keys.mul_(_LOW).add_(corpus_index)
+
+
 @torch.no_grad()
 def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_ids, corpus_texts, rank_min, rank_max,
                         query_max_length=32, passage_max_length=128, query_prefix="", passage_prefix="",
-                        batch_size=64):
+                        batch_size=64, chunk_size=16384, query_block=256):
     """For each query, corpus ids ranked rank_min..rank_max (1-based) by the starting model, minus its positives.
 
     Hard negatives are what PAIR and RocketQA train on; the very top ranks are skipped because on sparsely judged
     data (one or two positives per query) they are often unlabelled positives. A passage whose text equals one of
     the query's positives is excluded as well (duplicated corpus entries). positive_ids[i] is the set of ALL
-    positives of query i, so no query ever gets one of its own positives as a negative.
+    positives of query i, so no query ever gets one of its own positives as a negative. Equal scores rank the
+    higher corpus index first (_ranking_keys).
+
+    Built for MS MARCO's scale (8.8M passages, 0.5M queries): the corpus vectors are never held whole and no
+    queries x corpus matrix exists. Every process of a torch.distributed run (accelerate, torchrun) takes part:
+      1. each process hashes and tokenises a contiguous slice of the corpus; the (text hash, token count) arrays
+         are shared, giving every process the distinct texts and embed_texts' order (longest first), exactly as
+         one embed_texts call on the whole corpus would batch them;
+      2. the encoding batches of that order are dealt round-robin to the processes (balanced: the first batches
+         hold the longest passages); each process encodes chunk_size passages at a time (rounded to whole
+         batches) with embed_texts, scores them against all queries (query_block queries at a time), keeps a
+         running top-rank_max per query and drops the chunk;
+      3. the per-process top lists are merged (all_gather, query_block queries at a time), so every process
+         returns the same pools.
+    Each encoding batch is the one a single embed_texts call would form, and the scores are float64 products
+    rounded to float32 (see below), so the vectors, the scores and hence the pools are the same for any
+    chunk_size and any number of processes (tested, on CPU). Against the former version (one q @ c.T, topk): the
+    same vectors; pools can differ only where two scores were within float32 rounding of each other, which that
+    version ordered by its product's rounding and topk's unspecified tie order. Memory per process: the query
+    vectors, the running top (queries x rank_max int64), one chunk and its scores against query_block queries,
+    plus a few 8-byte integers per passage.
+
+    corpus_texts / corpus_ids can be any sequence indexed by int (a list, or a lazy view of an Arrow column).
     """
+    from tqdm.auto import tqdm
+
     from modeling_xprt import embed_texts
 
+    rank, world = _rank_and_world()
+    n, k = len(corpus_ids), min(rank_max, len(corpus_ids))
+    if n > _LOW:
+        raise ValueError(f"{n} passages: the ranking keys hold corpus indices below 2**32")
+    device = next(getattr(encoder, "base_model", encoder).parameters()).device
+    # every process encodes all queries (one call, as before): short texts, and the same vectors everywhere
     q = embed_texts(encoder, tokenizer, query_texts, batch_size, query_max_length, query_prefix,
-                    desc="mining: queries")
-    c = embed_texts(encoder, tokenizer, corpus_texts, batch_size, passage_max_length, passage_prefix,
-                    show_progress=True, desc="mining: corpus")
-    text_of = dict(zip(corpus_ids, corpus_texts))
-    k = min(rank_max, len(corpus_ids))
-    top = (q @ c.T).topk(k, dim=1).indices  # (queries, k), best first
+                    desc="mining: queries").to(device)
+    chunk_size = max(1, chunk_size // batch_size) * batch_size  # whole encoding batches
+
+    # ---- 1. distinct texts and their token counts (hash and tokenise a slice each, then share)
+    lo, hi = n * rank // world, n * (rank + 1) // world
+    digests, tokens = [np.empty(0, dtype="V16")], [np.empty(0, dtype=np.int64)]
+    for s in range(lo, hi, chunk_size):
+        texts = [corpus_texts[j] for j in range(s, min(s + chunk_size, hi))]
+        # 128-bit hashes: a collision among 10^7 texts has odds of about 10^-25
+        digests.append(np.frombuffer(b"".join(hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest()
+                                              for t in texts), dtype="V16"))
+        # the call embed_texts makes, so the counts (and the order below) are its own
+        ids = tokenizer([passage_prefix + t for t in texts], truncation=True, max_length=passage_max_length,
+                        add_special_tokens=True, return_attention_mask=False)["input_ids"]
+        tokens.append(np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)))
+    digest, n_tokens = _gather_arrays(np.concatenate(digests), world), _gather_arrays(np.concatenate(tokens), world)
+    del digests, tokens
+    _, first, inverse = np.unique(digest, return_index=True, return_inverse=True)
+    del digest
+    # distinct texts numbered in order of first occurrence (embed_texts' dict.fromkeys), then sorted longest
+    # first with a stable sort (embed_texts' sorted(..., key=-length))
+    by_first = np.argsort(first, kind="stable")
+    renumber = np.empty_like(by_first)
+    renumber[by_first] = np.arange(len(by_first))
+    first = first[by_first]  # corpus index of distinct text u
+    text_of = renumber[inverse].reshape(-1)  # corpus index -> distinct text number
+    del inverse, renumber, by_first
+    order = np.argsort(-n_tokens[first], kind="stable")
+    del n_tokens
+    n_distinct, has_copies = len(first), len(first) < n
+    if has_copies:  # the corpus indices of each distinct text: members[starts[u]:starts[u + 1]]
+        members = np.argsort(text_of, kind="stable")
+        starts = np.concatenate([[0], np.cumsum(np.bincount(text_of, minlength=n_distinct))])
+
+    # ---- 2. this process's batches, chunk by chunk: encode, score against every query, keep the running top
+    mine = np.arange(rank, -(-n_distinct // batch_size), world)  # batch numbers dealt round-robin
+    per_chunk = chunk_size // batch_size
+    # ranking keys, best first; the lowest int64 fills places no passage has reached yet (and stays where a process
+    # holds fewer than k passages). Allocated once: a new one per chunk would fragment the heap as it grows.
+    top = torch.full((len(query_texts), k), torch.iinfo(torch.int64).min, dtype=torch.int64, device=device)
+    chunks = range(0, len(mine), per_chunk)
+    for c in tqdm(chunks, desc="mining: corpus chunks", disable=rank != 0 or len(chunks) < 2):
+        distinct = np.concatenate([order[b * batch_size:(b + 1) * batch_size] for b in mine[c:c + per_chunk]])
+        # already in embed_texts' order, so it re-forms exactly these batches
+        vecs = embed_texts(encoder, tokenizer, [corpus_texts[first[u]] for u in distinct], batch_size,
+                           passage_max_length, passage_prefix).to(device)
+        if has_copies:  # a duplicated text scores once and is copied to each of its corpus entries
+            cnt = starts[distinct + 1] - starts[distinct]
+            column = np.repeat(np.arange(len(distinct)), cnt)
+            within = np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+            corpus_index = members[np.repeat(starts[distinct], cnt) + within]
+        else:
+            column, corpus_index = None, first[distinct]
+        corpus_index = torch.from_numpy(corpus_index).to(device)
+        column = None if column is None else torch.from_numpy(column).to(device)
+        # Scores as float64 products rounded to float32. A float32 product's last bit depends on how BLAS blocks
+        # it (the matrix shapes, the kernel: about 1 in 3 scores moved by up to 3e-7 between one product and
+        # per-batch products in a test here), which would let near-ties swap between chunk sizes or process
+        # counts. Float64 orders differ by ~1e-16, so the rounded scores agree (but for ~1e-9 of them, at a
+        # rounding boundary). Outside autocast: a bf16 run (accelerator.autocast) speeds up the encoder only.
+        with torch.autocast(device.type, enabled=False):
+            vecs = vecs.double()
+            for qs in range(0, len(query_texts), query_block):
+                scores = (q[qs:qs + query_block].double() @ vecs.T).float()
+                keys = _ranking_keys(scores if column is None else scores[:, column], corpus_index)
+                top[qs:qs + query_block] = torch.cat([top[qs:qs + query_block], keys], dim=1).topk(k).values
+        del vecs, scores, keys  # drop the chunk before encoding the next one
+
+    # ---- 3. merge the processes' top lists (every process gets the result)
+    if world > 1:
+        for qs in range(0, len(query_texts), query_block):
+            parts = [torch.empty_like(top[qs:qs + query_block]) for _ in range(world)]
+            torch.distributed.all_gather(parts, top[qs:qs + query_block].contiguous())
+            top[qs:qs + query_block] = torch.cat(parts, dim=1).topk(k).values
+    ranked = (top & (_LOW - 1)).cpu().numpy()  # (queries, k) corpus indices, best first
+
+    # ---- the window, minus the query's positives and any passage with a positive's text
+    wanted = set().union(*positive_ids) if len(positive_ids) else set()
+    where = {d: j for j, d in enumerate(corpus_ids) if d in wanted}
     pools = []
-    for i, row in enumerate(top.tolist()):
-        pos_texts = {text_of.get(d) for d in positive_ids[i]}
-        window = [corpus_ids[j] for j in row[rank_min - 1:k]]
-        pools.append([d for d in window if d not in positive_ids[i] and text_of[d] not in pos_texts])
+    for i, row in enumerate(ranked):
+        pos_texts = {int(text_of[where[d]]) for d in positive_ids[i] if d in where}
+        window = row[rank_min - 1:k]
+        pools.append([corpus_ids[j] for j, t in zip(window.tolist(), text_of[window].tolist())
+                      if corpus_ids[j] not in positive_ids[i] and t not in pos_texts])
     return pools
 
 
 def negative_pools(args, accelerator, encoder, tokenizer, corpus, queries, positives):
-    """The mined pool of every (query, positives) row: reused from --mined_negatives, or mined on the main process
-    while the others wait. Written to <output_dir>/mined_negatives.json either way."""
+    """The mined pool of every (query, positives) row: reused from --mined_negatives, or mined by all processes
+    together (mine_hard_negatives shards the corpus). Written to <output_dir>/mined_negatives.json either way."""
     cache = Path(args.output_dir) / "mined_negatives.json"
     if args.mined_negatives:  # reuse pools mined by an earlier run with the same start model and data
         pools = json.loads(Path(args.mined_negatives).read_text())
         if len(pools) != len(queries):
             raise SystemExit(f"{args.mined_negatives}: {len(pools)} pools for {len(queries)} queries: "
                              "mined for other data; drop --mined_negatives to mine again")
-        if accelerator.is_main_process:
+        if accelerator.is_main_process and Path(args.mined_negatives).resolve() != cache.resolve():
             atomic_write(cache, json.dumps(pools))
-    elif accelerator.is_main_process:
+    else:
         cids = sorted(corpus)
         qp, pp = args.prompts["query"], args.prompts["document"]
-        pools = mine_hard_negatives(encoder, tokenizer, queries, positives, cids, [corpus[d] for d in cids],
-                                    args.negatives_rank_min, args.negatives_rank_max, args.query_max_length,
-                                    args.passage_max_length, qp, pp, args.mining_batch_size)
-        atomic_write(cache, json.dumps(pools))
+        with accelerator.autocast():  # the encoder in the run's --mixed_precision (bf16 on GPUs); scores in fp32
+            pools = mine_hard_negatives(encoder, tokenizer, queries, positives, cids, [corpus[d] for d in cids],
+                                        args.negatives_rank_min, args.negatives_rank_max, args.query_max_length,
+                                        args.passage_max_length, qp, pp, args.mining_batch_size,
+                                        args.mining_chunk_size)
+        if accelerator.is_main_process:
+            atomic_write(cache, json.dumps(pools))
     accelerator.wait_for_everyone()
-    pools = json.loads(cache.read_text())
     short = sum(len(p) < args.num_negatives for p in pools)
     if short:
         raise SystemExit(f"{short} queries have fewer than {args.num_negatives} mined negatives in ranks "
@@ -252,7 +420,7 @@ def negative_pools(args, accelerator, encoder, tokenizer, corpus, queries, posit
 def build_finetune_rows(args, accelerator, encoder, tokenizer):
     """Rows {query, positive, negative_pool | negatives}: the triples file's rows, then one row per (query,
     relevant passage) of the BEIR qrels, then the kept pseudo-queries; the last two get mined pools."""
-    rows = load_triples(args.triples_file) if args.triples_file else []
+    rows = list(load_triples(args.triples_file)) if args.triples_file else []
     corpus = {}
     mined = []  # (row, query text, set of positive ids): rows that still need negatives
     if args.beir_dir:
@@ -345,7 +513,10 @@ def main(argv=None):
 
     # The idle heads are frozen below, so every trainable parameter gets a gradient: no unused-parameter search.
     accelerator = make_accelerator(args, find_unused_parameters=False)
-    prepare_output_dir(accelerator, args, extra_outputs=("mined_negatives.json",))
+    # --overwrite clears the run folder, but not the mined_negatives.json that --mined_negatives reads from it
+    mined_file = Path(args.output_dir) / "mined_negatives.json"
+    reused = args.mined_negatives and Path(args.mined_negatives).resolve() == mined_file.resolve()
+    prepare_output_dir(accelerator, args, extra_outputs=() if reused else ("mined_negatives.json",))
     set_seed(args.seed)
     model, tokenizer = load_model(accelerator, args, "pair")
     args.prompts = model.prompts  # the prefixes mining and the collator use (printed by load_model)
@@ -358,6 +529,9 @@ def main(argv=None):
     # ---- data: the start model mines the hard negatives, on the accelerator
     model.encoder.to(accelerator.device)
     rows = build_finetune_rows(args, accelerator, model.encoder, tokenizer)
+    if args.mine_only:
+        accelerator.print(f"--mine_only: wrote {mined_file}; train with --mined_negatives {mined_file}")
+        return {"mined_negatives": str(mined_file), "completed_steps": 0}
     lengths = [len(r["query"]) + len(r["positive"]) for r in rows]
     qp, pp = model.prompts["query"], model.prompts["document"]
     collator = PairCollator(tokenizer, query_max_length=args.query_max_length,

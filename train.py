@@ -19,6 +19,7 @@ which imports the loop from here so that resume, NaN handling and DeepSpeed beha
 from __future__ import annotations
 
 import argparse
+import array
 import contextlib
 import json
 import math
@@ -28,6 +29,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from modeling_xprt import PRETRAIN_OBJECTIVES, atomic_path, describe_prompts, read_jsonl, resolve_model_path
@@ -218,7 +220,9 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
 
     def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50,
                  keys=None):
-        self.lengths, self.batch_size, self.seed = list(lengths), batch_size, seed
+        # a numpy int64 array, not a list: 8 bytes per row, whatever the number of groups (a list of Python ints
+        # costs about 36)
+        self.lengths, self.batch_size, self.seed = np.asarray(lengths, dtype=np.int64), batch_size, seed
         self.group, self.mega = group_by_length, mega
         self.epoch, self.drop_last = 0, True
         self.keys = None if keys is None else list(keys)
@@ -230,20 +234,35 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch: int):
         self.epoch = epoch
 
-    def batches(self):
+    def batch_matrix(self) -> np.ndarray:
+        """The epoch's batches as a (batches, batch_size) int64 array of row indices.
+
+        The draws are those of the first (list-based) version, so a (seed, epoch) gives the same batches as
+        before and old runs resume and reproduce: random.shuffle of range(n) (shuffle accepts any mutable
+        sequence; an array.array holds the ints in 8 bytes each), a *stable* sort by -length inside each
+        mega-batch (Python's sorted is stable too), then random.shuffle of the batch list, done here on a list of
+        batch numbers: the same number of draws on a list of the same length gives the same permutation.
+        """
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
-        order = list(range(len(self.lengths)))
+        n, bs = len(self.lengths), self.batch_size
+        order = array.array("q", range(n))
         rng.shuffle(order)
+        order = np.frombuffer(order, dtype=np.int64)  # a view: no copy
         if self.group:
-            span = self.batch_size * self.mega
-            order = [i for s in range(0, len(order), span)
-                     for i in sorted(order[s:s + span], key=lambda i: -self.lengths[i])]
+            span = bs * self.mega
+            for s in range(0, n, span):
+                part = order[s:s + span]
+                order[s:s + span] = part[np.argsort(-self.lengths[part], kind="stable")]
         if self.keys is None:
-            out = [order[s:s + self.batch_size] for s in range(0, len(order) - self.batch_size + 1, self.batch_size)]
-        else:
-            out = self._cut_without_repeats(order)
-        rng.shuffle(out)
-        return out
+            batches = order[: (n // bs) * bs].reshape(n // bs, bs)
+        else:  # fine-tuning: no key twice in a batch (a list walk; fine-tuning sets are far smaller than the groups)
+            batches = np.asarray(self._cut_without_repeats(order.tolist()), dtype=np.int64).reshape(-1, bs)
+        perm = list(range(n // bs))
+        rng.shuffle(perm)
+        return batches[perm]
+
+    def batches(self) -> list:
+        return self.batch_matrix().tolist()
 
     def _cut_without_repeats(self, order):
         """Cut `order` into len(self) full batches in which no key repeats, keeping close to the order (so to the
@@ -297,15 +316,18 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         return out
 
     def __iter__(self):
-        return iter(self.batches())
+        # one batch at a time as a list of Python ints (what the DataLoader and accelerate's samplers expect)
+        return (b.tolist() for b in self.batch_matrix())
 
     def __len__(self):
         return len(self.lengths) // self.batch_size
 
 
 class RowsDataset(torch.utils.data.Dataset):
-    """Rows as plain dicts. Collation happens in the training loop, not in the DataLoader: the DataLoader
-    prefetches a batch ahead, which would advance the collator's mask RNG past a checkpoint and break exact resume."""
+    """Rows as plain dicts, from a list of dicts (fine-tuning) or a datasets.Dataset (the groups: memory-mapped
+    Arrow, one row converted to a dict when the loader asks for it, so memory does not grow with the number of
+    groups). Collation happens in the training loop, not in the DataLoader: the DataLoader prefetches a batch
+    ahead, which would advance the collator's mask RNG past a checkpoint and break exact resume."""
 
     def __init__(self, rows):
         self.rows = rows
@@ -332,19 +354,52 @@ def padding_efficiency(batch, skip=()) -> tuple[int, int]:
 # Pre-training data: the groups
 # ----------------------------------------------------------------------------------------------------------------
 def load_groups(groups_dir: str, max_groups=None):
-    """The groups folder (schema: select_groups.group_schema()) as a list of row dicts."""
+    """The groups folder (schema: select_groups.group_schema()) as a datasets.Dataset, in file then row order.
+
+    It stays memory-mapped (datasets converts the parquet shards to an Arrow cache file once, under HF_HOME, and
+    maps it): every process of a run shares the pages through the OS page cache, and a row becomes a Python dict
+    only when RowsDataset hands it to the loader. The paper's 0.7-7M groups as Python dicts (six passages of up
+    to 128 tokens each) would take GBs to tens of GBs in every process."""
     from datasets import load_dataset
 
     files = sorted(str(f) for f in Path(groups_dir).glob("*.parquet"))
     if not files:
         raise FileNotFoundError(f"no *.parquet in {groups_dir}: run select_groups.py first")
     ds = load_dataset("parquet", data_files=files, split="train")
+    # The first load converts the shards into the Arrow cache; pyarrow's allocator keeps the freed conversion
+    # buffers (about 0.3 GB per 1M groups here) unless asked to hand them back. Later loads convert nothing.
+    import pyarrow
+
+    pyarrow.default_memory_pool().release_unused()
     for col in ("doc_id", "anchor", "related", "random_passage"):
         if col not in ds.column_names:
             raise ValueError(f"{groups_dir} lacks column {col!r}: not a select_groups.py output?")
     if max_groups:
         ds = ds.select(range(min(max_groups, len(ds))))
-    return ds.to_list()
+    return ds
+
+
+def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarray:
+    """Characters of each group's anchor plus its first num_related related passages (what length grouping
+    sorts by), as a numpy int64 array.
+
+    Computed with pyarrow compute on Arrow batches of the two columns (no Python dict per row, no cache file
+    written, so every process can run it at once); utf8_length counts code points like Python's len, so the
+    lengths, and hence the batches, are those of the former per-row Python loop."""
+    import pyarrow.compute as pc
+
+    out = np.empty(len(groups), dtype=np.int64)
+    pos = 0
+    for batch in groups.select_columns(["anchor", "related"]).with_format("arrow").iter(batch_size=batch_size):
+        anchor = batch["anchor"].combine_chunks()
+        related = pc.list_slice(batch["related"].combine_chunks(), 0, num_related)
+        flat = pc.utf8_length(pc.list_flatten(related)).to_numpy(zero_copy_only=False)
+        per_group = np.bincount(pc.list_parent_indices(related).to_numpy(zero_copy_only=False), weights=flat,
+                                minlength=len(anchor))  # float64: exact for sums below 2**53
+        anchor_len = pc.utf8_length(anchor).to_numpy(zero_copy_only=False)
+        out[pos:pos + len(anchor)] = anchor_len + per_group.astype(np.int64)
+        pos += len(anchor)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -874,7 +929,7 @@ def main(argv=None):
 
     # ---- data: the groups; a different mask RNG per process, the same across restarts
     rows = load_groups(args.groups_dir, args.max_groups)
-    lengths = [len(r["anchor"]) + sum(len(t) for t in r["related"][: args.num_related]) for r in rows]
+    lengths = group_lengths(rows, args.num_related)
     collator = XPRTCollator(tokenizer, objective=args.objective, num_related=args.num_related,
                             max_length=args.max_length, encoder_mask_rate=args.encoder_mask_rate,
                             decoder_mask_rate=args.decoder_mask_rate,

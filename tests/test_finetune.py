@@ -334,3 +334,116 @@ def test_flags_fail_early():
     assert ft.learning_rate == 3e-5 and ft.warmup_ratio == 0.1
     assert not hasattr(ft, "retention_weight")  # PAIR's loss has no retention term: not even a flag
     assert (ft.query_max_length, ft.passage_max_length) == (32, 128)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mining at scale: chunks, processes, a step of its own; triples read lazily
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def big_beir(tmp_path_factory):
+    return make_beir(tmp_path_factory.mktemp("big_beir"), num_docs=100, num_queries=30)
+
+
+def test_mining_in_small_chunks_gives_the_pools_of_one_chunk(big_beir, tiny_bert):
+    """Chunks of 1 and 3 encoding batches give the pools of one chunk, which equal an independent ranking of the
+    whole score matrix by (score, corpus index), both descending: equal scores (the copy dup-1 of d1) rank the
+    higher corpus index first whatever the chunking. Scores are float64 products rounded to float32, as in mining
+    (a float32 product's last bit depends on the matrix shapes)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from modeling_xprt import embed_texts
+
+    corpus, queries, qrels = read_beir(str(big_beir), "train")
+    model, tok = AutoModel.from_pretrained(tiny_bert), AutoTokenizer.from_pretrained(tiny_bert)
+    qids, cids = sorted(qrels), sorted(corpus)
+    args = (model, tok, [queries[q] for q in qids], [set(qrels[q]) for q in qids], cids, [corpus[c] for c in cids])
+    kw = {"batch_size": 8, "passage_max_length": 48}  # passages cut at 48 tokens: quicker, lengths still vary
+    q, c = embed_texts(model, tok, args[2], 8, 32).double(), embed_texts(model, tok, args[5], 8, 48).double()
+    scores = (q @ c.T).float().tolist()
+
+    def independent(rank_min, rank_max):
+        out = []
+        for i, x in enumerate(qids):
+            ranked = sorted(range(len(cids)), key=lambda j: (scores[i][j], j), reverse=True)[rank_min - 1:rank_max]
+            skip = set(qrels[x]) | ({"dup-1"} if x == "q1" else set())
+            out.append([cids[j] for j in ranked if cids[j] not in skip])
+        return out
+
+    one = finetune.mine_hard_negatives(*args, 1, len(cids), chunk_size=10_000, **kw)
+    assert one == independent(1, len(cids))
+    for chunk in (8, 24):  # 13 chunks of 1 batch; 5 of 3
+        assert finetune.mine_hard_negatives(*args, 1, len(cids), chunk_size=chunk, **kw) == one
+    # a window deeper in the ranking, from chunks of 2 batches (18 is rounded down to whole batches)
+    assert finetune.mine_hard_negatives(*args, 5, 40, chunk_size=18, **kw) == independent(5, 40)
+    both = [p for p in one if "d1" in p]
+    assert len(both) == len(qids) - 1 and all(p.index("dup-1") == p.index("d1") - 1 for p in both)
+
+
+def test_ranking_keys_order_by_score_then_index():
+    scores = torch.tensor([[0.5, -0.25, 0.5, 0.0, -0.0, -1.0, 1e-30, -1e-30]])
+    keys = finetune._ranking_keys(scores, torch.arange(8))
+    order = keys.topk(8).indices[0].tolist()
+    assert order == [2, 0, 6, 4, 3, 7, 1, 5]  # equal scores (0.5; 0.0 and -0.0): higher index first
+    assert ((keys & (2 ** 32 - 1)) == torch.arange(8)).all()
+
+
+def test_two_process_mining_equals_one_process(beir, tiny_bert, tmp_path):
+    """`finetune.py --mine_only` under torchrun with 2 CPU processes (gloo), each encoding its share of the corpus
+    in chunks of 2 batches, writes the pools of a 1-process run that scores the corpus in one chunk; no model, no
+    training log."""
+    import subprocess
+    import sys
+
+    def args(out, **kw):
+        return ft_args(tiny_bert, beir, out, **{"--mine_only": True, "--mining_batch_size": 4, **kw})
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "finetune.py")]
+    proc = subprocess.run(cmd + args(tmp_path / "two", **{"--mining_chunk_size": 8}), cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = run(args(tmp_path / "one", **{"--mining_chunk_size": 100_000}))
+    assert res["completed_steps"] == 0 and not (tmp_path / "one" / "train_log.jsonl").exists()
+    one = json.loads((tmp_path / "one" / "mined_negatives.json").read_text())
+    two = json.loads((tmp_path / "two" / "mined_negatives.json").read_text())
+    assert len(one) == 17 and all(len(p) >= 15 for p in one)  # ranks 2-20 minus at most the positives and a copy
+    assert two == one
+    assert not (tmp_path / "two" / "model").exists()
+
+
+def test_mine_only_then_a_run_that_reuses_the_pools(tiny_bert, beir, tmp_path):
+    """Mining as its own step: --mine_only writes mined_negatives.json; a training run in the same folder reads it
+    with --mined_negatives (even with --overwrite, which clears the rest) and gets the losses of a run that mines."""
+    out, ref = tmp_path / "ft", tmp_path / "ref"
+    run(ft_args(tiny_bert, beir, out, **{"--mine_only": True}))
+    pools = (out / "mined_negatives.json").read_text()
+    res = run(ft_args(tiny_bert, beir, out, **{"--mined_negatives": out / "mined_negatives.json", "--overwrite": True,
+                                               "--max_train_steps": 2, "--no_save_model": True}))
+    run(ft_args(tiny_bert, beir, ref, **{"--max_train_steps": 2, "--no_save_model": True}))
+    assert res["completed_steps"] == 2 and (out / "mined_negatives.json").read_text() == pools
+    assert json.loads(pools) == json.loads((ref / "mined_negatives.json").read_text())
+    a, b = read_log(out), read_log(ref)
+    assert [a[s]["loss"] for s in (1, 2)] == [b[s]["loss"] for s in (1, 2)]
+    with pytest.raises(SystemExit):
+        finetune.parse_args(["--output_dir", "x", "--triples_file", "t.tsv", "--mine_only"])  # nothing to mine
+
+
+def test_triples_are_read_one_line_at_a_time_and_bad_lines_are_named(tmp_path):
+    tsv = tmp_path / "t.tsv"
+    tsv.write_text("what is a cat\ta small animal\ta car\ta tree\n\nhow tall\tvery tall\nbroken line\n")
+    rows = finetune.load_triples(str(tsv))
+    assert next(rows) == {"query": "what is a cat", "positive": "a small animal", "negatives": ["a car", "a tree"]}
+    assert next(rows) == {"query": "how tall", "positive": "very tall", "negatives": []}  # the blank line skipped
+    with pytest.raises(ValueError, match=r"t\.tsv:4: empty or missing positive"):
+        next(rows)  # read lazily: the bad line 4 only stops the reader when it gets there
+    jl = tmp_path / "t.jsonl"
+    jl.write_text("\ufeff" + json.dumps({"query": "q", "positive": "p", "negative": "n"}) + "\n"
+                  + json.dumps({"query": "q2", "positive": "p2", "negatives": ["a", "b"]}) + "\n{oops\n")
+    rows = finetune.load_triples(str(jl))
+    assert [next(rows), next(rows)] == [{"query": "q", "positive": "p", "negatives": ["n"]},
+                                        {"query": "q2", "positive": "p2", "negatives": ["a", "b"]}]
+    with pytest.raises(ValueError, match=r"t\.jsonl:3: not valid JSON"):
+        next(rows)
+    (tmp_path / "e.tsv").write_text("\n")
+    with pytest.raises(ValueError, match="no \\(query, positive\\) rows"):
+        list(finetune.load_triples(str(tmp_path / "e.tsv")))

@@ -133,6 +133,63 @@ def test_length_grouped_batches_are_deterministic_complete_and_pad_less():
     assert eff(b0) > 0.95 and eff(plain) < 0.7, (eff(b0), eff(plain))
 
 
+def former_list_batches(lengths, batch_size, seed, epoch, group_by_length=True, mega=50):
+    """The sampler as it was written first (lists, Python's sorted): the reference of the numpy version."""
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    if group_by_length:
+        span = batch_size * mega
+        order = [i for s in range(0, len(order), span) for i in sorted(order[s:s + span], key=lambda i: -lengths[i])]
+    out = [order[s:s + batch_size] for s in range(0, len(order) - batch_size + 1, batch_size)]
+    rng.shuffle(out)
+    return out
+
+
+def test_length_grouped_batches_equal_the_former_list_version():
+    """Same (seed, epoch), same batches as the list-based sampler, from a list or a numpy array of lengths (ties
+    in length included: the sort is stable in both), so earlier runs resume and reproduce."""
+    import numpy as np
+
+    rng = random.Random(1)
+    for n, bs in ((1000, 8), (1003, 7), (57, 4), (5000, 32)):
+        lengths = [rng.randint(1, 30) for _ in range(n)]  # many equal lengths
+        for seed, epoch, group in ((0, 0, True), (3, 2, True), (3, 1, False)):
+            want = former_list_batches(lengths, bs, seed, epoch, group)
+            for lens in (lengths, np.array(lengths, dtype=np.int32)):
+                s = train.LengthGroupedBatchSampler(lens, bs, seed, group_by_length=group)
+                s.set_epoch(epoch)
+                assert s.batches() == want and list(s) == want, (n, bs, seed, epoch, group)
+
+
+def test_groups_stay_memory_mapped_and_their_lengths_match_the_rows(groups, tmp_path):
+    """load_groups returns the datasets.Dataset (Arrow, memory-mapped), RowsDataset hands out its rows as the
+    former list of dicts did, and group_lengths (pyarrow, batched) gives the per-row Python lengths, code points
+    included, for any num_related and batch size."""
+    import shutil
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "g"
+    shutil.copytree(groups, folder)
+    extra = pq.read_table(folder / "shard-00000.parquet").to_pylist()[:3]
+    extra[0]["anchor"] = "héllo wörld 日本語 🙂 " * 3
+    extra[1]["related"] = ["ä", "b"]  # fewer related passages than asked for
+    pq.write_table(pa.Table.from_pylist(extra, schema=group_schema()), folder / "shard-00001.parquet")
+    ds = train.load_groups(str(folder))
+    rows = pq.read_table(folder / "shard-00000.parquet").to_pylist() + extra
+    assert isinstance(ds, datasets.Dataset) and len(ds) == 27 and ds.cache_files  # backed by an Arrow file
+    dataset = train.RowsDataset(ds)
+    assert [dataset[i] for i in range(27)] == [{"__index__": i, **r} for i, r in enumerate(rows)]
+    for num_related, batch_size in ((4, 8192), (2, 5), (6, 1)):
+        want = [len(r["anchor"]) + sum(len(t) for t in r["related"][:num_related]) for r in rows]
+        assert train.group_lengths(ds, num_related, batch_size).tolist() == want
+    first5 = [len(r["anchor"]) + sum(len(t) for t in r["related"][:2]) for r in rows[:5]]
+    assert train.group_lengths(train.load_groups(str(folder), max_groups=5), 2).tolist() == first5
+
+
 def test_padding_efficiency_counts_every_attention_mask():
     batch = {"attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
              "decoder_attention_mask": torch.tensor([[1, 1, 1, 1]]), "input_ids": torch.zeros(2, 3)}

@@ -1,0 +1,332 @@
+"""
+Peak memory of the two paths that grow with the paper's data, each at 1x and 10x, measured in the same run:
+
+1. train.py's data path: load_groups (the groups stay memory-mapped Arrow) + group_lengths + the length-grouped
+   sampler + a few batches through the DataLoader (RowsDataset) and XPRTCollator, on synthetic groups
+   (--groups, then 10x). The model is left out: its memory does not depend on the number of groups. The first
+   load_groups of a folder converts the parquet shards into datasets' Arrow cache (once; later runs and the other
+   processes of a run map it): that conversion runs first, in a process of its own, and its peak is printed as
+   well, but the goal is on the data path of a run.
+2. finetune.py's hard-negative mining (mine_hard_negatives, one process) with --queries queries against
+   --passages passages, then 10x the passages; the corpus is read through a lazy view of a memory-mapped Arrow
+   file, as a caller with a large corpus would pass it.
+
+Goal: growth <= 1.3x for both. Each measurement runs in a fresh process that reports
+  - peak RSS (VmHWM, what getrusage's ru_maxrss gives), and
+  - peak private memory (RssAnon, sampled every 5 ms by a thread): the memory a process owns. RSS also counts the
+    pages of memory-mapped files it has read, which are the OS page cache, shared by the processes of a run and
+    dropped under memory pressure; the 10x run reads 10x the file, so VmHWM grows with the data even when the
+    process holds nothing more.
+Synthetic text: words drawn from data/docs.jsonl, passages of 8-16 words; 0.1% of the passages are exact copies of
+another one (as MS MARCO has), so mining's duplicate path is measured too. The encoder is a random BertModel
+(hidden 32, 2 layers) with the MiniLM tokenizer: 1M short passages encode in a few minutes on 2 CPU cores.
+
+From the repository root:
+
+    python -m bench.bench_memory               # 100K / 1M groups, 100K / 1M passages x 1,000 queries
+    python -m bench.bench_memory --scale 0.1   # 10K / 100K of each: about a minute
+
+Printed: each run's peaks and time, `train_rss_growth: <x>` and `mining_rss_growth: <x>` (growth of the peak
+private memory, the goal's measure; the VmHWM growth is printed beside it), and last `ratio: <the larger>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiplies --groups and --passages (0.1: a quick run at 10K / 100K)")
+    p.add_argument("--groups", type=int, default=100_000, help="groups of the 1x train data run")
+    p.add_argument("--passages", type=int, default=100_000, help="corpus passages of the 1x mining run")
+    p.add_argument("--factor", type=int, default=10, help="the large runs use this many times the data")
+    p.add_argument("--queries", type=int, default=1000, help="mining queries (the same at 1x and 10x)")
+    p.add_argument("--train_batches", type=int, default=5, help="batches collated in the train data runs")
+    p.add_argument("--batch_size", type=int, default=32, help="groups per batch in the train data runs")
+    p.add_argument("--mining_batch_size", type=int, default=256, help="encoding batch size of mining")
+    p.add_argument("--mining_chunk_size", type=int, default=16384, help="passages encoded and scored at a time")
+    p.add_argument("--only", choices=["train", "mining"], default=None, help="run one of the two parts only")
+    p.add_argument("--workdir", default=None, help="folder for the synthetic data (default: a temp dir, removed)")
+    p.add_argument("--_child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory of this process
+# ----------------------------------------------------------------------------------------------------------------
+def status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    return float("nan")
+
+
+class AnonPeak:
+    """Highest RssAnon seen by a thread that reads /proc/self/status every `every` seconds (Linux keeps no peak
+    of it). Allocations that matter here take longer than 5 ms to fill, so the sampling misses little."""
+
+    def __init__(self, every=0.005):
+        self.peak, self.every, self.stop = status_mb("RssAnon"), every, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stop.is_set():
+            self.peak = max(self.peak, status_mb("RssAnon"))
+            time.sleep(self.every)
+
+    def finish(self) -> float:
+        self.stop.set()
+        self.thread.join()
+        return max(self.peak, status_mb("RssAnon"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Synthetic data (written by the parent; only the children are measured)
+# ----------------------------------------------------------------------------------------------------------------
+def vocabulary():
+    words = set()
+    with open(os.path.join(ROOT, "data", "docs.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            words.update(w for w in json.loads(line)["text"].split() if w.isalpha())
+    return sorted(words)
+
+
+def passages(rng, words, n):
+    """n passages of 8-16 words."""
+    return [" ".join(rng.choices(words, k=rng.randint(8, 16))) for _ in range(n)]
+
+
+def write_groups(folder, n, words, shard=100_000):
+    """n groups in select_groups.py's schema, in parquet shards of `shard` rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from select_groups import group_schema
+
+    os.makedirs(folder, exist_ok=True)
+    rng = random.Random(0)
+    for s in range(0, n, shard):
+        m = min(shard, n - s)
+        anchors, related, rand = passages(rng, words, m), passages(rng, words, 4 * m), passages(rng, words, m)
+        table = pa.table({
+            "doc_id": [f"doc{(s + i) // 7}" for i in range(m)], "group_index": [(s + i) % 7 for i in range(m)],
+            "anchor_index": [0] * m, "anchor": anchors, "anchor_centrality": [0.9] * m,
+            "related": [related[4 * i:4 * i + 4] for i in range(m)], "related_index": [[1, 2, 3, 4]] * m,
+            "related_cosine": [[0.8] * 4] * m, "related_tfidf": [[0.3] * 4] * m, "related_rrf": [[0.2] * 4] * m,
+            "random_passage": rand, "num_passages": [9] * m}, schema=group_schema())
+        pq.write_table(table, os.path.join(folder, f"shard-{s // shard:05d}.parquet"))
+
+
+def write_corpus(path, n, words, shard=100_000):
+    """n passages as an Arrow IPC file with one column `text`; every 1000th passage copies the one before it."""
+    import pyarrow as pa
+
+    rng = random.Random(1)
+    schema = pa.schema([("text", pa.string())])
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for s in range(0, n, shard):
+            texts = passages(rng, words, min(shard, n - s))
+            for i in range(1, len(texts)):
+                if (s + i) % 1000 == 0:
+                    texts[i] = texts[i - 1]
+            writer.write_table(pa.table({"text": texts}, schema=schema))
+
+
+def build_tiny(path):
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from modeling_xprt import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The measured children
+# ----------------------------------------------------------------------------------------------------------------
+class ArrowColumn:
+    """A read-only sequence over one string column of a memory-mapped Arrow IPC file: item i is read when asked
+    for, so the passages are never Python strings all at once."""
+
+    def __init__(self, path, column="text"):
+        import pyarrow as pa
+
+        self.col = pa.ipc.open_file(pa.memory_map(path)).read_all().column(column)
+
+    def __len__(self):
+        return len(self.col)
+
+    def __getitem__(self, i):
+        return self.col[int(i)].as_py()
+
+
+class PassageIds:
+    """Corpus ids p0, p1, ... made when asked for."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return f"p{i}"
+
+
+def child_convert(groups_dir):
+    import train
+
+    before, peak = status_mb("VmHWM"), AnonPeak()
+    rows = train.load_groups(groups_dir)
+    return {"rows": len(rows), "before_mb": before}, peak
+
+
+def child_train(groups_dir, model, batches, batch_size):
+    import torch
+    from transformers import AutoTokenizer
+
+    import train
+    from modeling_xprt import XPRTCollator
+
+    tok = AutoTokenizer.from_pretrained(model)
+    before, peak = status_mb("VmHWM"), AnonPeak()
+    rows = train.load_groups(groups_dir)
+    lengths = train.group_lengths(rows, 4)
+    sampler = train.LengthGroupedBatchSampler(lengths, batch_size, seed=0)
+    loader = torch.utils.data.DataLoader(train.RowsDataset(rows), batch_sampler=sampler, collate_fn=list,
+                                         generator=torch.Generator().manual_seed(0))
+    collator = XPRTCollator(tok, num_related=4, max_length=128)
+    tokens = 0
+    for b, rows_b in enumerate(loader):
+        batch = collator([{k: v for k, v in r.items() if k != "__index__"} for r in rows_b])
+        tokens += int(batch["attention_mask"].sum())
+        if b + 1 == batches:
+            break
+    return {"rows": len(rows), "tokens": tokens, "before_mb": before}, peak
+
+
+def child_mining(corpus_path, model, queries, batch_size, chunk_size):
+    from transformers import AutoModel, AutoTokenizer
+
+    import finetune
+
+    tok = AutoTokenizer.from_pretrained(model)
+    encoder = AutoModel.from_pretrained(model).eval()
+    before, peak = status_mb("VmHWM"), AnonPeak()
+    texts = ArrowColumn(corpus_path)
+    ids = PassageIds(len(texts))
+    rng = random.Random(2)
+    # query i: 5 words of its positive passage, so the ranking is not pure noise; a second positive at random
+    pos = [(37 * i + 1) % len(texts) for i in range(queries)]
+    qtexts = [" ".join(texts[j].split()[:5]) for j in pos]
+    positives = [{f"p{j}", f"p{rng.randrange(len(texts))}"} for j in pos]
+    pools = finetune.mine_hard_negatives(encoder, tok, qtexts, positives, ids, texts, 10, 100,
+                                         batch_size=batch_size, chunk_size=chunk_size)
+    return {"rows": len(texts), "pool_sizes": sum(map(len, pools)), "before_mb": before}, peak
+
+
+def child(argv):
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
+    kind, *rest = argv
+    t = time.perf_counter()
+    if kind == "convert":
+        out, peak = child_convert(rest[0])
+    elif kind == "train":
+        out, peak = child_train(rest[0], rest[1], int(rest[2]), int(rest[3]))
+    else:
+        out, peak = child_mining(rest[0], rest[1], int(rest[2]), int(rest[3]), int(rest[4]))
+    out.update({"peak_anon_mb": peak.finish(), "vmhwm_mb": status_mb("VmHWM"), "seconds": time.perf_counter() - t})
+    print(json.dumps(out))
+
+
+def measure(argv, env):
+    res = subprocess.run([sys.executable, "-m", "bench.bench_memory", "--_child", *map(str, argv)], cwd=ROOT,
+                         capture_output=True, text=True, env=env)
+    if res.returncode:
+        raise RuntimeError(res.stderr[-3000:])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main():
+    args = parse_args()
+    if args._child is not None:
+        return child(args._child)
+    work = args.workdir or tempfile.mkdtemp(prefix="bench-memory-")
+    os.makedirs(work, exist_ok=True)
+    # the Arrow cache of the groups goes to the work folder, not to HF_HOME
+    env = {**os.environ, "HF_DATASETS_CACHE": os.path.join(work, "datasets_cache")}
+    sys.path.insert(0, ROOT)
+    model = build_tiny(os.path.join(work, "tiny"))
+    words = vocabulary()
+    growth = {}
+    try:
+        for part in ("train", "mining"):
+            if args.only and part != args.only:
+                continue
+            base = int((args.groups if part == "train" else args.passages) * args.scale)
+            res = {}
+            for n in (base, base * args.factor):
+                t = time.perf_counter()
+                if part == "train":
+                    data = os.path.join(work, f"groups_{n}")
+                    if not os.path.isdir(data):
+                        write_groups(data, n, words)
+                    made = time.perf_counter() - t
+                    conv = measure(["convert", data], env)
+                    print(f"first load {n:>9,} groups (parquet -> Arrow cache, once per folder): peak private "
+                          f"{conv['peak_anon_mb']:7.0f} MB, peak RSS {conv['vmhwm_mb']:7.0f} MB, "
+                          f"{conv['seconds']:.0f} s", flush=True)
+                    res[n] = measure(["train", data, model, args.train_batches, args.batch_size], env)
+                else:
+                    data = os.path.join(work, f"corpus_{n}.arrow")
+                    if not os.path.exists(data):
+                        write_corpus(data, n, words)
+                    made = time.perf_counter() - t
+                    res[n] = measure(["mining", data, model, args.queries, args.mining_batch_size,
+                                      args.mining_chunk_size], env)
+                r = res[n]
+                what = "groups" if part == "train" else f"passages x {args.queries} queries"
+                print(f"{part:6s} {n:>9,} {what}: peak private (RssAnon) {r['peak_anon_mb']:7.0f} MB, peak RSS "
+                      f"(VmHWM) {r['vmhwm_mb']:7.0f} MB (after imports {r['before_mb']:.0f} MB); measured part "
+                      f"{r['seconds']:.0f} s, data written in {made:.0f} s", flush=True)
+            small, large = res[base], res[base * args.factor]
+            growth[part] = large["peak_anon_mb"] / small["peak_anon_mb"]
+            print(f"{part}_vmhwm_growth: {large['vmhwm_mb'] / small['vmhwm_mb']:.3f} (includes the page cache of the "
+                  f"memory-mapped files read)")
+            print(f"{part}_rss_growth: {growth[part]:.3f} (peak private memory, {args.factor}x the data; goal <= 1.3)",
+                  flush=True)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"ratio: {max(growth.values()):.3f}")
+
+
+if __name__ == "__main__":
+    main()
