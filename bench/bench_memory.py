@@ -43,10 +43,7 @@ import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from bench import ROOT, build_tiny  # importing bench also sets the offline defaults
 
 
 def parse_args():
@@ -148,20 +145,6 @@ def write_corpus(path, n, words, shard=100_000):
                 if (s + i) % 1000 == 0:
                     texts[i] = texts[i - 1]
             writer.write_table(pa.table({"text": texts}, schema=schema))
-
-
-def build_tiny(path):
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from modeling_xprt import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
-    torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64)).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 # ----------------------------------------------------------------------------------------------------------------

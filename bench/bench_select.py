@@ -28,10 +28,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from bench import ROOT, build_tiny  # importing bench also sets the offline defaults
 
 
 def parse_args():
@@ -79,20 +76,6 @@ def child(argv):
     select_groups.main(argv)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kilobytes
     print(json.dumps({"peak_rss_mb": peak_mb}))
-
-
-def build_tiny(path):
-    import torch
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from modeling_xprt import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
-    torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64)).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 def main():
