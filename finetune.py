@@ -256,6 +256,41 @@ def _ranking_keys(scores: torch.Tensor, corpus_index: torch.Tensor) -> torch.Ten
     return keys.mul_(_LOW).add_(corpus_index)
 
 
+def _distinct_texts_longest_first(tokenizer, corpus_texts, passage_prefix, passage_max_length, chunk_size,
+                                  rank, world):
+    """Mining step 1: the corpus's distinct texts, in the order one embed_texts call over the whole corpus would
+    encode them (first occurrence, then longest first). Each process hashes and tokenises a slice; the arrays are
+    shared. Returns (first, text_of, order): the corpus index of distinct text u, the distinct-text number of each
+    corpus index, and the distinct texts in encoding order."""
+    n = len(corpus_texts)
+    lo, hi = n * rank // world, n * (rank + 1) // world
+    digests, tokens = [np.empty(0, dtype="V16")], [np.empty(0, dtype=np.int64)]
+    for s in range(lo, hi, chunk_size):
+        texts = [corpus_texts[j] for j in range(s, min(s + chunk_size, hi))]
+        # 128-bit hashes: a collision among 10^7 texts has odds of about 10^-25
+        digests.append(np.frombuffer(b"".join(hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest()
+                                              for t in texts), dtype="V16"))
+        # the call embed_texts makes, so the counts (and the order below) are its own
+        ids = tokenizer([passage_prefix + t for t in texts], truncation=True, max_length=passage_max_length,
+                        add_special_tokens=True, return_attention_mask=False)["input_ids"]
+        tokens.append(np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)))
+    digest, n_tokens = _gather_arrays(np.concatenate(digests), world), _gather_arrays(np.concatenate(tokens), world)
+    del digests, tokens
+    _, first, inverse = np.unique(digest, return_index=True, return_inverse=True)
+    del digest
+    # distinct texts numbered in order of first occurrence (embed_texts' dict.fromkeys), then sorted longest
+    # first with a stable sort (embed_texts' sorted(..., key=-length))
+    by_first = np.argsort(first, kind="stable")
+    renumber = np.empty_like(by_first)
+    renumber[by_first] = np.arange(len(by_first))
+    first = first[by_first]  # corpus index of distinct text u
+    text_of = renumber[inverse].reshape(-1)  # corpus index -> distinct text number
+    del inverse, renumber, by_first
+    order = np.argsort(-n_tokens[first], kind="stable")
+    del n_tokens
+    return first, text_of, order
+
+
 @torch.no_grad()
 def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_ids, corpus_texts, rank_min, rank_max,
                         query_max_length=32, passage_max_length=128, query_prefix="", passage_prefix="",
@@ -304,31 +339,8 @@ def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_id
     chunk_size = max(1, chunk_size // batch_size) * batch_size  # whole encoding batches
 
     # ---- 1. distinct texts and their token counts (hash and tokenise a slice each, then share)
-    lo, hi = n * rank // world, n * (rank + 1) // world
-    digests, tokens = [np.empty(0, dtype="V16")], [np.empty(0, dtype=np.int64)]
-    for s in range(lo, hi, chunk_size):
-        texts = [corpus_texts[j] for j in range(s, min(s + chunk_size, hi))]
-        # 128-bit hashes: a collision among 10^7 texts has odds of about 10^-25
-        digests.append(np.frombuffer(b"".join(hashlib.blake2b(t.encode("utf-8"), digest_size=16).digest()
-                                              for t in texts), dtype="V16"))
-        # the call embed_texts makes, so the counts (and the order below) are its own
-        ids = tokenizer([passage_prefix + t for t in texts], truncation=True, max_length=passage_max_length,
-                        add_special_tokens=True, return_attention_mask=False)["input_ids"]
-        tokens.append(np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)))
-    digest, n_tokens = _gather_arrays(np.concatenate(digests), world), _gather_arrays(np.concatenate(tokens), world)
-    del digests, tokens
-    _, first, inverse = np.unique(digest, return_index=True, return_inverse=True)
-    del digest
-    # distinct texts numbered in order of first occurrence (embed_texts' dict.fromkeys), then sorted longest
-    # first with a stable sort (embed_texts' sorted(..., key=-length))
-    by_first = np.argsort(first, kind="stable")
-    renumber = np.empty_like(by_first)
-    renumber[by_first] = np.arange(len(by_first))
-    first = first[by_first]  # corpus index of distinct text u
-    text_of = renumber[inverse].reshape(-1)  # corpus index -> distinct text number
-    del inverse, renumber, by_first
-    order = np.argsort(-n_tokens[first], kind="stable")
-    del n_tokens
+    first, text_of, order = _distinct_texts_longest_first(tokenizer, corpus_texts, passage_prefix,
+                                                          passage_max_length, chunk_size, rank, world)
     n_distinct, has_copies = len(first), len(first) < n
     if has_copies:  # the corpus indices of each distinct text: members[starts[u]:starts[u + 1]]
         members = np.argsort(text_of, kind="stable")
