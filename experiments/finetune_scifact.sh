@@ -5,7 +5,8 @@
 #   fine-tuning -> the same scoring.
 # Same data, negatives window, batch, epochs and lr for every run; one table from evaluate.py at the end, then the
 # mean and spread of each arm over SEEDS (a one-epoch fine-tune moves by about a point from seed to seed).
-# Knobs: SHARED (../shared/data), OUT (outputs/finetune), XPRT_MODEL, EPOCHS (1), BATCH (32), SEEDS ("42").
+# Knobs: SHARED (../shared/data), OUT (outputs/finetune), XPRT_MODEL, EPOCHS (1), BATCH (32), SEEDS ("42"),
+# MINILM_SEEDS (SEEDS; the start-model arm's seeds, e.g. to add seeds to an earlier run of that arm).
 source "$(dirname "$0")/env.sh"
 SHARED=${SHARED:-../shared/data}
 OUT=${OUT:-outputs/finetune}
@@ -13,6 +14,7 @@ XPRT_MODEL=${XPRT_MODEL:-outputs/compare/xprt/model}
 EPOCHS=${EPOCHS:-1}
 BATCH=${BATCH:-32}
 SEEDS=${SEEDS:-42}
+MINILM_SEEDS=${MINILM_SEEDS:-$SEEDS}
 
 finetune() {  # name, start model, alpha, seed, extra flags...
   local name=$1 start=$2 alpha=$3 seed=$4; shift 4
@@ -21,22 +23,24 @@ finetune() {  # name, start model, alpha, seed, extra flags...
       --per_device_train_batch_size $BATCH --num_train_epochs $EPOCHS --seed "$seed" --logging_steps 5 \
       --report_to none --overwrite "$@"
 }
-arms() {  # prefix, start model: alpha 0 and 0.1 for every seed; appends the models to MODELS
-  local prefix=$1 start=$2 seed sfx
-  for seed in $SEEDS; do
+arms() {  # prefix, start model, seeds: alpha 0 and 0.1 for every seed; appends the models to MODELS
+  local prefix=$1 start=$2 seeds=$3 seed sfx
+  # Negatives are mined once per start model (ranks 10-100 by that model; no randomness), as their own step
+  # (--mine_only), and shared by all its runs.
+  local mined="$OUT/${prefix}_mined/mined_negatives.json"
+  [ -f "$mined" ] || run $PY finetune.py --model_name_or_path "$start" --beir_dir "$SHARED/scifact" \
+      --output_dir "$OUT/${prefix}_mined" --mine_only --report_to none --overwrite
+  for seed in $seeds; do
     sfx=$([ "$seed" = 42 ] && echo "" || echo "_s$seed")
-    # Negatives are mined once per start model (ranks 10-100 by that model; no randomness) and shared by its runs.
-    local mined=()
-    [ -f "$OUT/${prefix}_a0/mined_negatives.json" ] && mined=(--mined_negatives "$OUT/${prefix}_a0/mined_negatives.json")
-    finetune "${prefix}_a0$sfx" "$start" 0 "$seed" "${mined[@]}"
-    finetune "${prefix}_a0.1$sfx" "$start" 0.1 "$seed" --mined_negatives "$OUT/${prefix}_a0$sfx/mined_negatives.json"
+    finetune "${prefix}_a0$sfx" "$start" 0 "$seed" --mined_negatives "$mined"
+    finetune "${prefix}_a0.1$sfx" "$start" 0.1 "$seed" --mined_negatives "$mined"
     MODELS+=("$OUT/${prefix}_a0$sfx/model" "$OUT/${prefix}_a0.1$sfx/model")
   done
 }
 MODELS=(all-MiniLM-L6-v2)
 [ -f "$XPRT_MODEL/config.json" ] && MODELS+=("$XPRT_MODEL")
-arms minilm all-MiniLM-L6-v2
-[ -f "$XPRT_MODEL/config.json" ] && arms xprt "$XPRT_MODEL"
+arms minilm all-MiniLM-L6-v2 "$MINILM_SEEDS"
+[ -f "$XPRT_MODEL/config.json" ] && arms xprt "$XPRT_MODEL" "$SEEDS"
 run $PY evaluate.py --models "${MODELS[@]}" --local_tasks "$SHARED/scifact" --output_dir "$OUT/eval" --overwrite
 # mean +- sd over seeds per arm (the run folder name without its _sNN suffix)
 $PY - "$OUT/eval/results.json" <<'PY'
