@@ -36,10 +36,12 @@ else none.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -51,7 +53,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 import modeling_xprt
-from modeling_xprt import (E5_PROMPTS, MINILM_ALIASES, _read_json, atomic_path, atomic_write, dropout_off, embed_texts,
+from modeling_xprt import (E5_PROMPTS, MINILM_ALIASES, _read_json, atomic_path, atomic_write, embed_texts,
                            load_beir, model_prompts, pick_device_and_dtype, resolve_model_path)
 
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (README, Notes); keep it inside the repo.
@@ -665,6 +667,117 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
             print(f"model {model_name}: evaluation written into its model card", flush=True)
         del encoder
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4b. Scores during training (train.py / finetune.py --eval_steps): the model being trained, on bounded tasks
+# ---------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """The Python / numpy / torch (CPU and CUDA) random states restored after the block: scoring during training must
+    not change the run that follows (mteb and datasets draw from the global generators; a resumed run must draw the
+    same masks and dropout)."""
+    import torch
+
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])
+
+
+@contextlib.contextmanager
+def eval_mode_and_rng(module):
+    """Every submodule in eval mode (no dropout) inside the block, then each back in its own mode (finetune.py keeps
+    frozen heads as they were), with the random states preserved (preserved_rng)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        with preserved_rng():
+            yield
+    finally:
+        for m, was_training in modes:
+            m.training = was_training
+
+
+class TrainingEncoder(AbsEncoder):
+    """mteb wrapper of the encoder being trained: modeling_xprt.embed_texts (mean pooling, the pooling train.py
+    trains with and saves) under the model's prompts, no gradient.
+
+    With several processes every process runs the same mteb evaluation, and each encode call is split: the distinct
+    texts are cut into one equal slice per process (padded to equal length, so that every process runs the same
+    number of forward passes, as DeepSpeed ZeRO-3 needs), each process encodes its slice, and the vectors are
+    all-gathered. No process encodes alone while the others wait at a barrier (NCCL ends such a wait after 10
+    minutes); the scoring itself (similarities, nDCG) is repeated on every process and stays small under
+    --eval_limit."""
+
+    def __init__(self, encoder, tokenizer, prompts: dict, max_length: int, batch_size: int, accelerator=None):
+        self.encoder, self.tokenizer, self.prompts = encoder, tokenizer, prompts
+        self.max_length, self.batch_size, self.accelerator = max_length, batch_size, accelerator
+        self.mteb_model_meta = ModelMeta(
+            loader=None, name="local/training", revision="in-training", release_date=None, languages=None,
+            n_parameters=None, memory_usage_mb=None, max_tokens=max_length, embed_dim=encoder.config.hidden_size,
+            license=None, open_weights=True, public_training_code=None, public_training_data=None,
+            framework=["PyTorch"], similarity_fn_name=ScoringFunction.COSINE, use_instructions=False,
+            training_datasets=None)
+
+    def encode(self, inputs, *, task_metadata, hf_split: str, hf_subset: str,
+               prompt_type: Optional[PromptType] = None, **kwargs: Any) -> np.ndarray:
+        texts = [t for batch in inputs for t in batch["text"]]
+        prefix = self.prompts["document"] if prompt_type == PromptType.document else self.prompts["query"]
+        acc = self.accelerator
+        world = acc.num_processes if acc is not None else 1
+        autocast = acc.autocast() if acc is not None else contextlib.nullcontext()
+        if world == 1:
+            with autocast:
+                return embed_texts(self.encoder, self.tokenizer, texts, self.batch_size, self.max_length,
+                                   prefix).numpy()
+        unique = list(dict.fromkeys(texts))
+        per = math.ceil(len(unique) / world)
+        mine = unique[acc.process_index * per:(acc.process_index + 1) * per]
+        mine += [f"[xprt eval padding {i}]" for i in range(per - len(mine))]
+        with autocast:
+            vecs = embed_texts(self.encoder, self.tokenizer, mine, self.batch_size, self.max_length, prefix)
+        every = acc.gather(vecs.to(acc.device)).cpu()  # (world * per, H), in process order
+        where = {t: i for i, t in enumerate(unique)}
+        return every[[where[t] for t in texts]].numpy()
+
+
+def load_training_eval_tasks(specs: Sequence[str], limit: Optional[int], seed: int = 0) -> list:
+    """The tasks of --eval_tasks (local folders, TaskName=DIR, or mteb task names), each cut to `limit` queries /
+    pairs / test texts (corpus 10 x) and loaded once, so every scoring during training uses the same sample."""
+    tasks = []
+    with preserved_rng():  # loading draws from the global generators too
+        for spec in specs:
+            path = spec.rpartition("=")[2] if "=" in spec and not os.path.exists(spec) else spec
+            if os.path.isdir(path):
+                name, folder, kind = parse_local_spec(spec)
+                task = build_task(name, local=(folder, kind), limit=limit, seed=seed)
+            else:  # an mteb task name: mteb's own loader (the hub)
+                task = build_task(spec, limit=limit, seed=seed)
+            task.load_data()
+            tasks.append(task)
+    return tasks
+
+
+def score_during_training(model, tokenizer, tasks: Sequence, prompts: dict, max_length: int, batch_size: int = 64,
+                          accelerator=None) -> dict:
+    """{task name: main score x100} of the model being trained (an XPRTModel, possibly wrapped by DDP / DeepSpeed:
+    pass the accelerator), in eval mode, then back in training mode."""
+    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
+    enc = TrainingEncoder(unwrapped.encoder, tokenizer, prompts, max_length, batch_size, accelerator)
+    scores = {}
+    with eval_mode_and_rng(unwrapped):
+        for task in tasks:
+            scores[task.metadata.name] = evaluate_model_on_task(enc, task, batch_size)["main_score"]
+    return scores
 
 
 # ---------------------------------------------------------------------------------------------------
