@@ -715,7 +715,7 @@ def load_eval_tasks(accelerator, args) -> list:
 
 def score_model(accelerator, args, model, tokenizer, tasks, step: int, epoch: int) -> dict:
     """One scoring of the model being trained: a train_log.jsonl record {"step", "epoch", "eval_<task>": score x100,
-    "eval_time_s"}, also sent to the trackers. Dropout off and no gradient inside, training mode restored after."""
+    "scoring_time_s"}, also sent to the trackers. Dropout off and no gradient inside, training mode restored after."""
     import evaluate
 
     unwrapped = accelerator.unwrap_model(model)
@@ -725,10 +725,10 @@ def score_model(accelerator, args, model, tokenizer, tasks, step: int, epoch: in
         scores = evaluate.score_during_training(model, tokenizer, tasks, unwrapped.prompts, max_length,
                                                 args.eval_batch_size, accelerator)
     rec = {"step": step, "epoch": epoch, **{EVAL_PREFIX + k: v for k, v in scores.items()},
-           "eval_time_s": time.time() - t0}
+           "scoring_time_s": time.time() - t0}
     accelerator.log({k: v for k, v in rec.items() if k != "step"}, step=step)
     accelerator.print("step {}: {} ({:.1f} s)".format(step, ", ".join(f"{k} {v:.2f}" for k, v in scores.items()),
-                                                      rec["eval_time_s"]))
+                                                      rec["scoring_time_s"]))
     return rec
 
 
@@ -952,7 +952,9 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
                 progress.set_postfix(loss=f"{rec.get('loss', float('nan')):.4f}",
                                      s_per_step=f"{rec['time_per_step_s']:.2f}")
             if eval_tasks and args.eval_steps and state.completed_steps % args.eval_steps == 0:
-                log_record(score_model(accelerator, args, model, tokenizer, eval_tasks, state.completed_steps, epoch))
+                scored = score_model(accelerator, args, model, tokenizer, eval_tasks, state.completed_steps, epoch)
+                log_record(scored)
+                window.t0 += scored["scoring_time_s"]  # tokens/s and time per step count training only
                 last_scored = state.completed_steps
             if ckpt_now:
                 save_checkpoint(accelerator, model, collator, ckpt_dir, state.completed_steps,

@@ -421,14 +421,22 @@ def test_accelerate_launch_deepspeed_one_cpu_process(tiny_bert, groups, tmp_path
     transformers loads: the frozen teacher must be loaded whole, and the tied projection read outside its module
     must be gathered (registered as an external parameter), or the run fails or trains on empty shards."""
     out = tmp_path / "ds"
+    beir, _ = _eval_folders(tmp_path)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / f"accelerate_cpu_deepspeed_{stage}.yaml"), str(ROOT / "train.py")]
     cmd += [str(a) for a in base_args(tiny_bert, groups, out, **{"--max_train_steps": 3, "--max_groups": 8,
-                                                                   "--learning_rate": 1e-3, "--checkpointing_steps": 3})]
+                                                                   "--learning_rate": 1e-3, "--checkpointing_steps": 3,
+                                                                   "--eval_tasks": f"SciFact={beir}"})]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "DistributedType.DEEPSPEED x 1" in proc.stdout + proc.stderr  # really DeepSpeed, not a silent fallback
-    log = read_log(out)
+    # the final model scored inside the DeepSpeed engine (ZeRO-3: gathered weights) = evaluate.py on the saved folder
+    import evaluate
+
+    (scored,) = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if "eval_SciFact" in line]
+    final = evaluate.run_evaluation([str(out / "model")], local_tasks=[f"SciFact={beir}"], show_progress=False)
+    assert scored["eval_SciFact"] == pytest.approx(final["results"][str(out / "model")]["SciFact"]["main_score"], abs=1e-4)
+    log = {r["step"]: r for r in _records(out) if "loss" in r}  # the loss records (the score record is apart)
     assert sorted(log) == [1, 2, 3]
     assert (out / "checkpoints" / "step_3" / "pytorch_model").is_dir()  # a DeepSpeed engine checkpoint
     assert (out / "model" / "model.safetensors").exists()
