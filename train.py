@@ -114,6 +114,17 @@ def check_common_args(args):
         raise SystemExit("--eval_steps needs a value >= 1 and --eval_tasks")
     if args.eval_limit < 0 or args.eval_batch_size < 1:
         raise SystemExit("--eval_limit must be >= 0 and --eval_batch_size >= 1")
+    if args.eval_tasks:
+        # Imported here, before the run seeds its generators (importing mteb draws from them), and a local folder
+        # that is no known task stops the run now rather than after the first N steps.
+        import evaluate
+
+        for spec in args.eval_tasks:
+            if os.path.isdir(spec.rpartition("=")[2]) or os.path.isdir(spec):
+                try:
+                    evaluate.parse_local_spec(spec)
+                except (ValueError, FileNotFoundError) as err:
+                    raise SystemExit(f"--eval_tasks {spec}: {err}") from None
 
 
 def parse_args(argv=None):
