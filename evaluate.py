@@ -650,7 +650,8 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
         meta = encoder.mteb_model_meta
         out["model_meta"][model_name] = {"name": meta.name, "revision": meta.revision}
         print(f"model {model_name}: mteb name {meta.name}, revision {meta.revision}; pooling "
-              f"{getattr(encoder, 'pooling', '?')}; prefixes: query {getattr(encoder, 'query_prefix', '')!r}, "
+              f"{getattr(encoder, 'pooling', '?')}", flush=True)
+        print(f"model {model_name}: prefixes: query {getattr(encoder, 'query_prefix', '')!r}, "
               f"passage {getattr(encoder, 'passage_prefix', '')!r}", flush=True)
         out["results"][model_name] = {}
         for name, local, bench_task in tqdm(specs, desc=f"tasks [{model_name}]", disable=not show_progress):
