@@ -19,7 +19,7 @@ tokenizer, sentence_bert_config.json, mlm_log.jsonl (train loss per logging step
 mlm_loss_curve.png, mlm_stats.json.
 
     python experiments/nano/pretrain_mlm.py --inputs ../shared/data/{wikipedia_sample,fineweb_legal_sample,c4_sample}/docs.jsonl \\
-        --output_dir outputs/nano/mlm --max_steps 3000
+        --output_dir outputs/nano/mlm --max_steps 1200
 """
 import argparse
 import json
@@ -56,7 +56,7 @@ def parse_args(argv=None):
                    help="peak AdamW learning rate (small BERTs train at 5e-4 to 1e-3)")
     p.add_argument("--warmup_ratio", type=float, default=0.06, help="linear warmup share of the steps")
     p.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay (BERT: 0.01)")
-    p.add_argument("--max_steps", type=int, default=3000, help="optimizer steps")
+    p.add_argument("--max_steps", type=int, default=1200, help="optimizer steps")
     p.add_argument("--eval_share", type=float, default=0.01, help="share of blocks held out for the MLM loss")
     p.add_argument("--logging_steps", type=int, default=50, help="train-loss logging interval")
     p.add_argument("--seed", type=int, default=42, help="seed of init, masking and data order")
