@@ -680,7 +680,8 @@ def model_card(args, title: str, summary, model=None) -> str:
 
     prompts = getattr(args, "prompts", None) or {"query": "", "document": ""}
     base_model = getattr(model, "base_model", None)
-    license_ = args.license or card_license(base_model or args.model_name_or_path)
+    # the start folder's own card first (local, and it carries an xprt start's licence on), then the Hub's
+    license_ = args.license or card_license(args.model_name_or_path) or card_license(base_model)
     model_id = args.hub_model_id or f"path/to/{Path(args.output_dir).name}/model"
     data = ModelCardData(base_model=base_model, datasets=getattr(args, "card_datasets", None) or None,
                          language="en", license=license_, library_name="sentence-transformers",

@@ -47,7 +47,8 @@ def runs(tiny_bert, tmp_path_factory):
         mp.setattr(HfApi, "upload_folder", upload_folder)
         run(base_args(e5, make_groups(tmp / "groups", 12), tmp / "xprt",
                       **{"--max_train_steps": 2, "--learning_rate": 1e-3, "--push_to_hub": True,
-                         "--hub_model_id": HUB_ID, "--hub_private": True, "--hub_token": "hf_secret_token"}))
+                         "--hub_model_id": HUB_ID, "--hub_private": True, "--hub_token": "hf_secret_token",
+                         "--license": "mit"}))
     beir = make_beir(tmp / "beir")
     fe = tmp / "pairs.jsonl"  # FlagEmbedding format with its own negatives: no mining
     corpus = [json.loads(line)["text"] for line in (beir / "corpus.jsonl").read_text().splitlines()]
@@ -95,7 +96,7 @@ def test_card_metadata_usage_code_and_command_without_local_paths(runs):
     assert data.base_model is None  # a local start model: nothing on the Hub to name
     assert (data.library_name, data.pipeline_tag, data.language) == ("sentence-transformers",
                                                                       "sentence-similarity", "en")
-    assert "xprt" in data.tags and data.license is None  # the tiny start has no card, so no licence to inherit
+    assert "xprt" in data.tags and data.license == "mit"  # --license
     assert str(runs["tmp"]) not in card_text and "/tmp" not in card_text and "hf_secret_token" not in card_text
     assert "python train.py --model_name_or_path MODEL_NAME_OR_PATH --groups_dir GROUPS_DIR --output_dir " \
            "OUTPUT_DIR" in card_text
@@ -115,6 +116,7 @@ def test_card_metadata_usage_code_and_command_without_local_paths(runs):
     # the fine-tuned model: base_model is the Hub repository its start folder was pushed to
     ft = (runs["ft"] / "README.md").read_text()
     assert ModelCard(ft).data.base_model == HUB_ID
+    assert ModelCard(ft).data.license == "mit"  # no --license: the start folder's card's
     assert "python finetune.py --model_name_or_path MODEL_NAME_OR_PATH --train_data TRAIN_DATA" in ft
     assert json.loads((runs["model"] / "xprt_config.json").read_text())["hub_model_id"] == HUB_ID
 
