@@ -49,8 +49,9 @@ def parse_args(argv=None):
                         "pos, neg}), sentence-transformers (anchor, positive[, negative...]), tevatron ({query, "
                         "positive_passages, negative_passages}) or triples (TSV query<TAB>positive[<TAB>negative...], "
                         "JSONL {query, positive, negatives}) format, detected from the first record: .jsonl, .csv, "
-                        ".tsv, .parquet or a dataset name. Negatives in the data are used as they are (no mining "
-                        "for those rows)")
+                        ".tsv, .parquet or a dataset name. Negatives in the data are used as they are; rows with "
+                        "fewer than --num_negatives are mined (from --beir_dir's corpus, else the data's own "
+                        "passages)")
     g.add_argument("--train_split", default="train", help="split of a --train_data Hub dataset")
     g.add_argument("--num_negatives", type=int, default=1, help="hard negatives per query in each step")
     g.add_argument("--negatives_rank_min", type=int, default=10,
@@ -552,9 +553,12 @@ def negative_pools(args, accelerator, encoder, tokenizer, corpus, queries, posit
 
 
 def build_finetune_rows(args, accelerator, encoder, tokenizer):
-    """Rows {query, positive, negative_pool | negatives}: the --train_data rows, then one row per (query,
-    relevant passage) of the BEIR qrels, then the kept pseudo-queries; the last two get mined pools."""
+    """Rows {query, positive, negative_pool | negatives}: the --train_data rows that bring enough negatives, then one
+    row per (query, relevant passage) of the BEIR qrels, then the kept pseudo-queries, then the --train_data rows
+    without enough negatives; all but the first get mined pools (mine_data_rows)."""
     rows = list(read_pairs(args.train_data, args.train_split)) if args.train_data else []
+    needy = [r for r in rows if len(r["negatives"]) < args.num_negatives]
+    rows = [r for r in rows if len(r["negatives"]) >= args.num_negatives]
     corpus = {}
     mined = []  # (row, query text, set of positive ids): rows that still need negatives
     if args.beir_dir:
@@ -571,16 +575,38 @@ def build_finetune_rows(args, accelerator, encoder, tokenizer):
         with whole_weights():  # the generator and cross-encoder are ours to run, never prepared
             kept = pseudo_query_pairs(args, accelerator, corpus)
         mined += [({"query": q, "positive": corpus[pid]}, q, {pid}) for pid, q in kept]
+    if needy:
+        corpus = corpus or data_corpus(rows + needy)
+        mined += mine_data_rows(needy, rows + needy, corpus)
     if mined:
         pools = negative_pools(args, accelerator, encoder, tokenizer, corpus, [q for _, q, _ in mined],
                                [pos for _, _, pos in mined])
         for (r, _, _), pool in zip(mined, pools):
             r["negative_pool"] = [corpus[d] for d in pool]
         rows += [r for r, _, _ in mined]
-    for r in rows:
-        if "negative_pool" not in r and len(r.get("negatives", [])) < args.num_negatives:
-            raise SystemExit(f"a triple has fewer than {args.num_negatives} negatives and no corpus to mine from")
     return add_relevant(rows)
+
+
+def data_corpus(rows) -> dict:
+    """A corpus to mine --train_data's missing negatives from when there is no --beir_dir: the distinct passages of
+    the data itself (every positive and negative), as FlagEmbedding's hard-negative miner does without a candidate
+    pool. Ids: "data-<index of first appearance>"."""
+    texts = dict.fromkeys(t for r in rows for t in [r["positive"], *r["negatives"]])
+    return {f"data-{i}": t for i, t in enumerate(texts)}
+
+
+def mine_data_rows(needy, all_rows, corpus) -> list:
+    """(row, query text, positive ids) for the --train_data rows that brought fewer than --num_negatives negatives
+    (FlagEmbedding records without "neg", triples without negatives): their pools are mined like the BEIR rows'.
+    A query's positives are every positive the data gives it, as ids of the corpus passages with the same text, so
+    mining never hands a query its own positive."""
+    ids_of = {}
+    for d, t in corpus.items():
+        ids_of.setdefault(t, set()).add(d)
+    positives = {}
+    for r in all_rows:
+        positives.setdefault(r["query"], set()).update(ids_of.get(r["positive"], ()))
+    return [({"query": r["query"], "positive": r["positive"]}, r["query"], positives[r["query"]]) for r in needy]
 
 
 def add_relevant(rows):

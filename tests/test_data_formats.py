@@ -129,3 +129,25 @@ def test_zst_input_reads_the_same_documents_as_the_plain_file(tmp_path):
         got[str(inp)] = [(d.doc_id, d.text, d.skip) for d in sg.iter_records(args)]
     want = [(d["id"], d["text"], "") for d in docs]
     assert all(v == want for v in got.values()), got.keys()
+
+
+def test_pairs_without_negatives_are_mined_from_the_datas_own_passages(tmp_path, tiny_bert):
+    """FlagEmbedding records without "neg" get mined pools, from the file's own passages when there is no BEIR
+    corpus (as FlagEmbedding's miner does without a candidate pool); never a query's own positive."""
+    from test_train import run
+
+    rows = [{"query": w["query"], "pos": [w["positive"]]} for w in WANT] + \
+        [{"query": f"query number {i}", "pos": [f"passage number {i} about topic {i % 3}"]} for i in range(8)]
+    path = _write_jsonl(tmp_path / "no_neg.jsonl", rows)
+    out = tmp_path / "ft"
+    res = run(["--model_name_or_path", tiny_bert, "--train_data", path, "--output_dir", out, "--max_train_steps", 1,
+               "--per_device_train_batch_size", 4, "--report_to", "none", "--negatives_rank_min", 2,
+               "--no_save_model"], main=finetune.main)
+    assert res["completed_steps"] == 1
+    pools = json.loads((out / "mined_negatives.json").read_text())
+    corpus = finetune.data_corpus(list(finetune.read_pairs(str(path))))
+    assert len(pools) == len(WANT) + 8 == len(corpus)  # one row per positive; every passage is some row's positive
+    flat = [(r["query"], p) for r in rows for p in r["pos"]]
+    for (query, positive), pool in zip(flat, pools):
+        own = {p for q, p in flat if q == query}
+        assert pool and not own & {corpus[d] for d in pool}
