@@ -519,7 +519,7 @@ def load_model(accelerator, args, objective: str, **kw):
         # the name as given, not the resolved path: the start model (and its prefixes) are recorded by name
         model = XPRTModel.from_pretrained(args.model_name_or_path, objective=objective, weights=weights,
                                           trust_remote_code=args.trust_remote_code, prefixes=args.prefixes, **kw)
-    model.hub_model_id = args.hub_model_id  # recorded in xprt_config.json: a model trained from this one names it
+    model.hub_model_id = getattr(args, "hub_model_id", None)  # recorded in xprt_config.json: a model trained from this one names it
     accelerator.print(f"model: {model.load_message}")
     accelerator.print(f"{describe_prompts(model.prompts)} (--prefixes {args.prefixes}; start model "
                       f"{model.start_model})")
@@ -681,28 +681,32 @@ def model_card(args, title: str, summary, model=None) -> str:
     prompts = getattr(args, "prompts", None) or {"query": "", "document": ""}
     base_model = getattr(model, "base_model", None)
     # the start folder's own card first (local, and it carries an xprt start's licence on), then the Hub's
-    license_ = args.license or card_license(args.model_name_or_path) or card_license(base_model)
-    model_id = args.hub_model_id or f"path/to/{Path(args.output_dir).name}/model"
+    hub_id, script = getattr(args, "hub_model_id", None), getattr(args, "script", "train.py")
+    license_ = getattr(args, "license", None) or card_license(args.model_name_or_path) or card_license(base_model)
+    model_id = hub_id or f"path/to/{Path(args.output_dir).name}/model"
     data = ModelCardData(base_model=base_model, datasets=getattr(args, "card_datasets", None) or None,
                          language="en", license=license_, library_name="sentence-transformers",
                          pipeline_tag="sentence-similarity",
                          tags=["sentence-transformers", "sentence-similarity", "feature-extraction", "xprt",
                                "retrieval"])
-    max_len = getattr(model, "max_seq_length", None) or 512
+    # as save_pretrained writes it into sentence_bert_config.json
+    max_len = getattr(model, "max_seq_length", None) or (
+        min(512, getattr(model.encoder.config, "max_position_embeddings", 512)) if model is not None else 512)
     q, d = prompts["query"], prompts["document"]
     start = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local checkpoint"
+    prefixes = (f"Prefixes: queries `{json.dumps(q)}`, documents `{json.dumps(d)}`, saved as the `query` / `document` prompts, so "
+                "`encode_query` / `encode_document` add them; with plain transformers, add them yourself."
+                if q or d else "No prefixes (the start model uses none).")
     last = summary.get("last_logged_step") or {}
     terms = {k: v for k, v in last.items() if k == "loss" or k.endswith("_loss")}
     loss_rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in terms.items())
     hidden = {"argv", "script", "hub_token", "prompts", "card_datasets"}
     cfg = {k: _public_value(f"--{k}", v) for k, v in sorted(vars(args).items()) if k not in hidden}
     body = f"""
-# {args.hub_model_id or Path(args.output_dir).name}
+# {hub_id or Path(args.output_dir).name}
 
-{title}, trained from {start} with this repository's `{args.script}`. A sentence-transformers model: mean pooling,
-L2-normalised vectors, cosine similarity (`config_sentence_transformers.json`), at most {max_len} tokens. Prefixes:
-queries `{q!r}`, documents `{d!r}` (saved as the `query` / `document` prompts, so `encode_query` /
-`encode_document` add them).
+{title}, trained from {start} with this repository's `{script}`. A sentence-transformers model: mean pooling,
+L2-normalised vectors, cosine similarity (`config_sentence_transformers.json`), at most {max_len} tokens. {prefixes}
 
 ## Usage (sentence-transformers)
 
@@ -711,8 +715,8 @@ from sentence_transformers import SentenceTransformer
 
 model_id = "{model_id}"
 model = SentenceTransformer(model_id)
-queries = model.encode_query(["which passages does an anchor retrieve?"])  # prepends {q!r}
-documents = model.encode_document(["Anchors are the passages closest to their document's mean vector."])  # {d!r}
+queries = model.encode_query(["which passages does an anchor retrieve?"])
+documents = model.encode_document(["Anchors are the passages closest to their document's mean vector."])
 print(model.similarity(queries, documents))
 ```
 
@@ -739,12 +743,13 @@ print(embeddings[0] @ embeddings[1])
 ## Training
 
 ```bash
-{public_command(args.script, getattr(args, "argv", []))}
+{public_command(script, getattr(args, "argv", []))}
 ```
 
-{summary.get("steps")} optimiser steps over {summary.get("rows")} {summary.get("unit")}, {args.per_device_train_batch_size}
-per device x {summary.get("processes")} process(es) x {args.gradient_accumulation_steps} accumulation, peak learning
-rate {args.learning_rate}. Losses at the last logged step ({last.get("step", "none")}):
+{summary.get("steps")} optimiser step(s) over {summary.get("rows")} {summary.get("unit")}; batch
+{args.per_device_train_batch_size} per device x {summary.get("processes")} process(es) x
+{args.gradient_accumulation_steps} accumulation; peak learning rate {args.learning_rate}. Losses at the last logged
+step ({last.get("step", "none")}):
 
 | term | value |
 |---|---|
@@ -1053,7 +1058,7 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
         card = model_card(args, card_title, summary, accelerator.unwrap_model(model))
         save_model(accelerator, model, tokenizer, out / "model", card)
     accelerator.end_training()
-    if finished and not args.no_save_model and args.push_to_hub and accelerator.is_main_process:
+    if finished and not args.no_save_model and getattr(args, "push_to_hub", False) and accelerator.is_main_process:
         push_to_hub(args, out / "model")
     return {"completed_steps": state.completed_steps, "max_steps": max_steps, "output_dir": str(out),
             "trainable_parameters": run["trainable"]}
