@@ -755,12 +755,15 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
 
 
 class _LoadReportFilter(logging.Filter):
-    """Drops transformers' key report of a load (the "LOAD REPORT" table, the tied-weights note): see
-    _quiet_load_report."""
+    """Drops transformers' report of missing / unexpected keys of a load (the "LOAD REPORT" table, the tied-weights
+    note): see _quiet_load_report. A report with shape mismatches or failed conversions passes (transformers raises
+    after it and points to it)."""
 
     def filter(self, record):
         msg = str(record.msg)
-        return "LOAD REPORT" not in msg and "seem corrupted" not in msg
+        if "LOAD REPORT" in msg:
+            return "MISMATCH" in msg or "CONVERSION" in msg
+        return "seem corrupted" not in msg
 
 
 @contextlib.contextmanager
