@@ -6,7 +6,8 @@ Read it beside the PAIR paper. In the xPRT project it answers "does the pre-trai
 fine-tune the start model and the xPRT model the same way and compare. The steps, in the order of this file:
   1. flags
   2. PAIR's alpha schedule (constant, as the official code; or linear decay, as the paper describes)
-  3. the data: labelled pairs (a BEIR folder's train qrels, or a triples file), or PAIR's stage 1 - pseudo-queries
+  3. the data: labelled pairs (a BEIR folder's train qrels, or --train_data in FlagEmbedding, sentence-transformers,
+     tevatron or triples format: read_pairs), or PAIR's stage 1 - pseudo-queries
      generated for corpus passages and kept when a cross-encoder agrees; hard negatives mined with the start model
   4. main: the model, the rows, and the Accelerate loop shared with train.py (train.train_loop)
 
@@ -131,11 +132,6 @@ def pair_alpha_at(step: int, total_steps: int, alpha_0: float, schedule: str) ->
 # ----------------------------------------------------------------------------------------------------------------
 # 3. Data: labelled pairs, PAIR stage-1 pseudo-queries, hard-negative mining
 # ----------------------------------------------------------------------------------------------------------------
-def passage_text(title: str, text: str) -> str:
-    """A BEIR document as the encoder reads it: 'title text'."""
-    return (title + " " + text).strip()
-
-
 # The training-pair formats finetune.py reads, detected from the first record's fields (JSONL) or the columns (CSV /
 # TSV header, parquet, a Hub dataset). Each becomes rows {query, positive, negatives}: one per (query, positive).
 PAIR_SCHEMAS = {
@@ -283,6 +279,11 @@ def read_pairs(source: str, split: str = "train"):
 
 
 load_triples = read_pairs  # the former name (triples TSV / JSONL only)
+
+
+def passage_text(title: str, text: str) -> str:
+    """A BEIR document as the encoder reads it: 'title text'."""
+    return (title + " " + text).strip()
 
 
 @torch.no_grad()
