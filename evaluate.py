@@ -574,26 +574,15 @@ def card_results(results: dict) -> dict:
     return {t: {"metric": r["metric"], "score": round(r["main_score"], 2)} for t, r in results.items()}
 
 
-def _add_eval_results_to_card_placeholder(model_dir: str, results: dict, source: str) -> None:
-    """Stand-in until modeling_xprt.add_eval_results_to_card (branch i13-folders) is merged: (re)writes an
-    "Evaluation" section between markers at the end of the folder's README.md."""
-    card = Path(model_dir) / "README.md"
-    text = card.read_text(encoding="utf-8") if card.is_file() else ""
-    begin, end = "<!-- xprt-eval -->", "<!-- /xprt-eval -->"
-    if begin in text and end in text:
-        text = text[:text.index(begin)].rstrip("\n") + text[text.index(end) + len(end):]
-    rows = "".join(f"| {t} | {r['metric']} | {r['score']:.2f} |\n" for t, r in results.items())
-    section = (f"{begin}\n## Evaluation\n\n{source}\n\n| task | metric | score |\n|---|---|---|\n{rows}{end}\n")
-    atomic_write(card, text.rstrip("\n") + "\n\n" + section)
-
-
 def update_model_card(model_name: str, results: dict, source: str) -> bool:
     """After scoring a local xprt folder (xprt_config.json present) on full tasks: its card's evaluation section."""
     path = resolve_model_path(model_name)
     if not (os.path.isdir(path) and (Path(path) / "xprt_config.json").is_file()):
         return False
-    add = getattr(modeling_xprt, "add_eval_results_to_card", _add_eval_results_to_card_placeholder)
-    add(path, card_results(results), source)
+    if not (Path(path) / "README.md").is_file():
+        print(f"model {model_name}: no model card (README.md) to write the scores into", flush=True)
+        return False
+    modeling_xprt.add_eval_results_to_card(path, card_results(results), source)
     return True
 
 

@@ -6,7 +6,8 @@ Read it beside the PAIR paper. In the xPRT project it answers "does the pre-trai
 fine-tune the start model and the xPRT model the same way and compare. The steps, in the order of this file:
   1. flags
   2. PAIR's alpha schedule (constant, as the official code; or linear decay, as the paper describes)
-  3. the data: labelled pairs (a BEIR folder's train qrels, or a triples file), or PAIR's stage 1 - pseudo-queries
+  3. the data: labelled pairs (a BEIR folder's train qrels, or --train_data in FlagEmbedding, sentence-transformers,
+     tevatron or triples format: read_pairs), or PAIR's stage 1 - pseudo-queries
      generated for corpus passages and kept when a cross-encoder agrees; hard negatives mined with the start model
   4. main: the model, the rows, and the Accelerate loop shared with train.py (train.train_loop)
 
@@ -44,8 +45,15 @@ def parse_args(argv=None):
     g.add_argument("--beir_dir", default=None,
                    help="BEIR-layout folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)")
     g.add_argument("--qrels_split", default="train", help="qrels file used for training (never the test split)")
-    g.add_argument("--triples_file", default=None,
-                   help="TSV (query<TAB>positive[<TAB>negative...]) or JSONL ({query, positive, negatives}) of pairs")
+    g.add_argument("--train_data", "--triples_file", dest="train_data", default=None,
+                   help="(query, positive[, negatives]) pairs: a file or a Hub dataset, in FlagEmbedding ({query, "
+                        "pos, neg}), sentence-transformers (anchor, positive[, negative...]), tevatron ({query, "
+                        "positive_passages, negative_passages}) or triples (TSV query<TAB>positive[<TAB>negative...], "
+                        "JSONL {query, positive, negatives}) format, detected from the first record: .jsonl, .csv, "
+                        ".tsv, .parquet or a dataset name. Negatives in the data are used as they are; rows with "
+                        "fewer than --num_negatives are mined (from --beir_dir's corpus, else the data's own "
+                        "passages)")
+    g.add_argument("--train_split", default="train", help="split of a --train_data Hub dataset")
     g.add_argument("--num_negatives", type=int, default=1, help="hard negatives per query in each step")
     g.add_argument("--negatives_rank_min", type=int, default=10,
                    help="mined negatives come from ranks [min, max] of the starting model (1-based); skipping the "
@@ -88,9 +96,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
 
     # Sanity checks that fail early with a clear message.
-    check_common_args(args)
-    if not (args.beir_dir or args.triples_file or args.generate_pseudo_queries):
-        raise SystemExit("finetune.py needs --beir_dir, --triples_file or --generate_pseudo_queries")
+    check_common_args(args, argv, "finetune.py")
+    if not (args.beir_dir or args.train_data or args.generate_pseudo_queries):
+        raise SystemExit("finetune.py needs --beir_dir, --train_data or --generate_pseudo_queries")
     if args.generate_pseudo_queries and not (args.generator_model and args.cross_encoder_model):
         raise SystemExit("--generate_pseudo_queries needs --generator_model and --cross_encoder_model")
     if not 0.0 <= args.pair_alpha <= 1.0:
@@ -124,37 +132,153 @@ def pair_alpha_at(step: int, total_steps: int, alpha_0: float, schedule: str) ->
 # ----------------------------------------------------------------------------------------------------------------
 # 3. Data: labelled pairs, PAIR stage-1 pseudo-queries, hard-negative mining
 # ----------------------------------------------------------------------------------------------------------------
-def load_triples(path: str):
-    """Rows {query, positive, negatives} from TSV (query<TAB>positive[<TAB>negative...]) or JSONL ({query,
-    positive, negatives | negative}), yielded one line at a time: a file of millions of triples is never read
-    whole. Blank lines are skipped; a malformed line stops with `file:line: reason`."""
-    jsonl, n = path.endswith((".jsonl", ".json")), 0
-    with open(path, encoding="utf-8-sig") as f:  # -sig: real-world files often start with a UTF-8 BOM
-        for line_no, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            if jsonl:
+# The training-pair formats finetune.py reads, detected from the first record's fields (JSONL) or the columns (CSV /
+# TSV header, parquet, a Hub dataset). Each becomes rows {query, positive, negatives}: one per (query, positive).
+PAIR_SCHEMAS = {
+    "tevatron": "tevatron {query_id, query, positive_passages: [{docid, title, text}], negative_passages: [...]}",
+    "flagembedding": 'FlagEmbedding {query, pos: [...], neg: [...]} (also what its hard-negative miner writes)',
+    "sentence-transformers": "sentence-transformers columns anchor, positive[, negative | negative_1, ...]",
+    "triples": "triples {query, positive, negatives | negative}, or TSV query<TAB>positive[<TAB>negative...]",
+}
+PAIR_FORMATS = (".jsonl / .json / .jsonl.gz, .csv / .tsv with a header, .parquet, a headerless triples .tsv, or a "
+                "Hub dataset name (datasets.load_dataset)")
+
+
+def pair_schema(fields) -> str | None:
+    """The PAIR_SCHEMAS entry a record's (or a table's) field names match, or None. Checked most specific first:
+    tevatron and FlagEmbedding records also have a "query" field."""
+    f = set(fields)
+    if {"query", "positive_passages"} <= f:
+        return "tevatron"
+    if {"query", "pos"} <= f:
+        return "flagembedding"
+    if {"anchor", "positive"} <= f:
+        return "sentence-transformers"
+    if {"query", "positive"} <= f:
+        return "triples"
+    return None
+
+
+def _as_pairs(schema: str, r: dict, where: str):
+    """One record of `schema` -> (query, [positives], [negatives]); a field of the wrong shape raises naming `where`
+    and the schema. Negatives present mean the file's own hard negatives are used (no mining for these rows)."""
+    def texts(v, name):
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(t, str) for t in v):
+            raise ValueError(f"{where}: {name} must be a list of strings ({PAIR_SCHEMAS[schema]})")
+        return v
+
+    def passages(v, name):  # tevatron: [{docid, title, text}] -> 'title text', as BEIR passages are read
+        if not isinstance(v, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in v):
+            raise ValueError(f"{where}: {name} must be a list of {{docid, title, text}} ({PAIR_SCHEMAS[schema]})")
+        return [passage_text(p.get("title") or "", p["text"]) for p in v]
+
+    if schema == "tevatron":
+        return r.get("query"), passages(r["positive_passages"], "positive_passages"), \
+            passages(r.get("negative_passages") or [], "negative_passages")
+    if schema == "flagembedding":
+        return r.get("query"), texts(r["pos"], "pos"), texts(r.get("neg") or [], "neg")
+    if schema == "sentence-transformers":
+        negs = [r[k] for k in r if k.startswith("negative") and r[k] is not None]
+        return r.get("anchor"), texts(r["positive"], "positive"), texts(negs, "negative columns")
+    negs = r["negatives"] if "negatives" in r else [r["negative"]] if "negative" in r else []
+    if not isinstance(negs, list):
+        raise ValueError(f"{where}: negatives is not a list ({PAIR_SCHEMAS[schema]})")
+    return r.get("query"), [r.get("positive")], negs
+
+
+def _pair_records(source: str, split: str):
+    """(where, record) pairs of a pairs source, read lazily: JSONL one line at a time, CSV / TSV one row at a time,
+    parquet one 1,024-row batch at a time, a Hub dataset through datasets (memory-mapped Arrow). A headerless TSV
+    gives records {query, positive, negatives} by position (the triples format)."""
+    import csv
+    import gzip
+
+    p = Path(source)
+    if p.is_file() and source.endswith((".jsonl", ".json", ".jsonl.gz")):
+        opener = gzip.open if source.endswith(".gz") else open
+        with opener(source, "rt", encoding="utf-8-sig") as f:  # -sig: real-world files often start with a BOM
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
                 try:
                     r = json.loads(line)
                 except ValueError as err:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from err
+                    raise ValueError(f"{source}:{line_no}: not valid JSON ({err})") from err
                 if not isinstance(r, dict):
-                    raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(r).__name__}")
-                negs = r.get("negatives", [r["negative"]] if "negative" in r else [])
-                row = {"query": r.get("query"), "positive": r.get("positive"), "negatives": negs}
-            else:
-                parts = line.split("\t")
-                row = {"query": parts[0], "positive": parts[1] if len(parts) > 1 else None, "negatives": parts[2:]}
-            bad = [k for k in ("query", "positive") if not isinstance(row[k], str) or not row[k].strip()]
-            if bad or not isinstance(row["negatives"], list):
-                what = f"empty or missing {' and '.join(bad)}" if bad else "negatives is not a list"
-                form = "{query, positive, negatives}" if jsonl else "query<TAB>positive[<TAB>negative...]"
-                raise ValueError(f"{path}:{line_no}: {what} (expected {form})")
+                    raise ValueError(f"{source}:{line_no}: expected a JSON object, got {type(r).__name__}")
+                yield f"{source}:{line_no}", r
+    elif p.is_file() and source.endswith((".csv", ".tsv")):
+        with open(source, encoding="utf-8-sig", newline="") as f:
+            delim = "\t" if source.endswith(".tsv") else ","
+            # TSV's quoting is off: a passage may hold a double quote (the triples TSV never quoted fields)
+            rows = csv.reader(f, delimiter=delim, quoting=csv.QUOTE_NONE if delim == "\t" else csv.QUOTE_MINIMAL)
+            header = None
+            for parts in rows:
+                line_no = rows.line_num
+                if not any(x.strip() for x in parts):
+                    continue
+                if header is None:
+                    header = parts if pair_schema(parts) else []
+                    if header or delim == ",":
+                        if not header:
+                            raise ValueError(f"{source}:{line_no}: CSV header {parts} matches no accepted schema "
+                                             f"(accepted: {'; '.join(PAIR_SCHEMAS.values())})")
+                        continue
+                if header:
+                    yield f"{source}:{line_no}", dict(zip(header, parts))
+                else:
+                    yield f"{source}:{line_no}", {"query": parts[0], "positive": parts[1] if len(parts) > 1 else None,
+                                                  "negatives": parts[2:]}
+    elif p.is_file() and source.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        row = 0
+        for batch in pq.ParquetFile(source).iter_batches(batch_size=1024):  # bounded memory
+            for r in batch.to_pylist():
+                row += 1
+                yield f"{source}:row {row}", r
+    elif p.exists() and not p.is_dir():
+        raise ValueError(f"{source}: unknown file type; accepted: {PAIR_FORMATS}")
+    else:  # a Hub dataset name, or a local dataset folder: datasets resolves both the same way
+        import datasets
+
+        ds = datasets.load_dataset(source, split=split)
+        for i, r in enumerate(ds, 1):
+            yield f"{source}:row {i}", r
+
+
+def read_pairs(source: str, split: str = "train"):
+    """Rows {query, positive, negatives} from any PAIR_SCHEMAS format in any PAIR_FORMATS container, yielded as they
+    are read: a file of millions of pairs is never read whole here. The schema is that of the first record (or the
+    columns); a record that does not fit it stops with `file:line: reason (accepted schemas)`. A record with several
+    positives (FlagEmbedding's pos, tevatron's positive_passages) gives one row per positive, all with the record's
+    negatives; blank lines are skipped."""
+    schema, n = None, 0
+    for where, r in _pair_records(source, split):
+        if schema is None:
+            schema = pair_schema(r)
+            if schema is None:
+                raise ValueError(f"{where}: fields {sorted(r)} match no accepted schema; accepted: "
+                                 f"{'; '.join(PAIR_SCHEMAS.values())}")
+        elif pair_schema(r) != schema and not (schema == "triples" and {"query", "positive"} <= set(r)):
+            raise ValueError(f"{where}: fields {sorted(r)} do not fit the file's schema, {PAIR_SCHEMAS[schema]} "
+                             f"(from its first record; accepted: {'; '.join(PAIR_SCHEMAS.values())})")
+        query, positives, negatives = _as_pairs(schema, r, where)
+        bad = ["query"] if not isinstance(query, str) or not query.strip() else []
+        if not positives or any(not isinstance(t, str) or not t.strip() for t in positives):
+            bad.append("positive")
+        if bad:
+            raise ValueError(f"{where}: empty or missing {' and '.join(bad)} (expected {PAIR_SCHEMAS[schema]})")
+        for pos in positives:
             n += 1
-            yield row
+            yield {"query": query, "positive": pos, "negatives": list(negatives)}
     if not n:
-        raise ValueError(f"no (query, positive) rows in {path}")
+        raise ValueError(f"no (query, positive) rows in {source}")
+
+
+load_triples = read_pairs  # the former name (triples TSV / JSONL only)
 
 
 def passage_text(title: str, text: str) -> str:
@@ -430,9 +554,12 @@ def negative_pools(args, accelerator, encoder, tokenizer, corpus, queries, posit
 
 
 def build_finetune_rows(args, accelerator, encoder, tokenizer):
-    """Rows {query, positive, negative_pool | negatives}: the triples file's rows, then one row per (query,
-    relevant passage) of the BEIR qrels, then the kept pseudo-queries; the last two get mined pools."""
-    rows = list(load_triples(args.triples_file)) if args.triples_file else []
+    """Rows {query, positive, negative_pool | negatives}: the --train_data rows that bring enough negatives, then one
+    row per (query, relevant passage) of the BEIR qrels, then the kept pseudo-queries, then the --train_data rows
+    without enough negatives; all but the first get mined pools (mine_data_rows)."""
+    rows = list(read_pairs(args.train_data, args.train_split)) if args.train_data else []
+    needy = [r for r in rows if len(r["negatives"]) < args.num_negatives]
+    rows = [r for r in rows if len(r["negatives"]) >= args.num_negatives]
     corpus = {}
     mined = []  # (row, query text, set of positive ids): rows that still need negatives
     if args.beir_dir:
@@ -449,16 +576,38 @@ def build_finetune_rows(args, accelerator, encoder, tokenizer):
         with whole_weights():  # the generator and cross-encoder are ours to run, never prepared
             kept = pseudo_query_pairs(args, accelerator, corpus)
         mined += [({"query": q, "positive": corpus[pid]}, q, {pid}) for pid, q in kept]
+    if needy:
+        corpus = corpus or data_corpus(rows + needy)
+        mined += mine_data_rows(needy, rows + needy, corpus)
     if mined:
         pools = negative_pools(args, accelerator, encoder, tokenizer, corpus, [q for _, q, _ in mined],
                                [pos for _, _, pos in mined])
         for (r, _, _), pool in zip(mined, pools):
             r["negative_pool"] = [corpus[d] for d in pool]
         rows += [r for r, _, _ in mined]
-    for r in rows:
-        if "negative_pool" not in r and len(r.get("negatives", [])) < args.num_negatives:
-            raise SystemExit(f"a triple has fewer than {args.num_negatives} negatives and no corpus to mine from")
     return add_relevant(rows)
+
+
+def data_corpus(rows) -> dict:
+    """A corpus to mine --train_data's missing negatives from when there is no --beir_dir: the distinct passages of
+    the data itself (every positive and negative), as FlagEmbedding's hard-negative miner does without a candidate
+    pool. Ids: "data-<index of first appearance>"."""
+    texts = dict.fromkeys(t for r in rows for t in [r["positive"], *r["negatives"]])
+    return {f"data-{i}": t for i, t in enumerate(texts)}
+
+
+def mine_data_rows(needy, all_rows, corpus) -> list:
+    """(row, query text, positive ids) for the --train_data rows that brought fewer than --num_negatives negatives
+    (FlagEmbedding records without "neg", triples without negatives): their pools are mined like the BEIR rows'.
+    A query's positives are every positive the data gives it, as ids of the corpus passages with the same text, so
+    mining never hands a query its own positive."""
+    ids_of = {}
+    for d, t in corpus.items():
+        ids_of.setdefault(t, set()).add(d)
+    positives = {}
+    for r in all_rows:
+        positives.setdefault(r["query"], set()).update(ids_of.get(r["positive"], ()))
+    return [({"query": r["query"], "positive": r["positive"]}, r["query"], positives[r["query"]]) for r in needy]
 
 
 def add_relevant(rows):
@@ -531,6 +680,8 @@ def main(argv=None):
     prepare_output_dir(accelerator, args, extra_outputs=() if reused else ("mined_negatives.json",))
     set_seed(args.seed)
     model, tokenizer = load_model(accelerator, args, "pair")
+    # a Hub dataset given as --train_data is named in the model card's metadata (a local file is not)
+    args.card_datasets = [args.train_data] if args.train_data and not Path(args.train_data).exists() else None
     args.prompts = model.prompts  # the prefixes mining and the collator use (printed by load_model)
     # PAIR's losses read only the pooled encoder vectors: the decoder and the MLM head's own parameters (transform,
     # output bias; the tied projection is the word embeddings and stays trainable) get no gradient. Frozen, they

@@ -227,6 +227,96 @@ def describe_prompts(prompts: dict) -> str:
     return f"prefixes: query {prompts['query']!r}, passage {prompts['document']!r}"
 
 
+# -- the model card: base model, licence, evaluation results (train.py writes the card; evaluate.py adds scores) ------
+ALL_MINILM_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+EVAL_SECTION_START, EVAL_SECTION_END = "<!-- xprt:evaluation -->", "<!-- /xprt:evaluation -->"
+
+
+def hub_base_model(name_or_path: str) -> Optional[str]:
+    """The Hub id a model card's base_model can name for a start model, or None when there is none to name.
+
+    The offline MiniLM alias is sentence-transformers/all-MiniLM-L6-v2; a folder this repository saved names the Hub
+    repository it was pushed to (xprt_config.json hub_model_id), else the base_model it recorded itself, i.e. its own
+    start's; any other local folder names none (its Hub origin is unknown: a local path on a card means nothing to a
+    reader); a name that is not a local path is a Hub id (from_pretrained loaded it as one)."""
+    if name_or_path in MINILM_ALIASES:
+        return ALL_MINILM_HUB_ID
+    if os.path.isdir(name_or_path):
+        cfg = _read_json(Path(name_or_path) / "xprt_config.json")
+        return cfg.get("hub_model_id") or cfg.get("base_model") or None
+    return name_or_path if _HUB_ID.fullmatch(name_or_path) and not os.path.exists(name_or_path) else None
+
+
+def card_license(name_or_path: Optional[str]) -> Optional[str]:
+    """The licence in a model's card metadata (a local folder's README.md, the bundled MiniLM's, or a Hub card when
+    the Hub can be reached), or None when no card says. A derived model is bound by its base model's licence, so
+    train.py / finetune.py default --license to it rather than guess one."""
+    from huggingface_hub import ModelCard
+
+    if not name_or_path:
+        return None
+    path = resolve_model_path(name_or_path)
+    try:
+        card = ModelCard.load(os.path.join(path, "README.md") if os.path.isdir(path) else path)
+    except Exception:  # noqa: BLE001 - no card, or no Hub (offline): the licence is unknown
+        return None
+    return card.data.license
+
+
+def _task_type(metric: str) -> str:
+    """The model-index task type of a main metric (mteb's task types: retrieval, STS, classification)."""
+    m = metric.lower()
+    if any(k in m for k in ("ndcg", "map", "mrr", "recall", "precision")):
+        return "Retrieval"
+    if any(k in m for k in ("spearman", "pearson")):
+        return "STS"
+    if any(k in m for k in ("accuracy", "f1")):
+        return "Classification"
+    return "Other"
+
+
+def add_eval_results_to_card(model_dir, results: dict, source: str) -> Path:
+    """(Re)write the "Evaluation" section and the model-index metadata of a saved folder's model card (README.md).
+
+    results: {task_name: {"metric": main metric name (mteb's, e.g. "ndcg_at_10"), "score": score in percent}};
+    source: how they were obtained (e.g. "evaluate.py, mteb 2.26, local task folders"), written under the table.
+    Scores already on the card for other tasks are kept, a task scored again is replaced: the section is rebuilt
+    from the model-index each time, so calling this twice leaves one section. The card is written atomically.
+    Returns the card's path.
+    """
+    from huggingface_hub import EvalResult, ModelCard
+
+    path = Path(model_dir) / "README.md"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no model card to add results to (is {model_dir} a saved model folder?)")
+    card = ModelCard(path.read_text(encoding="utf-8"))
+    merged = {e.dataset_name: e for e in (card.data.eval_results or [])}
+    for task, r in results.items():
+        if not isinstance(r, dict) or not {"metric", "score"} <= set(r):
+            raise ValueError(f"results[{task!r}] must be {{'metric': name, 'score': percent}}, got {r!r}")
+        merged[task] = EvalResult(task_type=_task_type(r["metric"]), dataset_type=task, dataset_name=task,
+                                  metric_type=r["metric"], metric_value=round(float(r["score"]), 2))
+    card.data.eval_results = list(merged.values()) or None
+    card.data.model_name = card.data.model_name or _read_json(Path(model_dir) / "xprt_config.json").get(
+        "hub_model_id") or Path(model_dir).resolve().name
+    rows = "\n".join(f"| {e.dataset_name} | {e.task_type} | {e.metric_type} | {e.metric_value:.2f} |"
+                     for e in card.data.eval_results or [])
+    section = (f"{EVAL_SECTION_START}\n## Evaluation\n\n| task | type | main metric | score |\n|---|---|---|---|\n"
+               f"{rows}\n\nScores in percent; the last update came from {source}. The same figures are in the "
+               "card's `model-index` metadata.\n"
+               f"{EVAL_SECTION_END}")
+    text = card.text
+    if EVAL_SECTION_START in text and EVAL_SECTION_END in text:
+        head, rest = text.split(EVAL_SECTION_START, 1)
+        text = head + section + rest.split(EVAL_SECTION_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    card.text = text
+    atomic_write(path, str(card))
+    return path
+
+
 @contextlib.contextmanager
 def dropout_off(module: nn.Module):
     """Run `module` in eval mode (no dropout) inside the block, then restore its mode. In eval mode transformers
@@ -620,10 +710,16 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
     from transformers import AutoModelForMaskedLM
 
     path = resolve_model_path(name_or_path)
-    model, info = AutoModelForMaskedLM.from_pretrained(
-        path, attn_implementation="sdpa", output_loading_info=True, trust_remote_code=trust_remote_code
-    )
+    # transformers' LOAD REPORT for this call lists the head as MISSING and the pooler as UNEXPECTED, which reads like
+    # an error; the message below states the same facts (and a missing encoder weight still raises)
+    with _quiet_load_report():
+        model, info = AutoModelForMaskedLM.from_pretrained(
+            path, attn_implementation="sdpa", output_loading_info=True, trust_remote_code=trust_remote_code
+        )
     prefix = model.base_model_prefix + "."
+    # the base model's tensors the MLM model has no module for (BERT's pooler): kept as they are, and written back by
+    # XPRTModel.save_pretrained so the saved folder is a complete AutoModel checkpoint
+    model.xprt_base_extras = _checkpoint_tensors(path, [k for k in info["unexpected_keys"]], prefix)
     missing_head = sorted(k for k in info["missing_keys"] if not k.startswith(prefix))
     missing_base = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and "position_ids" not in k)
     if missing_base:
@@ -652,8 +748,64 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
                    f"initialised fresh, projection {'tied to the word embeddings' if tied else 'NOT tied'}")
     else:
         message = f"MLM head loaded from {name_or_path}"
+    if model.xprt_base_extras:
+        message += f"; kept {', '.join(sorted(model.xprt_base_extras))} (not used by mean pooling) for saving"
     logger.info(message)
     return model, message
+
+
+class _LoadReportFilter(logging.Filter):
+    """Drops transformers' report of missing / unexpected keys of a load (the "LOAD REPORT" table, the tied-weights
+    note): see _quiet_load_report. A report with shape mismatches or failed conversions passes (transformers raises
+    after it and points to it)."""
+
+    def filter(self, record):
+        msg = str(record.msg)
+        if "LOAD REPORT" in msg:
+            return "MISMATCH" in msg or "CONVERSION" in msg
+        return "seem corrupted" not in msg
+
+
+@contextlib.contextmanager
+def _quiet_load_report():
+    """Inside the block, transformers' loading logger (modeling_utils) drops its report of missing / unexpected keys
+    and nothing else (a filter: raising the logger's level would change what transformers checks, since it runs its
+    tensor-parallel plan check only at level WARNING or above). Used around loads whose missing / unexpected keys
+    the caller reads from output_loading_info and reports itself."""
+    log, flt = logging.getLogger("transformers.modeling_utils"), _LoadReportFilter()
+    log.addFilter(flt)
+    try:
+        yield
+    finally:
+        log.removeFilter(flt)
+
+
+def _checkpoint_tensors(path: str, keys: Sequence[str], prefix: str) -> dict:
+    """The base model's tensors among `keys` (reported unexpected by the MLM model: BERT's pooler), read from the
+    checkpoint's safetensors files and named as the base model names them ("pooler.dense.weight"). A checkpoint
+    without safetensors gives {} (a .bin file is a pickle, never opened here); save_pretrained then initialises them.
+    """
+    from safetensors import safe_open
+
+    keys = [k for k in keys if "position_ids" not in k]
+    if not keys:
+        return {}
+    folder = path
+    if not os.path.isdir(folder):  # a hub id: the files from_pretrained just put in the local cache
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(path, allow_patterns=["*.safetensors"], local_files_only=True)
+        except Exception:  # noqa: BLE001 - no cached safetensors: the pooler is initialised at save time instead
+            return {}
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                name = k[len(prefix):] if k.startswith(prefix) else k
+                if k in keys or name in keys:
+                    out[name] = st.get_tensor(k)
+    return out
 
 
 def read_max_seq_length(path: str) -> Optional[int]:
@@ -733,13 +885,16 @@ class XPRTModel(nn.Module):
                  fill_in: bool = True, num_condition_vectors: int = 4, decoder_layers: int = 1,
                  fused_vocab_loss: bool = True, retention_student: str = "clean",
                  max_seq_length: Optional[int] = None, load_message: str = "", start_model: str = "",
-                 prompts: Optional[dict] = None):
+                 prompts: Optional[dict] = None, base_model: Optional[str] = None,
+                 hub_model_id: Optional[str] = None):
         """max_seq_length: the sentence-transformers length limit written into the saved folder (the start
         model's, so a trained model is evaluated at the same length as its start; None: the position table's
         size, at most 512). load_message: how the weights came to be (from_pretrained fills it in).
         start_model: the checkpoint training started from (kept through continued runs), and prompts: the
         {"query", "document"} prefixes the model is trained and used with (model_prompts); both are written
-        into the saved folder, where sentence-transformers and evaluate.py read them."""
+        into the saved folder, where sentence-transformers and evaluate.py read them. base_model: the Hub id of
+        the checkpoint this one was loaded from, for the model card (hub_base_model); hub_model_id: the Hub repository
+        the saved folder is pushed to (train.py --hub_model_id), so a model trained from this folder names it."""
         super().__init__()
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -777,6 +932,8 @@ class XPRTModel(nn.Module):
         self.load_message = load_message
         self.start_model = start_model
         self.prompts = dict(prompts or NO_PROMPTS)
+        self.base_model = base_model
+        self.hub_model_id = hub_model_id
 
     # -- pieces ----------------------------------------------------------------------------------
     @property
@@ -967,6 +1124,25 @@ class XPRTModel(nn.Module):
         sd.update({f"mlm_head.{k}": v for k, v in _head_params(self.encoder).items()})
         return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
+    def complete_base_state_dict(self) -> dict:
+        """The encoder's weights as the architecture's AutoModel class holds them: the MLM model's base has no pooler
+        (BertForMaskedLM builds BertModel(add_pooling_layer=False)), so a folder saved from it alone loads in
+        AutoModel / sentence-transformers with a "LOAD REPORT" of MISSING pooler weights. The pooler comes from the
+        start checkpoint, unchanged (load_mlm_encoder keeps it; mean pooling never reads it), or, when the start had
+        none, is the architecture's own initialisation (seeded, without touching the global RNG)."""
+        sd = dict(self.base.state_dict())
+        sd.update({k: v for k, v in getattr(self.encoder, "xprt_base_extras", {}).items() if k not in sd})
+        with torch.device("meta"):
+            wanted = type(self.base)(self.base.config).state_dict()
+        missing = [k for k in wanted if k not in sd]
+        if missing:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                fresh = type(self.base)(self.base.config).state_dict()
+            dtype = next(iter(sd.values())).dtype
+            sd.update({k: fresh[k].to(dtype) for k in missing})
+        return sd
+
     def save_pretrained(self, out_dir: str, tokenizer, model_card: Optional[str] = None):
         """Write a folder loadable by transformers.AutoModel AND sentence_transformers.SentenceTransformer
         (mean pooling + normalisation, like all-MiniLM-L6-v2), plus xprt_heads.safetensors and
@@ -986,12 +1162,13 @@ class XPRTModel(nn.Module):
                    "pooling_mode_mean_sqrt_len_tokens": False}
         xprt_config = {"objective": self.objective, "num_condition_vectors": self.num_condition_vectors,
                        "decoder_layers": self.decoder_layers, "fill_in": self.fill_in,
-                       "weights": asdict(self.weights), "start_model": self.start_model, "prompts": self.prompts}
+                       "weights": asdict(self.weights), "start_model": self.start_model, "prompts": self.prompts,
+                       "base_model": self.base_model, "hub_model_id": self.hub_model_id}
         # sentence-transformers' own config: encode_query / encode_document apply these prompts, and mteb's
         # sentence-transformers wrapper and evaluate.py read them (model_prompts)
         st_config = {"prompts": self.prompts, "default_prompt_name": None, "similarity_fn_name": "cosine"}
         with atomic_path(os.path.abspath(out_dir)) as tmp:
-            self.base.save_pretrained(tmp, safe_serialization=True)
+            self.base.save_pretrained(tmp, safe_serialization=True, state_dict=self.complete_base_state_dict())
             tokenizer.save_pretrained(tmp)
             (tmp / "1_Pooling").mkdir()
             (tmp / "2_Normalize").mkdir()
@@ -1024,7 +1201,7 @@ class XPRTModel(nn.Module):
         args = {"num_condition_vectors": saved.get("num_condition_vectors", 4),
                 "decoder_layers": saved.get("decoder_layers", 1), "fill_in": saved.get("fill_in", True),
                 "max_seq_length": read_max_seq_length(path), "start_model": saved.get("start_model") or name,
-                "prompts": model_prompts(name, prefixes)}
+                "prompts": model_prompts(name, prefixes), "base_model": hub_base_model(name)}
         if "weights" in saved and "weights" not in kw:
             args["weights"] = LossWeights(**saved["weights"])
         args.update(kw)

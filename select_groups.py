@@ -32,6 +32,7 @@ import glob
 import gzip
 import hashlib
 import html
+import io
 import itertools
 import json
 import os
@@ -55,14 +56,17 @@ META_DIR = ".xprt"  # run config, document frequencies, chunk stats; hidden so l
 
 def _input_flags(g):
     g.add_argument("--input", nargs="*", default=[],
-                   help="Local .jsonl / .jsonl.gz / .parquet files, folders or globs, read in the order given.")
+                   help="Local .jsonl / .jsonl.gz / .jsonl.zst / .parquet files, folders or globs, read in the order given.")
     g.add_argument("--dataset", default=None,
                    help="A Hugging Face dataset name, streamed (e.g. HuggingFaceFW/fineweb). Every process "
                         "streams it (twice: IDF pass, then selection).")
     g.add_argument("--dataset_config", default=None, help="Config of --dataset (e.g. sample-10BT).")
     g.add_argument("--dataset_split", default="train", help="Split of --dataset.")
     g.add_argument("--max_docs", type=int, default=0, help="Read at most this many input records (0 = all).")
-    g.add_argument("--id_field", default="id", help="Field holding the document id.")
+    g.add_argument("--id_field", default="id",
+                   help="Field holding the document id. A corpus whose first record has no such field (text only: "
+                        "the RetroMAE / FlagEmbedding pre-training format, many Hub corpora) gets row numbers as ids "
+                        "(the record's 0-based index in the input), as stats.json states; '' forces row numbers.")
     g.add_argument("--text_field", default="text", help="Field holding the document text.")
     g.add_argument("--url_field", default="url", help="Optional field shown in the --inspect report only.")
     g.add_argument("--skip_bad_lines", action="store_true",
@@ -174,12 +178,13 @@ def input_files(patterns):
     files = []
     for pat in patterns:
         if os.path.isdir(pat):
-            exts = ("*.jsonl", "*.jsonl.gz", "*.json", "*.parquet")
+            exts = ("*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.json", "*.parquet")
             found = sorted(f for ext in exts for f in glob.glob(os.path.join(pat, "**", ext), recursive=True))
         else:
             found = sorted(glob.glob(pat)) or ([pat] if os.path.exists(pat) else [])
         if not found:
-            raise FileNotFoundError(f"--input {pat!r}: no such file (or no .jsonl/.jsonl.gz/.parquet in that folder)")
+            raise FileNotFoundError(f"--input {pat!r}: no such file (or no .jsonl/.jsonl.gz/.jsonl.zst/.parquet in "
+                                    "that folder)")
         files += found
     return files
 
@@ -204,9 +209,23 @@ def _iter_parquet(path, columns):
             yield f"{path}:row {row}", rec, None, ""
 
 
+def _open_bytes(path):
+    """A binary stream of a (possibly compressed) JSONL file, decompressed as it is read: .gz with gzip, .zst with
+    zstandard's streaming reader (the format of many web-corpus dumps; the package datasets uses for zstd), never the
+    whole file in memory."""
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError as err:
+            raise ImportError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from err
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")
+
+
 def _iter_jsonl(path):
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as fh:  # bytes: we decode ourselves to catch invalid UTF-8 per line
+    with _open_bytes(path) as fh:  # bytes: we decode ourselves to catch invalid UTF-8 per line
         for lineno, raw in enumerate(fh, 1):
             if not raw.strip():
                 continue  # blank lines are not documents
@@ -257,8 +276,28 @@ class Doc:
     detail: str = ""
 
 
+def row_number_ids(args) -> bool:
+    """Whether document ids are row numbers: --id_field '' asks for it, and a corpus whose first record (the first
+    that decodes to an object) has no --id_field field gets it (text-only corpora). Decided once, from the input's
+    first record, so every record and every process get the same rule; a later record without an id in a corpus
+    that has ids is still a missing_id."""
+    if "_row_number_ids" not in vars(args):
+        first = next((obj for _, obj, skip, _ in iter_raw_records(args) if not skip and isinstance(obj, dict)), None)
+        args._row_number_ids = args.id_field == "" or (first is not None and args.id_field not in first)
+    return args._row_number_ids
+
+
+def doc_id_source(args) -> str:
+    """How documents got their ids, for stats.json and the log."""
+    if row_number_ids(args):
+        return ("row number: the record's 0-based index over the whole input, in the order read (the input has no "
+                f"{args.id_field!r} field)" if args.id_field else "row number (--id_field '')")
+    return f"the {args.id_field!r} field"
+
+
 def parse_record(index, where, obj, *, id_field, text_field, url_field, max_doc_chars):
-    """One decoded input record -> a Doc with doc_id/text/url, or with .skip and .detail set.
+    """One decoded input record -> a Doc with doc_id/text/url, or with .skip and .detail set. id_field None: the
+    id is the record's index (row_number_ids).
 
     The duplicate-id check needs the records before this one: iter_records does it.
     """
@@ -266,7 +305,7 @@ def parse_record(index, where, obj, *, id_field, text_field, url_field, max_doc_
     if not isinstance(obj, dict):
         d.skip, d.detail = "not_an_object", f"a JSON {type(obj).__name__}, not an object"
         return d
-    doc_id, text = obj.get(id_field), obj.get(text_field)
+    doc_id, text = (obj.get(id_field) if id_field is not None else index), obj.get(text_field)
     if doc_id is None or not isinstance(doc_id, (str, int)) or str(doc_id) == "":
         d.skip, d.detail = "missing_id", f"no usable {id_field!r} field (--id_field)"
     elif text is None:
@@ -299,11 +338,12 @@ def iter_records(args):
     from modeling_xprt import stable_doc_hash
 
     seen = set()
+    id_field = None if row_number_ids(args) else args.id_field
     for i, (where, obj, skip, detail) in enumerate(iter_raw_records(args)):
         if skip:  # the reader could not decode the record (a SKIP_REASONS entry)
             d = Doc(index=i, where=where, skip=skip, detail=detail)
         else:
-            d = parse_record(i, where, obj, id_field=args.id_field, text_field=args.text_field,
+            d = parse_record(i, where, obj, id_field=id_field, text_field=args.text_field,
                              url_field=args.url_field, max_doc_chars=args.max_doc_chars)
         if not d.skip:
             h = stable_doc_hash(d.doc_id)
@@ -941,6 +981,8 @@ def merge_stats(args, threshold, source, state, wall):
     stats = summary_stats(sum_counts(json.load(open(os.path.join(meta, f))) for f in files), threshold, source)
     stats.update({
         "paper_fineweb_100k": PAPER_FINEWEB_100K,
+        "dataset": args.dataset,  # the Hub dataset read (None: local files); train.py's model card names it
+        "doc_ids": doc_id_source(args),
         "model_name_or_path": args.model_name_or_path,
         "passage_prefix": args.passage_prefix,
         "ranking": args.ranking,
@@ -1002,6 +1044,7 @@ def main(argv=None):
     state = PartialState(cpu=not torch.cuda.is_available() or (args.device or "").startswith("cpu"))
     prepare_output_dir(args, state)
     tokenizer, model = load_selection_encoder(args, state)
+    state.print(f"document ids: {doc_id_source(args)}")
 
     tfidf = document_frequency_pass(args, state, CorpusTfidf(args.tfidf_features))
     threshold, source = calibrate_threshold(args, state, tokenizer, model, tfidf)

@@ -26,6 +26,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -105,9 +106,26 @@ def add_common_args(p: argparse.ArgumentParser, default_lr: float):
                         "scoring to take well under NCCL's 10-minute timeout")
     g.add_argument("--eval_batch_size", type=int, default=64, help="texts per forward pass when scoring")
 
+    g = p.add_argument_group("model card and the Hugging Face Hub")
+    g.add_argument("--license", default=None,
+                   help="licence on the model card (a Hub licence id, e.g. apache-2.0, mit). Default: the start "
+                        "model's, read from its card (a derived model is bound by it); none when no card says")
+    g.add_argument("--push_to_hub", action="store_true",
+                   help="after saving, upload model/ to the Hub repository --hub_model_id (main process only; "
+                        "created if absent)")
+    g.add_argument("--hub_model_id", default=None,
+                   help="Hub repository (namespace/name) of this model: the card's usage code names it, "
+                        "xprt_config.json records it, --push_to_hub uploads to it")
+    g.add_argument("--hub_private", action="store_true", help="create the Hub repository private")
+    g.add_argument("--hub_token", default=None,
+                   help="Hub token for --push_to_hub (default: $HF_TOKEN, else the token of `hf auth login`); "
+                        "never written to the card")
 
-def check_common_args(args):
-    """Sanity checks of the shared flags that fail early with a clear message."""
+
+def check_common_args(args, argv=None, script="train.py"):
+    """Sanity checks of the shared flags that fail early with a clear message; records the command line for the
+    model card (args.argv, args.script)."""
+    args.argv, args.script = [str(a) for a in (sys.argv[1:] if argv is None else argv)], script
     if args.warmup_ratio is not None and not 0.0 <= args.warmup_ratio < 1.0:
         raise SystemExit("--warmup_ratio must be in [0, 1)")
     if args.eval_steps is not None and (args.eval_steps < 1 or not args.eval_tasks):
@@ -125,6 +143,10 @@ def check_common_args(args):
                     evaluate.parse_local_spec(spec)
                 except (ValueError, FileNotFoundError) as err:
                     raise SystemExit(f"--eval_tasks {spec}: {err}") from None
+    if args.push_to_hub and not args.hub_model_id:
+        raise SystemExit("--push_to_hub needs --hub_model_id namespace/name")
+    if args.push_to_hub and args.no_save_model:
+        raise SystemExit("--push_to_hub uploads the saved model: drop --no_save_model")
 
 
 def parse_args(argv=None):
@@ -184,7 +206,7 @@ def parse_args(argv=None):
     add_common_args(p, DEFAULT_LR)
     args = p.parse_args(argv)
 
-    check_common_args(args)
+    check_common_args(args, argv, "train.py")
     for name in ("encoder_mask_rate", "decoder_mask_rate"):
         if getattr(args, name) is not None and not 0.0 <= getattr(args, name) < 1.0:
             raise SystemExit(f"--{name} must be in [0, 1)")
@@ -526,6 +548,7 @@ def load_model(accelerator, args, objective: str, **kw):
         # the name as given, not the resolved path: the start model (and its prefixes) are recorded by name
         model = XPRTModel.from_pretrained(args.model_name_or_path, objective=objective, weights=weights,
                                           trust_remote_code=args.trust_remote_code, prefixes=args.prefixes, **kw)
+    model.hub_model_id = getattr(args, "hub_model_id", None)  # recorded in xprt_config.json: a model trained from this one names it
     accelerator.print(f"model: {model.load_message}")
     accelerator.print(f"{describe_prompts(model.prompts)} (--prefixes {args.prefixes}; start model "
                       f"{model.start_model})")
@@ -641,17 +664,147 @@ def resume(accelerator, args, collator, state):
     accelerator.print(f"resumed from {path} at step {state.completed_steps}")
 
 
-def model_card(args, title: str, summary) -> str:
-    cfg = {k: v for k, v in sorted(vars(args).items())}
-    prompts = getattr(args, "prompts", None) or {}
-    prefixes = (f"; prefix queries with `{prompts['query']}` and passages with `{prompts['document']}`"
-                if any(prompts.values()) else "")
-    return (
-        "---\nlibrary_name: sentence-transformers\npipeline_tag: sentence-similarity\ntags: [xprt, retrieval]\n---\n\n"
-        f"# {title}\n\n"
-        f"Trained from `{args.model_name_or_path}`. Mean pooling, L2-normalise for cosine{prefixes}.\n\n"
-        f"## Result\n\n```json\n{json.dumps(summary, indent=1)}\n```\n\n"
-        f"## Configuration (flags)\n\n```json\n{json.dumps(cfg, indent=1, default=str)}\n```\n")
+# Flags whose values are local paths: the card's command and flags show a placeholder instead (a path of the training
+# machine means nothing to a reader, and may say more than its owner wants). Secrets never reach the card.
+LOCAL_PATH_FLAGS = ("--output_dir", "--groups_dir", "--beir_dir", "--triples_file", "--mined_negatives")
+SECRET_FLAGS = ("--hub_token",)
+
+
+def _public_value(flag: str, value):
+    """A flag's value as the card shows it: a local path (any value of LOCAL_PATH_FLAGS; any other value that exists
+    on disk or is absolute) becomes the flag's name in capitals (GROUPS_DIR); a Hub id or a plain value stays."""
+    if not isinstance(value, str):
+        return value
+    if flag in LOCAL_PATH_FLAGS or os.path.isabs(value) or os.path.exists(value):
+        return flag.lstrip("-").upper()
+    return value
+
+
+def public_command(script: str, argv) -> str:
+    """The command line that trained the model, for its card: the flags as given, local paths as placeholders
+    (_public_value), --hub_token dropped."""
+    import shlex
+
+    words, flag, skip = [f"python {script}"], "", False
+    for tok in argv:
+        if tok.startswith("--"):
+            flag, _, value = tok.partition("=")
+            skip = flag in SECRET_FLAGS
+            if not skip:
+                words.append(flag if not value else f"{flag}={shlex.quote(str(_public_value(flag, value)))}")
+        elif not skip:
+            words.append(shlex.quote(str(_public_value(flag, tok))))
+    return " ".join(words)
+
+
+def model_card(args, title: str, summary, model=None) -> str:
+    """The saved folder's README.md: Hub metadata (huggingface_hub.ModelCardData: base_model, datasets, language,
+    licence, library, pipeline, tags), usage code for sentence-transformers (with the saved prompts) and for plain
+    transformers (prefix + mean pooling + L2), the training command without local paths, and a loss summary.
+    evaluate.py adds the evaluation table (modeling_xprt.add_eval_results_to_card).
+    summary: {"steps", "processes", "rows", "unit", "last_logged_step"}; model: the unwrapped XPRTModel."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from modeling_xprt import card_license
+
+    prompts = getattr(args, "prompts", None) or {"query": "", "document": ""}
+    base_model = getattr(model, "base_model", None)
+    # the start folder's own card first (local, and it carries an xprt start's licence on), then the Hub's
+    hub_id, script = getattr(args, "hub_model_id", None), getattr(args, "script", "train.py")
+    license_ = getattr(args, "license", None) or card_license(args.model_name_or_path) or card_license(base_model)
+    model_id = hub_id or f"path/to/{Path(args.output_dir).name}/model"
+    data = ModelCardData(base_model=base_model, datasets=getattr(args, "card_datasets", None) or None,
+                         language="en", license=license_, library_name="sentence-transformers",
+                         pipeline_tag="sentence-similarity",
+                         tags=["sentence-transformers", "sentence-similarity", "feature-extraction", "xprt",
+                               "retrieval"])
+    # as save_pretrained writes it into sentence_bert_config.json
+    max_len = getattr(model, "max_seq_length", None) or (
+        min(512, getattr(model.encoder.config, "max_position_embeddings", 512)) if model is not None else 512)
+    q, d = prompts["query"], prompts["document"]
+    start = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local checkpoint"
+    prefixes = (f"Prefixes: queries `{json.dumps(q)}`, documents `{json.dumps(d)}`, saved as the `query` / `document` prompts, so "
+                "`encode_query` / `encode_document` add them; with plain transformers, add them yourself."
+                if q or d else "No prefixes (the start model uses none).")
+    last = summary.get("last_logged_step") or {}
+    terms = {k: v for k, v in last.items() if k == "loss" or k.endswith("_loss")}
+    loss_rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in terms.items())
+    hidden = {"argv", "script", "hub_token", "prompts", "card_datasets"}
+    cfg = {k: _public_value(f"--{k}", v) for k, v in sorted(vars(args).items()) if k not in hidden}
+    body = f"""
+# {hub_id or Path(args.output_dir).name}
+
+{title}, trained from {start} with this repository's `{script}`. A sentence-transformers model: mean pooling,
+L2-normalised vectors, cosine similarity (`config_sentence_transformers.json`), at most {max_len} tokens. {prefixes}
+
+## Usage (sentence-transformers)
+
+```python
+from sentence_transformers import SentenceTransformer
+
+model_id = "{model_id}"
+model = SentenceTransformer(model_id)
+queries = model.encode_query(["which passages does an anchor retrieve?"])
+documents = model.encode_document(["Anchors are the passages closest to their document's mean vector."])
+print(model.similarity(queries, documents))
+```
+
+## Usage (transformers)
+
+```python
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoTokenizer
+
+model_id = "{model_id}"
+tokenizer = AutoTokenizer.from_pretrained(model_id)
+model = AutoModel.from_pretrained(model_id).eval()
+texts = [{json.dumps(q + "which passages does an anchor retrieve?")},
+         {json.dumps(d + "Anchors are the passages closest to their document's mean vector.")}]
+batch = tokenizer(texts, padding=True, truncation=True, max_length={max_len}, return_tensors="pt")
+with torch.no_grad():
+    hidden = model(**batch).last_hidden_state
+mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+embeddings = F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)  # mean pooling, then L2
+print(embeddings[0] @ embeddings[1])
+```
+
+## Training
+
+```bash
+{public_command(script, getattr(args, "argv", []))}
+```
+
+{summary.get("steps")} optimiser step(s) over {summary.get("rows")} {summary.get("unit")}; batch
+{args.per_device_train_batch_size} per device x {summary.get("processes")} process(es) x
+{args.gradient_accumulation_steps} accumulation; peak learning rate {args.learning_rate}. Losses at the last logged
+step ({last.get("step", "none")}):
+
+| term | value |
+|---|---|
+{loss_rows}
+
+## Configuration (flags; local paths as placeholders)
+
+```json
+{json.dumps(cfg, indent=1, default=str)}
+```
+"""
+    return str(ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n" + body))
+
+
+def push_to_hub(args, folder: Path):
+    """Upload the saved model folder to --hub_model_id (huggingface_hub: create_repo, then upload_folder). Run by the
+    main process after training has ended, with no barrier after it: an upload that outlasts NCCL's 10-minute
+    timeout cannot stall the other processes."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=args.hub_token)  # None: $HF_TOKEN, else the stored login
+    repo = api.create_repo(args.hub_model_id, private=args.hub_private or None, exist_ok=True)
+    commit = api.upload_folder(repo_id=repo.repo_id, folder_path=str(folder),
+                               commit_message=f"xprt {args.script}: upload {folder.name}/")
+    print(f"pushed {folder} to https://huggingface.co/{repo.repo_id}")
+    return commit
 
 
 def save_model(accelerator, model, tokenizer, dest: Path, card: str):
@@ -989,9 +1142,13 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
         plot_loss_curves(log_path, out / "loss_curve.png")
     if finished and not args.no_save_model:
         last = read_jsonl(log_path)[-1] if log_path.exists() and log_path.stat().st_size else {}
-        card = model_card(args, card_title, {"last_logged_step": last})
+        summary = {"steps": state.completed_steps, "processes": world, "rows": len(rows), "unit": unit,
+                   "last_logged_step": last}
+        card = model_card(args, card_title, summary, accelerator.unwrap_model(model))
         save_model(accelerator, model, tokenizer, out / "model", card)
     accelerator.end_training()
+    if finished and not args.no_save_model and getattr(args, "push_to_hub", False) and accelerator.is_main_process:
+        push_to_hub(args, out / "model")
     return {"completed_steps": state.completed_steps, "max_steps": max_steps, "output_dir": str(out),
             "trainable_parameters": run["trainable"]}
 
@@ -1018,6 +1175,10 @@ def main(argv=None):
 
     # ---- data: the groups; a different mask RNG per process, the same across restarts
     rows = load_groups(args.groups_dir, args.max_groups)
+    # the Hub dataset the groups were selected from (select_groups.py --dataset), for the card's metadata
+    stats = Path(args.groups_dir) / "stats.json"
+    source = json.loads(stats.read_text()).get("dataset") if stats.is_file() else None
+    args.card_datasets = [source] if source else None
     lengths = group_lengths(rows, args.num_related)
     collator = XPRTCollator(tokenizer, objective=args.objective, num_related=args.num_related,
                             max_length=args.max_length, encoder_mask_rate=args.encoder_mask_rate,
