@@ -654,8 +654,8 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
                         result["result_file"] or "not written")
         if update_cards and not limit and update_model_card(
                 model_name, out["results"][model_name],
-                f"Scored by xprt's evaluate.py with mteb {mteb.__version__} (main score x100); data: "
-                + ", ".join(sorted({r["source"] for r in out["results"][model_name].values()})) + "."):
+                f"xprt's evaluate.py (mteb {mteb.__version__}, main scores; data: "
+                + ", ".join(sorted({r["source"] for r in out["results"][model_name].values()})) + ")"):
             print(f"model {model_name}: evaluation written into its model card", flush=True)
         del encoder
     return out
