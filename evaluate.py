@@ -16,8 +16,15 @@ Three ways to pick tasks, one scoring path (mteb's own evaluators, so the number
 A local folder is loaded into the *stock* mteb task (its class, metadata and metric), only `load_data`
 is replaced (README, Notes: "mteb 2.26 offline"). Formats are auto-detected: BEIR retrieval (corpus.jsonl,
 queries.jsonl, qrels/test.tsv), the original STS-B / SICK / SemEval STS12-16 / BIOSSES files, and
-Banking77's train/test csv. Results are cached per (model, task, data, settings), so a rerun skips
-finished tasks. Outputs: results.md, results.json and results.png in --output_dir.
+Banking77's train/test csv.
+
+mteb writes each task's result into its standard results folder (--results_dir, default mteb's own cache):
+results/<model>/<revision>/<task>.json, where `mteb.load_results` and `mteb.ResultCache(...).load_results` read
+it; a run that differs from the model's standard use (a local folder, --limit, forced prefixes or max length) is
+filed as an mteb experiment under .../experiments/<settings>/. A rerun skips finished tasks. The tables are built
+from what is read back from that folder: results.md, results.json and results.png in --output_dir. Models are
+encoded by sentence-transformers with their own modules (pooling, normalisation, max length); a local xprt
+folder scored on full tasks gets the scores in its model card.
 
 Prefixes: E5 models were trained with "query: " / "passage: " and lose a lot without them (README, Notes);
 models trained without them (all-MiniLM-L6-v2) lose with them. `--prefix_mode auto` (default) applies the
@@ -29,10 +36,12 @@ else none.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -43,8 +52,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from modeling_xprt import (E5_PROMPTS, atomic_path, atomic_write, embed_texts, load_beir, model_prompts,
-                           pick_device_and_dtype, resolve_model_path)
+import modeling_xprt
+from modeling_xprt import (E5_PROMPTS, MINILM_ALIASES, _read_json, atomic_path, atomic_write, embed_texts,
+                           load_beir, model_prompts, pick_device_and_dtype, resolve_model_path)
 
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (README, Notes); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))
@@ -62,10 +72,11 @@ CATEGORY_METRIC = {
     "PairClassification": "max AP", "Reranking": "MAP", "Summarization": "Spearman",
 }
 DEFAULT_BENCHMARK = "MTEB(eng, v2)"
+PER_QUERY_KEY = "xprt_per_query"  # our key in a retrieval result's scores: {query id: {"ndcg_at_10", "overlap"}}
 
 
 # ---------------------------------------------------------------------------------------------------
-# 1. The mteb model wrapper (encoding: modeling_xprt.embed_texts, the batch embedder every script shares)
+# 1. The mteb model wrapper: sentence-transformers' encode with the model's own modules and prompts
 # ---------------------------------------------------------------------------------------------------
 
 def check_model_folder(name_or_path: str) -> str:
@@ -82,24 +93,95 @@ def check_model_folder(name_or_path: str) -> str:
     return path
 
 
+def model_name_and_revision(name_or_path: str) -> tuple[str, str]:
+    """mteb's ModelMeta identity of a model: ("org/name", revision); the results folder is results/<name>/<revision>.
+
+    - the bundled MiniLM alias: its hub name and the revision mteb's registry gives it (the package ships those
+      weights), so its results sit beside the public leaderboard's;
+    - a hub id: the id, and the commit of the local hub snapshot when there is one;
+    - a local folder: named after its run (README, Step 4): the `hub_model_id` its xprt_config.json records, else
+      "local/<run>" for train.py's `<run>/model` folders, else "local/<folder name>"; the revision is a hash of the
+      weights' and configs' *content* (not the card, which evaluate.py rewrites), so a retrained folder gets a new
+      revision and a copied one keeps it.
+    """
+    path = resolve_model_path(name_or_path)
+    if name_or_path in MINILM_ALIASES:
+        name = "sentence-transformers/all-MiniLM-L6-v2"
+        try:
+            return name, mteb.get_model_meta(name).revision or content_revision(path)
+        except Exception:  # noqa: BLE001 - a registry without it: fall back to the content
+            return name, content_revision(path)
+    if not os.path.isdir(path):
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(name_or_path, "config.json")
+        rev = Path(hit).parent.name if isinstance(hit, str) else "no_revision_available"
+        return (name_or_path if name_or_path.count("/") == 1 else "local/" + name_or_path.replace("/", "__")), rev
+    folder = Path(path).resolve()
+    hub_id = _read_json(folder / "xprt_config.json").get("hub_model_id")
+    if isinstance(hub_id, str) and hub_id.count("/") == 1:
+        name = hub_id
+    else:
+        run = folder.parent.name if folder.name == "model" and folder.parent.name else folder.name
+        name = "local/" + (run or "model")
+    return name, content_revision(path)
+
+
+# what decides a folder's vectors: weights, architecture, tokenizer, sentence-transformers modules (not the card)
+_IDENTITY_FILES = ("*.safetensors", "*.bin", "config.json", "modules.json", "sentence_bert_config.json",
+                   "config_sentence_transformers.json", "tokenizer.json", "vocab.txt", "*/config.json")
+
+
+def content_revision(path: str) -> str:
+    """12 hex digits of a sha1 over the folder's identity files' content (xprt_heads.safetensors excluded: the
+    decoder never touches a sentence vector). Reads the weights once: about 1 s per 400 MB."""
+    h = hashlib.sha1()
+    files = sorted({f for pat in _IDENTITY_FILES for f in Path(path).glob(pat)
+                    if f.is_file() and f.name != "xprt_heads.safetensors"})
+    for f in files:
+        h.update(f"{f.relative_to(path).as_posix()}:{f.stat().st_size}:".encode())
+        with open(f, "rb") as fh:
+            h.update(hashlib.file_digest(fh, "sha1").digest())
+    return h.hexdigest()[:12]
+
+
+def describe_pooling(st_model) -> str:
+    """The sentence-vector recipe a SentenceTransformer applies, for the log ("cls", "mean", "mean + normalize")."""
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+
+    parts = []
+    for module in st_model:
+        if isinstance(module, Pooling):
+            mode = module.pooling_mode
+            parts.append(mode if isinstance(mode, str) else "+".join(map(str, mode)))
+        elif isinstance(module, Normalize):
+            parts.append("normalize")
+    return " + ".join(parts) or "none"
+
+
 class XPRTEncoder(AbsEncoder):
-    """mteb wrapper for any transformers encoder: E5 prefixes by task type, mean pooling, cosine.
+    """mteb wrapper: `sentence_transformers.SentenceTransformer(folder).encode`, with the repository's prefixes.
 
-    Loads the base encoder with AutoModel, so a train.py folder (sentence-transformers layout with the
-    encoder at its root), an *ForMaskedLM checkpoint, a hub id or the bundled MiniLM all work. On GPU
-    the weights run in bf16 (fp16 before Ampere), on CPU in fp32 (pick_device_and_dtype).
+    The model's own sentence-transformers config decides the vector: modules.json (pooling: CLS for a BGE-style
+    model, mean for E5 / MiniLM / train.py folders; Normalize), the max length of sentence_bert_config.json and the
+    similarity function of config_sentence_transformers.json. A plain transformers checkpoint without them gets
+    sentence-transformers' default, mean pooling, and a printed note. On GPU the weights run in bf16 (fp16 before
+    Ampere), on CPU in fp32 (pick_device_and_dtype). Why not the hand-written modeling_xprt.embed_texts: it is
+    mean pooling only, and bench/bench_encode.py measured it at 1.04-1.07x (best of 5 interleaved repeats; its
+    token-sorted batches save 8% of the padded tokens), under the 1.10x that would justify a second encoder
+    (README, Benchmarks).
 
-    Prefixes (prefix_mode "e5"): mteb tells the encoder whether it is encoding queries or documents
-    (`prompt_type`); documents get "passage: ", everything else "query: " (symmetric tasks such as STS,
-    classification and clustering encode every text as a query, as E5's authors do). "none" sends the
-    text unchanged; query_prefix / passage_prefix override both.
+    Prefixes (modeling_xprt.model_prompts): mteb tells the encoder whether it is encoding queries or documents
+    (`prompt_type`); documents get the document prompt, everything else the query prompt (symmetric tasks such as
+    STS, classification and clustering encode every text as a query, as E5's authors do). They go to encode as
+    `prompt=`, so a Pooling module that excludes the prompt (include_prompt=False) still works.
     """
 
     def __init__(self, name_or_path: str, prefix_mode: str = "auto", batch_size: int = 64,
                  max_length: Optional[int] = None, device: Optional[str] = None, dtype: Optional[str] = None,
                  query_prefix: Optional[str] = None, passage_prefix: Optional[str] = None,
                  trust_remote_code: bool = False, show_progress: bool = False):
-        from transformers import AutoModel, AutoTokenizer
+        from sentence_transformers import SentenceTransformer
 
         if prefix_mode not in ("auto", "e5", "none"):
             raise ValueError(f"prefix_mode must be auto, e5 or none, got {prefix_mode!r}")
@@ -107,57 +189,51 @@ class XPRTEncoder(AbsEncoder):
         self.name = name_or_path
         self.path = path
         self.device, self.dtype = pick_device_and_dtype(device, dtype)
+        has_st_config = os.path.isdir(path) and (Path(path) / "modules.json").is_file()
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-            self.model = AutoModel.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa",
-                                                   trust_remote_code=trust_remote_code)
+            self.model = SentenceTransformer(path, device=str(self.device), trust_remote_code=trust_remote_code,
+                                             model_kwargs={"dtype": self.dtype, "attn_implementation": "sdpa"})
         except (OSError, ValueError) as err:
             raise ValueError(f"could not load a model from {name_or_path!r} ({path}): {err}") from err
-        self.model.to(self.device).eval()
-        # the repository's one prefix rule (modeling_xprt.model_prompts): a train.py / finetune.py folder carries
-        # its prompts in config_sentence_transformers.json; a hub E5 model is known by its name
+        self.model.eval()
+        self.pooling = describe_pooling(self.model)
+        if os.path.isdir(path) and not has_st_config:
+            print(f"model {name_or_path}: no sentence-transformers modules.json: {self.pooling} pooling "
+                  "(sentence-transformers' default) is assumed", flush=True)
         prompts = model_prompts(name_or_path, prefix_mode)
         e5 = prompts == E5_PROMPTS
         self.prefix_mode = "e5" if e5 else ("none" if not any(prompts.values()) else "model")
         self.query_prefix = query_prefix if query_prefix is not None else prompts["query"]
         self.passage_prefix = passage_prefix if passage_prefix is not None else prompts["document"]
-        # A sentence-transformers folder states the length the model was trained and scored with
-        # (all-MiniLM-L6-v2: 256); the MTEB leaderboard numbers use it, so we do too unless told.
-        st_cfg = Path(path) / "sentence_bert_config.json"
-        st_len = json.loads(st_cfg.read_text()).get("max_seq_length") if st_cfg.is_file() else None
-        model_len = getattr(self.model.config, "max_position_embeddings", 512)
-        self.max_length = int(max_length or st_len or min(512, model_len))
+        # A sentence-transformers model states the length it was trained and scored with (all-MiniLM-L6-v2: 256);
+        # the MTEB leaderboard numbers use it, so we do too unless told. A plain checkpoint: its positions, <= 512.
+        st_len = self.model.max_seq_length if has_st_config or not os.path.isdir(path) else None
+        hf_config = self.model[0].auto_model.config
+        model_len = getattr(hf_config, "max_position_embeddings", 512)
+        self.max_length = int(max_length or min(st_len or 512, model_len))
+        self.model.max_seq_length = self.max_length
         self.batch_size = batch_size
         self.show_progress = show_progress
-        n_params = sum(p.numel() for p in self.model.parameters())
+        # what makes this run differ from the model's standard use: an mteb experiment (results/<name>/<revision>/
+        # experiments/<settings>/), so such scores never sit where the model's standard ones do
+        self.settings = {}
+        if prefix_mode != "auto" or query_prefix is not None or passage_prefix is not None:
+            self.settings.update(query_prefix=self.query_prefix, passage_prefix=self.passage_prefix)
+        if max_length:
+            self.settings["max_length"] = self.max_length
+        name, revision = model_name_and_revision(name_or_path)
+        sim = {"cosine": ScoringFunction.COSINE, "dot": ScoringFunction.DOT_PRODUCT,
+               "euclidean": ScoringFunction.EUCLIDEAN, "manhattan": ScoringFunction.MANHATTAN}
         self.mteb_model_meta = ModelMeta(
-            loader=None, name=self.meta_name(name_or_path), revision=self.fingerprint()[:12],
-            release_date=None, languages=None, n_parameters=n_params, memory_usage_mb=None,
-            max_tokens=self.max_length, embed_dim=self.model.config.hidden_size, license=None,
+            loader=None, name=name, revision=revision, release_date=None, languages=None,
+            n_parameters=sum(p.numel() for p in self.model.parameters()), memory_usage_mb=None,
+            max_tokens=self.max_length, embed_dim=self.model.get_embedding_dimension(), license=None,
             open_weights=True, public_training_code=None, public_training_data=None,
-            framework=["PyTorch"], similarity_fn_name=ScoringFunction.COSINE,  # the enum, not a string
-            use_instructions=e5, training_datasets=None,
+            framework=["PyTorch", "Sentence Transformers"],
+            similarity_fn_name=sim.get(str(self.model.similarity_fn_name or "cosine"), ScoringFunction.COSINE),
+            use_instructions=e5, training_datasets=None, reference=None if os.path.isdir(path) else
+            f"https://huggingface.co/{name}",
         )
-
-    @staticmethod
-    def meta_name(name: str) -> str:
-        """mteb wants "org/model"; a local folder becomes "local/<folder name>"."""
-        name = name.rstrip("/")
-        if os.path.isdir(name):
-            return "local/" + (Path(name).resolve().name or "model")
-        return name if name.count("/") == 1 else "local/" + name.replace("/", "__")
-
-    def fingerprint(self) -> str:
-        """Identity of the weights and settings, for the result cache: a retrained folder gets new keys."""
-        h = hashlib.sha1()
-        h.update(str(Path(self.path).resolve() if os.path.isdir(self.path) else self.path).encode())
-        if os.path.isdir(self.path):
-            for f in sorted(Path(self.path).iterdir()):
-                if f.is_file() and f.suffix in (".safetensors", ".bin", ".json"):
-                    st = f.stat()
-                    h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-        h.update(f"{self.query_prefix!r}|{self.passage_prefix!r}|{self.max_length}|{self.dtype}".encode())
-        return h.hexdigest()
 
     def prefix_for(self, prompt_type: Optional[PromptType]) -> str:
         return self.passage_prefix if prompt_type == PromptType.document else self.query_prefix
@@ -165,10 +241,9 @@ class XPRTEncoder(AbsEncoder):
     def encode(self, inputs, *, task_metadata, hf_split: str, hf_subset: str,
                prompt_type: Optional[PromptType] = None, **kwargs: Any) -> np.ndarray:
         texts = [t for batch in inputs for t in batch["text"]]
-        desc = f"{task_metadata.name} {prompt_type.value if prompt_type else 'text'}"
-        return embed_texts(self.model, self.tokenizer, texts, batch_size=self.batch_size,
-                           max_length=self.max_length, prefix=self.prefix_for(prompt_type),
-                           show_progress=self.show_progress, desc=desc).numpy()
+        # per-batch progress: sentence-transformers' bar moves every batch while a large corpus encodes
+        return self.model.encode(texts, prompt=self.prefix_for(prompt_type) or None, batch_size=self.batch_size,
+                                 show_progress_bar=self.show_progress, convert_to_numpy=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -399,13 +474,16 @@ class _XPRTTaskMixin:
                                     [""] * len(data["corpus"]), data["corpus"]["text"]):
             if did in needed:
                 doc_text[did] = f"{title} {text}"
-        self._xprt_per_query = {
+        per_query = {
             q: {"ndcg_at_10": s.get("ndcg_cut_10", 0.0),
                 "overlap": word_overlap(q_text.get(q, ""), [doc_text[d] for d in qrels.get(q, {})
                                                             if qrels[q][d] > 0 and d in doc_text])}
             for q, s in scores.items()
         }
-        return super().task_specific_scores(scores, qrels, results, hf_split, hf_subset)
+        # into mteb's own score dict, so the result file in the results folder carries what the overlap analysis
+        # needs and a rerun read from that folder can redo it
+        return {**super().task_specific_scores(scores, qrels, results, hf_split, hf_subset),
+                PER_QUERY_KEY: per_query}
 
 
 def build_task(name: str, local: Optional[tuple[Path, str]] = None, limit: Optional[int] = None,
@@ -420,37 +498,92 @@ def build_task(name: str, local: Optional[tuple[Path, str]] = None, limit: Optio
     task = cls.__new__(cls)
     task.__dict__.update(stock.__dict__)
     task._xprt_local, task._xprt_limit, task._xprt_corpus_limit, task._xprt_seed = local, limit, corpus_limit, seed
-    task._xprt_per_query = {}
     return task
 
 
 # ---------------------------------------------------------------------------------------------------
-# 4. Running: one model at a time, every task, a JSON cache so reruns skip finished tasks
+# 4. Running: one model at a time, every task, mteb's results folder (reruns skip finished tasks)
 # ---------------------------------------------------------------------------------------------------
 
 
 def _data_fingerprint(folder: Optional[Path]) -> str:
     if folder is None:
         return "online"
-    # Content, not modification times: a fresh clone or copy of the same files keeps its cached results,
-    # and an edited file gets new ones. Hashing runs at disk speed (SciFact's 8 MB: ~20 ms).
+    # Content, not modification times: a fresh clone or copy of the same files keeps its results, and an edited
+    # file gets new ones. Hashing runs at disk speed (SciFact's 8 MB: ~20 ms).
     h = hashlib.sha1()
     for f in sorted(folder.rglob("*")):
         if f.is_file():
             h.update(f"{f.relative_to(folder).as_posix()}:{f.stat().st_size}:".encode())
             with open(f, "rb") as fh:
                 h.update(hashlib.file_digest(fh, "sha1").digest())
-    return h.hexdigest()[:16]
+    return h.hexdigest()[:12]
 
 
-def evaluate_model_on_task(encoder: XPRTEncoder, task, batch_size: int) -> dict:
-    """One mteb run -> {"task", "type", "main_score" (x100), "metric", "scores", "per_query"}."""
-    res = mteb.evaluate(encoder, [task], cache=None, encode_kwargs={"batch_size": batch_size},
-                        show_progress_bar=False, co2_tracker=False, raise_error=True)
-    tr = res.task_results[0]
-    return {"task": task.metadata.name, "type": task.metadata.type, "metric": task.metadata.main_score,
-            "main_score": 100.0 * float(tr.get_score()), "scores": tr.scores,
-            "per_query": getattr(task, "_xprt_per_query", {}) or {}}
+def run_settings(local: Optional[tuple[Path, str]], limit: Optional[int], corpus_limit: Optional[int],
+                 seed: int, encoder_settings: Optional[dict] = None) -> dict:
+    """What makes a run differ from mteb's standard run of the model on the task, as mteb's `experiment_kwargs`.
+
+    mteb files a run with experiment kwargs under results/<model>/<revision>/experiments/<kwargs>/: a --limit
+    sample, a local folder (mteb cannot know it holds the task's data: named by the content hash), or forced
+    prefixes / max length never land where the model's standard scores (and the public leaderboard's) do, and
+    a change of any of them is a new run rather than a stale reuse. An empty dict: the standard place."""
+    settings = dict(encoder_settings or {})
+    if local is not None:
+        settings["data"] = _data_fingerprint(local[0])
+    if limit:
+        settings.update(limit=limit, corpus_limit=corpus_limit or 10 * limit, seed=seed)
+    return settings
+
+
+def evaluate_model_on_task(encoder, task, batch_size: int, cache=None, settings: Optional[dict] = None,
+                           rerun: bool = False, show_progress: bool = False) -> dict:
+    """One mteb run, written to mteb's results folder (`cache`, a mteb.ResultCache) and read back from it ->
+    {"task", "type", "main_score" (x100), "metric", "scores", "per_query", "result_file"}.
+
+    mteb skips the task when the folder already holds it for this model, revision and settings ("only-missing";
+    `rerun` forces it). Without a cache (tests, train.py's scores during training) nothing is written."""
+    base = encoder.mteb_model_meta
+    meta = base.model_copy(update={"experiment_kwargs": settings or None})
+    encoder.mteb_model_meta = meta
+    try:
+        res = mteb.evaluate(encoder, [task], cache=cache, overwrite_strategy="always" if rerun else "only-missing",
+                            encode_kwargs={"batch_size": batch_size, "show_progress_bar": show_progress},
+                            show_progress_bar=False, co2_tracker=False, raise_error=True)
+    finally:
+        encoder.mteb_model_meta = base
+    name = task.metadata.name
+    if cache is not None:  # the numbers of the table are the ones in the folder
+        path = cache.get_task_result_path(name, meta)
+        tr = mteb.TaskResult.from_disk(path)
+    else:
+        path, tr = None, res.task_results[0]
+    per_query = {}
+    for split in task.metadata.eval_splits:
+        for entry in tr.scores.get(split, []):
+            per_query.update(entry.get(PER_QUERY_KEY) or {})
+    slim = {split: [{k: v for k, v in e.items() if k != PER_QUERY_KEY} for e in entries]
+            for split, entries in tr.scores.items()}
+    return {"task": name, "type": task.metadata.type, "metric": task.metadata.main_score,
+            "main_score": 100.0 * float(tr.get_score()), "scores": slim, "per_query": per_query,
+            "result_file": str(path) if path else None}
+
+
+def card_results(results: dict) -> dict:
+    """{task: {"metric", "score"}} for modeling_xprt.add_eval_results_to_card, from one model's results."""
+    return {t: {"metric": r["metric"], "score": round(r["main_score"], 2)} for t, r in results.items()}
+
+
+def update_model_card(model_name: str, results: dict, source: str) -> bool:
+    """After scoring a local xprt folder (xprt_config.json present) on full tasks: its card's evaluation section."""
+    path = resolve_model_path(model_name)
+    if not (os.path.isdir(path) and (Path(path) / "xprt_config.json").is_file()):
+        return False
+    if not (Path(path) / "README.md").is_file():
+        print(f"model {model_name}: no model card (README.md) to write the scores into", flush=True)
+        return False
+    modeling_xprt.add_eval_results_to_card(path, card_results(results), source)
+    return True
 
 
 def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks: Sequence[str] = (),
@@ -458,12 +591,16 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
                    corpus_limit: Optional[int] = None, seed: int = 0, prefix_mode: str = "auto",
                    batch_size: int = 64, max_length: Optional[int] = None, device: Optional[str] = None,
                    dtype: Optional[str] = None, query_prefix: Optional[str] = None,
-                   passage_prefix: Optional[str] = None, cache_dir: Optional[str] = None,
-                   trust_remote_code: bool = False, show_progress: bool = True, encoder_factory=None) -> dict:
-    """Evaluate every model on every task; the function train.py and the demo call (the CLI wraps it).
+                   passage_prefix: Optional[str] = None, results_dir: Optional[str] = None, rerun: bool = False,
+                   trust_remote_code: bool = False, show_progress: bool = True, encoder_factory=None,
+                   update_cards: bool = False) -> dict:
+    """Evaluate every model on every task; the function the CLI wraps (and the demo, through the CLI).
 
-    Returns {"models": [...], "results": {model: {task: result}}, "tasks": [{"name","type","source"}]}.
-    `encoder_factory(name) -> AbsEncoder with .fingerprint()` replaces XPRTEncoder (tests use it).
+    results_dir: mteb's results folder (mteb.ResultCache(results_dir)); every task result is written there by mteb
+    and the returned scores are read back from it; finished tasks are skipped unless `rerun`. None: nothing written.
+    Returns {"models": [...], "results": {model: {task: result}}, "tasks": [{"name","type","source"}], ...}.
+    `encoder_factory(name) -> AbsEncoder` replaces XPRTEncoder (tests use it).
+    update_cards: write the scores into a local xprt folder's model card (never for a --limit sample).
     """
     from tqdm.auto import tqdm
 
@@ -480,48 +617,159 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
             specs.append((t.metadata.name, None, t))
     if not specs:
         raise ValueError("no task: give --local_tasks, --tasks or --benchmark")
-    cache = Path(cache_dir) if cache_dir else None
-    # once per task, not per model: the fingerprint reads every file of the folder
-    data_keys = {name: _data_fingerprint(local[0] if local else None) for name, local, _ in specs} if cache else {}
-    out = {"models": list(models), "results": {}, "tasks": []}
+    cache = mteb.ResultCache(results_dir) if results_dir else None
+    out = {"models": list(models), "results": {}, "tasks": [], "model_meta": {},
+           "results_dir": str(cache.cache_path) if cache else None}
     for name, local, _ in specs:
         t = mteb.get_task(name)
         out["tasks"].append({"name": name, "type": t.metadata.type,
                              "source": str(local[0]) if local else "mteb (online)"})
+    # once per task, not per model: the fingerprint reads every file of the folder
+    task_settings = {name: run_settings(local, limit, corpus_limit, seed) for name, local, _ in specs}
     for model_name in models:
         encoder = (encoder_factory or (lambda n: XPRTEncoder(
             n, prefix_mode=prefix_mode, batch_size=batch_size, max_length=max_length, device=device,
             dtype=dtype, query_prefix=query_prefix, passage_prefix=passage_prefix,
-            trust_remote_code=trust_remote_code)))(model_name)
+            trust_remote_code=trust_remote_code, show_progress=show_progress)))(model_name)
         lengths = out.setdefault("max_length", {})
         lengths[model_name] = getattr(encoder, "max_length", None)
         if len(set(lengths.values())) > 1:  # e.g. MiniLM's folder says 256, a train.py save says 512
             warnings.warn(f"models run with different max lengths {lengths}: long documents are cut differently; "
                           "pass --max_length to compare like with like")
+        meta = encoder.mteb_model_meta
+        out["model_meta"][model_name] = {"name": meta.name, "revision": meta.revision}
+        print(f"model {model_name}: mteb name {meta.name}, revision {meta.revision}; pooling "
+              f"{getattr(encoder, 'pooling', '?')}", flush=True)
         print(f"model {model_name}: prefixes: query {getattr(encoder, 'query_prefix', '')!r}, "
               f"passage {getattr(encoder, 'passage_prefix', '')!r}", flush=True)
         out["results"][model_name] = {}
         for name, local, bench_task in tqdm(specs, desc=f"tasks [{model_name}]", disable=not show_progress):
-            ident = [encoder.fingerprint(), name, data_keys.get(name),
-                     limit, corpus_limit, seed, mteb.__version__]
-            if bench_task is not None:  # a benchmark may keep only some subsets (STS17: en-en)
-                ident.append(sorted(bench_task.hf_subsets))
-            key = hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:20]
-            cfile = cache / f"{name}-{key}.json" if cache else None
-            if cfile is not None and cfile.is_file():
-                result = json.loads(cfile.read_text())
-                logger.info("cached: %s on %s (%s)", model_name, name, cfile)
-            else:
-                task = build_task(name, local=local, limit=limit, corpus_limit=corpus_limit, seed=seed,
-                                  task=bench_task)
-                result = evaluate_model_on_task(encoder, task, batch_size)
-                if cfile is not None:
-                    atomic_write(cfile, json.dumps(result))
+            task = build_task(name, local=local, limit=limit, corpus_limit=corpus_limit, seed=seed, task=bench_task)
+            settings = {**getattr(encoder, "settings", {}), **task_settings[name]}
+            result = evaluate_model_on_task(encoder, task, batch_size, cache=cache, settings=settings,
+                                            rerun=rerun, show_progress=show_progress)
             result["source"] = str(local[0]) if local else "mteb (online)"
             out["results"][model_name][name] = result
-            logger.info("%s | %s: %s = %.2f", model_name, name, result["metric"], result["main_score"])
+            logger.info("%s | %s: %s = %.2f (%s)", model_name, name, result["metric"], result["main_score"],
+                        result["result_file"] or "not written")
+        if update_cards and not limit and update_model_card(
+                model_name, out["results"][model_name],
+                f"xprt's evaluate.py (mteb {mteb.__version__}, main scores; data: "
+                + ", ".join(sorted({r["source"] for r in out["results"][model_name].values()})) + ")"):
+            print(f"model {model_name}: evaluation written into its model card", flush=True)
         del encoder
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4b. Scores during training (train.py / finetune.py --eval_steps): the model being trained, on bounded tasks
+# ---------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def preserved_rng():
+    """The Python / numpy / torch (CPU and CUDA) random states restored after the block: scoring during training must
+    not change the run that follows (mteb and datasets draw from the global generators; a resumed run must draw the
+    same masks and dropout)."""
+    import torch
+
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])
+
+
+@contextlib.contextmanager
+def eval_mode_and_rng(module):
+    """Every submodule in eval mode (no dropout) inside the block, then each back in its own mode (finetune.py keeps
+    frozen heads as they were), with the random states preserved (preserved_rng)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        with preserved_rng():
+            yield
+    finally:
+        for m, was_training in modes:
+            m.training = was_training
+
+
+class TrainingEncoder(AbsEncoder):
+    """mteb wrapper of the encoder being trained: modeling_xprt.embed_texts (mean pooling, the pooling train.py
+    trains with and saves) under the model's prompts, no gradient.
+
+    With several processes every process runs the same mteb evaluation, and each encode call is split: the distinct
+    texts are cut into one equal slice per process (padded to equal length, so that every process runs the same
+    number of forward passes, as DeepSpeed ZeRO-3 needs), each process encodes its slice, and the vectors are
+    all-gathered. No process encodes alone while the others wait at a barrier (NCCL ends such a wait after 10
+    minutes); the scoring itself (similarities, nDCG) is repeated on every process and stays small under
+    --eval_limit."""
+
+    def __init__(self, encoder, tokenizer, prompts: dict, max_length: int, batch_size: int, accelerator=None):
+        self.encoder, self.tokenizer, self.prompts = encoder, tokenizer, prompts
+        self.max_length, self.batch_size, self.accelerator = max_length, batch_size, accelerator
+        self.mteb_model_meta = ModelMeta(
+            loader=None, name="local/training", revision="in-training", release_date=None, languages=None,
+            n_parameters=None, memory_usage_mb=None, max_tokens=max_length, embed_dim=encoder.config.hidden_size,
+            license=None, open_weights=True, public_training_code=None, public_training_data=None,
+            framework=["PyTorch"], similarity_fn_name=ScoringFunction.COSINE, use_instructions=False,
+            training_datasets=None)
+
+    def encode(self, inputs, *, task_metadata, hf_split: str, hf_subset: str,
+               prompt_type: Optional[PromptType] = None, **kwargs: Any) -> np.ndarray:
+        texts = [t for batch in inputs for t in batch["text"]]
+        prefix = self.prompts["document"] if prompt_type == PromptType.document else self.prompts["query"]
+        acc = self.accelerator
+        world = acc.num_processes if acc is not None else 1
+        autocast = acc.autocast() if acc is not None else contextlib.nullcontext()
+        if world == 1:
+            with autocast:
+                return embed_texts(self.encoder, self.tokenizer, texts, self.batch_size, self.max_length,
+                                   prefix).numpy()
+        unique = list(dict.fromkeys(texts))
+        per = math.ceil(len(unique) / world)
+        mine = unique[acc.process_index * per:(acc.process_index + 1) * per]
+        mine += [f"[xprt eval padding {i}]" for i in range(per - len(mine))]
+        with autocast:
+            vecs = embed_texts(self.encoder, self.tokenizer, mine, self.batch_size, self.max_length, prefix)
+        every = acc.gather(vecs.to(acc.device)).cpu()  # (world * per, H), in process order
+        where = {t: i for i, t in enumerate(unique)}
+        return every[[where[t] for t in texts]].numpy()
+
+
+def load_training_eval_tasks(specs: Sequence[str], limit: Optional[int], seed: int = 0) -> list:
+    """The tasks of --eval_tasks (local folders, TaskName=DIR, or mteb task names), each cut to `limit` queries /
+    pairs / test texts (corpus 10 x) and loaded once, so every scoring during training uses the same sample."""
+    tasks = []
+    with preserved_rng():  # loading draws from the global generators too
+        for spec in specs:
+            path = spec.rpartition("=")[2] if "=" in spec and not os.path.exists(spec) else spec
+            if os.path.isdir(path):
+                name, folder, kind = parse_local_spec(spec)
+                task = build_task(name, local=(folder, kind), limit=limit, seed=seed)
+            else:  # an mteb task name: mteb's own loader (the hub)
+                task = build_task(spec, limit=limit, seed=seed)
+            task.load_data()
+            tasks.append(task)
+    return tasks
+
+
+def score_during_training(model, tokenizer, tasks: Sequence, prompts: dict, max_length: int, batch_size: int = 64,
+                          accelerator=None) -> dict:
+    """{task name: main score x100} of the model being trained (an XPRTModel, possibly wrapped by DDP / DeepSpeed:
+    pass the accelerator), in eval mode, then back in training mode."""
+    unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
+    enc = TrainingEncoder(unwrapped.encoder, tokenizer, prompts, max_length, batch_size, accelerator)
+    scores = {}
+    with eval_mode_and_rng(unwrapped):
+        for task in tasks:
+            scores[task.metadata.name] = evaluate_model_on_task(enc, task, batch_size)["main_score"]
+    return scores
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -651,7 +899,8 @@ def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (),
     names = ("results.md", "results.json", "results.png")
     existing = [n for n in names if (output_dir / n).exists()]
     if existing and not overwrite:
-        raise FileExistsError(f"{output_dir} already has {existing}; pass --overwrite (the cache keeps finished tasks)")
+        raise FileExistsError(f"{output_dir} already has {existing}; pass --overwrite (the results folder keeps "
+                              "finished tasks)")
     output_dir.mkdir(parents=True, exist_ok=True)
     summ = summarize(out)
     overlaps = [overlap_analysis(out, t) for t in overlap_tasks]
@@ -660,7 +909,7 @@ def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (),
             for m, rs in out["results"].items()}
     atomic_write(output_dir / "results.json", json.dumps(
         {"models": out["models"], "tasks": out["tasks"], "summary": summ, "overlap_analysis": overlaps,
-         "results": slim}, indent=1))
+         "results_dir": out.get("results_dir"), "model_meta": out.get("model_meta", {}), "results": slim}, indent=1))
     plot_bars(summ, out["models"], output_dir / "results.png")
     return {"summary": summ, "overlap_analysis": overlaps}
 
@@ -683,9 +932,11 @@ def parse_args(argv=None):
                    help="local folders, optionally TaskName=DIR; format and task auto-detected (offline)")
     p.add_argument("--output_dir", default="outputs/eval", help="where results.md/.json/.png go")
     p.add_argument("--overwrite", action="store_true", help="replace existing results.* in --output_dir")
-    p.add_argument("--cache_dir", default=os.environ.get("XPRT_EVAL_CACHE", ".cache/evaluate"),
-                   help="per (model, task, data, settings) result cache; reruns skip finished tasks")
-    p.add_argument("--no_cache", action="store_true", help="always rerun every task")
+    p.add_argument("--results_dir", default=None,
+                   help="mteb's results folder (mteb.ResultCache): results/<model>/<revision>/<task>.json, read by "
+                        "mteb.load_results / ResultCache.load_results; reruns skip finished tasks. Default: mteb's "
+                        "own ($MTEB_CACHE, here .cache/mteb)")
+    p.add_argument("--rerun", action="store_true", help="run every task again, replacing its result in --results_dir")
     p.add_argument("--prefix_mode", choices=("auto", "e5", "none"), default="auto",
                    help="auto: E5 prefixes ('query: '/'passage: ') when the model name/config says e5, else none")
     p.add_argument("--query_prefix", default=None, help="override the query prefix (also used for symmetric tasks)")
@@ -721,13 +972,15 @@ def main(argv=None):
     out_dir = Path(args.output_dir)
     existing = [n for n in ("results.md", "results.json", "results.png") if (out_dir / n).exists()]
     if existing and not args.overwrite:  # refuse before hours of encoding, not after
-        raise SystemExit(f"{out_dir} already has {existing}; pass --overwrite (finished tasks come from the cache)")
+        raise SystemExit(f"{out_dir} already has {existing}; pass --overwrite (finished tasks come from the "
+                         "results folder)")
     out = run_evaluation(args.models, tasks=args.tasks, local_tasks=args.local_tasks, benchmark=args.benchmark,
                          limit=args.limit, corpus_limit=args.corpus_limit, seed=args.seed,
                          prefix_mode=args.prefix_mode, batch_size=args.batch_size, max_length=args.max_length,
                          device=args.device, dtype=args.dtype, query_prefix=args.query_prefix,
-                         passage_prefix=args.passage_prefix, cache_dir=None if args.no_cache else args.cache_dir,
-                         trust_remote_code=args.trust_remote_code)
+                         passage_prefix=args.passage_prefix,
+                         results_dir=args.results_dir or str(mteb.ResultCache().cache_path), rerun=args.rerun,
+                         trust_remote_code=args.trust_remote_code, update_cards=True)
     retrieval = [t["name"] for t in out["tasks"] if t["type"] == "Retrieval"]
     overlap = [] if args.overlap_analysis is None else (args.overlap_analysis or retrieval)
     bad = [t for t in overlap if t not in retrieval]

@@ -37,6 +37,7 @@ from modeling_xprt import PRETRAIN_OBJECTIVES, atomic_path, describe_prompts, re
 
 PAPER_MODEL = "intfloat/e5-base-unsupervised"  # the paper's starting checkpoint (needs the hub or a local copy)
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
+EVAL_PREFIX = "eval_"  # train_log.jsonl keys of --eval_tasks scores: eval_<task name>
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -92,6 +93,19 @@ def add_common_args(p: argparse.ArgumentParser, default_lr: float):
     g.add_argument("--logging_steps", type=int, default=10, help="log every N steps")
     g.add_argument("--no_save_model", action="store_true", help="skip writing model/ at the end (tests, benchmarks)")
 
+    g = p.add_argument_group("scores during training (evaluate.py's tasks, mteb's metrics)")
+    g.add_argument("--eval_tasks", nargs="*", default=[],
+                   help="score the model on these tasks every --eval_steps and at the end: local folders "
+                        "(TaskName=DIR as evaluate.py --local_tasks) or mteb task names (need the hub)")
+    g.add_argument("--eval_steps", type=int, default=None,
+                   help="score every N optimiser steps (the final model is scored whenever --eval_tasks is given); "
+                        "to trackers, train_log.jsonl and loss_curve.png")
+    g.add_argument("--eval_limit", type=int, default=500,
+                   help="queries / pairs / test texts per task (seeded sample, corpus 10 x; 0 = whole tasks). Every "
+                        "process runs the scoring and encodes 1/N of the texts; keep it small enough for a "
+                        "scoring to take well under NCCL's 10-minute timeout")
+    g.add_argument("--eval_batch_size", type=int, default=64, help="texts per forward pass when scoring")
+
     g = p.add_argument_group("model card and the Hugging Face Hub")
     g.add_argument("--license", default=None,
                    help="licence on the model card (a Hub licence id, e.g. apache-2.0, mit). Default: the start "
@@ -114,6 +128,21 @@ def check_common_args(args, argv=None, script="train.py"):
     args.argv, args.script = [str(a) for a in (sys.argv[1:] if argv is None else argv)], script
     if args.warmup_ratio is not None and not 0.0 <= args.warmup_ratio < 1.0:
         raise SystemExit("--warmup_ratio must be in [0, 1)")
+    if args.eval_steps is not None and (args.eval_steps < 1 or not args.eval_tasks):
+        raise SystemExit("--eval_steps needs a value >= 1 and --eval_tasks")
+    if args.eval_limit < 0 or args.eval_batch_size < 1:
+        raise SystemExit("--eval_limit must be >= 0 and --eval_batch_size >= 1")
+    if args.eval_tasks:
+        # Imported here, before the run seeds its generators (importing mteb draws from them), and a local folder
+        # that is no known task stops the run now rather than after the first N steps.
+        import evaluate
+
+        for spec in args.eval_tasks:
+            if os.path.isdir(spec.rpartition("=")[2]) or os.path.isdir(spec):
+                try:
+                    evaluate.parse_local_spec(spec)
+                except (ValueError, FileNotFoundError) as err:
+                    raise SystemExit(f"--eval_tasks {spec}: {err}") from None
     if args.push_to_hub and not args.hub_model_id:
         raise SystemExit("--push_to_hub needs --hub_model_id namespace/name")
     if args.push_to_hub and args.no_save_model:
@@ -800,24 +829,71 @@ def plot_loss_curves(log_path: Path, png_path: Path):
 
     recs = {}
     for r in read_jsonl(log_path):
-        recs[r["step"]] = r  # a resumed run rewrites steps: keep the last
+        # a resumed run rewrites steps: keep the last; a step's loss record and score record are merged
+        recs.setdefault(r["step"], {}).update(r)
     steps = sorted(recs)
-    keys = [k for k in recs[steps[-1]] if k.endswith("loss") or k in ("lr", "head_lr", "retention_weight")]
+    seen = list(dict.fromkeys(k for s in steps for k in recs[s]))
+    keys = [k for k in seen if k.endswith("loss") or k in ("lr", "head_lr", "retention_weight")]
     if any(recs[s].get("pair_alpha") for s in steps):  # only fine-tuning runs have an alpha to show
         keys.append("pair_alpha")
-    rows = math.ceil(len(keys) / 3)
+    evals = [k for k in seen if k.startswith(EVAL_PREFIX)]
+    panels = keys + (["scores"] if evals else [])
+    rows = math.ceil(len(panels) / 3)
     fig, axes = plt.subplots(rows, 3, figsize=(13, 3 * rows), squeeze=False)
     for ax, k in zip(axes.flat, keys):
         xs = [s for s in steps if k in recs[s]]
         ax.plot(xs, [recs[s][k] for s in xs])
         ax.set_title(k)
         ax.set_xlabel("step")
-    for ax in list(axes.flat)[len(keys):]:
+    if evals:  # --eval_steps: mteb's main score (x100) of each task, next to the losses
+        ax = list(axes.flat)[len(keys)]
+        for k in evals:
+            xs = [s for s in steps if k in recs[s]]
+            ax.plot(xs, [recs[s][k] for s in xs], marker="o", label=k[len(EVAL_PREFIX):])
+        ax.set_title("scores during training (main score x100)")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
     with atomic_path(png_path) as tmp:
         fig.savefig(tmp, dpi=90)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Scores during training (--eval_tasks, --eval_steps)
+# ----------------------------------------------------------------------------------------------------------------
+def load_eval_tasks(accelerator, args) -> list:
+    """evaluate.py's tasks for --eval_tasks, loaded once by every process (each scores, each encodes a share)."""
+    if not args.eval_tasks:
+        return []
+    import evaluate  # the repository's evaluate.py (mteb); imported only when asked for
+
+    tasks = evaluate.load_training_eval_tasks(args.eval_tasks, args.eval_limit or None, seed=args.seed)
+    accelerator.print(f"scores during training: {', '.join(t.metadata.name for t in tasks)} every "
+                      f"{args.eval_steps or '-'} steps and at the end, at most {args.eval_limit or 'all'} "
+                      f"queries / pairs each, the texts split across {accelerator.num_processes} process(es)")
+    return tasks
+
+
+def score_model(accelerator, args, model, tokenizer, tasks, step: int, epoch: int) -> dict:
+    """One scoring of the model being trained: a train_log.jsonl record {"step", "epoch", "eval_<task>": score x100,
+    "scoring_time_s"}, also sent to the trackers. Dropout off and no gradient inside, training mode restored after."""
+    import evaluate
+
+    unwrapped = accelerator.unwrap_model(model)
+    t0 = time.time()
+    max_length = unwrapped.max_seq_length or min(512, getattr(unwrapped.encoder.config, "max_position_embeddings", 512))
+    with _gathered(accelerator, model):  # ZeRO-3: the whole weights for the scoring's forward passes (no-op else)
+        scores = evaluate.score_during_training(model, tokenizer, tasks, unwrapped.prompts, max_length,
+                                                args.eval_batch_size, accelerator)
+    rec = {"step": step, "epoch": epoch, **{EVAL_PREFIX + k: v for k, v in scores.items()},
+           "scoring_time_s": time.time() - t0}
+    accelerator.log({k: v for k, v in rec.items() if k != "step"}, step=step)
+    accelerator.print("step {}: {} ({:.1f} s)".format(step, ", ".join(f"{k} {v:.2f}" for k, v in scores.items()),
+                                                      rec["scoring_time_s"]))
+    return rec
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -970,6 +1046,14 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
         cfg = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()}
         accelerator.init_trackers("xprt", config=cfg)
 
+    eval_tasks = load_eval_tasks(accelerator, args)
+    last_scored = -1
+
+    def log_record(rec):
+        if log_f:
+            log_f.write(json.dumps(rec) + "\n")
+            log_f.flush()
+
     model.train()
     window, first_step_printed = LogWindow(), False
     progress = tqdm(total=max_steps, initial=state.completed_steps, disable=not accelerator.is_local_main_process,
@@ -1028,11 +1112,14 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
             if log_now:
                 rec = window.record(accelerator, args, state.completed_steps, epoch, lr_scheduler, optimizer, scalars)
                 accelerator.log({k: v for k, v in rec.items() if k != "step"}, step=state.completed_steps)
-                if log_f:
-                    log_f.write(json.dumps(rec) + "\n")
-                    log_f.flush()
+                log_record(rec)
                 progress.set_postfix(loss=f"{rec.get('loss', float('nan')):.4f}",
                                      s_per_step=f"{rec['time_per_step_s']:.2f}")
+            if eval_tasks and args.eval_steps and state.completed_steps % args.eval_steps == 0:
+                scored = score_model(accelerator, args, model, tokenizer, eval_tasks, state.completed_steps, epoch)
+                log_record(scored)
+                window.t0 += scored["scoring_time_s"]  # tokens/s and time per step count training only
+                last_scored = state.completed_steps
             if ckpt_now:
                 save_checkpoint(accelerator, model, collator, ckpt_dir, state.completed_steps,
                                 args.checkpoints_total_limit)
@@ -1043,6 +1130,8 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
             continue
         break
     progress.close()
+    if eval_tasks and last_scored != state.completed_steps:  # the final model (or where the run stopped)
+        log_record(score_model(accelerator, args, model, tokenizer, eval_tasks, state.completed_steps, state.epoch))
     if log_f:
         log_f.close()
 

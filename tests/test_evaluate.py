@@ -190,17 +190,20 @@ def test_multi_model_table_markdown_json_png(beir, tmp_path):
 # ---------------------------------------------------------------- cache, limit, classification
 
 
-def test_cache_skips_finished_tasks(beir, tmp_path):
+def test_results_folder_skips_finished_tasks(beir, tmp_path):
     enc = FakeEncoder(PERFECT, "fake/perfect")
-    kw = dict(local_tasks=[f"SciFact={beir}"], encoder_factory=lambda n: enc, cache_dir=str(tmp_path / "c"),
+    kw = dict(local_tasks=[f"SciFact={beir}"], encoder_factory=lambda n: enc, results_dir=str(tmp_path / "c"),
               show_progress=False)
     first = ev.run_evaluation(["perfect"], **kw)
     calls = enc.calls
     assert calls >= 2  # queries and corpus
     second = ev.run_evaluation(["perfect"], **kw)
-    assert enc.calls == calls  # nothing encoded again
-    assert second["results"]["perfect"]["SciFact"]["main_score"] == first["results"]["perfect"]["SciFact"]["main_score"]
-    # the key follows the data's content, not its modification time: a copy keeps the cache, an edit does not
+    assert enc.calls == calls  # nothing encoded again: mteb found the result in its folder
+    r1, r2 = first["results"]["perfect"]["SciFact"], second["results"]["perfect"]["SciFact"]
+    assert r2["main_score"] == r1["main_score"] and r2["per_query"] == r1["per_query"]  # per-query scores kept
+    # a local folder is an mteb experiment named by the data's content hash
+    assert "/fake__perfect/1/experiments/data_" in r1["result_file"] and Path(r1["result_file"]).is_file()
+    # the key follows the data's content, not its modification time: a copy keeps the result, an edit does not
     os.utime(beir / "queries.jsonl", (1, 1))
     ev.run_evaluation(["perfect"], **kw)
     assert enc.calls == calls
@@ -209,6 +212,9 @@ def test_cache_skips_finished_tasks(beir, tmp_path):
     calls = enc.calls
     write_beir(beir, docs={**DOCS, "d1": "alpha apple pie"})  # one document edited
     ev.run_evaluation(["perfect"], **kw)
+    assert enc.calls > calls
+    calls = enc.calls
+    ev.run_evaluation(["perfect"], rerun=True, **kw)
     assert enc.calls > calls
 
 
@@ -352,9 +358,10 @@ def test_wrapper_end_to_end_on_tiny_bert(tiny_bert, beir, tmp_path):
     from mteb.types import PromptType
     assert e5.prefix_for(PromptType.query) == "query: " and e5.prefix_for(PromptType.document) == "passage: "
     assert e5.prefix_for(None) == "query: "  # symmetric tasks: "query: " on every text
-    assert e5.fingerprint() != enc.fingerprint()  # the cache tells the two settings apart
+    assert enc.settings == {} and e5.settings == {"query_prefix": "query: ", "passage_prefix": "passage: ",
+                                                   "max_length": 32}  # forced settings: an mteb experiment
     rep = ev.main(["--models", str(tiny_bert), "--local_tasks", f"SciFact={beir}", "--output_dir",
-                   str(tmp_path / "out"), "--cache_dir", str(tmp_path / "cache"), "--overlap_analysis"])
+                   str(tmp_path / "out"), "--results_dir", str(tmp_path / "cache"), "--overlap_analysis"])
     score = rep["summary"]["per_task"][str(tiny_bert)]["SciFact"]
     assert 0.0 < score <= 100.0
     assert rep["overlap_analysis"][0]["task"] == "SciFact"
@@ -413,3 +420,111 @@ def test_train_run_model_folders_get_distinct_column_labels():
     labels = [short(m) for m in ["all-MiniLM-L6-v2", "runs/xprt/model", "runs/contrastive/model/", "a/b/my-model"]]
     assert labels == ["all-MiniLM-L6-v2", "xprt/model", "contrastive/model", "my-model"]
     assert len(set(labels)) == len(labels)
+
+
+# ---------------------------------------------------------------- mteb's results folder, run names, pooling, cards
+
+
+def _xprt_run_folder(tiny_bert, run_dir: Path) -> Path:
+    """A model folder written by the real producer (XPRTModel.save_pretrained, as train.py does) at <run>/model."""
+    from transformers import AutoTokenizer
+
+    from modeling_xprt import XPRTModel
+
+    XPRTModel.from_pretrained(str(tiny_bert)).save_pretrained(str(run_dir / "model"),
+                                                              AutoTokenizer.from_pretrained(tiny_bert),
+                                                              model_card="---\nlibrary_name: sentence-transformers\n---\n\n# run\n")
+    return run_dir / "model"
+
+
+def test_mteb_loader_reads_evaluate_results_folder(tiny_bert, beir, tmp_path, capsys):
+    """evaluate.py on a train.py-style folder and two local tasks: mteb's own loader (ResultCache.load_results) reads
+    the results folder, its scores equal evaluate.py's table; the model is named after its run; its card gets them."""
+    import mteb
+
+    model = _xprt_run_folder(tiny_bert, tmp_path / "runs" / "myrun")
+    sts = write_semeval_sts(tmp_path / "sts12")
+    results_dir = tmp_path / "mteb_results"
+    rep = ev.main(["--models", str(model), "--local_tasks", f"SciFact={beir}", str(sts), "--output_dir",
+                   str(tmp_path / "out"), "--results_dir", str(results_dir), "--batch_size", "2"])
+    printed = capsys.readouterr().out
+    assert "| SciFact | Retrieval | ndcg_at_10 |" in printed  # the table is still printed
+    assert "mteb name local/myrun" in printed and "pooling mean + normalize" in printed
+    table = rep["summary"]["per_task"][str(model)]
+    js = json.loads((tmp_path / "out" / "results.json").read_text())
+    name, revision = js["model_meta"][str(model)]["name"], js["model_meta"][str(model)]["revision"]
+    assert name == "local/myrun" and len(revision) == 12
+
+    loaded = mteb.ResultCache(results_dir).load_results(models=[name], tasks=["SciFact", "STS12"],
+                                                        load_experiments="match_name")
+    # a local folder's data is an mteb experiment (named by its content hash): one ModelResult per task here
+    assert {(m.model_name, m.model_revision) for m in loaded.model_results} == {(name, revision)}
+    scores = {tr.task_name: 100 * tr.get_score() for m in loaded.model_results for tr in m.task_results}
+    assert scores.keys() == {"SciFact", "STS12"}
+    for task, score in scores.items():
+        assert score == pytest.approx(table[task], abs=1e-9)
+    assert 0.0 < table["SciFact"] <= 100.0
+    # the card of the xprt folder now holds the scores (modeling_xprt.add_eval_results_to_card or its stand-in)
+    card = (model / "README.md").read_text()
+    assert "SciFact" in card and f"{table['SciFact']:.2f}" in card and f"{table['STS12']:.2f}" in card
+    # rewriting the card does not change the model's revision (the card is not part of its identity)
+    assert ev.model_name_and_revision(str(model)) == (name, revision)
+
+
+def test_model_names_and_revisions(tiny_bert, tmp_path):
+    model = _xprt_run_folder(tiny_bert, tmp_path / "runs" / "xprt-e5")
+    name, rev = ev.model_name_and_revision(str(model))
+    assert name == "local/xprt-e5"
+    cfg = json.loads((model / "xprt_config.json").read_text())
+    (model / "xprt_config.json").write_text(json.dumps({**cfg, "hub_model_id": "me/xprt-e5-base"}))
+    assert ev.model_name_and_revision(str(model)) == ("me/xprt-e5-base", rev)  # the hub id recorded in the folder
+    (model / "README.md").write_text("a new card")
+    assert ev.model_name_and_revision(str(model))[1] == rev
+    from safetensors.torch import load_file, save_file
+    weights = load_file(str(model / "model.safetensors"))
+    k = next(iter(weights))
+    weights[k] = weights[k] + 1
+    save_file(weights, str(model / "model.safetensors"))
+    assert ev.model_name_and_revision(str(model))[1] != rev  # new weights, new revision
+    assert ev.model_name_and_revision(str(tiny_bert))[0] == "local/" + tiny_bert.name
+    assert ev.model_name_and_revision("all-MiniLM-L6-v2")[0] == "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def test_cls_pooled_model_scored_with_its_own_pooling(tmp_path, beir):
+    """A BGE-style folder (CLS pooling in modules.json) is encoded with CLS pooling: evaluate.py's vectors equal
+    SentenceTransformer(folder).encode and differ from mean pooling."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from modeling_xprt import embed_texts, resolve_model_path
+
+    raw = tmp_path / "raw"
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(raw)
+    tok.save_pretrained(raw)
+    transformer = Transformer(str(raw), max_seq_length=64)
+    folder = tmp_path / "bge-tiny"
+    SentenceTransformer(modules=[transformer, Pooling(32, "cls"), Normalize()]).save(str(folder))
+
+    enc = ev.XPRTEncoder(str(folder), batch_size=2)
+    assert enc.pooling == "cls + normalize" and enc.max_length == 64
+    texts = ["a short one", "a somewhat longer text with more words in it", "x", "apple banana cherry date"]
+    from mteb.types import PromptType
+    ours = enc.encode([{"text": texts}], task_metadata=None, hf_split="test", hf_subset="default",
+                      prompt_type=PromptType.query)
+    ref = SentenceTransformer(str(folder)).encode(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(ours, ref, atol=1e-6)
+    mean = embed_texts(AutoModel_from(raw), tok, texts, batch_size=2, max_length=64).numpy()
+    cos = (ours * mean).sum(axis=1)
+    assert cos.max() < 0.99  # mean pooling would give other vectors
+    out = ev.run_evaluation([str(folder)], local_tasks=[f"SciFact={beir}"], show_progress=False)
+    assert 0.0 < out["results"][str(folder)]["SciFact"]["main_score"] <= 100.0
+
+
+def AutoModel_from(path):
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(path).eval()

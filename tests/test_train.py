@@ -421,14 +421,22 @@ def test_accelerate_launch_deepspeed_one_cpu_process(tiny_bert, groups, tmp_path
     transformers loads: the frozen teacher must be loaded whole, and the tied projection read outside its module
     must be gathered (registered as an external parameter), or the run fails or trains on empty shards."""
     out = tmp_path / "ds"
+    beir, _ = _eval_folders(tmp_path)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / f"accelerate_cpu_deepspeed_{stage}.yaml"), str(ROOT / "train.py")]
     cmd += [str(a) for a in base_args(tiny_bert, groups, out, **{"--max_train_steps": 3, "--max_groups": 8,
-                                                                   "--learning_rate": 1e-3, "--checkpointing_steps": 3})]
+                                                                   "--learning_rate": 1e-3, "--checkpointing_steps": 3,
+                                                                   "--eval_tasks": f"SciFact={beir}"})]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "DistributedType.DEEPSPEED x 1" in proc.stdout + proc.stderr  # really DeepSpeed, not a silent fallback
-    log = read_log(out)
+    # the final model scored inside the DeepSpeed engine (ZeRO-3: gathered weights) = evaluate.py on the saved folder
+    import evaluate
+
+    (scored,) = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if "eval_SciFact" in line]
+    final = evaluate.run_evaluation([str(out / "model")], local_tasks=[f"SciFact={beir}"], show_progress=False)
+    assert scored["eval_SciFact"] == pytest.approx(final["results"][str(out / "model")]["SciFact"]["main_score"], abs=1e-4)
+    log = {r["step"]: r for r in _records(out) if "loss" in r}  # the loss records (the score record is apart)
     assert sorted(log) == [1, 2, 3]
     assert (out / "checkpoints" / "step_3" / "pytorch_model").is_dir()  # a DeepSpeed engine checkpoint
     assert (out / "model" / "model.safetensors").exists()
@@ -527,3 +535,73 @@ def test_nonfinite_loss_found_at_the_next_logging_step_names_its_step(nan_at_ste
     with pytest.raises(FloatingPointError, match=r"step 3 .*cross_fill_loss"):
         run(argv)
     assert not (tmp_path / "n5" / "model").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scores during training: --eval_tasks / --eval_steps
+# ---------------------------------------------------------------------------------------------------------------
+def _eval_folders(tmp_path):
+    from test_evaluate import write_beir, write_semeval_sts
+
+    return write_beir(tmp_path / "scifact"), write_semeval_sts(tmp_path / "sts12")
+
+
+def _records(out: Path):
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_eval_steps_scores_the_model_during_training(tiny_bert, groups, tmp_path):
+    """--eval_steps 2 over 3 steps: scores at step 2 and for the final model (3), in train_log.jsonl and on the
+    curve picture; the final score equals evaluate.py's on the saved folder (dropout was off, the model's pooling and
+    prompts were used), and the losses equal a run without scoring (training mode and random states restored)."""
+    import evaluate
+
+    beir, sts = _eval_folders(tmp_path)
+    common = {"--max_train_steps": 3, "--max_groups": 12, "--learning_rate": 1e-3, "--num_related": 2}
+    run(base_args(tiny_bert, groups, tmp_path / "e", **common,
+                  **{"--eval_steps": 2, "--eval_limit": 0, "--eval_tasks": f"SciFact={beir}"}) + [str(sts)])
+    recs = _records(tmp_path / "e")
+    scored = [r for r in recs if "eval_SciFact" in r]
+    assert [r["step"] for r in scored] == [2, 3]
+    assert all(0.0 <= r["eval_SciFact"] <= 100.0 and -100.0 <= r["eval_STS12"] <= 100.0 for r in scored)
+    png = (tmp_path / "e" / "loss_curve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    final = evaluate.run_evaluation([str(tmp_path / "e" / "model")], local_tasks=[f"SciFact={beir}", str(sts)],
+                                    show_progress=False)["results"][str(tmp_path / "e" / "model")]
+    assert scored[-1]["eval_SciFact"] == pytest.approx(final["SciFact"]["main_score"], abs=1e-4)
+    assert scored[-1]["eval_STS12"] == pytest.approx(final["STS12"]["main_score"], abs=1e-4)
+
+    run(base_args(tiny_bert, groups, tmp_path / "n", **common))
+    plain = {r["step"]: r for r in _records(tmp_path / "n")}
+    with_eval = {r["step"]: r for r in recs if "loss" in r}
+    for s in range(1, 4):
+        assert with_eval[s]["loss"] == pytest.approx(plain[s]["loss"], rel=1e-6), s
+
+
+def test_eval_flags_fail_early(tiny_bert, groups, tmp_path):
+    with pytest.raises(SystemExit, match="--eval_tasks"):
+        train.parse_args(base_args(tiny_bert, groups, tmp_path / "x", **{"--eval_steps": 2}))
+
+
+@pytest.mark.slow
+def test_two_process_scores_equal_evaluate_on_the_saved_model(tiny_bert, groups, tmp_path):
+    """torchrun, 2 CPU processes: each encodes half of the texts, the vectors are gathered; the final score equals
+    evaluate.py's on the saved folder."""
+    import evaluate
+
+    beir, sts = _eval_folders(tmp_path)
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py")]
+    cmd += [str(a) for a in base_args(tiny_bert, groups, out, **{"--max_train_steps": 2, "--num_related": 2,
+                                                                   "--max_length": 24, "--learning_rate": 1e-3,
+                                                                   "--eval_steps": 1, "--eval_limit": 0,
+                                                                   "--eval_tasks": f"SciFact={beir}"})] + [str(sts)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    scored = [r for r in _records(out) if "eval_SciFact" in r]
+    assert [r["step"] for r in scored] == [1, 2]
+    final = evaluate.run_evaluation([str(out / "model")], local_tasks=[f"SciFact={beir}", str(sts)],
+                                    show_progress=False)["results"][str(out / "model")]
+    assert scored[-1]["eval_SciFact"] == pytest.approx(final["SciFact"]["main_score"], abs=1e-4)
+    assert scored[-1]["eval_STS12"] == pytest.approx(final["STS12"]["main_score"], abs=1e-4)
