@@ -887,8 +887,10 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
             rows_b, model_kw, scalars = step_inputs(rows_b, epoch, state.completed_steps, max_steps)
             batch = collator(rows_b)
             real, proc = padding_efficiency(batch, skip=skip_keys)  # on the CPU tensors: no device sync
-            batch = {k: v.to(accelerator.device, non_blocking=True) if torch.is_tensor(v) else v
-                     for k, v in batch.items()}
+            # pinned: a copy from pageable memory may make the driver wait for the stream (a host sync per step)
+            pin = accelerator.device.type == "cuda"
+            batch = {k: (v.pin_memory() if pin else v).to(accelerator.device, non_blocking=True)
+                     if torch.is_tensor(v) else v for k, v in batch.items()}
             window.real, window.proc = window.real + real, window.proc + proc
             if not first_step_printed:
                 accum = args.gradient_accumulation_steps * world
