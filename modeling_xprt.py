@@ -1468,6 +1468,11 @@ def _row_dot(a, b):
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
+# How the bias enters the fp32 chunk logits: "column" (default) appends it to W as one more input column (the matmul
+# adds it, and its gradient is one more column of the weight gradient: no pass over the (chunk x V) buffer for either);
+# "add" adds it in place after the matmul (_logits_into). A 1024 x 30,522 x 768 chunk timed alike within the noise of
+# the shared machine (0.92-1.37 s each way); "column" saves two passes over the buffer per chunk in principle.
+# Both are tested against the plain loss.
 BIAS_MODE = "column"
 
 
