@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -534,8 +536,9 @@ def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
     x = F.normalize(vectors.float(), dim=-1)
     sq = (2 - 2 * x @ x.t()).clamp(min=0)  # ||x - y||^2 for unit vectors, (N, N)
     n = x.shape[0]
-    off = ~torch.eye(n, dtype=torch.bool, device=x.device)
-    return torch.logsumexp(-t * sq[off], dim=0) - torch.log(torch.tensor(float(n * (n - 1)), device=x.device))
+    # i != j by a -inf diagonal, not a boolean-mask gather (whose data-dependent size is a device-to-host sync)
+    diag = torch.eye(n, dtype=torch.bool, device=x.device)
+    return torch.logsumexp((-t * sq).masked_fill(diag, float("-inf")).flatten(), dim=0) - math.log(n * (n - 1))
 
 
 def retention_loss(student_anchors, student_related, teacher_anchors, teacher_related,
@@ -934,6 +937,7 @@ class XPRTModel(nn.Module):
         self.prompts = dict(prompts or NO_PROMPTS)
         self.base_model = base_model
         self.hub_model_id = hub_model_id
+        self._plan_cache = {}  # _plan
 
     # -- pieces ----------------------------------------------------------------------------------
     @property
@@ -961,6 +965,39 @@ class XPRTModel(nn.Module):
             with torch.no_grad():
                 kw["teacher_hidden"] = self.head_transform(kw["teacher_hidden"].detach())
         return fn(self.head_transform(hidden), w, b, fused=self.fused_vocab_loss, **kw)
+
+    def _vocab_sweep(self, ce=(), kl=()):
+        """Named vocabulary terms [(name, hidden, targets or teacher hidden, weight)] through the MLM head in one
+        vocab_sweep -> (weighted sum with gradient, {name: value}). The head's transform runs once on all student
+        rows (and once, without gradient, on the teacher rows)."""
+        w, b = self.projection()
+        rows = [x[1] for x in list(ce) + list(kl)]
+        student = self.head_transform(torch.cat(rows) if len(rows) > 1 else rows[0]).split([r.shape[0] for r in rows])
+        with torch.no_grad():
+            teachers = [self.head_transform(t.detach()) for _, _, t, _ in kl]
+        total, vals = vocab_sweep(w, b, ce=[(s, t, wt) for s, (_, _, t, wt) in zip(student, ce)],
+                                  kl=[(s, t, wt) for s, t, (_, _, _, wt) in zip(student[len(ce):], teachers, kl)],
+                                  fused=self.fused_vocab_loss)
+        return total, {name: v for (name, *_), v in zip(list(ce) + list(kl), vals)}
+
+    def _plan(self, num_related: int, device):
+        """decoder_pass_plan as device tensors, made once per (num_related, device) and kept (a tensor built from a
+        list every step is a host-to-device copy every step): (source, target, kept passes, their new index, D)."""
+        key = (num_related, str(device), self.fill_in)
+        if key not in self._plan_cache:
+            source, target, kind = decoder_pass_plan(num_related)
+            keep = [i for i, k in enumerate(kind) if self.fill_in or k == "self"]  # fill_in=False: self passes only
+            remap = [keep.index(i) if i in keep else -1 for i in range(len(kind))]
+            t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+            self._plan_cache[key] = (t([source[i] for i in keep]), t([target[i] for i in keep]), t(keep), t(remap),
+                                     len(kind))
+        return self._plan_cache[key]
+
+    def _decoder_rows(self, index, l):
+        """Flat positions in the decoder's (N, L) input -> flat rows of its (N, L + C, H) output: the C
+        conditioning slots sit after position 0 ([CLS]), so row n's token j > 0 moves by C, and every row by n C."""
+        c = self.num_condition_vectors
+        return index + index // l * c + c * (index % l > 0)
 
     def encode(self, input_ids, attention_mask):
         """(N, L) -> hidden (N, L, H), mean-pooled vectors (N, H)."""
@@ -1023,74 +1060,71 @@ class XPRTModel(nn.Module):
 
     def _forward_xprt(self, batch):
         w = self.weights
-        ids, am, mlm_labels = batch["input_ids"], batch["attention_mask"], batch["mlm_labels"]
+        ids, am = batch["input_ids"], batch["attention_mask"]
         g, p, l = ids.shape
+        if "mlm_index" not in batch:
+            raise ValueError("batch lacks the index tensors (mlm_index, ...): build it with XPRTCollator")
         hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))  # (G*P, L, H), (G*P, H)
         h = hidden.shape[-1]
+        flat = hidden.view(g * p * l, h)
         vec = vec.view(g, p, h)  # (G, P, H): 0 = anchor, 1 = s1, ...
         anchors, s1 = vec[:, 0], vec[:, 1]
         terms = {"xp_loss": xp_loss(anchors, s1, batch["doc_ids"], w.tau)}
-        # L_MLM on the 15% masked positions of all G*P passages, gathered before the projection.
-        mpos = mlm_labels.view(g * p, l) != -100
-        terms["mlm_loss"] = self._vocab(mlm_loss, hidden[mpos], targets=mlm_labels.view(g * p, l)[mpos])
         terms["uniformity_loss"] = uniformity_loss(anchors)
 
         # Decoder: every pass of every group in one call.
-        source, target, kind = decoder_pass_plan(p - 1)
-        dec_ids, dec_labels = batch["dec_input_ids"], batch["dec_labels"]  # (G, D, L)
-        if dec_ids.shape[1] != len(source):
-            raise ValueError(f"batch has {dec_ids.shape[1]} decoder passes per group, expected {len(source)}")
-        keep = [i for i, k in enumerate(kind) if self.fill_in or k == "self"]  # fill_in=False: self passes only
-        if len(keep) != len(kind):
-            sel = torch.tensor(keep, device=ids.device)
-            dec_ids, dec_labels = dec_ids[:, sel], dec_labels[:, sel]
-            source, target, kind = [source[i] for i in keep], [target[i] for i in keep], [kind[i] for i in keep]
-        d = len(source)
-        src_t = torch.tensor(source, device=ids.device)
-        tgt_t = torch.tensor(target, device=ids.device)
+        src_t, tgt_t, keep_t, remap_t, d_full = self._plan(p - 1, ids.device)
+        dec_ids = batch["dec_input_ids"]  # (G, D, L)
+        if dec_ids.shape[1] != d_full:
+            raise ValueError(f"batch has {dec_ids.shape[1]} decoder passes per group, expected {d_full}")
+        d = src_t.shape[0]
+        if d != d_full:  # fill_in=False: the self passes only
+            dec_ids = dec_ids.index_select(1, keep_t)
         cond_vec = vec[:, src_t].reshape(g * d, h)  # (G*D, H)
         dec_mask = am[:, tgt_t].reshape(g * d, l)  # the target passage's attention mask
-        dec_out = self.decode(cond_vec, dec_ids.reshape(g * d, l), dec_mask)
-        dec_out = dec_out.view(g, d, l + self.num_condition_vectors, h)
-        dec_pos = self._decoder_positions(dec_labels.reshape(g * d, l)).view(g, d, -1)  # (G, D, L+C)
-        is_self = torch.tensor([k == "self" for k in kind], device=ids.device)
+        dec_out = self.decode(cond_vec, dec_ids.reshape(g * d, l), dec_mask)  # (G*D, L+C, H)
+        dec_flat = dec_out.reshape(-1, h)
+        # The rows each vocabulary term uses, at positions the collator picked (index tensors: no data-dependent
+        # shapes here, so no device-to-host sync): L_MLM at the 15% masked positions of all G*P passages, L_cross
+        # at the masked positions of the cross passes, L_self at those of the self passes vs the encoder's
+        # distribution at the same positions of the same passage's 15%-masked pass (detached teacher).
+        self_index = batch["self_index"]
+        if d != d_full:  # positions in the all-passes layout -> in the kept passes' layout
+            self_index = (self_index // (d_full * l) * d + remap_t[self_index // l % d_full]) * l + self_index % l
+        ce = [("mlm_loss", flat.index_select(0, batch["mlm_index"]), batch["mlm_targets"], w.mlm)]
         if self.fill_in:
-            cross_pos = dec_pos & ~is_self.view(1, d, 1)
-            cross_labels = dec_labels[:, ~is_self][dec_labels[:, ~is_self] != -100]
-            terms["cross_fill_loss"] = self._vocab(cross_fill_loss, dec_out[cross_pos], targets=cross_labels)
-        # L_self: decoder at the masked positions of the self passes vs the encoder's distribution
-        # at the same positions of the same passage's 15%-masked pass (detached teacher).
-        self_idx = is_self.nonzero().squeeze(1)
-        self_lab = dec_labels[:, self_idx] != -100  # (G, 2, L)
-        enc_h = hidden.view(g, p, l, h)[:, tgt_t[self_idx]][self_lab]  # (M, H) same order as below
-        dec_h = dec_out[:, self_idx][dec_pos[:, self_idx]]
-        terms["self_fill_loss"] = self._vocab(self_fill_loss, dec_h, teacher_hidden=enc_h)
-
-        loss = (w.xp * terms["xp_loss"] + w.mlm * terms["mlm_loss"] + w.unif * terms["uniformity_loss"]
-                + w.self_fill * terms["self_fill_loss"])
-        if self.fill_in:
-            loss = loss + w.cross * terms["cross_fill_loss"]
+            ce.append(("cross_fill_loss", dec_flat.index_select(0, self._decoder_rows(batch["cross_index"], l)),
+                       batch["cross_targets"], w.cross))
+        kl = [("self_fill_loss", dec_flat.index_select(0, self._decoder_rows(self_index, l)),
+               flat.index_select(0, batch["self_enc_index"]), w.self_fill)]
+        vocab_total, vocab_terms = self._vocab_sweep(ce, kl)
+        terms.update(vocab_terms)
+        loss = w.xp * terms["xp_loss"] + w.unif * terms["uniformity_loss"] + vocab_total
         return {"loss": loss, "_terms": terms, "_student": torch.stack([anchors, s1], dim=1)}
 
     def _forward_contrastive_random_span(self, batch):
-        ids, am = batch["input_ids"], batch["attention_mask"]  # (G, 2, L): two crops of the anchor
-        g, v, l = ids.shape
-        _, vec = self.encode(ids.view(g * v, l), am.view(g * v, l))
-        vec = vec.view(g, v, -1)
-        c = contrastive_random_span(vec[:, 0], vec[:, 1], self.weights.tau)
+        # the longer and the shorter crop of each row, each padded to its own length (XPRTCollator._crops)
+        _, v_long = self.encode(batch["input_ids"], batch["attention_mask"])  # (G, H)
+        _, v_short = self.encode(batch["short_input_ids"], batch["short_attention_mask"])
+        first = batch["view1_is_long"].unsqueeze(1)  # back in view order, without a data-dependent gather
+        c = contrastive_random_span(torch.where(first, v_long, v_short), torch.where(first, v_short, v_long),
+                                    self.weights.tau)
         return {"loss": c, "_terms": {"contrastive_loss": c}}
 
     def _forward_self_reconstruction(self, batch):
-        ids, am, mlm_labels = batch["input_ids"], batch["attention_mask"], batch["mlm_labels"]  # (G, 1, L)
+        ids, am = batch["input_ids"], batch["attention_mask"]  # (G, 1, L)
         g, p, l = ids.shape
         hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))
-        mpos = mlm_labels.view(g * p, l) != -100
-        m = self._vocab(mlm_loss, hidden[mpos], targets=mlm_labels.view(g * p, l)[mpos])
-        dec_labels = batch["dec_labels"].view(g * p, l)
+        if "mlm_index" not in batch:
+            raise ValueError("batch lacks the index tensors (mlm_index, ...): build it with XPRTCollator")
         dec_out = self.decode(vec, batch["dec_input_ids"].view(g * p, l), am.view(g * p, l))
-        r = self._vocab(cross_fill_loss, dec_out[self._decoder_positions(dec_labels)],
-                        targets=dec_labels[dec_labels != -100])
-        return {"loss": self_reconstruction(r, m), "_terms": {"recon_loss": r, "mlm_loss": m}}
+        h = hidden.shape[-1]
+        # self_reconstruction(recon, mlm) = recon + mlm: the sweep's weighted sum with weights 1 and 1 is that loss
+        total, t = self._vocab_sweep([
+            ("recon_loss", dec_out.reshape(-1, h).index_select(0, self._decoder_rows(batch["dec_index"], l)),
+             batch["dec_targets"], 1.0),
+            ("mlm_loss", hidden.reshape(-1, h).index_select(0, batch["mlm_index"]), batch["mlm_targets"], 1.0)])
+        return {"loss": total, "_terms": {"recon_loss": t["recon_loss"], "mlm_loss": t["mlm_loss"]}}
 
     def _forward_pair(self, batch, pair_alpha: float):
         _, q = self.encode(batch["query_input_ids"], batch["query_attention_mask"])  # (B, H)
@@ -1330,7 +1364,8 @@ class XPRTCollator:
         batch = {"doc_ids": doc_ids, "retain_input_ids": clean["input_ids"].view(g, 2, lr),
                  "retain_attention_mask": clean["attention_mask"].view(g, 2, lr)}
         if self.objective == "contrastive_random_span":
-            batch.update(self._crops([r["anchor"] for r in rows]))
+            spans = [r["crop_spans"] for r in rows] if "crop_spans" in rows[0] else None
+            batch.update(self._crops([r["anchor"] for r in rows], spans))
             return batch
         if self.objective == "xprt":
             texts = [t for r, s in zip(rows, second)
@@ -1354,34 +1389,100 @@ class XPRTCollator:
         batch.update({"input_ids": masked.view(g, p, l), "attention_mask": am.view(g, p, l),
                       "mlm_labels": labels.view(g, p, l),
                       "dec_input_ids": dec_ids, "dec_labels": dec_labels})
+        batch.update(self._loss_positions(labels.view(g, p, l), dec_labels))
         return batch
 
-    def _crops(self, texts):
+    def _loss_positions(self, mlm_labels, dec_labels) -> dict:
+        """The positions each vocabulary term uses, as flat index tensors (and their targets), built here on the CPU
+        once per batch: the model gathers with index_select, never with a boolean mask, whose data-dependent result
+        size would make a GPU wait for the host every step. Row-major order, the order a boolean mask gives.
+
+        mlm_index, mlm_targets: masked encoder positions in (G * P * L). xprt: cross_index, cross_targets and
+        self_index at the masked positions of the cross / self decoder passes in (G * D * L) (all D passes of
+        decoder_pass_plan), self_enc_index the same tokens in the encoder's (G * P * L) (L_self's teacher).
+        self_reconstruction: dec_index, dec_targets in (G * 1 * L)."""
+        def at(mask, values):
+            index = mask.reshape(-1).nonzero().squeeze(1)
+            return index, values.reshape(-1)[index]
+
+        out = dict(zip(("mlm_index", "mlm_targets"), at(mlm_labels != -100, mlm_labels)))
+        if self.objective != "xprt":
+            out.update(zip(("dec_index", "dec_targets"), at(dec_labels != -100, dec_labels)))
+            return out
+        g, p, l = mlm_labels.shape
+        _, target, kind = decoder_pass_plan(self.num_related)
+        d = len(kind)
+        is_self = torch.tensor([k == "self" for k in kind]).view(1, d, 1)
+        picked = dec_labels != -100  # (G, D, L)
+        out.update(zip(("cross_index", "cross_targets"), at(picked & ~is_self, dec_labels)))
+        self_index, _ = at(picked & is_self, dec_labels)
+        grp, pas, j = self_index // (d * l), self_index // l % d, self_index % l
+        out.update(self_index=self_index, self_enc_index=(grp * p + torch.tensor(target)[pas]) * l + j)
+        return out
+
+    def _crops(self, texts, spans=None):
         """Contriever's random cropping: two independent spans of each text, each of length
         ratio ~ U[crop_ratio] of its tokens (at least one token), re-wrapped in [CLS] prefix ... [SEP]
-        (the prefix is not cropped: every view is a passage as E5 reads it)."""
+        (the prefix is not cropped: every view is a passage as E5 reads it).
+
+        spans (G, 2, 2) [start, length] per view: drawn before batching (crop_spans, train.py: so that batches can
+        be grouped by the crops' lengths); None draws them here from the collator's generator.
+        Layout: the longer crop of each row in input_ids / attention_mask (G, L), the shorter in short_input_ids /
+        short_attention_mask (G, L_short), each padded to its own longest, and view1_is_long (G,) to put them back
+        in view order: padding both views to one length would pad every short crop to the longest long one."""
         tok = self.tokenizer
-        body = tok(list(texts), add_special_tokens=False, truncation=True, max_length=self.max_length)["input_ids"]
+        body = self.crop_token_ids(texts)
         lo, hi = self.crop_ratio
         # BERT's [CLS]/[SEP]; RoBERTa-style tokenizers have <s>/</s> as bos/eos
         first = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
         last = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
         views = []
-        for toks in body:
-            for _ in range(2):
+        for i, toks in enumerate(body):
+            for v in range(2):
                 n = len(toks)
-                ratio = lo + (hi - lo) * torch.rand((), generator=self.generator).item()
-                k = max(1, int(round(ratio * n)))
-                start = int(torch.randint(0, max(1, n - k + 1), (), generator=self.generator))
+                if spans is None:
+                    ratio = lo + (hi - lo) * torch.rand((), generator=self.generator).item()
+                    k = max(1, int(round(ratio * n)))
+                    start = int(torch.randint(0, max(1, n - k + 1), (), generator=self.generator))
+                else:
+                    start, k = int(spans[i][v][0]), int(spans[i][v][1])
                 views.append([first] + self.prefix_ids + toks[start : start + k] + [last])
-        l = max(len(v) for v in views)
-        ids = torch.full((len(views), l), tok.pad_token_id, dtype=torch.long)
-        am = torch.zeros((len(views), l), dtype=torch.long)
-        for i, v in enumerate(views):
-            ids[i, : len(v)] = torch.tensor(v)
-            am[i, : len(v)] = 1
         g = len(texts)
-        return {"input_ids": ids.view(g, 2, l), "attention_mask": am.view(g, 2, l)}
+        view1_is_long = torch.tensor([len(views[2 * i]) >= len(views[2 * i + 1]) for i in range(g)])
+        long = [views[2 * i + (0 if view1_is_long[i] else 1)] for i in range(g)]
+        short = [views[2 * i + (1 if view1_is_long[i] else 0)] for i in range(g)]
+
+        def pad(vs):
+            ids = torch.full((len(vs), max(len(v) for v in vs)), tok.pad_token_id, dtype=torch.long)
+            am = torch.zeros_like(ids)
+            for j, v in enumerate(vs):
+                ids[j, : len(v)] = torch.tensor(v)
+                am[j, : len(v)] = 1
+            return ids, am
+
+        (ids, am), (sids, sam) = pad(long), pad(short)
+        return {"input_ids": ids, "attention_mask": am, "short_input_ids": sids, "short_attention_mask": sam,
+                "view1_is_long": view1_is_long}
+
+    def crop_token_ids(self, texts) -> list:
+        """The tokens random cropping draws from: each text's own tokens, cut to max_length (no specials)."""
+        return self.tokenizer(list(texts), add_special_tokens=False, truncation=True,
+                              max_length=self.max_length)["input_ids"]
+
+
+def crop_spans(num_tokens, seed: int, epoch: int, crop_ratio: tuple = (0.1, 0.5)):
+    """Both random crops of every row, drawn at once for an epoch: (N, 2, 2) int64 [start, length] per view, from
+    num_tokens (N,) (XPRTCollator.crop_token_ids' lengths). A function of (seed, epoch) only, so the batch sampler
+    can group rows by their crops' lengths before any batch is collated, and a resumed run draws the same crops.
+    The draws of XPRTCollator._crops: length = max(1, round(ratio * n)), ratio ~ U[crop_ratio], start uniform over
+    the places the span fits."""
+    n = np.asarray(num_tokens, dtype=np.int64)[:, None]  # (N, 1)
+    rng = np.random.default_rng([seed, epoch])
+    lo, hi = crop_ratio
+    ratio = lo + (hi - lo) * rng.random((len(n), 2))
+    k = np.maximum(1, np.round(ratio * n).astype(np.int64))
+    start = np.floor(rng.random((len(n), 2)) * np.maximum(1, n - k + 1)).astype(np.int64)
+    return np.stack([start, k], axis=-1)
 
 
 def pair_text_ids(rows: list, num_negatives: int) -> tuple:
@@ -1453,26 +1554,80 @@ def vocab_loss(hidden, weight, bias, targets=None, teacher_hidden=None, fused: b
     hidden: (N, H), already through the MLM head's transform and gathered at the positions a loss
     uses (never every position: README, Notes: 1.70x vs 2.15x the encoder cost for BERT-base).
     fused=True computes it chunk by chunk (_FusedLinearCE); fused=False is the plain reference.
+    One term of vocab_sweep (which computes several terms sharing the projection in one pass).
     """
-    if hidden.shape[0] == 0:
-        return hidden.sum() * 0.0
-    if teacher_hidden is not None:
-        teacher_hidden = teacher_hidden.detach()
-    if fused:
-        return _FusedLinearCE.apply(hidden, weight, bias, targets, teacher_hidden, chunk_size, torch.is_grad_enabled())
-    logits = F.linear(hidden, weight, bias).float()
-    if teacher_hidden is None:
-        return F.cross_entropy(logits, targets)
-    with torch.no_grad():
-        t_logp = F.log_softmax(F.linear(teacher_hidden, weight, bias).float(), dim=-1)
-    return F.kl_div(F.log_softmax(logits, -1), t_logp, log_target=True, reduction="batchmean")
+    if targets is not None:
+        return vocab_sweep(weight, bias, ce=[(hidden, targets, 1.0)], fused=fused, chunk_size=chunk_size)[0]
+    return vocab_sweep(weight, bias, kl=[(hidden, teacher_hidden, 1.0)], fused=fused, chunk_size=chunk_size)[0]
+
+
+def vocab_sweep(weight, bias, ce=(), kl=(), fused: bool = True, chunk_size: int = 1024) -> tuple:
+    """Several vocabulary terms that share one projection (W, b), in one sweep -> (sum_k w_k * term_k, [term_k]).
+
+    ce: [(hidden (N_k, H), targets (N_k,), w_k)] hard-target terms (L_MLM and L_cross: the same MLM head);
+    kl: [(hidden (N_k, H), teacher_hidden (N_k, H), w_k)] soft-target terms (L_self). Each term is the mean over
+    its own rows, as vocab_loss gives it; the first output carries the gradient, the list holds the terms' values
+    (detached when fused). Why one sweep: one (V, H) weight gradient accumulated for all terms instead of one per
+    term (each 94 MB for BERT-base, summed by autograd afterwards), one set of (chunk, V) buffers, and the
+    hard-target terms chunked together (fewer partial chunks). The math is that of separate vocab_loss calls: each
+    row's loss and gradient are scaled by w_k / N_k (tests: test_vocab_sweep_equals_separate_plain_terms).
+    """
+    terms = [(h, t, w, None) for h, t, w in ce] + [(h, None, w, th) for h, th, w in kl]
+    if not terms:
+        raise ValueError("vocab_sweep needs at least one term")
+    h0 = terms[0][0]
+    if not fused:
+        vals = []
+        for h, t, _, th in terms:
+            if h.shape[0] == 0:
+                vals.append(h.sum() * 0.0)
+                continue
+            logits = F.linear(h, weight, bias).float()
+            if th is None:
+                vals.append(F.cross_entropy(logits, t))
+                continue
+            with torch.no_grad():
+                t_logp = F.log_softmax(F.linear(th.detach(), weight, bias).float(), dim=-1)
+            vals.append(F.kl_div(F.log_softmax(logits, -1), t_logp, log_target=True, reduction="batchmean"))
+        return sum(w * v for (_, _, w, _), v in zip(terms, vals)), vals
+    # Rows in one tensor: the hard-target rows first, then the soft ones; row_scale = d total / d row loss.
+    sizes = [h.shape[0] for h, *_ in terms]
+    hidden = torch.cat([h for h, *_ in terms]) if len(terms) > 1 else h0
+    targets = torch.cat([t for _, t, _, _ in terms if t is not None]) if ce else None
+    teacher = torch.cat([th for *_, th in terms if th is not None]).detach() if kl else None
+    row_scale = torch.cat([hidden.new_full((n,), w / max(n, 1), dtype=torch.float32)
+                           for n, (_, _, w, _) in zip(sizes, terms)])
+    total, row_loss = _FusedLinearCE.apply(hidden, weight, bias, targets, teacher, row_scale, chunk_size,
+                                           torch.is_grad_enabled())
+    vals, s = [], 0
+    for n in sizes:  # each term's mean over its rows (0 for an empty term, as vocab_loss gave)
+        vals.append(row_loss[s : s + n].sum() / max(n, 1))
+        s += n
+    return total, vals
+
+
+# Scratch (chunk, V) fp32 buffers kept across calls and steps, per device and slot: on CPU a fresh 125 MB tensor costs
+# its page faults on every touch (glibc maps and unmaps blocks this large each time). Only the forward of
+# _FusedLinearCE writes them, and nothing that outlives the call points into them. On a GPU the caching allocator
+# reuses memory anyway; this only keeps the peak from being handed back between steps.
+_SCRATCH: dict = {}
+
+
+def _scratch(slot: str, rows: int, cols: int, device) -> torch.Tensor:
+    key = (slot, str(device))
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < rows * cols:
+        _SCRATCH[key] = buf = None  # free the old one before the bigger one is made
+        _SCRATCH[key] = buf = torch.empty(rows * cols, dtype=torch.float32, device=device)
+    return buf[: rows * cols].view(rows, cols)
 
 
 def _logits_into(out, h, weight, bias):
-    """out (r, V) fp32 <- h W^T + b. In fp32 the matmul writes straight into the reused buffer; in low
-    precision (or under autocast) it runs in its own dtype and is copied up, as .float() would."""
+    """out (r, V) fp32 <- h W^T + b. The bias is added in place after the matmul writes straight into the reused
+    buffer (addmm(bias, ..., out=buf) first copies the broadcast bias into the buffer, an extra pass over it); in low
+    precision (or under autocast) the matmul runs in its own dtype and is copied up, as .float() would."""
     if h.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled(h.device.type):
-        return torch.addmm(bias, h, weight.t(), out=out)
+        return torch.mm(h, weight.t(), out=out).add_(bias)
     return out.copy_(torch.addmm(bias, h, weight.t()))
 
 
@@ -1490,70 +1645,109 @@ def _row_dot(a, b):
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
+# How the bias enters the fp32 chunk logits: "column" (default) appends it to W as one more input column (the matmul
+# adds it, and its gradient is one more column of the weight gradient: no pass over the (chunk x V) buffer for either);
+# "add" adds it in place after the matmul (_logits_into). A 1024 x 30,522 x 768 chunk timed alike within the noise of
+# the shared machine (0.92-1.37 s each way); "column" saves two passes over the buffer per chunk in principle.
+# Both are tested against the plain loss.
+BIAS_MODE = "column"
+
+
 class _FusedLinearCE(torch.autograd.Function):
-    """Vocabulary projection + cross-entropy (hard targets) or KL (soft targets), chunk by chunk.
+    """Vocabulary projection + cross-entropy (hard targets) and/or KL (soft targets), chunk by chunk.
 
     Never holds the (N, V) logits: each chunk's logits give its loss and, at once, its gradients
     w.r.t. hidden, weight and bias (the "fused linear cross-entropy" of Liger-Kernel); backward
     only scales them by the incoming scalar. Same matmul count as plain forward + backward, much
     less memory traffic on (tokens x 30,522) tensors: every chunk reuses one fp32 (chunk, V) buffer
-    (two for KL) and the softmax runs in place in it. On CPU a fresh 125 MB tensor per chunk and per
-    temporary costs its page faults each time: ~10% of this function before the buffers were reused.
+    (two for KL, kept across calls: _scratch) and the softmax runs in place in it.
+    Rows: hidden[:len(targets)] have hard targets, the rest soft ones (teacher_hidden); row_scale (N,) is each row's
+    weight in the total (w_k / N_k: vocab_sweep). Returns (total, per-row losses (N,), no gradient).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, teacher_hidden, chunk_size, compute_grad):
+    def forward(ctx, hidden, weight, bias, targets, teacher_hidden, row_scale, chunk_size, compute_grad):
         n = hidden.shape[0]
+        n_ce = 0 if targets is None else targets.shape[0]
         # no gradient work at all under torch.no_grad (evaluation)
         need = [compute_grad and x for x in ctx.needs_input_grad[:3]]
+        row_loss = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        if n == 0:
+            ctx.grads = (torch.zeros_like(hidden) if need[0] else None, None, None)
+            ctx.mark_non_differentiable(row_loss)
+            return hidden.new_zeros((), dtype=torch.float32), row_loss
+        v = weight.shape[0]
+        column = BIAS_MODE == "column" and hidden.dtype == weight.dtype == torch.float32 \
+            and not torch.is_autocast_enabled(hidden.device.type)
+        if column:  # the bias as one more input column: the matmul adds it, and its gradient is one more column too
+            wb = torch.cat([weight.detach(), bias.detach().to(weight.dtype).unsqueeze(1)], dim=1)  # (V, H + 1)
         grad_h = torch.empty_like(hidden) if need[0] else None
-        grad_w = torch.empty_like(weight, dtype=torch.float32) if need[1] else None  # set by the first chunk
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need[2] else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        inv_n = 1.0 / max(n, 1)  # the mean's 1/n, folded into the gradient products below
-        buf = torch.empty((min(chunk_size, n), weight.shape[0]), dtype=torch.float32, device=hidden.device)
-        tbuf = torch.empty_like(buf) if teacher_hidden is not None else None
-        for s in range(0, n, chunk_size):
-            h = hidden[s : s + chunk_size]
-            r = h.shape[0]
-            if teacher_hidden is None:  # hard targets: CE = lse - logit[target]
-                tgt = targets[s : s + chunk_size]
-                z = _logits_into(buf[:r], h, weight, bias)
+        hw = weight.shape[1] + (1 if column else 0)
+        grad_w = torch.empty((v, hw), dtype=torch.float32, device=hidden.device) if need[1] or (column and need[2]) \
+            else None  # set by the first chunk
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need[2] and not column else None
+        rows = min(chunk_size, n)
+        buf = _scratch("logits", rows, v, hidden.device)
+        tbuf = _scratch("teacher", rows, v, hidden.device) if teacher_hidden is not None else None
+        first = True
+
+        def logits(out, h):
+            if column:
+                return torch.mm(torch.cat([h, h.new_ones(h.shape[0], 1)], 1), wb.t(), out=out)
+            return _logits_into(out, h, weight, bias)
+
+        # chunks never straddle the hard/soft boundary
+        starts = [(s, min(s + chunk_size, n_ce)) for s in range(0, n_ce, chunk_size)]
+        starts += [(s, min(s + chunk_size, n)) for s in range(n_ce, n, chunk_size)]
+        for s, e in starts:
+            h = hidden[s:e]
+            r = e - s
+            scale = row_scale[s:e]
+            if s < n_ce:  # hard targets: CE = lse - logit[target]
+                tgt = targets[s:e]
+                z = logits(buf[:r], h)
                 z_tgt = z.gather(1, tgt.unsqueeze(1)).squeeze(1)
-                total += (_softmax_(z) - z_tgt).sum()
+                row_loss[s:e] = _softmax_(z) - z_tgt
                 g = z  # softmax - one_hot(target)
                 g[torch.arange(r, device=g.device), tgt] -= 1.0
             else:  # soft targets p = softmax(teacher logits): KL(p || q) = sum p z_t - lse_t - (sum p z - lse)
-                zt = _logits_into(tbuf[:r], teacher_hidden[s : s + chunk_size], weight, bias)
+                zt = logits(tbuf[:r], teacher_hidden[s - n_ce : e - n_ce])
                 p = buf[:r].copy_(zt)
                 lse_t = _softmax_(p)
                 kl = _row_dot(p, zt) - lse_t  # sum p log p, before tbuf is reused for the student
-                z = _logits_into(tbuf[:r], h, weight, bias)
+                z = logits(tbuf[:r], h)
                 kl -= _row_dot(p, z) - _softmax_(z)  # - sum p log q
-                total += kl.sum()
+                row_loss[s:e] = kl
                 g = z.sub_(p)  # softmax(student) - p
             if grad_h is not None:
-                grad_h[s : s + r] = (g.to(weight.dtype) @ weight) * inv_n  # (r, H): small
-            if grad_w is not None:
-                grad_w.addmm_(g.t(), h.float(), beta=0.0 if s == 0 else 1.0, alpha=inv_n)  # beta 0: ignore the garbage
+                gh = g.to(weight.dtype) @ weight  # (r, H): small
+                grad_h[s:e] = gh * scale.unsqueeze(1).to(gh.dtype)
+            if grad_w is not None:  # the rows' scales go on the small (r, H) side, never on the (r, V) one
+                hs = h.float() * scale.unsqueeze(1)
+                if column:
+                    hs = torch.cat([hs, scale.unsqueeze(1)], 1)
+                grad_w.addmm_(g.t(), hs, beta=0.0 if first else 1.0)  # beta 0: ignore the garbage
             if grad_b is not None:
-                grad_b.add_(g.sum(0), alpha=inv_n)
+                grad_b.addmv_(g.t(), scale)
+            first = False
+        total = (row_loss * row_scale).sum()
+        gw = gb = None
+        if column and grad_w is not None:
+            gw = grad_w[:, :-1].to(weight.dtype) if need[1] else None
+            gb = grad_w[:, -1].to(bias.dtype) if need[2] else None
+        elif grad_w is not None or grad_b is not None:
+            gw = None if grad_w is None else grad_w.to(weight.dtype)
+            gb = None if grad_b is None else grad_b.to(bias.dtype)
         # The gradients are intermediates (neither inputs nor outputs), so they may live on ctx; backward hands
         # them over (scaled in place) instead of allocating a scaled copy of the (V, H) weight gradient.
-        ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                     None if grad_b is None else grad_b.to(bias.dtype))
-        return total * inv_n
+        ctx.grads = (grad_h, gw, gb)
+        ctx.mark_non_differentiable(row_loss)
+        return total, row_loss
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_rows):
         if ctx.grads is None:
             raise RuntimeError("backward ran twice through the fused vocabulary loss (retain_graph=True): "
                                "its gradients were handed over the first time; use fused=False for that")
         grads, ctx.grads = ctx.grads, None
-        return (
-            *(None if g is None else g.mul_(grad_out) for g in grads),
-            None,
-            None,
-            None,
-            None,
-        )
+        return (*(None if g is None else g.mul_(grad_out) for g in grads), None, None, None, None, None)

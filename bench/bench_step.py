@@ -20,6 +20,7 @@ From the repository root (it imports modeling_xprt.py from there):
 
     python -m bench.bench_step                    # both encoders, ~5-10 min on 2 CPU cores
     python -m bench.bench_step --models minilm    # quick
+    python -m bench.bench_step --baseline ../main/modeling_xprt.py --repeats 3   # before / after a change
 """
 
 import argparse
@@ -40,6 +41,10 @@ def parse_args():
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no_plain", action="store_true", help="skip the plain (unfused) vocabulary-loss comparison")
+    p.add_argument("--baseline", default=None,
+                   help="another tree's modeling_xprt.py (e.g. main's before a change): its step is timed interleaved "
+                        "with this one's and the floor, same weights and batch, paper's (masked) retention student; "
+                        "prints before/after ratios and skips the rest")
     return p.parse_args()
 
 
@@ -105,6 +110,54 @@ def build(name):
         teacher = BertForMaskedLM(cfg).bert.eval().requires_grad_(False)
         msg = "random BERT-base config"
     return tok, mlm, teacher, msg
+
+
+def bench_baseline(name, args, device):
+    """--baseline: floor, the baseline tree's step and this tree's step, interleaved (fastest of --repeats each)."""
+    import copy
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("modeling_xprt_baseline", args.baseline)
+    old_mx = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = old_mx  # dataclasses look their module up
+    spec.loader.exec_module(old_mx)
+    tok, mlm, teacher, msg = build(name)
+    batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(make_rows(tok, args.groups, args.max_length))
+    batch = {k: v.to(device) for k, v in batch.items()}
+    g, p, l = batch["input_ids"].shape
+    new = mx.XPRTModel(mlm.to(device), retention_student="masked").to(device).train()
+    old = old_mx.XPRTModel(copy.deepcopy(mlm), retention_student="masked").to(device).train()
+    old.load_state_dict(new.state_dict())  # the same weights, decoder included
+    teacher.to(device)
+
+    def floor():
+        new.zero_grad(set_to_none=True)
+        _, vec = new.encode(batch["input_ids"].view(g * p, l), batch["attention_mask"].view(g * p, l))
+        vec.pow(2).mean().backward()
+
+    def step(m):
+        def run():
+            m.zero_grad(set_to_none=True)
+            m(batch, teacher=teacher, retention_weight=40.0)["loss"].backward()
+        return run
+
+    fns = {"floor": floor, "baseline": step(old), "this tree": step(new)}
+    for f in fns.values():
+        f()
+    sync(device)
+    times = {k: [] for k in fns}
+    for _ in range(args.repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    fl = min(times["floor"])
+    print(f"\n== {name}: {msg}; baseline {args.baseline}; fastest of {args.repeats} interleaved runs ==")
+    for k, v in times.items():
+        print(f"   {k:10s} {min(v):8.2f} s   ratio {min(v) / fl:.2f}x   (runs: {', '.join(f'{x:.1f}' for x in v)})")
+    return {"baseline": min(times["baseline"]) / fl, "fused": min(times["this tree"]) / fl}
 
 
 def bench_model(name, args, device):
@@ -225,7 +278,7 @@ def main():
     device = torch.device(args.device)
     out = {}
     for name in args.models:
-        out[name] = bench_model(name, args, device)
+        out[name] = bench_baseline(name, args, device) if args.baseline else bench_model(name, args, device)
     print("\nsummary (full step / 5-pass floor):")
     for name, r in out.items():
         print(f"  {name:10s} " + "  ".join(f"{k} {v:.2f}x" for k, v in r.items()))

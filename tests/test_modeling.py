@@ -308,6 +308,40 @@ def test_fused_vocab_loss_equals_plain(soft):
         assert mx.vocab_loss(teacher, w, b, teacher_hidden=teacher).abs().item() < 1e-5
 
 
+@pytest.mark.parametrize("bias_mode", ["column", "add"])
+def test_vocab_sweep_equals_separate_plain_terms(bias_mode, monkeypatch):
+    """L_MLM, L_cross (hard targets) and L_self (soft targets) in one fused sweep == three plain full-logit terms:
+    every term's value, and the gradients of the weighted sum w.r.t. all hidden rows, W and b (whichever way the
+    bias enters the matmul). Chunks of 8 with 13 + 21 + 9 rows: partial chunks, and no chunk straddles the
+    hard/soft boundary."""
+    monkeypatch.setattr(mx, "BIAS_MODE", bias_mode)
+    torch.manual_seed(10)
+    h, v = 16, 101
+    w = torch.randn(v, h, requires_grad=True)
+    b = torch.randn(v, requires_grad=True)
+    mlm_h, cross_h, self_h = (torch.randn(n, h, requires_grad=True) for n in (13, 21, 9))
+    mlm_t, cross_t = torch.randint(v, (13,)), torch.randint(v, (21,))
+    teacher = torch.randn(9, h)
+    weights = (1.0, 0.1, 0.7)
+    results = []
+    for fused in (False, True):
+        for t in (w, b, mlm_h, cross_h, self_h):
+            t.grad = None
+        total, vals = mx.vocab_sweep(w, b, ce=[(mlm_h, mlm_t, weights[0]), (cross_h, cross_t, weights[1])],
+                                     kl=[(self_h, teacher, weights[2])], fused=fused, chunk_size=8)
+        (3.0 * total).backward()
+        results.append([total.detach(), *[x.detach() for x in vals]] + [t.grad.clone() for t in (w, b, mlm_h, cross_h, self_h)])
+    plain, fused = results
+    for x, y in zip(plain, fused):
+        assert torch.allclose(x, y, atol=1e-5, rtol=1e-4)
+    # the terms are those of separate vocab_loss calls, and the total their weighted sum
+    sep = [mx.vocab_loss(mlm_h, w, b, targets=mlm_t, fused=False), mx.vocab_loss(cross_h, w, b, targets=cross_t, fused=False),
+           mx.vocab_loss(self_h, w, b, teacher_hidden=teacher, fused=False)]
+    for x, y in zip(fused[1:4], sep):
+        assert torch.allclose(x, y.detach(), atol=1e-5)
+    assert torch.allclose(fused[0], sum(c * x for c, x in zip(weights, sep)).detach(), atol=1e-5)
+
+
 def test_fused_vocab_loss_refuses_a_second_backward():
     """The fused loss hands its precomputed gradients over (scaled in place) on the first backward: a second
     backward through the same graph must fail loudly, not return gradients scaled twice."""
@@ -546,15 +580,45 @@ def test_xprt_collator_masks_and_resume(tok):
     assert torch.equal(br["retain_input_ids"][:, 1, : rnd.shape[1]], rnd)
 
 
+def _crop_views(b):
+    """The two crops of each row in view order, as token lists, from the collator's longer / shorter tensors."""
+    out = []
+    for i in range(b["input_ids"].shape[0]):
+        long = b["input_ids"][i][b["attention_mask"][i].bool()].tolist()
+        short = b["short_input_ids"][i][b["short_attention_mask"][i].bool()].tolist()
+        out.append((long, short) if b["view1_is_long"][i] else (short, long))
+    return out
+
+
 def test_random_span_crops(tok):
     rows = toy_rows(6)
     b = mx.XPRTCollator(tok, objective="contrastive_random_span", seed=0)(rows)
     n_tok = [len(tok(r["anchor"], add_special_tokens=False)["input_ids"]) for r in rows]
-    lens = b["attention_mask"].sum(-1) - 2  # (G, 2) crop lengths without [CLS]/[SEP]
+    views = _crop_views(b)
     for i, n in enumerate(n_tok):
         for v in range(2):
-            assert max(1, round(0.1 * n)) <= lens[i, v] <= round(0.5 * n)
-    assert not torch.equal(b["input_ids"][:, 0], b["input_ids"][:, 1])
+            assert max(1, round(0.1 * n)) <= len(views[i][v]) - 2 <= round(0.5 * n)  # without [CLS]/[SEP]
+    assert any(v1 != v2 for v1, v2 in views)
+    # each tensor is padded to its own longest: the shorter crops' tensor is no longer than needed
+    assert b["short_input_ids"].shape[1] == max(min(len(v1), len(v2)) for v1, v2 in views)
+    assert b["input_ids"].shape[1] == max(max(len(v1), len(v2)) for v1, v2 in views)
+
+
+def test_crop_spans_drawn_before_batching_are_the_collators_crops(tok):
+    """crop_spans (train.py draws them per (seed, epoch) so the sampler can group rows by crop length) gives the
+    crops the collator then cuts: same lengths, the tokens at [start, start + length), within the collator's ratio
+    bounds; the same (seed, epoch) gives the same spans, another epoch others."""
+    rows = toy_rows(6)
+    c = mx.XPRTCollator(tok, objective="contrastive_random_span", seed=0)
+    body = c.crop_token_ids([r["anchor"] for r in rows])
+    spans = mx.crop_spans([len(x) for x in body], seed=3, epoch=1)
+    assert (spans == mx.crop_spans([len(x) for x in body], seed=3, epoch=1)).all()
+    assert not (spans == mx.crop_spans([len(x) for x in body], seed=3, epoch=2)).all()
+    views = _crop_views(c([{**r, "crop_spans": s} for r, s in zip(rows, spans)]))
+    for toks, sp, vv in zip(body, spans, views):
+        for (start, k), view in zip(sp, vv):
+            assert max(1, round(0.1 * len(toks))) <= k <= round(0.5 * len(toks)) and start + k <= len(toks)
+            assert view == [tok.cls_token_id] + toks[start : start + k] + [tok.sep_token_id]
 
 
 def test_self_reconstruction_collator_uses_retromae_rates(tok):

@@ -41,7 +41,7 @@ def test_prefix_tokens_are_never_masked_and_passages_arrive_whole(minilm_path, o
         c = XPRTCollator(tok, objective=objective, max_length=24, passage_prefix="passage: ", seed=seed,
                          encoder_mask_rate=0.9 if objective == "contrastive_random_span" else None)
         b = c(rows)
-        ids = b["input_ids"].flatten(0, 1)
+        ids = b["input_ids"].flatten(0, 1) if b["input_ids"].dim() == 3 else b["input_ids"]  # crops: (G, L)
         assert ids[:, 1 : 1 + len(prefix)].tolist() == [prefix] * ids.shape[0]  # the prefix is intact
         if "mlm_labels" in b:
             assert (b["mlm_labels"].flatten(0, 1)[:, : 1 + len(prefix)] == -100).all()
