@@ -1645,12 +1645,13 @@ def _row_dot(a, b):
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-# How the bias enters the fp32 chunk logits: "column" (default) appends it to W as one more input column (the matmul
-# adds it, and its gradient is one more column of the weight gradient: no pass over the (chunk x V) buffer for either);
-# "add" adds it in place after the matmul (_logits_into). A 1024 x 30,522 x 768 chunk timed alike within the noise of
-# the shared machine (0.92-1.37 s each way); "column" saves two passes over the buffer per chunk in principle.
+# How the bias enters the fp32 chunk logits: "add" (default) adds it in place after the matmul into the reused buffer
+# (_logits_into; no copy of the bias into the buffer first); "column" appends it to W as one more input column (the
+# matmul adds it and its gradient comes out as one more weight-gradient column, but the matmuls then run on H + 1 =
+# 385 / 769 columns, an unaligned size). Measured on 2 quiet CPU cores (python -m bench.bench_step --models minilm
+# --repeats 3 --baseline <copy with the other mode>): MiniLM step 2.79x the floor with "add", 2.90x with "column".
 # Both are tested against the plain loss.
-BIAS_MODE = "column"
+BIAS_MODE = "add"
 
 
 class _FusedLinearCE(torch.autograd.Function):
