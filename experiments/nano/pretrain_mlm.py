@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's modules sit two folders up
 
-from modeling_xprt import atomic_write, resolve_model_path  # noqa: E402
+from modeling_xprt import atomic_path, atomic_write, resolve_model_path  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -139,10 +139,9 @@ def plot_curve(log, path):
     ax.set_title("nano BERT, masked-language-model pre-training")
     ax.legend()
     fig.tight_layout()
-    tmp = str(path) + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main(argv=None):

@@ -16,6 +16,9 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from modeling_xprt import atomic_path, atomic_write  # noqa: E402  (the repository's one atomic-write helper)
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -82,7 +85,7 @@ def write_markdown(tab, seeds, arms, path):
     for r, v in tab.items():
         cells = [f"{v[a][0]:.2f} ± {v[a][1]:.2f} ({v[a][2]:+.2f})" for a in arms]
         lines.append(f"| {r} | {v['start']:.2f} | " + " | ".join(cells) + " |")
-    Path(path).write_text("\n".join(lines) + "\n")
+    atomic_write(path, "\n".join(lines) + "\n")
     return "\n".join(lines)
 
 
@@ -114,10 +117,9 @@ def plot_curves(out, arms, seed, path):
     axes[1].set(title=f"each arm's total training loss (seed {seed})", xlabel="step", ylabel="loss")
     axes[1].legend(fontsize=8)
     fig.tight_layout()
-    tmp = str(path) + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main(argv=None):
@@ -132,7 +134,7 @@ def main(argv=None):
         return 0 if spread >= args.noise else 1
     tab, seeds = table(per_seed, category, args.arms)
     print(write_markdown(tab, seeds, args.arms, Path(args.out) / "results.md"))
-    Path(args.out, "results.json").write_text(json.dumps(
+    atomic_write(Path(args.out, "results.json"), json.dumps(
         {"seeds": seeds, "arms": args.arms, "table": {r: {k: v for k, v in row.items()} for r, row in tab.items()}},
         indent=1))
     plot_curves(args.out, args.arms, seeds[0], Path(args.out) / "loss_curves.png")
