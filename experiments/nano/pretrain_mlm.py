@@ -106,7 +106,7 @@ def blocks_dataset(texts, tokenizer, block_size, seed, eval_share):
     body = block_size - 1  # room for the [CLS] each block starts with
 
     def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        ids = tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]  # whole documents: no length warning
         return {"ids": [x + [sep] for x in ids]}
 
     def group(batch):
@@ -187,7 +187,7 @@ def main(argv=None):
 
     trainer.save_model(str(out))  # safetensors
     (out / "training_args.bin").unlink(missing_ok=True)  # a pickle: nothing in a model folder should need unpickling
-    tokenizer.model_max_length = args.block_size  # set only now: whole documents are tokenised before the blocks
+    tokenizer.model_max_length = args.block_size  # the encoding limit: the trained positions
     tokenizer.save_pretrained(str(out))
     # sentence-transformers' encoding limit: the trained positions only
     atomic_write(out / "sentence_bert_config.json", json.dumps({"max_seq_length": args.block_size,
