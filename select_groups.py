@@ -56,7 +56,8 @@ META_DIR = ".xprt"  # run config, document frequencies, chunk stats; hidden so l
 
 def _input_flags(g):
     g.add_argument("--input", nargs="*", default=[],
-                   help="Local .jsonl / .jsonl.gz / .jsonl.zst / .parquet files, folders or globs, read in the order given.")
+                   help="Local .jsonl / .jsonl.gz / .jsonl.zst / .parquet files, folders or globs, read in the "
+                        "order given.")
     g.add_argument("--dataset", default=None,
                    help="A Hugging Face dataset name, streamed (e.g. HuggingFaceFW/fineweb). Every process "
                         "streams it (twice: IDF pass, then selection).")

@@ -596,7 +596,8 @@ def load_model(accelerator, args, objective: str, **kw):
         # the name as given, not the resolved path: the start model (and its prefixes) are recorded by name
         model = XPRTModel.from_pretrained(args.model_name_or_path, objective=objective, weights=weights,
                                           trust_remote_code=args.trust_remote_code, prefixes=args.prefixes, **kw)
-    model.hub_model_id = getattr(args, "hub_model_id", None)  # recorded in xprt_config.json: a model trained from this one names it
+    # recorded in xprt_config.json: a model trained from this one names it
+    model.hub_model_id = getattr(args, "hub_model_id", None)
     accelerator.print(f"model: {model.load_message}")
     accelerator.print(f"{describe_prompts(model.prompts)} (--prefixes {args.prefixes}; start model "
                       f"{model.start_model})")
@@ -771,7 +772,8 @@ def model_card(args, title: str, summary, model=None) -> str:
         min(512, getattr(model.encoder.config, "max_position_embeddings", 512)) if model is not None else 512)
     q, d = prompts["query"], prompts["document"]
     start = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local checkpoint"
-    prefixes = (f"Prefixes: queries `{json.dumps(q)}`, documents `{json.dumps(d)}`, saved as the `query` / `document` prompts, so "
+    prefixes = (f"Prefixes: queries `{json.dumps(q)}`, documents `{json.dumps(d)}`, saved as the `query` / "
+                "`document` prompts, so "
                 "`encode_query` / `encode_document` add them; with plain transformers, add them yourself."
                 if q or d else "No prefixes (the start model uses none).")
     last = summary.get("last_logged_step") or {}

@@ -18,7 +18,8 @@ Output (`--output_dir`): a BertForMaskedLM folder (safetensors, MLM head include
 tokenizer, sentence_bert_config.json, mlm_log.jsonl (train loss per logging step, held-out loss at the end),
 mlm_loss_curve.png, mlm_stats.json.
 
-    python experiments/nano/pretrain_mlm.py --inputs ../shared/data/{wikipedia_sample,fineweb_legal_sample,c4_sample}/docs.jsonl \\
+    python experiments/nano/pretrain_mlm.py \\
+        --inputs ../shared/data/{wikipedia_sample,fineweb_legal_sample,c4_sample}/docs.jsonl \\
         --output_dir outputs/nano/mlm --max_steps 800
 """
 import argparse
@@ -106,7 +107,8 @@ def blocks_dataset(texts, tokenizer, block_size, seed, eval_share):
     body = block_size - 1  # room for the [CLS] each block starts with
 
     def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]  # whole documents: no length warning
+        # whole documents, cut into blocks below: no length warning
+        ids = tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]
         return {"ids": [x + [sep] for x in ids]}
 
     def group(batch):
