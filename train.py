@@ -1126,10 +1126,7 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
             rows_b, model_kw, scalars = step_inputs(rows_b, epoch, state.completed_steps, max_steps)
             batch = collator(rows_b)
             real, proc = padding_efficiency(batch, skip=skip_keys)  # on the CPU tensors: no device sync
-            # pinned: a copy from pageable memory may make the driver wait for the stream (a host sync per step)
-            pin = accelerator.device.type == "cuda"
-            batch = {k: (v.pin_memory() if pin else v).to(accelerator.device, non_blocking=True)
-                     if torch.is_tensor(v) else v for k, v in batch.items()}
+            batch = batch_to_device(batch, accelerator.device)
             window.real, window.proc = window.real + real, window.proc + proc
             if not first_step_printed:
                 accum = args.gradient_accumulation_steps * world
@@ -1188,22 +1185,35 @@ def train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, ste
     if log_f:
         log_f.close()
 
-    # ---- save
+    save_run(accelerator, args, model, tokenizer, state.completed_steps >= max_steps, out, log_path,
+             {"steps": state.completed_steps, "processes": world, "rows": len(rows), "unit": unit}, card_title)
+    return {"completed_steps": state.completed_steps, "max_steps": max_steps, "output_dir": str(out),
+            "trainable_parameters": run["trainable"]}
+
+
+def batch_to_device(batch, device):
+    """The collated CPU tensors to the accelerator, without waiting. Pinned first on CUDA: a copy from pageable
+    memory may make the driver wait for the stream (a host sync per step)."""
+    pin = device.type == "cuda"
+    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) if torch.is_tensor(v) else v
+            for k, v in batch.items()}
+
+
+def save_run(accelerator, args, model, tokenizer, finished, out, log_path, summary, card_title):
+    """End of a run: the loss-curve picture, and for a finished run the model folder with its card (then the Hub)."""
     accelerator.wait_for_everyone()
-    finished = state.completed_steps >= max_steps
-    if accelerator.is_main_process and log_path.exists() and log_path.stat().st_size:
+    logged = log_path.exists() and log_path.stat().st_size
+    if accelerator.is_main_process and logged:
         plot_loss_curves(log_path, out / "loss_curve.png")
     if finished and not args.no_save_model:
-        last = read_jsonl(log_path)[-1] if log_path.exists() and log_path.stat().st_size else {}
-        summary = {"steps": state.completed_steps, "processes": world, "rows": len(rows), "unit": unit,
-                   "last_logged_step": last}
+        # the card's loss table: the last record with losses (score records of --eval_steps come after it)
+        losses = [r for r in read_jsonl(log_path) if "loss" in r] if logged else []
+        summary = {**summary, "last_logged_step": losses[-1] if losses else {}}
         card = model_card(args, card_title, summary, accelerator.unwrap_model(model))
         save_model(accelerator, model, tokenizer, out / "model", card)
     accelerator.end_training()
     if finished and not args.no_save_model and getattr(args, "push_to_hub", False) and accelerator.is_main_process:
         push_to_hub(args, out / "model")
-    return {"completed_steps": state.completed_steps, "max_steps": max_steps, "output_dir": str(out),
-            "trainable_parameters": run["trainable"]}
 
 
 # ----------------------------------------------------------------------------------------------------------------
