@@ -147,6 +147,7 @@ def plot_curve(log, path):
 
 def main(argv=None):
     args = parse_args(argv)
+    import torch
     from transformers import (BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer,
                               TrainingArguments, set_seed)
 
@@ -179,7 +180,7 @@ def main(argv=None):
         learning_rate=args.learning_rate, warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
         lr_scheduler_type="linear", weight_decay=args.weight_decay, logging_steps=args.logging_steps,
         save_strategy="no", eval_strategy="no", report_to="none", seed=args.seed, data_seed=args.seed,
-        disable_tqdm=True)
+        disable_tqdm=True, dataloader_pin_memory=torch.cuda.is_available())  # pinning is for host-to-GPU copies
     trainer = Trainer(model=model, args=targs, data_collator=collator, train_dataset=train_ds, eval_dataset=eval_ds)
     t1 = time.time()
     trainer.train()
