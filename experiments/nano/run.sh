@@ -47,9 +47,10 @@ head -n "$DOCS" "$SHARED/fineweb_legal_sample/docs.jsonl" > "$OUT/train_docs.jso
     --output_dir "$OUT/groups" --overwrite
 stamp selection
 
-# 3. STEPS: an arm step (16 groups of 5 passages, 120 tokens) takes 4.5 s on 2 quiet cores, as long as a MiniLM
-#    step, so 100 steps (1,600 of the 10,120 groups) take about 8 minutes an arm; 300 (the first default, cut before
-#    any arm had finished) would have made the 15 runs of 3 seeds 5.6 hours.
+# 3. STEPS: an xPRT step (16 groups of 5 passages, 120 tokens) takes about 5 s on 2 quiet cores, as long as a MiniLM
+#    step, so 100 steps (1,600 of the 10,120 groups) take about 9 minutes for an xPRT arm and 24-25 minutes for the
+#    five arms of a seed (measured); 300 (the first default, cut before any arm had finished) would have made the
+#    training of 3 seeds about 3.7 hours.
 ARMS=(xprt contrastive_random_span self_reconstruction xprt_random_positive xprt_no_fill_in)
 arm_flags() {
   case $1 in
