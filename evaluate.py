@@ -8,10 +8,12 @@ nDCG@10 per third ("xPRT beats E5 in every third by 3.7 to 8.8 points").
 
 Three ways to pick tasks, one scoring path (mteb's own evaluators, so the numbers are mteb's, not ours):
 
-    python evaluate.py --models intfloat/e5-base-unsupervised runs/xprt          # MTEB(eng, v2), online
+    python evaluate.py --models intfloat/e5-base-unsupervised runs/xprt/model    # MTEB(eng, v2), online
     python evaluate.py --models minilm --tasks SciFact STSBenchmark              # named mteb tasks, online
     python evaluate.py --models minilm --local_tasks ../shared/data/scifact SICK-R=../shared/data/sick
                                                                                  # local folders, offline
+
+(train.py and finetune.py save the model to `<run>/model`; the run folder beside it holds logs and checkpoints.)
 
 A local folder is loaded into the *stock* mteb task (its class, metadata and metric), only `load_data`
 is replaced (README, Notes: "mteb 2.26 offline"). Formats are auto-detected: BEIR retrieval (corpus.jsonl,
@@ -27,10 +29,14 @@ encoded by sentence-transformers with their own modules (pooling, normalisation,
 folder scored on full tasks gets the scores in its model card.
 
 Prefixes: E5 models were trained with "query: " / "passage: " and lose a lot without them (README, Notes);
-models trained without them (all-MiniLM-L6-v2) lose with them. `--prefix_mode auto` (default) applies the
-repository's one rule (modeling_xprt.model_prompts): a model folder's own sentence-transformers prompts (train.py
-and finetune.py write them), else E5's prefixes for an E5 model (by name, or by the start model a folder records),
-else none.
+models trained without them (all-MiniLM-L6-v2) lose with them. `--prefixes auto` (default; the flag train.py and
+finetune.py take) applies the repository's one rule (support.model_prompts): a model folder's own
+sentence-transformers prompts (train.py and finetune.py write them), else E5's prefixes for an E5 model (by name, or
+by the start model a folder records), else none. `--prefixes e5` / `none` force them; `--query_prefix` /
+`--passage_prefix` set either string outright.
+
+Plumbing (names, prefixes, files, devices, the model card) comes from support.py; modeling_xprt.py gives only the
+hand-written embedder of the scores during training (section 4b).
 """
 
 from __future__ import annotations
@@ -52,9 +58,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-import modeling_xprt
-from modeling_xprt import (E5_PROMPTS, MINILM_ALIASES, _read_json, atomic_path, atomic_write, embed_texts,
-                           load_beir, model_prompts, pick_device_and_dtype, resolve_model_path)
+from modeling_xprt import embed_texts
+from support import (E5_PROMPTS, EVAL_PREFIX, MINILM_ALIASES, NO_PROMPTS, add_eval_results_to_card, atomic_path,
+                     atomic_write, gathered_params, load_beir, max_seq_length, model_prompts, pick_device_and_dtype,
+                     read_json, resolve_model_path)
 
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (README, Notes); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))
@@ -118,7 +125,7 @@ def model_name_and_revision(name_or_path: str) -> tuple[str, str]:
         rev = Path(hit).parent.name if isinstance(hit, str) else "no_revision_available"
         return (name_or_path if name_or_path.count("/") == 1 else "local/" + name_or_path.replace("/", "__")), rev
     folder = Path(path).resolve()
-    hub_id = _read_json(folder / "xprt_config.json").get("hub_model_id")
+    hub_id = read_json(folder / "xprt_config.json").get("hub_model_id")
     if isinstance(hub_id, str) and hub_id.count("/") == 1:
         name = hub_id
     else:
@@ -132,17 +139,25 @@ _IDENTITY_FILES = ("*.safetensors", "*.bin", "config.json", "modules.json", "sen
                    "config_sentence_transformers.json", "tokenizer.json", "vocab.txt", "*/config.json")
 
 
-def content_revision(path: str) -> str:
-    """12 hex digits of a sha1 over the folder's identity files' content (xprt_heads.safetensors excluded: the
-    decoder never touches a sentence vector). Reads the weights once: about 1 s per 400 MB."""
+def files_hash(root: Path, files) -> str:
+    """12 hex digits of a sha1 over `files` (under `root`) in sorted order: each file's path relative to root, its
+    size and the sha1 of its bytes. Content, not modification times: a fresh clone or copy of the same files hashes
+    alike, an edited file does not. The one hash of model folders (content_revision) and local task folders
+    (data_fingerprint); runs at disk speed (about 1 s per 400 MB)."""
     h = hashlib.sha1()
-    files = sorted({f for pat in _IDENTITY_FILES for f in Path(path).glob(pat)
-                    if f.is_file() and f.name != "xprt_heads.safetensors"})
-    for f in files:
-        h.update(f"{f.relative_to(path).as_posix()}:{f.stat().st_size}:".encode())
+    for f in sorted(files):
+        h.update(f"{f.relative_to(root).as_posix()}:{f.stat().st_size}:".encode())
         with open(f, "rb") as fh:
             h.update(hashlib.file_digest(fh, "sha1").digest())
     return h.hexdigest()[:12]
+
+
+def content_revision(path: str) -> str:
+    """A model folder's revision: files_hash of its identity files (xprt_heads.safetensors excluded: the decoder
+    never touches a sentence vector)."""
+    root = Path(path)
+    return files_hash(root, {f for pat in _IDENTITY_FILES for f in root.glob(pat)
+                             if f.is_file() and f.name != "xprt_heads.safetensors"})
 
 
 def describe_pooling(st_model) -> str:
@@ -165,26 +180,31 @@ class XPRTEncoder(AbsEncoder):
     The model's own sentence-transformers config decides the vector: modules.json (pooling: CLS for a BGE-style
     model, mean for E5 / MiniLM / train.py folders; Normalize), the max length of sentence_bert_config.json and the
     similarity function of config_sentence_transformers.json. A plain transformers checkpoint without them gets
-    sentence-transformers' default, mean pooling, and a printed note. On GPU the weights run in bf16 (fp16 before
-    Ampere), on CPU in fp32 (pick_device_and_dtype). Why not the hand-written modeling_xprt.embed_texts: it is
-    mean pooling only, and bench/bench_encode.py measured it at 1.04-1.07x (best of 5 interleaved repeats; its
-    token-sorted batches save 8% of the padded tokens), under the 1.10x that would justify a second encoder
-    (README, Benchmarks).
+    sentence-transformers' default, mean pooling, and a printed note. On GPU the weights run in bf16 (fp16 on GPUs
+    older than Ampere), on CPU in fp32 (support.pick_device_and_dtype). Why not modeling_xprt.embed_texts, the
+    hand-written embedder that scores during training: it is mean pooling only, and bench/bench_encode.py measured
+    it at 1.04-1.07x (best of 5 interleaved repeats; its token-sorted batches save 8% of the padded tokens), under
+    the 1.10x that would justify a second encoder (README, Benchmarks).
 
-    Prefixes (modeling_xprt.model_prompts): mteb tells the encoder whether it is encoding queries or documents
+    Prefixes (`prefixes`: auto, e5 or none, the rule support.model_prompts applies; `query_prefix` /
+    `passage_prefix` override either string): mteb tells the encoder whether it is encoding queries or documents
     (`prompt_type`); documents get the document prompt, everything else the query prompt (symmetric tasks such as
     STS, classification and clustering encode every text as a query, as E5's authors do). They go to encode as
-    `prompt=`, so a Pooling module that excludes the prompt (include_prompt=False) still works.
+    `prompt=`, so a Pooling module that excludes the prompt (include_prompt=False) still works. The attribute
+    `prefixes` says which the rule gave: "e5", "none" or "model" (the folder's own prompts).
+
+    The length limit (support.max_seq_length): `max_length` when given, else the one the model states, at most its
+    position table.
     """
 
-    def __init__(self, name_or_path: str, prefix_mode: str = "auto", batch_size: int = 64,
+    def __init__(self, name_or_path: str, prefixes: str = "auto", batch_size: int = 64,
                  max_length: Optional[int] = None, device: Optional[str] = None, dtype: Optional[str] = None,
                  query_prefix: Optional[str] = None, passage_prefix: Optional[str] = None,
                  trust_remote_code: bool = False, show_progress: bool = False):
         from sentence_transformers import SentenceTransformer
 
-        if prefix_mode not in ("auto", "e5", "none"):
-            raise ValueError(f"prefix_mode must be auto, e5 or none, got {prefix_mode!r}")
+        if prefixes not in ("auto", "e5", "none"):
+            raise ValueError(f"prefixes must be auto, e5 or none, got {prefixes!r}")
         path = check_model_folder(name_or_path)
         self.name = name_or_path
         self.path = path
@@ -200,24 +220,22 @@ class XPRTEncoder(AbsEncoder):
         if os.path.isdir(path) and not has_st_config:
             print(f"model {name_or_path}: no sentence-transformers modules.json: {self.pooling} pooling "
                   "(sentence-transformers' default) is assumed", flush=True)
-        prompts = model_prompts(name_or_path, prefix_mode)
+        prompts = model_prompts(name_or_path, prefixes)
         e5 = prompts == E5_PROMPTS
-        self.prefix_mode = "e5" if e5 else ("none" if not any(prompts.values()) else "model")
+        self.prefixes = "e5" if e5 else ("none" if prompts == NO_PROMPTS else "model")
         self.query_prefix = query_prefix if query_prefix is not None else prompts["query"]
         self.passage_prefix = passage_prefix if passage_prefix is not None else prompts["document"]
         # A sentence-transformers model states the length it was trained and scored with (all-MiniLM-L6-v2: 256);
-        # the MTEB leaderboard numbers use it, so we do too unless told. A plain checkpoint: its positions, <= 512.
-        st_len = self.model.max_seq_length if has_st_config or not os.path.isdir(path) else None
-        hf_config = self.model[0].auto_model.config
-        model_len = getattr(hf_config, "max_position_embeddings", 512)
-        self.max_length = int(max_length or min(st_len or 512, model_len))
+        # the MTEB leaderboard numbers use it, so we do too unless told. A plain checkpoint states none.
+        stated = self.model.max_seq_length if has_st_config or not os.path.isdir(path) else None
+        self.max_length = int(max_length) if max_length else max_seq_length(self.model[0].auto_model.config, stated)
         self.model.max_seq_length = self.max_length
         self.batch_size = batch_size
         self.show_progress = show_progress
         # what makes this run differ from the model's standard use: an mteb experiment (results/<name>/<revision>/
         # experiments/<settings>/), so such scores never sit where the model's standard ones do
         self.settings = {}
-        if prefix_mode != "auto" or query_prefix is not None or passage_prefix is not None:
+        if prefixes != "auto" or query_prefix is not None or passage_prefix is not None:
             self.settings.update(query_prefix=self.query_prefix, passage_prefix=self.passage_prefix)
         if max_length:
             self.settings["max_length"] = self.max_length
@@ -506,18 +524,12 @@ def build_task(name: str, local: Optional[tuple[Path, str]] = None, limit: Optio
 # ---------------------------------------------------------------------------------------------------
 
 
-def _data_fingerprint(folder: Optional[Path]) -> str:
+def data_fingerprint(folder: Optional[Path]) -> str:
+    """A local task folder's name in its experiment settings: files_hash of every file under it (SciFact's 8 MB:
+    ~20 ms), so a copy keeps its results and an edit gets new ones; "online" for mteb's own data."""
     if folder is None:
         return "online"
-    # Content, not modification times: a fresh clone or copy of the same files keeps its results, and an edited
-    # file gets new ones. Hashing runs at disk speed (SciFact's 8 MB: ~20 ms).
-    h = hashlib.sha1()
-    for f in sorted(folder.rglob("*")):
-        if f.is_file():
-            h.update(f"{f.relative_to(folder).as_posix()}:{f.stat().st_size}:".encode())
-            with open(f, "rb") as fh:
-                h.update(hashlib.file_digest(fh, "sha1").digest())
-    return h.hexdigest()[:12]
+    return files_hash(folder, [f for f in folder.rglob("*") if f.is_file()])
 
 
 def run_settings(local: Optional[tuple[Path, str]], limit: Optional[int], corpus_limit: Optional[int],
@@ -530,7 +542,7 @@ def run_settings(local: Optional[tuple[Path, str]], limit: Optional[int], corpus
     a change of any of them is a new run rather than a stale reuse. An empty dict: the standard place."""
     settings = dict(encoder_settings or {})
     if local is not None:
-        settings["data"] = _data_fingerprint(local[0])
+        settings["data"] = data_fingerprint(local[0])
     if limit:
         settings.update(limit=limit, corpus_limit=corpus_limit or 10 * limit, seed=seed)
     return settings
@@ -570,7 +582,7 @@ def evaluate_model_on_task(encoder, task, batch_size: int, cache=None, settings:
 
 
 def card_results(results: dict) -> dict:
-    """{task: {"metric", "score"}} for modeling_xprt.add_eval_results_to_card, from one model's results."""
+    """{task: {"metric", "score"}} for support.add_eval_results_to_card, from one model's results."""
     return {t: {"metric": r["metric"], "score": round(r["main_score"], 2)} for t, r in results.items()}
 
 
@@ -582,13 +594,13 @@ def update_model_card(model_name: str, results: dict, source: str) -> bool:
     if not (Path(path) / "README.md").is_file():
         print(f"model {model_name}: no model card (README.md) to write the scores into", flush=True)
         return False
-    modeling_xprt.add_eval_results_to_card(path, card_results(results), source)
+    add_eval_results_to_card(path, card_results(results), source)
     return True
 
 
 def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks: Sequence[str] = (),
                    benchmark: Optional[str] = None, limit: Optional[int] = None,
-                   corpus_limit: Optional[int] = None, seed: int = 0, prefix_mode: str = "auto",
+                   corpus_limit: Optional[int] = None, seed: int = 0, prefixes: str = "auto",
                    batch_size: int = 64, max_length: Optional[int] = None, device: Optional[str] = None,
                    dtype: Optional[str] = None, query_prefix: Optional[str] = None,
                    passage_prefix: Optional[str] = None, results_dir: Optional[str] = None, rerun: bool = False,
@@ -599,6 +611,7 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     results_dir: mteb's results folder (mteb.ResultCache(results_dir)); every task result is written there by mteb
     and the returned scores are read back from it; finished tasks are skipped unless `rerun`. None: nothing written.
     Returns {"models": [...], "results": {model: {task: result}}, "tasks": [{"name","type","source"}], ...}.
+    prefixes, query_prefix, passage_prefix, max_length, device, dtype, trust_remote_code: XPRTEncoder's.
     `encoder_factory(name) -> AbsEncoder` replaces XPRTEncoder (tests use it).
     update_cards: write the scores into a local xprt folder's model card (never for a --limit sample).
     """
@@ -628,7 +641,7 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     task_settings = {name: run_settings(local, limit, corpus_limit, seed) for name, local, _ in specs}
     for model_name in models:
         encoder = (encoder_factory or (lambda n: XPRTEncoder(
-            n, prefix_mode=prefix_mode, batch_size=batch_size, max_length=max_length, device=device,
+            n, prefixes=prefixes, batch_size=batch_size, max_length=max_length, device=device,
             dtype=dtype, query_prefix=query_prefix, passage_prefix=passage_prefix,
             trust_remote_code=trust_remote_code, show_progress=show_progress)))(model_name)
         lengths = out.setdefault("max_length", {})
@@ -770,6 +783,52 @@ def score_during_training(model, tokenizer, tasks: Sequence, prompts: dict, max_
         for task in tasks:
             scores[task.metadata.name] = evaluate_model_on_task(enc, task, batch_size)["main_score"]
     return scores
+
+
+def check_task_specs(specs: Sequence[str]):
+    """train.py / finetune.py --eval_tasks, checked at parse time: a local folder that is no known task stops the
+    run before it starts, not after its first --eval_steps."""
+    for spec in specs:
+        if os.path.isdir(spec.rpartition("=")[2]) or os.path.isdir(spec):
+            try:
+                parse_local_spec(spec)
+            except (ValueError, FileNotFoundError) as err:
+                raise SystemExit(f"--eval_tasks {spec}: {err}") from None
+
+
+class TrainingScorer:
+    """--eval_tasks during training: the tasks loaded once by every process (each scores, each encodes a share of
+    the texts), and a call per scoring -> a train_log.jsonl record {"step", "epoch", "eval_<task>": score x100,
+    "scoring_time_s"}, also sent to the trackers. The model is scored as its saved folder would be (its prompts and
+    length limit), dropout off and no gradient inside, training mode and random states restored after."""
+
+    def __init__(self, accelerator, args, tokenizer):
+        self.accelerator, self.tokenizer, self.batch_size = accelerator, tokenizer, args.eval_batch_size
+        self.tasks = load_training_eval_tasks(args.eval_tasks, args.eval_limit or None, seed=args.seed)
+        self.last_step = -1
+        accelerator.print(f"scores during training: {', '.join(t.metadata.name for t in self.tasks)} every "
+                          f"{args.eval_steps or '-'} steps and at the end, at most {args.eval_limit or 'all'} "
+                          f"queries / pairs each, the texts split across {accelerator.num_processes} process(es)")
+
+    def __call__(self, model, step: int, epoch: int, window=None) -> dict:
+        """Score `model` (prepared) at `step`; the scoring's time is taken out of `window`'s (a LogWindow's)
+        training time, so tokens/s and time per step count training only."""
+        import time
+
+        acc, unwrapped = self.accelerator, self.accelerator.unwrap_model(model)
+        t0 = time.time()
+        with gathered_params(acc, model):  # ZeRO-3: the whole weights for the scoring's forward passes (no-op else)
+            scores = score_during_training(model, self.tokenizer, self.tasks, unwrapped.prompts,
+                                           unwrapped.max_seq_length, self.batch_size, acc)
+        rec = {"step": step, "epoch": epoch, **{EVAL_PREFIX + k: v for k, v in scores.items()},
+               "scoring_time_s": time.time() - t0}
+        acc.log({k: v for k, v in rec.items() if k != "step"}, step=step)
+        acc.print("step {}: {} ({:.1f} s)".format(step, ", ".join(f"{k} {v:.2f}" for k, v in scores.items()),
+                                                  rec["scoring_time_s"]))
+        if window is not None:
+            window.t0 += rec["scoring_time_s"]
+        self.last_step = step
+        return rec
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -937,10 +996,14 @@ def parse_args(argv=None):
                         "mteb.load_results / ResultCache.load_results; reruns skip finished tasks. Default: mteb's "
                         "own ($MTEB_CACHE, here .cache/mteb)")
     p.add_argument("--rerun", action="store_true", help="run every task again, replacing its result in --results_dir")
-    p.add_argument("--prefix_mode", choices=("auto", "e5", "none"), default="auto",
-                   help="auto: E5 prefixes ('query: '/'passage: ') when the model name/config says e5, else none")
-    p.add_argument("--query_prefix", default=None, help="override the query prefix (also used for symmetric tasks)")
-    p.add_argument("--passage_prefix", default=None, help="override the passage (retrieval document) prefix")
+    p.add_argument("--prefixes", choices=("auto", "e5", "none"), default="auto",
+                   help="text prefixes, as train.py / finetune.py take them: auto = the model's own (its "
+                        "sentence-transformers prompts, else E5's 'query: ' / 'passage: ' when it is an E5 model, "
+                        "else none: support.model_prompts); e5 / none force them")
+    p.add_argument("--query_prefix", default=None,
+                   help="the query prefix as a string, over --prefixes (also used for symmetric tasks)")
+    p.add_argument("--passage_prefix", default=None,
+                   help="the passage (retrieval document) prefix as a string, over --prefixes")
     p.add_argument("--overlap_analysis", nargs="*", default=None, metavar="TASK",
                    help="the paper's overlap analysis (nDCG@10 per third of queries by word overlap); no "
                         "names = every retrieval task")
@@ -951,7 +1014,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the --limit sample")
     p.add_argument("--batch_size", type=int, default=64, help="texts per forward pass")
     p.add_argument("--max_length", type=int, default=None,
-                   help="token limit; default: the folder's sentence_bert_config max_seq_length, else 512")
+                   help="token limit; default: the one the model states (sentence-transformers' "
+                        "max_seq_length), else 512, at most its position table (support.max_seq_length)")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="auto: bf16 (fp16 before Ampere) on GPU, fp32 on CPU")
@@ -976,7 +1040,7 @@ def main(argv=None):
                          "results folder)")
     out = run_evaluation(args.models, tasks=args.tasks, local_tasks=args.local_tasks, benchmark=args.benchmark,
                          limit=args.limit, corpus_limit=args.corpus_limit, seed=args.seed,
-                         prefix_mode=args.prefix_mode, batch_size=args.batch_size, max_length=args.max_length,
+                         prefixes=args.prefixes, batch_size=args.batch_size, max_length=args.max_length,
                          device=args.device, dtype=args.dtype, query_prefix=args.query_prefix,
                          passage_prefix=args.passage_prefix,
                          results_dir=args.results_dir or str(mteb.ResultCache().cache_path), rerun=args.rerun,

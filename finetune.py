@@ -9,12 +9,13 @@ fine-tune the start model and the xPRT model the same way and compare. The steps
   3. the data: labelled pairs (a BEIR folder's train qrels, or --train_data in FlagEmbedding, sentence-transformers,
      tevatron or triples format: read_pairs), or PAIR's stage 1 - pseudo-queries
      generated for corpus passages and kept when a cross-encoder agrees; hard negatives mined with the start model
-  4. main: the model, the rows, and the Accelerate loop shared with train.py (train.train_loop)
+  4. batches without a repeated query
+  5. main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
 
     accelerate launch finetune.py --model_name_or_path runs/xprt/model --beir_dir scifact/ --output_dir runs/ft
 
-The loop is imported from train.py rather than copied: resume, non-finite handling, DeepSpeed's quirks and
-logging then live in one place and a fix lands in both stages at once.
+The loop is train.py's, written out here too (the step differs: PAIR's alpha and the step's negatives instead of
+the retention teacher); what both loops call (checkpoints, resume, non-finite handling, logs) is in support.py.
 """
 
 from __future__ import annotations
@@ -22,15 +23,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from modeling_xprt import atomic_write, load_beir
-from train import add_common_args, check_common_args, load_model, make_accelerator, prepare_output_dir, train_loop
-from train import LengthGroupedBatchSampler, optimizer_groups, whole_weights
+from modeling_xprt import PairCollator, XPRTModel, embed_texts, pair_false_negatives, pair_text_ids
+from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args, atomic_write,
+                     batch_to_device, check_common_args, describe_prompts, epoch_batches, load_beir, make_accelerator,
+                     optimizer_groups, prepare_output_dir, rank_and_world, register_tied_projection,
+                     resolve_model_path, resume, save_checkpoint, save_run, whole_weights, write_log_record)
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 
@@ -96,7 +101,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
 
     # Sanity checks that fail early with a clear message.
-    check_common_args(args, argv, "finetune.py")
+    check_common_args(args)
+    if args.eval_tasks:
+        import evaluate  # before the run seeds its generators (importing mteb draws from them)
+
+        evaluate.check_task_specs(args.eval_tasks)
     if not (args.beir_dir or args.train_data or args.generate_pseudo_queries):
         raise SystemExit("finetune.py needs --beir_dir, --train_data or --generate_pseudo_queries")
     if args.generate_pseudo_queries and not (args.generator_model and args.cross_encoder_model):
@@ -346,14 +355,6 @@ def pseudo_query_pairs(args, accelerator, corpus: dict):
     return [(ids[pi], q) for pi, q in kept]
 
 
-def _rank_and_world():
-    """(rank, world size) of the torch.distributed group that accelerate / torchrun formed; (0, 1) without one."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _gather_arrays(arr: np.ndarray, world: int) -> np.ndarray:
     """Every process's numpy array, concatenated in rank order (the array itself when alone)."""
     if world == 1:
@@ -450,9 +451,8 @@ def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_id
     """
     from tqdm.auto import tqdm
 
-    from modeling_xprt import embed_texts
 
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     n, k = len(corpus_ids), min(rank_max, len(corpus_ids))
     if n > _LOW:
         raise ValueError(f"{n} passages: the ranking keys hold corpus indices below 2**32")
@@ -524,7 +524,7 @@ def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_id
     return pools
 
 
-def negative_pools(args, accelerator, encoder, tokenizer, corpus, queries, positives):
+def negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, queries, positives):
     """The mined pool of every (query, positives) row: reused from --mined_negatives, or mined by all processes
     together (mine_hard_negatives shards the corpus). Written to <output_dir>/mined_negatives.json either way."""
     cache = Path(args.output_dir) / "mined_negatives.json"
@@ -537,7 +537,7 @@ def negative_pools(args, accelerator, encoder, tokenizer, corpus, queries, posit
             atomic_write(cache, json.dumps(pools))
     else:
         cids = sorted(corpus)
-        qp, pp = args.prompts["query"], args.prompts["document"]
+        qp, pp = prompts["query"], prompts["document"]
         with accelerator.autocast():  # the encoder in the run's --mixed_precision (bf16 on GPUs); scores in fp32
             pools = mine_hard_negatives(encoder, tokenizer, queries, positives, cids, [corpus[d] for d in cids],
                                         args.negatives_rank_min, args.negatives_rank_max, args.query_max_length,
@@ -553,7 +553,7 @@ def negative_pools(args, accelerator, encoder, tokenizer, corpus, queries, posit
     return pools
 
 
-def build_finetune_rows(args, accelerator, encoder, tokenizer):
+def build_finetune_rows(args, accelerator, encoder, tokenizer, prompts):
     """Rows {query, positive, negative_pool | negatives}: the --train_data rows that bring enough negatives, then one
     row per (query, relevant passage) of the BEIR qrels, then the kept pseudo-queries, then the --train_data rows
     without enough negatives; all but the first get mined pools (mine_data_rows)."""
@@ -580,7 +580,7 @@ def build_finetune_rows(args, accelerator, encoder, tokenizer):
         corpus = corpus or data_corpus(rows + needy)
         mined += mine_data_rows(needy, rows + needy, corpus)
     if mined:
-        pools = negative_pools(args, accelerator, encoder, tokenizer, corpus, [q for _, q, _ in mined],
+        pools = negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, [q for _, q, _ in mined],
                                [pos for _, _, pos in mined])
         for (r, _, _), pool in zip(mined, pools):
             r["negative_pool"] = [corpus[d] for d in pool]
@@ -624,12 +624,12 @@ def add_relevant(rows):
     return rows
 
 
-def pick_negatives(row, num, seed, epoch):
-    """The step's hard negatives for one row: a sample of its mined pool, a function of (seed, epoch, row) only,
-    so a resumed run draws the same negatives."""
+def pick_negatives(row, index: int, num, seed, epoch):
+    """The step's hard negatives for one row (its place `index` in the rows): a sample of its mined pool, a function
+    of (seed, epoch, index) only, so a resumed run draws the same negatives."""
     if "negative_pool" not in row:
         return list(row.get("negatives", []))[:num]
-    rng = random.Random(f"{seed}-{epoch}-{row['__index__']}")
+    rng = random.Random(f"{seed}-{epoch}-{index}")
     return rng.sample(row["negative_pool"], num)
 
 
@@ -643,12 +643,11 @@ def count_false_negatives(rows, batches, num_negatives, seed, epoch=0, world=1) 
     Returns {"steps", "rows", "candidates", "masked", "masked_own_positive", "rows_with_masked"}: masked counts
     (row, candidate) pairs, masked_own_positive those that are a copy of the row's own positive.
     """
-    from modeling_xprt import pair_false_negatives, pair_text_ids
 
     out = dict.fromkeys(("steps", "rows", "candidates", "masked", "masked_own_positive", "rows_with_masked"), 0)
     for s in range(0, len(batches) - world + 1, world):
-        step = [{**rows[i], "__index__": i} for b in batches[s:s + world] for i in b]
-        step = [{**r, "negatives": pick_negatives(r, num_negatives, seed, epoch)} for r in step]
+        step = [{**rows[i], "negatives": pick_negatives(rows[i], i, num_negatives, seed, epoch)}
+                for b in batches[s:s + world] for i in b]
         passage_ids, relevant_ids = pair_text_ids(step, num_negatives)
         b, k = passage_ids.shape
         candidates = passage_ids.reshape(b * k)
@@ -663,26 +662,113 @@ def count_false_negatives(rows, batches, num_negatives, seed, epoch=0, world=1) 
     return out
 
 
+def print_false_negatives(c: dict):
+    """finetune.py's start-up line: what count_false_negatives found for the first epoch."""
+    print(f"false negatives masked in epoch 0 (exact count over its {c['steps']} steps): {c['masked']} of "
+          f"{c['candidates']} in-batch candidates ({c['masked_own_positive']} copies of the row's own positive, "
+          f"{c['masked'] - c['masked_own_positive']} other passages labelled relevant to its query); "
+          f"{c['rows_with_masked']} of {c['rows']} rows ({100 * c['rows_with_masked'] / max(1, c['rows']):.1f}%) "
+          "had at least one", flush=True)
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# 4. Main
+# 4. Batches without a repeated query
+# ----------------------------------------------------------------------------------------------------------------
+class NoDuplicatesBatchSampler(LengthGroupedBatchSampler):
+    """Length-grouped batches (support.LengthGroupedBatchSampler) in which no two rows share a key (each row's query:
+    sentence-transformers' NoDuplicatesBatchSampler rule). A query with several positives has several rows; in one
+    batch, each would be the other's in-batch false negative."""
+
+    def __init__(self, lengths, batch_size: int, seed: int, keys, group_by_length: bool = True):
+        super().__init__(lengths, batch_size, seed, group_by_length)
+        self.keys = list(keys)
+        if len(self.keys) != len(self.lengths):
+            raise ValueError(f"{len(self.keys)} keys for {len(self.lengths)} examples")
+
+    def cut(self, order):
+        """Cut `order` into len(self) full batches in which no key repeats, keeping close to the order (so to the
+        length grouping). Rows are taken in order. A row whose key the batch already holds trades places with the
+        last row of the previous batch that the batch can take (its neighbour in length) when that batch lacks its
+        key; otherwise it waits at the head of the queue for the next batch. Trading costs less padding than
+        waiting: the traded row is one place out of order, a waiting row up to a batch. When only waiting rows are
+        left to fill the last batches, they trade with earlier batches (the nearest first). Deterministic in
+        `order`."""
+        from collections import deque
+
+        keys, bs = self.keys, self.batch_size
+        queue, out = deque(order.tolist()), []
+
+        def trade(i, b, held):  # put row i into earlier batch b for b's last row the current batch can take
+            if keys[i] in {keys[j] for j in b}:
+                return None
+            pos = next((pos for pos in reversed(range(len(b))) if keys[b[pos]] not in held), None)
+            if pos is None:
+                return None
+            b[pos], taken = i, b[pos]
+            return taken
+
+        while len(out) < len(self):
+            batch, held, waiting = [], set(), []
+            while queue and len(batch) < bs:
+                i = queue.popleft()
+                if keys[i] in held:
+                    taken = trade(i, out[-1], held) if out else None
+                    if taken is None:
+                        waiting.append(i)
+                        continue
+                    i = taken
+                batch.append(i)
+                held.add(keys[i])
+            for i in list(waiting):  # the queue ran dry (only near the end): trade with any earlier batch
+                if len(batch) == bs:
+                    break
+                for b in reversed(out):
+                    taken = trade(i, b, held)
+                    if taken is not None:
+                        waiting.remove(i)
+                        batch.append(taken)
+                        held.add(keys[taken])
+                        break
+            if len(batch) < bs:
+                raise ValueError(f"cannot cut {len(self.lengths)} rows into {len(self)} batches of {bs} without "
+                                 "repeating a key (a key with more rows than batches?): lower the batch size")
+            out.append(batch)
+            queue.extendleft(reversed(waiting))  # first in line for the next batch
+        return np.asarray(out, dtype=np.int64).reshape(-1, bs)
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 5. Main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
 # ----------------------------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
+    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
     from accelerate.utils import set_seed
+    from transformers import AutoTokenizer, get_scheduler
 
-    from modeling_xprt import PairCollator
-
-    # The idle heads are frozen below, so every trainable parameter gets a gradient: no unused-parameter search.
+    # ---- accelerator. The idle heads are frozen below, so every trainable parameter gets a gradient: no
+    # unused-parameter search.
     accelerator = make_accelerator(args, find_unused_parameters=False)
     # --overwrite clears the run folder, but not the mined_negatives.json that --mined_negatives reads from it
     mined_file = Path(args.output_dir) / "mined_negatives.json"
     reused = args.mined_negatives and Path(args.mined_negatives).resolve() == mined_file.resolve()
     prepare_output_dir(accelerator, args, extra_outputs=() if reused else ("mined_negatives.json",))
     set_seed(args.seed)
-    model, tokenizer = load_model(accelerator, args, "pair")
-    # a Hub dataset given as --train_data is named in the model card's metadata (a local file is not)
-    args.card_datasets = [args.train_data] if args.train_data and not Path(args.train_data).exists() else None
-    args.prompts = model.prompts  # the prefixes mining and the collator use (printed by load_model)
+
+    # ---- model: loaded whole, even under ZeRO-3 (the start model mines negatives before prepare)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_name_or_path),
+                                              trust_remote_code=args.trust_remote_code)
+    with whole_weights():
+        model = XPRTModel.from_pretrained(args.model_name_or_path, objective="pair", tau=args.tau or 0.05,
+                                          trust_remote_code=args.trust_remote_code, prefixes=args.prefixes,
+                                          hub_model_id=args.hub_model_id)
+    accelerator.print(f"model: {model.load_message}")
+    accelerator.print(f"{describe_prompts(model.prompts)} (--prefixes {args.prefixes}; start model "
+                      f"{model.info.start_model})")
+    register_tied_projection(accelerator, model)
+    if args.gradient_checkpointing:
+        model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # PAIR's losses read only the pooled encoder vectors: the decoder and the MLM head's own parameters (transform,
     # output bias; the tied projection is the word embeddings and stays trainable) get no gradient. Frozen, they
     # stay out of the optimiser and DDP's reducer, and are saved unchanged for a later pre-training run.
@@ -691,41 +777,114 @@ def main(argv=None):
 
     # ---- data: the start model mines the hard negatives, on the accelerator
     model.encoder.to(accelerator.device)
-    rows = build_finetune_rows(args, accelerator, model.encoder, tokenizer)
+    rows = build_finetune_rows(args, accelerator, model.encoder, tokenizer, model.prompts)
     if args.mine_only:
         accelerator.print(f"--mine_only: wrote {mined_file}; train with --mined_negatives {mined_file}")
         return {"mined_negatives": str(mined_file), "completed_steps": 0}
     lengths = [len(r["query"]) + len(r["positive"]) for r in rows]
-    qp, pp = model.prompts["query"], model.prompts["document"]
     collator = PairCollator(tokenizer, query_max_length=args.query_max_length,
-                            passage_max_length=args.passage_max_length, query_prefix=qp, passage_prefix=pp,
-                            num_negatives=args.num_negatives)
-
-    # No batch holds two rows of one query (a query with several positives has several rows), and the losses mask
-    # every in-batch copy of a row's positive or other passage labelled relevant to its query. The exact count of
-    # what they will mask in the first epoch, from the sampler's batches (train.prepare_run builds the same one):
+                            passage_max_length=args.passage_max_length, query_prefix=model.prompts["query"],
+                            passage_prefix=model.prompts["document"], num_negatives=args.num_negatives)
+    # No batch holds two rows of one query, and the losses mask every in-batch copy of a row's positive or other
+    # passage labelled relevant to its query. The exact count of what they will mask in the first epoch:
     keys = [r["query"] for r in rows]
+    sampler = NoDuplicatesBatchSampler(lengths, args.per_device_train_batch_size, args.seed, keys)
     if accelerator.is_main_process:
-        first = LengthGroupedBatchSampler(lengths, args.per_device_train_batch_size, args.seed, keys=keys).batches()
-        c = count_false_negatives(rows, first, args.num_negatives, args.seed, 0, accelerator.num_processes)
-        accelerator.print(
-            f"false negatives masked in epoch 0 (exact count over its {c['steps']} steps): {c['masked']} of "
-            f"{c['candidates']} in-batch candidates ({c['masked_own_positive']} copies of the row's own positive, "
-            f"{c['masked'] - c['masked_own_positive']} other passages labelled relevant to its query); "
-            f"{c['rows_with_masked']} of {c['rows']} rows ({100 * c['rows_with_masked'] / max(1, c['rows']):.1f}%) "
-            "had at least one")
+        print_false_negatives(count_false_negatives(rows, sampler.batches(), args.num_negatives, args.seed, 0,
+                                                    accelerator.num_processes))
+    dataloader = torch.utils.data.DataLoader(RowsDataset(rows), batch_sampler=sampler, collate_fn=list,
+                                             generator=torch.Generator().manual_seed(args.seed))
 
-    def step_inputs(rows_b, epoch, step, max_steps):
-        rows_b = [{"query": r["query"], "positive": r["positive"], "relevant": r.get("relevant"),
-                   "negatives": pick_negatives(r, args.num_negatives, args.seed, epoch)} for r in rows_b]
-        alpha = pair_alpha_at(step, max_steps, args.pair_alpha, args.pair_alpha_schedule)
-        return rows_b, {"pair_alpha": alpha}, {"retention_weight": 0.0, "pair_alpha": alpha}
-
+    # ---- optimiser and scheduler (10% warmup, then linear decay: PAIR's)
     param_groups = optimizer_groups(model, args.learning_rate, None, args.weight_decay)
+    trainable = sum(p.numel() for g in param_groups for p in g["params"])
+    accelerator.print(f"trainable parameters: {trainable:,} "
+                      f"({', '.join(sorted({g['name'] for g in param_groups}))})")
+    optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate)
+
+    # ---- prepare
+    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
+    steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
+    if steps_per_epoch == 0:
+        raise SystemExit("not enough data for one step per process: lower the batch size")
+    max_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
+    world = accelerator.num_processes
+    lr_scheduler = accelerator.prepare(get_scheduler(args.lr_scheduler_type, optimizer,
+                                                     num_warmup_steps=int(args.warmup_ratio * max_steps) * world,
+                                                     num_training_steps=max_steps * world))
+    state = TrainState()
+    accelerator.register_for_checkpointing(state)
+    if args.resume_from_checkpoint is not None:
+        resume(accelerator, args, collator, state)
+    accelerator.print(
+        f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {len(rows)} "
+        f"queries, {max_steps} steps x {args.per_device_train_batch_size} per device x {world} processes x "
+        f"{args.gradient_accumulation_steps} accumulation; in-batch negatives per step = "
+        f"{args.per_device_train_batch_size * world} (accumulation adds none); lr {args.learning_rate}")
+    if accelerator.is_main_process:
+        accelerator.init_trackers("xprt", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                                  for k, v in vars(args).items()})
+    scorer = None
+    if args.eval_tasks:
+        import evaluate
+
+        scorer = evaluate.TrainingScorer(accelerator, args, tokenizer)
+
+    # ---- the loop (train.py's, with the step's negatives and PAIR's alpha)
+    model.train()
+    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps)
+    stop_at = min(max_steps, args.stop_after_steps or max_steps)
+    log_path, first_batch = Path(args.output_dir) / "train_log.jsonl", True
+    for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
+        if state.completed_steps >= stop_at:
+            break
+        for indexed in epoch_batches(accelerator, dataloader, sampler, state, epoch):  # [(row index, row)]
+            batch = collator([{"query": r["query"], "positive": r["positive"], "relevant": r.get("relevant"),
+                               "negatives": pick_negatives(r, i, args.num_negatives, args.seed, epoch)}
+                              for i, r in indexed])
+            real, proc = window.count(batch, ("retain_",))
+            if first_batch:
+                first_batch = False
+                accum = args.gradient_accumulation_steps * world
+                accelerator.print(f"tokens per step: ~{real * accum} real, {proc * accum} processed (first batch)")
+            batch = batch_to_device(batch, accelerator.device)
+            alpha = pair_alpha_at(state.completed_steps, max_steps, args.pair_alpha, args.pair_alpha_schedule)
+            with accelerator.accumulate(model):
+                outputs = model(batch, pair_alpha=alpha)
+                if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
+                    accelerator.backward(outputs["loss"])
+                    if accelerator.sync_gradients and args.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    lr_scheduler.step()
+                optimizer.zero_grad()
+            state.batches_in_epoch += 1
+            if not accelerator.sync_gradients:
+                continue
+            state.completed_steps += 1
+            window.step_done(state, epoch, {"retention_weight": 0.0, "pair_alpha": alpha})
+            if scorer and args.eval_steps and state.completed_steps % args.eval_steps == 0:
+                write_log_record(accelerator, log_path, scorer(model, state.completed_steps, epoch, window))
+            if args.checkpointing_steps and state.completed_steps % args.checkpointing_steps == 0:
+                save_checkpoint(accelerator, model, collator, Path(args.output_dir) / "checkpoints",
+                                state.completed_steps, args.checkpoints_total_limit)
+            if state.completed_steps >= stop_at:
+                break
+        else:
+            state.batches_in_epoch = 0
+    window.close()
+    if scorer and scorer.last_step != state.completed_steps:
+        write_log_record(accelerator, log_path, scorer(model, state.completed_steps, state.epoch, window))
+
+    # ---- save
+    # a Hub dataset given as --train_data is named in the model card's metadata (a local file is not)
+    hub_data = [args.train_data] if args.train_data and not Path(args.train_data).exists() else None
     title = f"xprt finetune (PAIR loss, alpha {args.pair_alpha} {args.pair_alpha_schedule})"
-    return train_loop(accelerator, args, model, tokenizer, rows, lengths, collator, step_inputs,
-                      param_groups=param_groups, unit="queries", card_title=title,
-                      skip_keys=("retain_",), batch_keys=keys)
+    save_run(accelerator, args, model, tokenizer, state.completed_steps >= max_steps,
+             {"title": title, "script": "finetune.py", "argv": argv, "datasets": hub_data,
+              "summary": {"steps": state.completed_steps, "processes": world, "rows": len(rows), "unit": "queries"}})
+    return {"completed_steps": state.completed_steps, "max_steps": max_steps, "output_dir": args.output_dir,
+            "trainable_parameters": trainable}
 
 
 if __name__ == "__main__":

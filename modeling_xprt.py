@@ -1,27 +1,24 @@
 """
-xPRT's model and math in one file (the xPRT paper, "The objective"; the PAIR paper for the fine-tuning stage).
+xPRT's model and its equations (the xPRT paper, "The objective"; the PAIR paper for the fine-tuning stage).
 
-Read top to bottom beside the paper:
-  1. shared utilities: model names, E5 prefixes, atomic outputs, JSONL and BEIR reading, the document-id hash
-  2. encoder utilities: mean pooling, the one batch embedder, gathering across processes
-  3. the equations, one function each, in the paper's order: L_xp, L_cross, L_self, L_MLM, L_unif, the
-     retention KL; the two baselines (random-span contrastive, self-reconstruction); PAIR's L_Q, L_P and their mix
-  4. the model: loading the encoder with its MLM head, the one-layer conditioned decoder, XPRTModel
-  5. the collators: rows -> one batch of tensors (all masking and cropping)
-  6. how the vocabulary terms are made fast: the chunked, fused projection + cross-entropy / KL
-Every other script imports this one; it imports none of them.
+Read it top to bottom beside the paper:
+  1. pooling and gathers: the sentence vector, and vectors gathered across processes (in-batch negatives)
+  2. the equations, one function each, in the paper's order: L_xp, L_cross, L_self, L_MLM, L_unif, the retention KL;
+     the two baselines (random-span contrastive, self-reconstruction); PAIR's L_Q, L_P and their mix
+  3. the decoder: the 10 passes of a group, the one-layer conditioned decoder
+  4. the model: the encoder with its MLM head, XPRTModel (one method per objective), the batch embedder
+  5. the collators: rows -> one batch of tensors (all masking, cropping and index building)
+  6. the vocabulary sweep: how L_MLM, L_cross and L_self compute, together, chunk by chunk
+The plumbing (names and prefixes, files, the model folder and its card) is in support.py, which this file imports.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
 import os
-import re
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -31,14 +28,461 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from support import (NO_PROMPTS, ModelInfo, checkpoint_tensors, dist_on, hub_base_model, max_seq_length,
+                     model_prompts, quiet_load_report, rank_and_world, read_max_seq_length, resolve_model_path,
+                     save_model_folder, stable_doc_hash)
+
 logger = logging.getLogger("xprt")
 
 
 # ==============================================================================================================
-# 1. Shared utilities
-# Model names, E5 prefixes, and one definition each of what every script needs: atomic outputs, JSONL with
-# line numbers, the BEIR reader, the document-id hash.
+# 1. Pooling and gathers
 # ==============================================================================================================
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean of the token vectors over the attention mask: the sentence vector of E5 and xPRT.
+
+    hidden (B, L, H), attention_mask (B, L) -> (B, H). Not normalised: callers normalise when they
+    need cosines, so the same function serves losses that want raw vectors.
+    """
+    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, L, 1)
+    # clamp: an all-padding row (never produced by our collators) would otherwise divide by zero
+    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+
+
+def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
+    """Concatenate `t` from every process along dim 0, keeping gradients (identity when not distributed).
+
+    `accelerator.gather` has no backward, so in-batch negatives gathered with it would not push
+    the other processes' vectors. torch.distributed.nn's all_gather has one: its backward SUMS,
+    into each process's local slice, the gradients that every process's loss sends to it. Each
+    process must therefore compute its loss on its LOCAL rows only (against the gathered
+    candidates); DDP's gradient averaging then yields exactly the gradient of the global mean loss
+    (proved by tests/test_modeling.py::test_two_process_gather_equals_single_process).
+    Every process must hold the same number of rows (drop_last).
+    """
+    if not dist_on():
+        return t
+    import warnings
+
+    import torch.distributed.nn.functional as dist_fn
+
+    with warnings.catch_warnings():
+        # Deprecated in favour of _functional_collectives, whose backward is a reduce_scatter that
+        # gloo (CPU) lacks; this one runs on gloo and NCCL alike.
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.cat(dist_fn.all_gather(t.contiguous()), dim=0)
+
+
+def gather_no_grad(t: torch.Tensor) -> torch.Tensor:
+    """all_gather without gradient (document ids, labels)."""
+    if not dist_on():
+        return t
+    out = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(out, t.contiguous())
+    return torch.cat(out, dim=0)
+
+
+# ==============================================================================================================
+# 2. The equations, in the paper's order
+# L_xp (the main term), L_cross (fill-in), L_self, L_MLM, L_unif, the retention KL; then the two baselines the
+# paper compares with, then PAIR's L_Q, L_P and their mix. L_cross, L_self and L_MLM hand their rows to the step's
+# VocabSweep (section 6), which computes all three in one pass over the vocabulary.
+# ==============================================================================================================
+
+
+def info_nce(queries: torch.Tensor, keys: torch.Tensor, labels: torch.Tensor, tau: float,
+             exclude: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """-log softmax(cos(q, k) / tau)[label], averaged over queries.
+
+    Also known as MultipleNegativesRankingLoss; temperature tau = 0.05 is sentence-transformers'
+    scale = 20. `exclude` (Q, K) bool marks candidates removed from the denominator (never the label).
+    """
+    logits = F.normalize(queries, dim=-1) @ F.normalize(keys, dim=-1).t() / tau  # (Q, K)
+    if exclude is not None:
+        logits = logits.masked_fill(exclude, float("-inf"))
+    return F.cross_entropy(logits.float(), labels)
+
+
+def xp_loss(anchors: torch.Tensor, s1: torch.Tensor, doc_ids: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
+    """L_xp, the paper's main term: symmetric InfoNCE between each anchor and its top related passage s1.
+
+        L_xp = -log exp(cos(e_a, e_s1) / tau) / sum_{g'} exp(cos(e_a, e_s1') / tau),   tau = 0.05
+
+    The denominator runs over the s1' of every group g' of the batch - gathered from all processes,
+    with gradients (gather_with_grad) - and, in reverse, s1 picks its anchor among all anchors; the
+    two directions are averaged. Groups of the same document are never negatives ("they are related
+    too"): their logits are removed, except the group's own positive. Worked example (paper): 3
+    groups, cos 0.8 to the own s1 and 0.5 to the others -> p = e^16 / (e^16 + 2 e^10) = 0.995.
+
+    anchors, s1: (N, H) local rows; doc_ids: (N,) int64. Returns the mean over the local rows.
+    """
+    all_anchors, all_s1 = gather_with_grad(anchors), gather_with_grad(s1)  # (N * world, H)
+    all_docs = gather_no_grad(doc_ids)
+    n = anchors.shape[0]
+    labels = torch.arange(n, device=anchors.device) + rank_and_world()[0] * n  # own group's index in the gathered batch
+    same_doc = doc_ids.unsqueeze(1) == all_docs.unsqueeze(0)  # (N, N * world)
+    same_doc[torch.arange(n, device=anchors.device), labels] = False  # the positive stays
+    a_to_s = info_nce(anchors, all_s1, labels, tau, same_doc)
+    s_to_a = info_nce(s1, all_anchors, labels, tau, same_doc)
+    return 0.5 * (a_to_s + s_to_a)
+
+
+def cross_fill_loss(sweep: "VocabSweep", hidden: torch.Tensor, targets: torch.Tensor, weight: float) -> None:
+    """L_cross (weight 0.1): masked-token cross-entropy of the conditioned one-layer decoder.
+
+        L_cross = mean over masked positions m of -log softmax(head(h_dec[m]))[x_m]
+
+    The anchor's vector -> one linear map -> 4 conditioning vectors inserted after [CLS] of a related passage whose
+    tokens are 60% masked; the decoder predicts the masked words through the encoder's own MLM head. Both
+    directions: the anchor fills each of the 4 related passages, each related passage fills the anchor (8 of the
+    10 passes of decoder_pass_plan). hidden: (M, H) decoder states at the masked positions of all cross passes of
+    all groups (before the MLM head), targets (M,) the original tokens. The term is one cross-entropy of the
+    step's VocabSweep: its value and gradient come out of sweep.run(), with L_MLM's and L_self's."""
+    sweep.cross_entropy("cross_fill_loss", hidden, targets, weight)
+
+
+def self_fill_loss(sweep: "VocabSweep", hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: float) -> None:
+    """L_self: the decoder fills a passage's own masked words from that passage's own vector; the target is the
+    encoder's word distribution at the same positions of its 15%-masked pass (detached: a teacher):
+
+        L_self = mean over masked positions m of KL( softmax(head(h_enc[m])) || softmax(head(h_dec[m])) )
+
+    Anchor and s1 only (the 2 self passes of decoder_pass_plan). hidden: (M, H) decoder states, teacher_hidden:
+    (M, H) encoder states at the same tokens (both before the MLM head). One KL term of the step's VocabSweep."""
+    sweep.kl_to_teacher("self_fill_loss", hidden, teacher_hidden, weight)
+
+
+def mlm_loss(sweep: "VocabSweep", hidden: torch.Tensor, targets: torch.Tensor, weight: float,
+             name: str = "mlm_loss") -> None:
+    """L_MLM: the encoder's masked-LM cross-entropy on the 15%-masked passes that also give the sentence vectors
+    (BERT's 80/10/10 masking, XPRTCollator); it keeps the teacher of L_self from drifting.
+
+        L_MLM = mean over masked positions m of -log softmax(head(h_enc[m]))[x_m]
+
+    hidden: (M, H) encoder states at the masked positions (before the MLM head), targets (M,) the original tokens.
+    One cross-entropy of the step's VocabSweep."""
+    sweep.cross_entropy(name, hidden, targets, weight)
+
+
+def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
+    """L_unif (Wang & Isola 2020): log mean_{i != j} exp(-t ||x_i - x_j||^2), x L2-normalised, t = 2.
+
+    Applied to the batch's anchors: the closer any two anchors, the larger the penalty, so the
+    vectors do not collapse into one cluster. Local batch only (no gathering).
+    """
+    x = F.normalize(vectors.float(), dim=-1)
+    sq = (2 - 2 * x @ x.t()).clamp(min=0)  # ||x - y||^2 for unit vectors, (N, N)
+    n = x.shape[0]
+    # i != j by a -inf diagonal, not a boolean-mask gather (whose data-dependent size is a device-to-host sync)
+    diag = torch.eye(n, dtype=torch.bool, device=x.device)
+    return torch.logsumexp((-t * sq).masked_fill(diag, float("-inf")).flatten(), dim=0) - math.log(n * (n - 1))
+
+
+def retention_loss(student_anchors, student_related, teacher_anchors, teacher_related,
+                   tau: float = 0.05) -> torch.Tensor:
+    """L_retain: keep the frozen starting model's (E5's) view of which passages resemble which.
+
+    S = cos(anchors, related) / tau for the current model and T for the frozen teacher (unmasked
+    text, no gradient), both (N, N) over the batch's anchors x top related passages. Rows (anchor ->
+    related) and columns (related -> anchor) each get a softmax, and
+        L_retain = 1/2 [ KL(softmax_row(T) || softmax_row(S)) + KL(softmax_col(T) || softmax_col(S)) ],
+    each KL averaged over rows/columns. The paper's weight falls 40 -> 0 over training (train.py).
+    The paper gives no temperature for these softmaxes: tau = 0.05 (L_xp's) is our choice.
+    """
+    s = F.normalize(student_anchors.float(), dim=-1) @ F.normalize(student_related.float(), dim=-1).t() / tau
+    with torch.no_grad():
+        t = F.normalize(teacher_anchors.float(), dim=-1) @ F.normalize(teacher_related.float(), dim=-1).t() / tau
+
+    def kl(t_logits, s_logits):  # mean over rows of KL(softmax(t) || softmax(s))
+        return F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
+                        reduction="batchmean")
+
+    return 0.5 * (kl(t, s) + kl(t.t(), s.t()))
+
+
+def contrastive_random_span(view1: torch.Tensor, view2: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
+    """Contriever-style baseline: two independent random crops of one passage (length ratio
+    uniform in [0.1, 0.5], XPRTCollator) form the positive pair; InfoNCE, tau = 0.05, with the
+    (gathered) in-batch crops as negatives, one direction (view1 -> view2) as in Contriever."""
+    all_v2 = gather_with_grad(view2)
+    n = view1.shape[0]
+    labels = torch.arange(n, device=view1.device) + rank_and_world()[0] * n
+    return info_nce(view1, all_v2, labels, tau)
+
+
+def self_reconstruction(sweep: "VocabSweep", dec_hidden: torch.Tensor, dec_targets: torch.Tensor,
+                        enc_hidden: torch.Tensor, enc_targets: torch.Tensor) -> None:
+    """RetroMAE-style baseline: L = L_recon + L_MLM, weights 1 and 1 as in RetroMAE. The encoder reads the passage
+    30%-masked (L_MLM, mlm_loss); the same one-layer decoder rebuilds the passage, 50%-masked, from the passage's
+    own vector (L_recon: cross-entropy at the decoder's masked positions). Both terms go to the step's VocabSweep,
+    whose weighted sum is this loss."""
+    sweep.cross_entropy("recon_loss", dec_hidden, dec_targets, 1.0)
+    mlm_loss(sweep, enc_hidden, enc_targets, 1.0)
+
+
+def pair_false_negatives(candidate_ids: torch.Tensor, relevant_ids: torch.Tensor,
+                         labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The in-batch false negatives of PAIR's losses, as the `exclude` mask of info_nce:
+
+        exclude[i, c] = (id(c) in R_i) and (c != label_i),   R_i = ids of every passage labelled relevant to q_i
+
+    A candidate whose text is row i's positive (a duplicate in another slot) or another passage labelled relevant
+    to row i's query is not a negative of row i; it leaves row i's denominator. Ids are stable_doc_hash of the
+    passage text (PairCollator). candidate_ids: (C,) int64, the gathered candidates; relevant_ids: (B, R) int64,
+    the local rows' relevant passages, padded by repeating an id the row already holds (PairCollator), so padding
+    never matches anything its real ids do not; labels: (B,) each row's own column, which always stays.
+    Returns (B, C) bool. The one definition of the rule: pair_q_loss, pair_p_loss and finetune.py's start-up
+    count all call it.
+    """
+    exclude = (relevant_ids.unsqueeze(-1) == candidate_ids.view(1, 1, -1)).any(dim=1)  # (B, R, C) -> (B, C)
+    if labels is not None:
+        exclude[torch.arange(exclude.shape[0], device=exclude.device), labels] = False
+    return exclude
+
+
+def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05,
+                passage_ids: Optional[torch.Tensor] = None,
+                relevant_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """PAIR's query-centric L_Q (Eq. 1): the query picks its positive among its positive, its hard
+    negatives and every other passage of the batch gathered from all processes (cross-batch negatives):
+        L_Q = -log exp(f(q, p+)) / (exp(f(q, p+)) + sum_{p- in N_P} exp(f(q, p-))),  f = cos / tau.
+    queries: (B, H); passages: (B, 1 + n, H), positive first. PAIR's official code uses raw inner
+    products of [CLS]; our encoders are mean-pooled cosine models, hence cos / tau (tau = 0.05).
+    N_P leaves out the false negatives when the ids are given (pair_false_negatives): passage_ids (B, 1 + n)
+    int64, gathered like the passages; relevant_ids (B, R) int64 (None: each row's own positive only).
+    Without ids every other passage is a negative (a duplicate of q's positive then caps p+ at 1/2)."""
+    b, k, h = passages.shape
+    all_p = gather_with_grad(passages.reshape(b * k, h))  # (world * B * k, H)
+    labels = (torch.arange(b, device=queries.device) + rank_and_world()[0] * b) * k
+    exclude = None
+    if passage_ids is not None:
+        relevant_ids = passage_ids[:, :1] if relevant_ids is None else relevant_ids
+        exclude = pair_false_negatives(gather_no_grad(passage_ids.reshape(b * k)), relevant_ids, labels)
+    return info_nce(queries, all_p, labels, tau, exclude)
+
+
+def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05,
+                passage_ids: Optional[torch.Tensor] = None,
+                relevant_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """PAIR's passage-centric L_P (Eq. 2), as in the PAIR paper and its official code: the positive
+    passage is the anchor; the candidates are its own query and the negative passages (its hard
+    negatives and every other query's, gathered across processes); the label is its query:
+        L_P = -log exp(f(p+, q)) / (exp(f(p+, q)) + sum_{p- in N_P} exp(f(p+, p-))),
+    i.e. it enforces s(p+, q) > s(p+, p-). NOTE: the seed card prints the numerator as
+    exp(-f(p+, p+)), which reads as a transcription error (a passage against itself, negated, makes
+    the loss push p+ away from itself); we implement the paper's form. Needs >= 1 negative per query.
+    With passage_ids / relevant_ids (as in pair_q_loss) N_P leaves out the negatives labelled relevant to q
+    (pair_false_negatives): a copy of p+ among them would otherwise score f(p+, p+) = 1 / tau, above any query."""
+    b, k, h = passages.shape
+    if k < 2:
+        raise ValueError("pair_p_loss needs at least one negative passage per query (num_negatives >= 1)")
+    pos = passages[:, 0]  # (B, H)
+    all_neg = gather_with_grad(passages[:, 1:].reshape(b * (k - 1), h))  # (world * B * n, H)
+    pos_n, q_n, neg_n = F.normalize(pos, dim=-1), F.normalize(queries, dim=-1), F.normalize(all_neg, dim=-1)
+    logits = torch.cat([(pos_n * q_n).sum(-1, keepdim=True), pos_n @ neg_n.t()], dim=1) / tau  # (B, 1 + world*B*n)
+    if passage_ids is not None:
+        relevant_ids = passage_ids[:, :1] if relevant_ids is None else relevant_ids
+        neg_ids = gather_no_grad(passage_ids[:, 1:].reshape(b * (k - 1)))
+        # column 0 is the query (the label): never excluded
+        exclude = torch.cat([torch.zeros(b, 1, dtype=torch.bool, device=pos.device),
+                             pair_false_negatives(neg_ids, relevant_ids)], dim=1)
+        logits = logits.masked_fill(exclude, float("-inf"))
+    return F.cross_entropy(logits.float(), torch.zeros(b, dtype=torch.long, device=pos.device))
+
+
+def pair_loss(l_q: torch.Tensor, l_p: torch.Tensor, alpha: float) -> torch.Tensor:
+    """PAIR's combined objective (Eq. 3): L = (1 - alpha) L_Q + alpha L_P. alpha = 0 is plain fine-tuning (PAIR's
+    second stage); the official code's pre-training stage uses alpha = 0.1 constant, the paper describes a decaying
+    alpha: both are schedules of finetune.py (pair_alpha_at)."""
+    return (1.0 - alpha) * l_q + alpha * l_p
+
+
+@dataclass
+class LossWeights:
+    """Weights of the xPRT terms. L = xp * L_xp + cross * L_cross + self_fill * L_self + mlm * L_MLM
+    + unif * L_unif (+ the retention term, whose weight 40 -> 0 is scheduled by train.py).
+
+    xp = 1.0 and cross = 0.1 are the paper's. self_fill, mlm and unif are NOT given by our source:
+    these defaults are OURS - we give each auxiliary term the same weight, 0.1, as the paper's one
+    auxiliary weight (L_cross), so that L_xp stays the dominant signal.
+    """
+
+    xp: float = 1.0
+    cross: float = 0.1
+    self_fill: float = 0.1  # ours
+    mlm: float = 0.1  # ours
+    unif: float = 0.1  # ours
+
+
+# ==============================================================================================================
+# 3. The decoder
+# A group's 10 passes (8 cross, 2 self) and the one-layer decoder that runs them all in one call. The collator
+# builds the passes' inputs and the rows each loss reads from the decoder's output (ConditionedDecoder.output_rows).
+# ==============================================================================================================
+
+
+def decoder_pass_plan(num_related: int, fill_in: bool = True):
+    """The decoder passes of one group, in batch order: (condition_source, target, kind) lists.
+
+    Passage indices: 0 = anchor, 1 = s1, ..., num_related. With 4 related passages:
+    passes 0-3 anchor -> related_k (cross), 4-7 related_k -> anchor (cross), 8 anchor -> anchor
+    and 9 s1 -> s1 (self): 8 cross + 2 self = the paper's 10 decoder passes per group.
+    fill_in=False (the "without the fill-in loss" ablation) keeps the 2 self passes only.
+    """
+    r = list(range(1, num_related + 1))
+    source = [0] * num_related + r + [0, 1]
+    target = r + [0] * num_related + [0, 1]
+    kind = ["cross"] * (2 * num_related) + ["self", "self"]
+    keep = [i for i, k in enumerate(kind) if fill_in or k == "self"]
+    return [source[i] for i in keep], [target[i] for i in keep], [kind[i] for i in keep]
+
+
+class ConditionedDecoder(nn.Module):
+    """xPRT's fill-in decoder: vector -> one linear map -> C conditioning vectors, inserted right
+    after [CLS] of a masked passage embedded by the ENCODER's own embedding layer, then one
+    Transformer layer (a BertLayer with SDPA). Predictions go through the encoder's MLM head, so
+    the decoder owns only `condition` and `layers`."""
+
+    def __init__(self, config, num_condition_vectors: int = 4, num_layers: int = 1):
+        super().__init__()
+        from transformers.models.bert.modeling_bert import BertLayer
+
+        self.config = config
+        self.num_condition_vectors = num_condition_vectors
+        self.condition = nn.Linear(config.hidden_size, num_condition_vectors * config.hidden_size)
+        self.layers = nn.ModuleList([BertLayer(config) for _ in range(num_layers)])
+
+    def forward(self, vectors, token_embeddings, attention_mask):
+        """vectors (N, H), token_embeddings (N, L, H), attention_mask (N, L) -> (N, L + C, H).
+
+        Output position 0 is [CLS], 1..C the conditioning slots, C+1.. the passage's tokens 1..L-1
+        (output_rows maps input positions to these rows)."""
+        from transformers.masking_utils import create_bidirectional_mask
+
+        n, _, h = token_embeddings.shape
+        c = self.num_condition_vectors
+        cond = self.condition(vectors).view(n, c, h)  # (N, C, H)
+        x = torch.cat([token_embeddings[:, :1], cond, token_embeddings[:, 1:]], dim=1)  # (N, L + C, H)
+        mask = torch.cat([attention_mask[:, :1], attention_mask.new_ones(n, c), attention_mask[:, 1:]], dim=1)
+        mask4d = create_bidirectional_mask(config=self.config, inputs_embeds=x, attention_mask=mask)
+        for layer in self.layers:
+            x = layer(x, mask4d)
+        return x
+
+    @staticmethod
+    def output_rows(index: torch.Tensor, length: int, num_condition_vectors: int) -> torch.Tensor:
+        """Flat positions in the decoder's (N, L) input -> flat rows of its (N, L + C, H) output, flattened: the C
+        conditioning slots sit after position 0 ([CLS]), so row n's token j > 0 moves by C, and every row by n C."""
+        c = num_condition_vectors
+        return index + index // length * c + c * (index % length > 0)
+
+
+# ==============================================================================================================
+# 4. The model
+# Batch layout (the collators of section 5 build it; one tensor per field, no per-group Python in the model):
+# G groups, P = 1 + num_related passages per group (index 0 = anchor a, 1 = s1, ...), L tokens, D decoder passes per
+# group (2 * num_related + 2; 2 without fill-in), C conditioning vectors, V the vocabulary.
+#   xprt and self_reconstruction (P = 1, D = 1):
+#     input_ids, attention_mask, mlm_labels   (G, P, L)   masked encoder input, its MLM targets (-100 elsewhere)
+#     dec_input_ids, dec_labels               (G, D, L)   masked decoder inputs, their targets
+#     dec_source, dec_target                  (D,)        passage whose vector conditions each pass / passage it fills
+#     mlm_index, mlm_targets                  (M,)        masked encoder positions in the flat (G * P * L) states
+#     xprt: cross_rows, cross_targets         (M_c,)      L_cross's rows of the flat (G * D * (L + C)) decoder output
+#     xprt: self_rows, self_enc_index         (M_s,)      L_self's decoder rows, the same tokens in the encoder states
+#     self_reconstruction: dec_rows, dec_targets          L_recon's decoder rows and targets
+#   contrastive_random_span:
+#     input_ids, attention_mask               (G, L)      the longer crop of each row
+#     short_input_ids, short_attention_mask   (G, L')     the shorter crop
+#     view1_is_long                           (G,)        which crop is view 1
+#   every pre-training objective:
+#     retain_input_ids, retain_attention_mask (G, 2, L")  clean anchor and s1 (teacher and clean student)
+#     doc_ids                                 (G,)        stable int64 hash of the document id
+#   pair (PairCollator): query_input_ids / query_attention_mask (B, Lq), passage_input_ids /
+#     passage_attention_mask (B, 1 + n, Lp), passage_ids (B, 1 + n), relevant_ids (B, R)
+# ==============================================================================================================
+
+
+# The pre-training objectives (train.py --objective) and PAIR's fine-tuning objective (finetune.py).
+PRETRAIN_OBJECTIVES = ("xprt", "contrastive_random_span", "self_reconstruction")
+OBJECTIVES = PRETRAIN_OBJECTIVES + ("pair",)
+
+
+def _head_params(mlm_model) -> dict:
+    """The MLM head's own parameters (not the base model's, not the projection tied to the word
+    embeddings), by name: what xprt_heads.safetensors stores and what mlm_head_from copies."""
+    prefix = mlm_model.base_model_prefix + "."
+    # named_parameters() drops duplicates, so the tied projection (= word embeddings, seen first
+    # in the base model) and BERT's decoder.bias (= predictions.bias) appear once.
+    return {k: p for k, p in mlm_model.named_parameters() if not k.startswith(prefix)}
+
+
+def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, trust_remote_code: bool = False):
+    """Any BERT-family checkpoint as an AutoModelForMaskedLM with SDPA attention -> (model, message).
+
+    E5 and MiniLM are saved as plain BertModel: transformers then reports the head
+    (cls.predictions.*) as missing keys and initialises it fresh - transform N(0, 0.02), bias 0 -
+    with the vocabulary projection tied to the word embeddings (tie_word_embeddings). That is our
+    default; `mlm_head_from` (e.g. bert-base-uncased, README, Notes) copies another checkpoint's trained
+    head instead (the projection stays tied to OUR word embeddings). The message says which happened.
+    """
+    from transformers import AutoModelForMaskedLM
+
+    path = resolve_model_path(name_or_path)
+    # transformers' LOAD REPORT for this call lists the head as MISSING and the pooler as UNEXPECTED, which reads like
+    # an error; the message below states the same facts (and a missing encoder weight still raises)
+    with quiet_load_report():
+        model, info = AutoModelForMaskedLM.from_pretrained(
+            path, attn_implementation="sdpa", output_loading_info=True, trust_remote_code=trust_remote_code
+        )
+    prefix = model.base_model_prefix + "."
+    # the base model's tensors the MLM model has no module for (BERT's pooler): kept as they are, and written back by
+    # XPRTModel.save_pretrained so the saved folder is a complete AutoModel checkpoint
+    model.xprt_base_extras = checkpoint_tensors(path, [k for k in info["unexpected_keys"]], prefix)
+    missing_head = sorted(k for k in info["missing_keys"] if not k.startswith(prefix))
+    missing_base = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and "position_ids" not in k)
+    if missing_base:
+        raise ValueError(f"{name_or_path}: encoder weights missing from the checkpoint: {missing_base[:5]}")
+    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = out_emb is not None and out_emb.weight is in_emb.weight
+    if mlm_head_from:
+        donor, dinfo = AutoModelForMaskedLM.from_pretrained(
+            resolve_model_path(mlm_head_from), output_loading_info=True, trust_remote_code=trust_remote_code
+        )
+        donor_missing = [k for k in dinfo["missing_keys"] if not k.startswith(donor.base_model_prefix + ".")]
+        if donor_missing:
+            raise ValueError(f"--mlm_head_from {mlm_head_from} has no trained MLM head either "
+                             f"(missing {donor_missing[:3]})")
+        ours, theirs = _head_params(model), _head_params(donor)
+        if set(ours) != set(theirs) or any(ours[k].shape != theirs[k].shape for k in ours):
+            raise ValueError(f"MLM head of {mlm_head_from} does not fit {name_or_path} "
+                             "(different architecture or vocabulary)")
+        with torch.no_grad():
+            for k in ours:
+                ours[k].copy_(theirs[k])
+        message = (f"MLM head copied from {mlm_head_from} ({len(ours)} tensors); vocabulary projection "
+                   f"{'tied to' if tied else 'NOT tied to'} {name_or_path}'s word embeddings")
+    elif missing_head:
+        message = (f"{name_or_path} has no MLM head ({len(missing_head)} missing keys, e.g. {missing_head[0]}): "
+                   f"initialised fresh, projection {'tied to the word embeddings' if tied else 'NOT tied'}")
+    else:
+        message = f"MLM head loaded from {name_or_path}"
+    if model.xprt_base_extras:
+        message += f"; kept {', '.join(sorted(model.xprt_base_extras))} (not used by mean pooling) for saving"
+    logger.info(message)
+    return model, message
+
+
+def load_teacher(name_or_path: str, trust_remote_code: bool = False):
+    """The frozen starting model for the retention term: AutoModel, eval mode, no gradients."""
+    from transformers import AutoModel
+
+    teacher = AutoModel.from_pretrained(resolve_model_path(name_or_path), attn_implementation="sdpa",
+                                        trust_remote_code=trust_remote_code)
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return teacher
 
 
 @contextlib.contextmanager
@@ -53,21 +497,293 @@ def dropout_off(module: nn.Module):
         module.train(was_training)
 
 
-# ==============================================================================================================
-# 2. Encoder utilities
-# Pooling, the device, the one batch embedder, and gathering vectors across processes.
-# ==============================================================================================================
+class XPRTModel(nn.Module):
+    """Encoder (AutoModelForMaskedLM, mean pooling) + conditioned decoder + every loss term.
 
-
-def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Mean of the token vectors over the attention mask: the sentence vector of E5 and xPRT.
-
-    hidden (B, L, H), attention_mask (B, L) -> (B, H). Not normalised: callers normalise when they
-    need cosines, so the same function serves losses that want raw vectors.
+    forward(batch) runs, for objective "xprt": ONE encoder call on all (G x 5) passages, ONE
+    decoder call on all (G x 10) passes, vocabulary logits only at the positions a loss uses
+    (one VocabSweep for L_MLM, L_cross and L_self), optionally ONE teacher call on the clean anchors and s1.
     """
-    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, L, 1)
-    # clamp: an all-padding row (never produced by our collators) would otherwise divide by zero
-    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+
+    def __init__(self, mlm_model, objective: str = "xprt", weights: LossWeights = LossWeights(), tau: float = 0.05,
+                 fill_in: bool = True, num_condition_vectors: int = 4, decoder_layers: int = 1,
+                 retention_student: str = "clean", fused_vocab_loss: bool = True, info: Optional[ModelInfo] = None):
+        """tau: the temperature of every cosine softmax (paper: 0.05). info: what the saved folder records beyond
+        the weights (start model, prefixes, length limit, Hub ids: support.ModelInfo; from_pretrained fills it in).
+        fused_vocab_loss=False computes the vocabulary terms the plain way (the reference the tests compare with)."""
+        super().__init__()
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        if retention_student not in ("clean", "masked"):
+            raise ValueError(f"retention_student must be 'clean' or 'masked', got {retention_student!r}")
+        # Which student vectors the retention term compares with the teacher's (clean text):
+        #   "clean"  (our default): the student encodes the same clean anchor and s1 in one extra pass,
+        #            so the term measures drift of the model only: exactly 0 at step 0. Costs 2 more
+        #            encoder passes per group (7 instead of the paper's 5).
+        #   "masked" (the paper's cost accounting: 5 passes + 1 teacher pass): reuse the 15%-masked
+        #            vectors; the masking noise alone then gives KL ~0.5 at step 0 (MiniLM), which under
+        #            the weight 40 dominates the early loss.
+        self.retention_student = retention_student
+        self.encoder = mlm_model
+        self.objective, self.weights, self.tau, self.fill_in = objective, weights, tau, fill_in
+        self.fused_vocab_loss = fused_vocab_loss
+        cfg = mlm_model.config
+        if getattr(cfg, "_attn_implementation", None) != "sdpa":
+            logger.warning("encoder attention is %s, not sdpa", getattr(cfg, "_attn_implementation", None))
+        self.decoder = ConditionedDecoder(cfg, num_condition_vectors, decoder_layers)
+        # BERT's init (N(0, 0.02) linear weights, LayerNorm 1/0) for the fresh decoder, as RetroMAE does.
+        self.decoder.apply(mlm_model._init_weights)
+        # Our choice: start the linear map as C stacked identities (+ the N(0, 0.02) noise above, so
+        # the C vectors differ). The mean-pooled vector then enters the decoder at the scale of the
+        # (LayerNorm-ed) token embeddings; with N(0, 0.02) alone it would be ~0.02 sqrt(H) times
+        # smaller and the decoder would start out ignoring it.
+        with torch.no_grad():
+            hsz = cfg.hidden_size
+            self.decoder.condition.weight += torch.eye(hsz).repeat(num_condition_vectors, 1)
+        self.num_condition_vectors = num_condition_vectors
+        self.decoder_layers = decoder_layers
+        self.info = info or ModelInfo(max_seq_length=max_seq_length(cfg))
+        self.load_message = ""  # how the weights came to be: from_pretrained says
+
+    # -- pieces ----------------------------------------------------------------------------------
+    @property
+    def base(self):
+        return self.encoder.base_model
+
+    @property
+    def prompts(self) -> dict:
+        """{"query", "document"} prefixes the model is trained and used with (support.model_prompts)."""
+        return self.info.prompts
+
+    @property
+    def max_seq_length(self) -> int:
+        """The length limit the model is saved and scored with (support.max_seq_length)."""
+        return self.info.max_seq_length
+
+    def head_transform(self, h):
+        """The MLM head up to (not including) the vocabulary projection."""
+        enc = self.encoder
+        if hasattr(enc, "cls") and hasattr(enc.cls, "predictions"):  # BERT family
+            return enc.cls.predictions.transform(h)
+        if hasattr(enc, "lm_head") and hasattr(enc.lm_head, "dense"):  # RoBERTa family
+            return enc.lm_head.layer_norm(F.gelu(enc.lm_head.dense(h)))
+        raise ValueError(f"unsupported MLM head on {type(enc).__name__}")
+
+    def projection(self):
+        """(weight (V, H), bias (V,)): the vocabulary projection, weight = the word embeddings."""
+        out = self.encoder.get_output_embeddings()
+        bias = out.bias if out.bias is not None else self.encoder.cls.predictions.bias
+        return out.weight, bias
+
+    def encode(self, input_ids, attention_mask):
+        """(N, L) -> hidden (N, L, H), mean-pooled vectors (N, H)."""
+        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return hidden, mean_pool(hidden, attention_mask)
+
+    def decode(self, vectors, batch, attention_mask):
+        """Every decoder pass of the batch in one call -> the flat (G * D * (L + C), H) output rows.
+
+        vectors (G, P, H) and attention_mask (G, P, L) of the encoder passes: pass d of group g is conditioned on
+        vectors[g, dec_source[d]] and fills passage dec_target[d], with that passage's attention mask."""
+        ids = batch["dec_input_ids"]  # (G, D, L)
+        g, d, l = ids.shape
+        h = vectors.shape[-1]
+        emb = self.base.embeddings(input_ids=ids.reshape(g * d, l))  # the encoder's own embedding layer
+        cond = vectors[:, batch["dec_source"]].reshape(g * d, h)  # (G*D, H)
+        mask = attention_mask[:, batch["dec_target"]].reshape(g * d, l)
+        return self.decoder(cond, emb, mask).reshape(-1, h)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, batch: dict, teacher=None, retention_weight: float = 0.0, pair_alpha: float = 0.0) -> dict:
+        """The objective's loss -> {"loss": total (with gradient), "<term>_loss": detached value per term}."""
+        if self.objective == "pair":
+            loss, terms = self.pair_step(batch, pair_alpha)
+        else:
+            step = {"xprt": self.xprt_step, "contrastive_random_span": self.random_span_step,
+                    "self_reconstruction": self.self_reconstruction_step}[self.objective]
+            loss, terms, student = step(batch)
+            if teacher is not None and retention_weight > 0:
+                terms["retention_loss"] = r = self.retention(batch, teacher, student)
+                loss = loss + retention_weight * r
+        return {"loss": loss, **{k: v.detach() for k, v in terms.items()}}
+
+    def xprt_step(self, batch):
+        """xPRT: w_xp L_xp + w_unif L_unif + w_mlm L_MLM + w_cross L_cross + w_self L_self -> (loss, terms, the
+        (G, 2, H) anchor and s1 vectors for a masked retention student)."""
+        w = self.weights
+        ids, am = batch["input_ids"], batch["attention_mask"]  # (G, P, L)
+        g, p, l = ids.shape
+        hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))  # (G*P, L, H), (G*P, H): one encoder call
+        h = hidden.shape[-1]
+        enc_flat = hidden.view(g * p * l, h)
+        vec = vec.view(g, p, h)  # 0 = anchor, 1 = s1, ...
+        anchors, s1 = vec[:, 0], vec[:, 1]
+        terms = {"xp_loss": xp_loss(anchors, s1, batch["doc_ids"], self.tau),
+                 "uniformity_loss": uniformity_loss(anchors)}
+        dec_flat = self.decode(vec, batch, am.view(g, p, l))  # every pass of every group: one decoder call
+        # The vocabulary terms read the rows the collator picked (index tensors: no data-dependent shapes here, so
+        # no device-to-host sync) and hand them to one sweep over the vocabulary.
+        sweep = VocabSweep(self)
+        mlm_loss(sweep, enc_flat.index_select(0, batch["mlm_index"]), batch["mlm_targets"], w.mlm)
+        if self.fill_in:
+            cross_fill_loss(sweep, dec_flat.index_select(0, batch["cross_rows"]), batch["cross_targets"], w.cross)
+        self_fill_loss(sweep, dec_flat.index_select(0, batch["self_rows"]),
+                       enc_flat.index_select(0, batch["self_enc_index"]), w.self_fill)
+        vocab_total, vocab_terms = sweep.run()
+        terms.update(vocab_terms)
+        loss = w.xp * terms["xp_loss"] + w.unif * terms["uniformity_loss"] + vocab_total
+        return loss, terms, torch.stack([anchors, s1], dim=1)
+
+    def random_span_step(self, batch):
+        """The Contriever-style baseline: contrastive_random_span on the two crops of each row."""
+        # the longer and the shorter crop of each row, each padded to its own length (XPRTCollator._crops)
+        _, v_long = self.encode(batch["input_ids"], batch["attention_mask"])  # (G, H)
+        _, v_short = self.encode(batch["short_input_ids"], batch["short_attention_mask"])
+        first = batch["view1_is_long"].unsqueeze(1)  # back in view order, without a data-dependent gather
+        c = contrastive_random_span(torch.where(first, v_long, v_short), torch.where(first, v_short, v_long),
+                                    self.tau)
+        return c, {"contrastive_loss": c}, None
+
+    def self_reconstruction_step(self, batch):
+        """The RetroMAE-style baseline: self_reconstruction on the anchor."""
+        ids, am = batch["input_ids"], batch["attention_mask"]  # (G, 1, L)
+        g, p, l = ids.shape
+        hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))
+        dec_flat = self.decode(vec.view(g, p, -1), batch, am)
+        sweep = VocabSweep(self)
+        self_reconstruction(sweep, dec_flat.index_select(0, batch["dec_rows"]), batch["dec_targets"],
+                            hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["mlm_index"]),
+                            batch["mlm_targets"])
+        total, t = sweep.run()
+        return total, t, None
+
+    def pair_step(self, batch, pair_alpha: float):
+        """PAIR: (1 - alpha) L_Q + alpha L_P on the queries and their positive-first passages -> (loss, terms)."""
+        _, q = self.encode(batch["query_input_ids"], batch["query_attention_mask"])  # (B, H)
+        pids, pam = batch["passage_input_ids"], batch["passage_attention_mask"]  # (B, 1 + n, Lp)
+        b, k, lp = pids.shape
+        _, pv = self.encode(pids.view(b * k, lp), pam.view(b * k, lp))
+        pv = pv.view(b, k, -1)
+        ids = {"passage_ids": batch.get("passage_ids"), "relevant_ids": batch.get("relevant_ids")}  # None: no mask
+        lq = pair_q_loss(q, pv, self.tau, **ids)
+        terms = {"pair_q_loss": lq}
+        if k > 1:
+            lp_ = pair_p_loss(q, pv, self.tau, **ids)
+            terms["pair_p_loss"] = lp_
+        elif pair_alpha > 0:
+            raise ValueError("pair_alpha > 0 needs hard negatives (PairCollator num_negatives >= 1)")
+        else:
+            lp_ = lq.new_zeros(())
+        return pair_loss(lq, lp_, pair_alpha), terms
+
+    def retention(self, batch, teacher, student):
+        """retention_loss for every objective on the same pairs, as the paper gives every method the same term:
+        anchors x top related passages. With retention_student="masked" xPRT reuses its vectors of the main
+        (15%-masked) pass; otherwise (and always for the baselines, which do not encode s1) the student encodes the
+        clean anchor and s1 here, an extra pass with gradient and WITHOUT dropout: the teacher runs without it, so
+        the term measures the model's drift only and is 0 at step 0 (with dropout it was 0.010-0.012 on MiniLM, x40
+        in the loss: a dropout-consistency term nobody chose)."""
+        ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]  # (G, 2, L')
+        g, _, lr = ids.shape
+        if student is None or self.retention_student == "clean":
+            with dropout_off(self.base):
+                _, v = self.encode(ids.reshape(g * 2, lr), mask.reshape(g * 2, lr))
+            student = v.view(g, 2, -1)
+        with torch.no_grad():
+            hidden = teacher(input_ids=ids.reshape(g * 2, lr), attention_mask=mask.reshape(g * 2, lr)).last_hidden_state
+            t = mean_pool(hidden.float(), mask.reshape(g * 2, lr)).view(g, 2, -1)
+        return retention_loss(student[:, 0], student[:, 1], t[:, 0], t[:, 1], self.tau)
+
+    # -- saving and loading ----------------------------------------------------------------------
+    def head_parameters(self) -> list:
+        """The "heads": the parameters the start model never trained - the decoder and the MLM head's transform
+        and output bias. The tied vocabulary projection IS the word-embedding matrix, so it counts as the
+        encoder's. The one definition of heads: train.py gives them --head_learning_rate, finetune.py freezes
+        them, xprt_heads.safetensors stores them (heads_state_dict)."""
+        return list(self.decoder.parameters()) + list(_head_params(self.encoder).values())
+
+    def heads_state_dict(self) -> dict:
+        """The head_parameters() by name (decoder.*, mlm_head.*); the projection is saved with the encoder."""
+        sd = {f"decoder.{k}": v for k, v in self.decoder.state_dict().items()}
+        sd.update({f"mlm_head.{k}": v for k, v in _head_params(self.encoder).items()})
+        return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+
+    def complete_base_state_dict(self) -> dict:
+        """The encoder's weights as the architecture's AutoModel class holds them: the MLM model's base has no pooler
+        (BertForMaskedLM builds BertModel(add_pooling_layer=False)), so a folder saved from it alone loads in
+        AutoModel / sentence-transformers with a "LOAD REPORT" of MISSING pooler weights. The pooler comes from the
+        start checkpoint, unchanged (load_mlm_encoder keeps it; mean pooling never reads it), or, when the start had
+        none, is the architecture's own initialisation (seeded, without touching the global RNG)."""
+        sd = dict(self.base.state_dict())
+        sd.update({k: v for k, v in getattr(self.encoder, "xprt_base_extras", {}).items() if k not in sd})
+        with torch.device("meta"):
+            wanted = type(self.base)(self.base.config).state_dict()
+        missing = [k for k in wanted if k not in sd]
+        if missing:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                fresh = type(self.base)(self.base.config).state_dict()
+            dtype = next(iter(sd.values())).dtype
+            sd.update({k: fresh[k].to(dtype) for k in missing})
+        return sd
+
+    def save_pretrained(self, out_dir: str, tokenizer, model_card: Optional[str] = None):
+        """A folder loadable by transformers.AutoModel AND sentence_transformers.SentenceTransformer (mean pooling +
+        normalisation, like all-MiniLM-L6-v2), plus xprt_heads.safetensors and xprt_config.json so that training
+        can continue (support.save_model_folder: atomic; an existing out_dir is replaced)."""
+        config = {"objective": self.objective, "num_condition_vectors": self.num_condition_vectors,
+                  "decoder_layers": self.decoder_layers, "fill_in": self.fill_in, "weights": asdict(self.weights),
+                  "tau": self.tau}
+        save_model_folder(out_dir, self.base, self.complete_base_state_dict(), tokenizer, self.heads_state_dict(),
+                          config, self.info, model_card)
+
+    @classmethod
+    def from_pretrained(cls, path: str, objective: Optional[str] = None, mlm_head_from: Optional[str] = None,
+                        trust_remote_code: bool = False, prefixes: str = "auto", hub_model_id: Optional[str] = None,
+                        **kw) -> "XPRTModel":
+        """Any checkpoint (hub id, folder, the MiniLM alias) or a folder written by save_pretrained.
+
+        A save_pretrained folder gets its decoder and MLM head back (xprt_heads.safetensors) and its
+        xprt_config.json settings; any other checkpoint gets a fresh head tied to the word embeddings, or
+        `mlm_head_from`'s (load_mlm_encoder). kw go to XPRTModel.__init__ and override xprt_config.json.
+        The model's load_message says which happened. prefixes: "auto" (support.model_prompts' rule), "e5" or
+        "none". hub_model_id: the Hub repository the trained model will be pushed to (recorded in its folder)."""
+        from safetensors.torch import load_file
+
+        name, path = path, resolve_model_path(path)
+        cfg_file = os.path.join(path, "xprt_config.json")
+        saved = json.loads(Path(cfg_file).read_text()) if os.path.isfile(cfg_file) else {}
+        heads_file = os.path.join(path, "xprt_heads.safetensors")
+        has_heads = os.path.isfile(heads_file)
+        mlm, message = load_mlm_encoder(path, mlm_head_from=None if has_heads else mlm_head_from,
+                                        trust_remote_code=trust_remote_code)
+        weights = dict(saved.get("weights") or {})
+        args = {"num_condition_vectors": saved.get("num_condition_vectors", 4),
+                "decoder_layers": saved.get("decoder_layers", 1), "fill_in": saved.get("fill_in", True),
+                "tau": saved.get("tau", weights.pop("tau", 0.05))}  # folders saved before tau left LossWeights
+        if weights:
+            args["weights"] = LossWeights(**weights)
+        args.update(kw)
+        args["info"] = ModelInfo(start_model=saved.get("start_model") or name, prompts=model_prompts(name, prefixes),
+                                 max_seq_length=max_seq_length(mlm.config, read_max_seq_length(path)),
+                                 base_model=hub_base_model(name), hub_model_id=hub_model_id)
+        model = cls(mlm, objective=objective or saved.get("objective", "xprt"), **args)
+        model.load_message = f"xprt folder {path}: decoder and MLM head restored from {heads_file}" if has_heads \
+            else message
+        if has_heads:
+            sd = load_file(heads_file)
+            decoder_sd = {k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")}
+            model.decoder.load_state_dict(decoder_sd, strict=True)
+            head = _head_params(model.encoder)
+            head_sd = {k[len("mlm_head."):]: v for k, v in sd.items() if k.startswith("mlm_head.")}
+            if set(head_sd) != set(head):
+                raise ValueError(f"{heads_file}: MLM head tensors {sorted(head_sd)} do not match the model's "
+                                 f"{sorted(head)}")
+            with torch.no_grad():
+                for k, v in head_sd.items():
+                    head[k].copy_(v)
+        logger.info(model.load_message)
+        return model
 
 
 @torch.inference_mode()
@@ -118,781 +834,10 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
     return out
 
 
-def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate `t` from every process along dim 0, keeping gradients (identity when not distributed).
-
-    `accelerator.gather` has no backward, so in-batch negatives gathered with it would not push
-    the other processes' vectors. torch.distributed.nn's all_gather has one: its backward SUMS,
-    into each process's local slice, the gradients that every process's loss sends to it. Each
-    process must therefore compute its loss on its LOCAL rows only (against the gathered
-    candidates); DDP's gradient averaging then yields exactly the gradient of the global mean loss
-    (proved by tests/test_modeling.py::test_two_process_gather_equals_single_process).
-    Every process must hold the same number of rows (drop_last).
-    """
-    if not _dist_on():
-        return t
-    import warnings
-
-    import torch.distributed.nn.functional as dist_fn
-
-    with warnings.catch_warnings():
-        # Deprecated in favour of _functional_collectives, whose backward is a reduce_scatter that
-        # gloo (CPU) lacks; this one runs on gloo and NCCL alike.
-        warnings.simplefilter("ignore", FutureWarning)
-        return torch.cat(dist_fn.all_gather(t.contiguous()), dim=0)
-
-
-def gather_no_grad(t: torch.Tensor) -> torch.Tensor:
-    """all_gather without gradient (document ids, labels)."""
-    if not _dist_on():
-        return t
-    out = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(out, t.contiguous())
-    return torch.cat(out, dim=0)
-
-
-# ==============================================================================================================
-# 3. The equations, in the paper's order
-# L_xp (the main term), L_cross (fill-in), L_self, L_MLM, L_unif, the retention KL; then the two baselines the
-# paper compares with, then PAIR's L_Q, L_P and their mix. cross/self/MLM share one vocabulary loss (section 6).
-# ==============================================================================================================
-
-
-def info_nce(queries: torch.Tensor, keys: torch.Tensor, labels: torch.Tensor, tau: float,
-             exclude: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """-log softmax(cos(q, k) / tau)[label], averaged over queries.
-
-    Also known as MultipleNegativesRankingLoss; temperature tau = 0.05 is sentence-transformers'
-    scale = 20. `exclude` (Q, K) bool marks candidates removed from the denominator (never the label).
-    """
-    logits = F.normalize(queries, dim=-1) @ F.normalize(keys, dim=-1).t() / tau  # (Q, K)
-    if exclude is not None:
-        logits = logits.masked_fill(exclude, float("-inf"))
-    return F.cross_entropy(logits.float(), labels)
-
-
-def xp_loss(anchors: torch.Tensor, s1: torch.Tensor, doc_ids: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
-    """L_xp, the paper's main term: symmetric InfoNCE between each anchor and its top related passage s1.
-
-        L_xp = -log exp(cos(e_a, e_s1) / tau) / sum_{g'} exp(cos(e_a, e_s1') / tau),   tau = 0.05
-
-    The denominator runs over the s1' of every group g' of the batch - gathered from all processes,
-    with gradients (gather_with_grad) - and, in reverse, s1 picks its anchor among all anchors; the
-    two directions are averaged. Groups of the same document are never negatives ("they are related
-    too"): their logits are removed, except the group's own positive. Worked example (paper): 3
-    groups, cos 0.8 to the own s1 and 0.5 to the others -> p = e^16 / (e^16 + 2 e^10) = 0.995.
-
-    anchors, s1: (N, H) local rows; doc_ids: (N,) int64. Returns the mean over the local rows.
-    """
-    all_anchors, all_s1 = gather_with_grad(anchors), gather_with_grad(s1)  # (N * world, H)
-    all_docs = gather_no_grad(doc_ids)
-    n = anchors.shape[0]
-    labels = torch.arange(n, device=anchors.device) + _rank() * n  # own group's index in the gathered batch
-    same_doc = doc_ids.unsqueeze(1) == all_docs.unsqueeze(0)  # (N, N * world)
-    same_doc[torch.arange(n, device=anchors.device), labels] = False  # the positive stays
-    a_to_s = info_nce(anchors, all_s1, labels, tau, same_doc)
-    s_to_a = info_nce(s1, all_anchors, labels, tau, same_doc)
-    return 0.5 * (a_to_s + s_to_a)
-
-
-def cross_fill_loss(hidden, weight, bias, targets, **kw) -> torch.Tensor:
-    """L_cross (weight 0.1): masked-token cross-entropy of the conditioned one-layer decoder.
-
-    The anchor's vector -> one linear map -> 4 conditioning vectors inserted after [CLS] of a
-    related passage whose tokens are 60% masked; the decoder predicts the masked words through the
-    encoder's own MLM head. Both directions: the anchor fills each of the 4 related passages, each
-    related passage fills the anchor (8 passes per group). hidden: (M, H) transformed decoder states
-    at the masked positions of all 8 passes of all groups, targets (M,)."""
-    return vocab_loss(hidden, weight, bias, targets=targets, **kw)
-
-
-def self_fill_loss(hidden, weight, bias, teacher_hidden, **kw) -> torch.Tensor:
-    """L_self: the decoder fills a passage's own masked words from that passage's own vector; the
-    target is the encoder's word distribution (detached) at the same positions of its 15%-masked
-    pass:  KL( softmax(head(h_enc)) || softmax(head(h_dec)) ), anchor and s1 only (2 passes)."""
-    return vocab_loss(hidden, weight, bias, teacher_hidden=teacher_hidden, **kw)
-
-
-def mlm_loss(hidden, weight, bias, targets, **kw) -> torch.Tensor:
-    """L_MLM: the encoder's masked-LM cross-entropy on the 15%-masked passes that also give the
-    sentence vectors; it keeps the teacher of L_self from drifting. hidden: (M, H) transformed
-    hidden states at the masked positions, targets (M,) the original tokens."""
-    return vocab_loss(hidden, weight, bias, targets=targets, **kw)
-
-
-def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
-    """L_unif (Wang & Isola 2020): log mean_{i != j} exp(-t ||x_i - x_j||^2), x L2-normalised, t = 2.
-
-    Applied to the batch's anchors: the closer any two anchors, the larger the penalty, so the
-    vectors do not collapse into one cluster. Local batch only (no gathering).
-    """
-    x = F.normalize(vectors.float(), dim=-1)
-    sq = (2 - 2 * x @ x.t()).clamp(min=0)  # ||x - y||^2 for unit vectors, (N, N)
-    n = x.shape[0]
-    # i != j by a -inf diagonal, not a boolean-mask gather (whose data-dependent size is a device-to-host sync)
-    diag = torch.eye(n, dtype=torch.bool, device=x.device)
-    return torch.logsumexp((-t * sq).masked_fill(diag, float("-inf")).flatten(), dim=0) - math.log(n * (n - 1))
-
-
-def retention_loss(student_anchors, student_related, teacher_anchors, teacher_related,
-                   tau: float = 0.05) -> torch.Tensor:
-    """L_retain: keep the frozen starting model's (E5's) view of which passages resemble which.
-
-    S = cos(anchors, related) / tau for the current model and T for the frozen teacher (unmasked
-    text, no gradient), both (N, N) over the batch's anchors x top related passages. Rows (anchor ->
-    related) and columns (related -> anchor) each get a softmax, and
-        L_retain = 1/2 [ KL(softmax_row(T) || softmax_row(S)) + KL(softmax_col(T) || softmax_col(S)) ],
-    each KL averaged over rows/columns. The paper's weight falls 40 -> 0 over training (train.py).
-    The paper gives no temperature for these softmaxes: tau = 0.05 (L_xp's) is our choice.
-    """
-    s = F.normalize(student_anchors.float(), dim=-1) @ F.normalize(student_related.float(), dim=-1).t() / tau
-    with torch.no_grad():
-        t = F.normalize(teacher_anchors.float(), dim=-1) @ F.normalize(teacher_related.float(), dim=-1).t() / tau
-
-    def kl(t_logits, s_logits):  # mean over rows of KL(softmax(t) || softmax(s))
-        return F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
-                        reduction="batchmean")
-
-    return 0.5 * (kl(t, s) + kl(t.t(), s.t()))
-
-
-def contrastive_random_span(view1: torch.Tensor, view2: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
-    """Contriever-style baseline: two independent random crops of one passage (length ratio
-    uniform in [0.1, 0.5], XPRTCollator) form the positive pair; InfoNCE, tau = 0.05, with the
-    (gathered) in-batch crops as negatives, one direction (view1 -> view2) as in Contriever."""
-    all_v2 = gather_with_grad(view2)
-    n = view1.shape[0]
-    labels = torch.arange(n, device=view1.device) + _rank() * n
-    return info_nce(view1, all_v2, labels, tau)
-
-
-def self_reconstruction(recon_loss: torch.Tensor, encoder_mlm_loss: torch.Tensor) -> torch.Tensor:
-    """RetroMAE-style baseline: L = L_recon + L_MLM. The encoder reads the passage 30%-masked
-    (L_MLM); the same one-layer decoder rebuilds the passage, 50%-masked, from the passage's own
-    vector (L_recon, cross-entropy at the masked positions). Weights 1 and 1 as in RetroMAE."""
-    return recon_loss + encoder_mlm_loss
-
-
-def pair_false_negatives(candidate_ids: torch.Tensor, relevant_ids: torch.Tensor,
-                         labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The in-batch false negatives of PAIR's losses, as the `exclude` mask of info_nce:
-
-        exclude[i, c] = (id(c) in R_i) and (c != label_i),   R_i = ids of every passage labelled relevant to q_i
-
-    A candidate whose text is row i's positive (a duplicate in another slot) or another passage labelled relevant
-    to row i's query is not a negative of row i; it leaves row i's denominator. Ids are stable_doc_hash of the
-    passage text (PairCollator). candidate_ids: (C,) int64, the gathered candidates; relevant_ids: (B, R) int64,
-    the local rows' relevant passages, padded by repeating an id the row already holds (PairCollator), so padding
-    never matches anything its real ids do not; labels: (B,) each row's own column, which always stays.
-    Returns (B, C) bool. The one definition of the rule: pair_q_loss, pair_p_loss and finetune.py's start-up
-    count all call it.
-    """
-    exclude = (relevant_ids.unsqueeze(-1) == candidate_ids.view(1, 1, -1)).any(dim=1)  # (B, R, C) -> (B, C)
-    if labels is not None:
-        exclude[torch.arange(exclude.shape[0], device=exclude.device), labels] = False
-    return exclude
-
-
-def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05,
-                passage_ids: Optional[torch.Tensor] = None,
-                relevant_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """PAIR's query-centric L_Q (Eq. 1): the query picks its positive among its positive, its hard
-    negatives and every other passage of the batch gathered from all processes (cross-batch negatives):
-        L_Q = -log exp(f(q, p+)) / (exp(f(q, p+)) + sum_{p- in N_P} exp(f(q, p-))),  f = cos / tau.
-    queries: (B, H); passages: (B, 1 + n, H), positive first. PAIR's official code uses raw inner
-    products of [CLS]; our encoders are mean-pooled cosine models, hence cos / tau (tau = 0.05).
-    N_P leaves out the false negatives when the ids are given (pair_false_negatives): passage_ids (B, 1 + n)
-    int64, gathered like the passages; relevant_ids (B, R) int64 (None: each row's own positive only).
-    Without ids every other passage is a negative (a duplicate of q's positive then caps p+ at 1/2)."""
-    b, k, h = passages.shape
-    all_p = gather_with_grad(passages.reshape(b * k, h))  # (world * B * k, H)
-    labels = (torch.arange(b, device=queries.device) + _rank() * b) * k
-    exclude = None
-    if passage_ids is not None:
-        relevant_ids = passage_ids[:, :1] if relevant_ids is None else relevant_ids
-        exclude = pair_false_negatives(gather_no_grad(passage_ids.reshape(b * k)), relevant_ids, labels)
-    return info_nce(queries, all_p, labels, tau, exclude)
-
-
-def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05,
-                passage_ids: Optional[torch.Tensor] = None,
-                relevant_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """PAIR's passage-centric L_P (Eq. 2), as in the PAIR paper and its official code: the positive
-    passage is the anchor; the candidates are its own query and the negative passages (its hard
-    negatives and every other query's, gathered across processes); the label is its query:
-        L_P = -log exp(f(p+, q)) / (exp(f(p+, q)) + sum_{p- in N_P} exp(f(p+, p-))),
-    i.e. it enforces s(p+, q) > s(p+, p-). NOTE: the seed card prints the numerator as
-    exp(-f(p+, p+)), which reads as a transcription error (a passage against itself, negated, makes
-    the loss push p+ away from itself); we implement the paper's form. Needs >= 1 negative per query.
-    With passage_ids / relevant_ids (as in pair_q_loss) N_P leaves out the negatives labelled relevant to q
-    (pair_false_negatives): a copy of p+ among them would otherwise score f(p+, p+) = 1 / tau, above any query."""
-    b, k, h = passages.shape
-    if k < 2:
-        raise ValueError("pair_p_loss needs at least one negative passage per query (num_negatives >= 1)")
-    pos = passages[:, 0]  # (B, H)
-    all_neg = gather_with_grad(passages[:, 1:].reshape(b * (k - 1), h))  # (world * B * n, H)
-    pos_n, q_n, neg_n = F.normalize(pos, dim=-1), F.normalize(queries, dim=-1), F.normalize(all_neg, dim=-1)
-    logits = torch.cat([(pos_n * q_n).sum(-1, keepdim=True), pos_n @ neg_n.t()], dim=1) / tau  # (B, 1 + world*B*n)
-    if passage_ids is not None:
-        relevant_ids = passage_ids[:, :1] if relevant_ids is None else relevant_ids
-        neg_ids = gather_no_grad(passage_ids[:, 1:].reshape(b * (k - 1)))
-        # column 0 is the query (the label): never excluded
-        exclude = torch.cat([torch.zeros(b, 1, dtype=torch.bool, device=pos.device),
-                             pair_false_negatives(neg_ids, relevant_ids)], dim=1)
-        logits = logits.masked_fill(exclude, float("-inf"))
-    return F.cross_entropy(logits.float(), torch.zeros(b, dtype=torch.long, device=pos.device))
-
-
-def pair_loss(l_q: torch.Tensor, l_p: torch.Tensor, alpha: float) -> torch.Tensor:
-    """PAIR's combined objective (Eq. 3): L = (1 - alpha) L_Q + alpha L_P. alpha = 0 is plain
-    fine-tuning (PAIR's second stage); the official code's pre-training stage uses alpha = 0.1
-    constant, the seed describes a decaying alpha: both are schedules in train.py."""
-    return (1.0 - alpha) * l_q + alpha * l_p
-
-
-# ==============================================================================================================
-# 4. The model
-# Batch layout (the collators of section 5 build it; one tensor per field, no per-group Python in the model):
-# G groups, P = 1 + num_related passages per group (index 0 = anchor a, 1 = s1, ...), L tokens,
-# D = 2 * num_related + 2 decoder passes per group, C conditioning vectors.
-#   input_ids, attention_mask, mlm_labels   (G, P, L)   15%-masked encoder input, MLM targets
-#   dec_input_ids, dec_labels               (G, D, L)   60%-masked decoder inputs, their targets
-#   retain_input_ids, retain_attention_mask (G, 2, L')  clean anchor and s1 for the frozen teacher
-#   doc_ids                                 (G,)        stable int64 hash of the document id
-# ==============================================================================================================
-
-
-# The pre-training objectives (train.py --objective) and PAIR's fine-tuning objective (finetune.py).
-PRETRAIN_OBJECTIVES = ("xprt", "contrastive_random_span", "self_reconstruction")
-OBJECTIVES = PRETRAIN_OBJECTIVES + ("pair",)
-
-
-@dataclass
-class LossWeights:
-    """Weights of the xPRT terms. L = xp * L_xp + cross * L_cross + self_fill * L_self + mlm * L_MLM
-    + unif * L_unif (+ the retention term, whose weight 40 -> 0 is scheduled by train.py).
-
-    xp = 1.0 and cross = 0.1 are the paper's. self_fill, mlm and unif are NOT given by our source:
-    these defaults are OURS - we give each auxiliary term the same weight, 0.1, as the paper's one
-    auxiliary weight (L_cross), so that L_xp stays the dominant signal. tau = 0.05 is the paper's.
-    """
-
-    xp: float = 1.0
-    cross: float = 0.1
-    self_fill: float = 0.1  # ours
-    mlm: float = 0.1  # ours
-    unif: float = 0.1  # ours
-    tau: float = 0.05
-
-
-def _head_params(mlm_model) -> dict:
-    """The MLM head's own parameters (not the base model's, not the projection tied to the word
-    embeddings), by name: what xprt_heads.safetensors stores and what mlm_head_from copies."""
-    prefix = mlm_model.base_model_prefix + "."
-    # named_parameters() drops duplicates, so the tied projection (= word embeddings, seen first
-    # in the base model) and BERT's decoder.bias (= predictions.bias) appear once.
-    return {k: p for k, p in mlm_model.named_parameters() if not k.startswith(prefix)}
-
-
-def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, trust_remote_code: bool = False):
-    """Any BERT-family checkpoint as an AutoModelForMaskedLM with SDPA attention -> (model, message).
-
-    E5 and MiniLM are saved as plain BertModel: transformers then reports the head
-    (cls.predictions.*) as missing keys and initialises it fresh - transform N(0, 0.02), bias 0 -
-    with the vocabulary projection tied to the word embeddings (tie_word_embeddings). That is our
-    default; `mlm_head_from` (e.g. bert-base-uncased, README, Notes) copies another checkpoint's trained
-    head instead (the projection stays tied to OUR word embeddings). The message says which happened.
-    """
-    from transformers import AutoModelForMaskedLM
-
-    path = resolve_model_path(name_or_path)
-    # transformers' LOAD REPORT for this call lists the head as MISSING and the pooler as UNEXPECTED, which reads like
-    # an error; the message below states the same facts (and a missing encoder weight still raises)
-    with _quiet_load_report():
-        model, info = AutoModelForMaskedLM.from_pretrained(
-            path, attn_implementation="sdpa", output_loading_info=True, trust_remote_code=trust_remote_code
-        )
-    prefix = model.base_model_prefix + "."
-    # the base model's tensors the MLM model has no module for (BERT's pooler): kept as they are, and written back by
-    # XPRTModel.save_pretrained so the saved folder is a complete AutoModel checkpoint
-    model.xprt_base_extras = _checkpoint_tensors(path, [k for k in info["unexpected_keys"]], prefix)
-    missing_head = sorted(k for k in info["missing_keys"] if not k.startswith(prefix))
-    missing_base = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and "position_ids" not in k)
-    if missing_base:
-        raise ValueError(f"{name_or_path}: encoder weights missing from the checkpoint: {missing_base[:5]}")
-    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = out_emb is not None and out_emb.weight is in_emb.weight
-    if mlm_head_from:
-        donor, dinfo = AutoModelForMaskedLM.from_pretrained(
-            resolve_model_path(mlm_head_from), output_loading_info=True, trust_remote_code=trust_remote_code
-        )
-        donor_missing = [k for k in dinfo["missing_keys"] if not k.startswith(donor.base_model_prefix + ".")]
-        if donor_missing:
-            raise ValueError(f"--mlm_head_from {mlm_head_from} has no trained MLM head either "
-                             f"(missing {donor_missing[:3]})")
-        ours, theirs = _head_params(model), _head_params(donor)
-        if set(ours) != set(theirs) or any(ours[k].shape != theirs[k].shape for k in ours):
-            raise ValueError(f"MLM head of {mlm_head_from} does not fit {name_or_path} "
-                             "(different architecture or vocabulary)")
-        with torch.no_grad():
-            for k in ours:
-                ours[k].copy_(theirs[k])
-        message = (f"MLM head copied from {mlm_head_from} ({len(ours)} tensors); vocabulary projection "
-                   f"{'tied to' if tied else 'NOT tied to'} {name_or_path}'s word embeddings")
-    elif missing_head:
-        message = (f"{name_or_path} has no MLM head ({len(missing_head)} missing keys, e.g. {missing_head[0]}): "
-                   f"initialised fresh, projection {'tied to the word embeddings' if tied else 'NOT tied'}")
-    else:
-        message = f"MLM head loaded from {name_or_path}"
-    if model.xprt_base_extras:
-        message += f"; kept {', '.join(sorted(model.xprt_base_extras))} (not used by mean pooling) for saving"
-    logger.info(message)
-    return model, message
-
-
-def load_teacher(name_or_path: str, trust_remote_code: bool = False):
-    """The frozen starting model for the retention term: AutoModel, eval mode, no gradients."""
-    from transformers import AutoModel
-
-    teacher = AutoModel.from_pretrained(resolve_model_path(name_or_path), attn_implementation="sdpa",
-                                        trust_remote_code=trust_remote_code)
-    teacher.eval()
-    teacher.requires_grad_(False)
-    return teacher
-
-
-def decoder_pass_plan(num_related: int):
-    """The decoder passes of one group, in batch order: (condition_source, target, kind) lists.
-
-    Passage indices: 0 = anchor, 1 = s1, ..., num_related. With 4 related passages:
-    passes 0-3 anchor -> related_k (cross), 4-7 related_k -> anchor (cross), 8 anchor -> anchor
-    and 9 s1 -> s1 (self): 8 cross + 2 self = the paper's 10 decoder passes per group.
-    """
-    r = list(range(1, num_related + 1))
-    source = [0] * num_related + r + [0, 1]
-    target = r + [0] * num_related + [0, 1]
-    kind = ["cross"] * (2 * num_related) + ["self", "self"]
-    return source, target, kind
-
-
-class ConditionedDecoder(nn.Module):
-    """xPRT's fill-in decoder: vector -> one linear map -> C conditioning vectors, inserted right
-    after [CLS] of a masked passage embedded by the ENCODER's own embedding layer, then one
-    Transformer layer (a BertLayer with SDPA). Predictions go through the encoder's MLM head, so
-    the decoder owns only `condition` and `layers`."""
-
-    def __init__(self, config, num_condition_vectors: int = 4, num_layers: int = 1):
-        super().__init__()
-        from transformers.models.bert.modeling_bert import BertLayer
-
-        self.config = config
-        self.num_condition_vectors = num_condition_vectors
-        self.condition = nn.Linear(config.hidden_size, num_condition_vectors * config.hidden_size)
-        self.layers = nn.ModuleList([BertLayer(config) for _ in range(num_layers)])
-
-    def forward(self, vectors, token_embeddings, attention_mask):
-        """vectors (N, H), token_embeddings (N, L, H), attention_mask (N, L) -> (N, L + C, H).
-
-        Output position 0 is [CLS], 1..C the conditioning slots, C+1.. the passage's tokens 1..L-1."""
-        from transformers.masking_utils import create_bidirectional_mask
-
-        n, _, h = token_embeddings.shape
-        c = self.num_condition_vectors
-        cond = self.condition(vectors).view(n, c, h)  # (N, C, H)
-        x = torch.cat([token_embeddings[:, :1], cond, token_embeddings[:, 1:]], dim=1)  # (N, L + C, H)
-        mask = torch.cat([attention_mask[:, :1], attention_mask.new_ones(n, c), attention_mask[:, 1:]], dim=1)
-        mask4d = create_bidirectional_mask(config=self.config, inputs_embeds=x, attention_mask=mask)
-        for layer in self.layers:
-            x = layer(x, mask4d)
-        return x
-
-
-class XPRTModel(nn.Module):
-    """Encoder (AutoModelForMaskedLM, mean pooling) + conditioned decoder + every loss term.
-
-    forward(batch) runs, for objective "xprt": ONE encoder call on all (G x 5) passages, ONE
-    decoder call on all (G x 10) passes, vocabulary logits only at the positions a loss uses
-    (fused chunked projection + CE/KL), optionally ONE teacher call on the clean anchors and s1.
-    """
-
-    def __init__(self, mlm_model, objective: str = "xprt", weights: LossWeights = LossWeights(),
-                 fill_in: bool = True, num_condition_vectors: int = 4, decoder_layers: int = 1,
-                 fused_vocab_loss: bool = True, retention_student: str = "clean",
-                 max_seq_length: Optional[int] = None, load_message: str = "", start_model: str = "",
-                 prompts: Optional[dict] = None, base_model: Optional[str] = None,
-                 hub_model_id: Optional[str] = None):
-        """max_seq_length: the sentence-transformers length limit written into the saved folder (the start
-        model's, so a trained model is evaluated at the same length as its start; None: the position table's
-        size, at most 512). load_message: how the weights came to be (from_pretrained fills it in).
-        start_model: the checkpoint training started from (kept through continued runs), and prompts: the
-        {"query", "document"} prefixes the model is trained and used with (model_prompts); both are written
-        into the saved folder, where sentence-transformers and evaluate.py read them. base_model: the Hub id of
-        the checkpoint this one was loaded from, for the model card (hub_base_model); hub_model_id: the Hub repository
-        the saved folder is pushed to (train.py --hub_model_id), so a model trained from this folder names it."""
-        super().__init__()
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-        if retention_student not in ("clean", "masked"):
-            raise ValueError(f"retention_student must be 'clean' or 'masked', got {retention_student!r}")
-        # Which student vectors the retention term compares with the teacher's (clean text):
-        #   "clean"  (our default): the student encodes the same clean anchor and s1 in one extra pass,
-        #            so the term measures drift of the model only: exactly 0 at step 0. Costs 2 more
-        #            encoder passes per group (7 instead of the paper's 5).
-        #   "masked" (the paper's cost accounting: 5 passes + 1 teacher pass): reuse the 15%-masked
-        #            vectors; the masking noise alone then gives KL ~0.5 at step 0 (MiniLM), which under
-        #            the weight 40 dominates the early loss.
-        self.retention_student = retention_student
-        self.encoder = mlm_model
-        self.objective = objective
-        self.weights = weights
-        self.fill_in = fill_in
-        self.fused_vocab_loss = fused_vocab_loss
-        cfg = mlm_model.config
-        if getattr(cfg, "_attn_implementation", None) != "sdpa":
-            logger.warning("encoder attention is %s, not sdpa", getattr(cfg, "_attn_implementation", None))
-        self.decoder = ConditionedDecoder(cfg, num_condition_vectors, decoder_layers)
-        # BERT's init (N(0, 0.02) linear weights, LayerNorm 1/0) for the fresh decoder, as RetroMAE does.
-        self.decoder.apply(mlm_model._init_weights)
-        # Our choice: start the linear map as C stacked identities (+ the N(0, 0.02) noise above, so
-        # the C vectors differ). The mean-pooled vector then enters the decoder at the scale of the
-        # (LayerNorm-ed) token embeddings; with N(0, 0.02) alone it would be ~0.02 sqrt(H) times
-        # smaller and the decoder would start out ignoring it.
-        with torch.no_grad():
-            hsz = cfg.hidden_size
-            self.decoder.condition.weight += torch.eye(hsz).repeat(num_condition_vectors, 1)
-        self.num_condition_vectors = num_condition_vectors
-        self.decoder_layers = decoder_layers
-        self.max_seq_length = max_seq_length
-        self.load_message = load_message
-        self.start_model = start_model
-        self.prompts = dict(prompts or NO_PROMPTS)
-        self.base_model = base_model
-        self.hub_model_id = hub_model_id
-        self._plan_cache = {}  # _plan
-
-    # -- pieces ----------------------------------------------------------------------------------
-    @property
-    def base(self):
-        return self.encoder.base_model
-
-    def head_transform(self, h):
-        """The MLM head up to (not including) the vocabulary projection."""
-        enc = self.encoder
-        if hasattr(enc, "cls") and hasattr(enc.cls, "predictions"):  # BERT family
-            return enc.cls.predictions.transform(h)
-        if hasattr(enc, "lm_head") and hasattr(enc.lm_head, "dense"):  # RoBERTa family
-            return enc.lm_head.layer_norm(F.gelu(enc.lm_head.dense(h)))
-        raise ValueError(f"unsupported MLM head on {type(enc).__name__}")
-
-    def projection(self):
-        """(weight (V, H), bias (V,)): the vocabulary projection, weight = the word embeddings."""
-        out = self.encoder.get_output_embeddings()
-        bias = out.bias if out.bias is not None else self.encoder.cls.predictions.bias
-        return out.weight, bias
-
-    def _vocab(self, fn, hidden, **kw):
-        w, b = self.projection()
-        if "teacher_hidden" in kw:
-            with torch.no_grad():
-                kw["teacher_hidden"] = self.head_transform(kw["teacher_hidden"].detach())
-        return fn(self.head_transform(hidden), w, b, fused=self.fused_vocab_loss, **kw)
-
-    def _vocab_sweep(self, ce=(), kl=()):
-        """Named vocabulary terms [(name, hidden, targets or teacher hidden, weight)] through the MLM head in one
-        vocab_sweep -> (weighted sum with gradient, {name: value}). The head's transform runs once on all student
-        rows (and once, without gradient, on the teacher rows)."""
-        w, b = self.projection()
-        rows = [x[1] for x in list(ce) + list(kl)]
-        student = self.head_transform(torch.cat(rows) if len(rows) > 1 else rows[0]).split([r.shape[0] for r in rows])
-        with torch.no_grad():
-            teachers = [self.head_transform(t.detach()) for _, _, t, _ in kl]
-        total, vals = vocab_sweep(w, b, ce=[(s, t, wt) for s, (_, _, t, wt) in zip(student, ce)],
-                                  kl=[(s, t, wt) for s, t, (_, _, _, wt) in zip(student[len(ce):], teachers, kl)],
-                                  fused=self.fused_vocab_loss)
-        return total, {name: v for (name, *_), v in zip(list(ce) + list(kl), vals)}
-
-    def _plan(self, num_related: int, device):
-        """decoder_pass_plan as device tensors, made once per (num_related, device) and kept (a tensor built from a
-        list every step is a host-to-device copy every step): (source, target, kept passes, their new index, D)."""
-        key = (num_related, str(device), self.fill_in)
-        if key not in self._plan_cache:
-            source, target, kind = decoder_pass_plan(num_related)
-            keep = [i for i, k in enumerate(kind) if self.fill_in or k == "self"]  # fill_in=False: self passes only
-            remap = [keep.index(i) if i in keep else -1 for i in range(len(kind))]
-            t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-            self._plan_cache[key] = (t([source[i] for i in keep]), t([target[i] for i in keep]), t(keep), t(remap),
-                                     len(kind))
-        return self._plan_cache[key]
-
-    def _decoder_rows(self, index, l):
-        """Flat positions in the decoder's (N, L) input -> flat rows of its (N, L + C, H) output: the C
-        conditioning slots sit after position 0 ([CLS]), so row n's token j > 0 moves by C, and every row by n C."""
-        c = self.num_condition_vectors
-        return index + index // l * c + c * (index % l > 0)
-
-    def encode(self, input_ids, attention_mask):
-        """(N, L) -> hidden (N, L, H), mean-pooled vectors (N, H)."""
-        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return hidden, mean_pool(hidden, attention_mask)
-
-    def decode(self, vectors, dec_input_ids, attention_mask):
-        """Conditioned decoder on (N, L) masked inputs -> (N, L + C, H)."""
-        emb = self.base.embeddings(input_ids=dec_input_ids)  # the encoder's own embedding layer
-        return self.decoder(vectors, emb, attention_mask)
-
-    def _decoder_positions(self, labels):
-        """labels (N, L) -> bool (N, L + C) selecting the decoder output rows of masked tokens."""
-        c = self.num_condition_vectors
-        lab = labels != -100
-        return torch.cat([lab[:, :1], lab.new_zeros(lab.shape[0], c), lab[:, 1:]], dim=1)
-
-    @torch.no_grad()
-    def _teacher_vectors(self, teacher, ids, mask):
-        hidden = teacher(input_ids=ids, attention_mask=mask).last_hidden_state
-        return mean_pool(hidden.float(), mask)
-
-    # -- forward ---------------------------------------------------------------------------------
-    def forward(self, batch: dict, teacher=None, retention_weight: float = 0.0, pair_alpha: float = 0.0) -> dict:
-        """The objective's loss -> {"loss": total (with gradient), "<term>_loss": detached value per term}."""
-        if self.objective == "xprt":
-            out = self._forward_xprt(batch)
-        elif self.objective == "contrastive_random_span":
-            out = self._forward_contrastive_random_span(batch)
-        elif self.objective == "self_reconstruction":
-            out = self._forward_self_reconstruction(batch)
-        else:  # "pair" (checked in __init__)
-            out = self._forward_pair(batch, pair_alpha)
-        terms, loss = out.pop("_terms"), out.pop("loss")
-        if teacher is not None and retention_weight > 0 and self.objective != "pair":
-            r = self._retention(batch, teacher, out.pop("_student", None))
-            terms["retention_loss"] = r
-            loss = loss + retention_weight * r
-        out.pop("_student", None)
-        result = {"loss": loss}
-        result.update({k: v.detach() for k, v in terms.items()})
-        return result
-
-    def _retention(self, batch, teacher, student):
-        """Retention for every objective on the same pairs, as the paper gives every method the same
-        term: anchors x top related passages. With retention_student="masked" xPRT reuses its
-        vectors of the main (15%-masked) pass; otherwise (and always for the baselines, which do not
-        encode s1) the student encodes the clean anchor and s1 here, an extra pass with gradient and
-        WITHOUT dropout: the teacher runs without it, so the term measures the model's drift only and
-        is 0 at step 0 (with dropout it was 0.010-0.012 on MiniLM, x40 in the loss: a dropout-consistency
-        term nobody chose)."""
-        ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]  # (G, 2, L')
-        g, _, lr = ids.shape
-        if student is None or self.retention_student == "clean":
-            with dropout_off(self.base):
-                _, v = self.encode(ids.reshape(g * 2, lr), mask.reshape(g * 2, lr))
-            student = v.view(g, 2, -1)
-        t = self._teacher_vectors(teacher, ids.reshape(g * 2, lr), mask.reshape(g * 2, lr)).view(g, 2, -1)
-        return retention_loss(student[:, 0], student[:, 1], t[:, 0], t[:, 1], self.weights.tau)
-
-    def _forward_xprt(self, batch):
-        w = self.weights
-        ids, am = batch["input_ids"], batch["attention_mask"]
-        g, p, l = ids.shape
-        if "mlm_index" not in batch:
-            raise ValueError("batch lacks the index tensors (mlm_index, ...): build it with XPRTCollator")
-        hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))  # (G*P, L, H), (G*P, H)
-        h = hidden.shape[-1]
-        flat = hidden.view(g * p * l, h)
-        vec = vec.view(g, p, h)  # (G, P, H): 0 = anchor, 1 = s1, ...
-        anchors, s1 = vec[:, 0], vec[:, 1]
-        terms = {"xp_loss": xp_loss(anchors, s1, batch["doc_ids"], w.tau)}
-        terms["uniformity_loss"] = uniformity_loss(anchors)
-
-        # Decoder: every pass of every group in one call.
-        src_t, tgt_t, keep_t, remap_t, d_full = self._plan(p - 1, ids.device)
-        dec_ids = batch["dec_input_ids"]  # (G, D, L)
-        if dec_ids.shape[1] != d_full:
-            raise ValueError(f"batch has {dec_ids.shape[1]} decoder passes per group, expected {d_full}")
-        d = src_t.shape[0]
-        if d != d_full:  # fill_in=False: the self passes only
-            dec_ids = dec_ids.index_select(1, keep_t)
-        cond_vec = vec[:, src_t].reshape(g * d, h)  # (G*D, H)
-        dec_mask = am[:, tgt_t].reshape(g * d, l)  # the target passage's attention mask
-        dec_out = self.decode(cond_vec, dec_ids.reshape(g * d, l), dec_mask)  # (G*D, L+C, H)
-        dec_flat = dec_out.reshape(-1, h)
-        # The rows each vocabulary term uses, at positions the collator picked (index tensors: no data-dependent
-        # shapes here, so no device-to-host sync): L_MLM at the 15% masked positions of all G*P passages, L_cross
-        # at the masked positions of the cross passes, L_self at those of the self passes vs the encoder's
-        # distribution at the same positions of the same passage's 15%-masked pass (detached teacher).
-        self_index = batch["self_index"]
-        if d != d_full:  # positions in the all-passes layout -> in the kept passes' layout
-            self_index = (self_index // (d_full * l) * d + remap_t[self_index // l % d_full]) * l + self_index % l
-        ce = [("mlm_loss", flat.index_select(0, batch["mlm_index"]), batch["mlm_targets"], w.mlm)]
-        if self.fill_in:
-            ce.append(("cross_fill_loss", dec_flat.index_select(0, self._decoder_rows(batch["cross_index"], l)),
-                       batch["cross_targets"], w.cross))
-        kl = [("self_fill_loss", dec_flat.index_select(0, self._decoder_rows(self_index, l)),
-               flat.index_select(0, batch["self_enc_index"]), w.self_fill)]
-        vocab_total, vocab_terms = self._vocab_sweep(ce, kl)
-        terms.update(vocab_terms)
-        loss = w.xp * terms["xp_loss"] + w.unif * terms["uniformity_loss"] + vocab_total
-        return {"loss": loss, "_terms": terms, "_student": torch.stack([anchors, s1], dim=1)}
-
-    def _forward_contrastive_random_span(self, batch):
-        # the longer and the shorter crop of each row, each padded to its own length (XPRTCollator._crops)
-        _, v_long = self.encode(batch["input_ids"], batch["attention_mask"])  # (G, H)
-        _, v_short = self.encode(batch["short_input_ids"], batch["short_attention_mask"])
-        first = batch["view1_is_long"].unsqueeze(1)  # back in view order, without a data-dependent gather
-        c = contrastive_random_span(torch.where(first, v_long, v_short), torch.where(first, v_short, v_long),
-                                    self.weights.tau)
-        return {"loss": c, "_terms": {"contrastive_loss": c}}
-
-    def _forward_self_reconstruction(self, batch):
-        ids, am = batch["input_ids"], batch["attention_mask"]  # (G, 1, L)
-        g, p, l = ids.shape
-        hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))
-        if "mlm_index" not in batch:
-            raise ValueError("batch lacks the index tensors (mlm_index, ...): build it with XPRTCollator")
-        dec_out = self.decode(vec, batch["dec_input_ids"].view(g * p, l), am.view(g * p, l))
-        h = hidden.shape[-1]
-        # self_reconstruction(recon, mlm) = recon + mlm: the sweep's weighted sum with weights 1 and 1 is that loss
-        total, t = self._vocab_sweep([
-            ("recon_loss", dec_out.reshape(-1, h).index_select(0, self._decoder_rows(batch["dec_index"], l)),
-             batch["dec_targets"], 1.0),
-            ("mlm_loss", hidden.reshape(-1, h).index_select(0, batch["mlm_index"]), batch["mlm_targets"], 1.0)])
-        return {"loss": total, "_terms": {"recon_loss": t["recon_loss"], "mlm_loss": t["mlm_loss"]}}
-
-    def _forward_pair(self, batch, pair_alpha: float):
-        _, q = self.encode(batch["query_input_ids"], batch["query_attention_mask"])  # (B, H)
-        pids, pam = batch["passage_input_ids"], batch["passage_attention_mask"]  # (B, 1 + n, Lp)
-        b, k, lp = pids.shape
-        _, pv = self.encode(pids.view(b * k, lp), pam.view(b * k, lp))
-        pv = pv.view(b, k, -1)
-        ids = {"passage_ids": batch.get("passage_ids"), "relevant_ids": batch.get("relevant_ids")}  # None: no mask
-        lq = pair_q_loss(q, pv, self.weights.tau, **ids)
-        terms = {"pair_q_loss": lq}
-        if k > 1:
-            lp_ = pair_p_loss(q, pv, self.weights.tau, **ids)
-            terms["pair_p_loss"] = lp_
-        elif pair_alpha > 0:
-            raise ValueError("pair_alpha > 0 needs hard negatives (PairCollator num_negatives >= 1)")
-        else:
-            lp_ = lq.new_zeros(())
-        return {"loss": pair_loss(lq, lp_, pair_alpha), "_terms": terms}
-
-    # -- saving and loading ----------------------------------------------------------------------
-    def head_parameters(self) -> list:
-        """The "heads": the parameters the start model never trained - the decoder and the MLM head's transform
-        and output bias. The tied vocabulary projection IS the word-embedding matrix, so it counts as the
-        encoder's. The one definition of heads: train.py gives them --head_learning_rate, finetune.py freezes
-        them, xprt_heads.safetensors stores them (heads_state_dict)."""
-        return list(self.decoder.parameters()) + list(_head_params(self.encoder).values())
-
-    def heads_state_dict(self) -> dict:
-        """The head_parameters() by name (decoder.*, mlm_head.*); the projection is saved with the encoder."""
-        sd = {f"decoder.{k}": v for k, v in self.decoder.state_dict().items()}
-        sd.update({f"mlm_head.{k}": v for k, v in _head_params(self.encoder).items()})
-        return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
-
-    def complete_base_state_dict(self) -> dict:
-        """The encoder's weights as the architecture's AutoModel class holds them: the MLM model's base has no pooler
-        (BertForMaskedLM builds BertModel(add_pooling_layer=False)), so a folder saved from it alone loads in
-        AutoModel / sentence-transformers with a "LOAD REPORT" of MISSING pooler weights. The pooler comes from the
-        start checkpoint, unchanged (load_mlm_encoder keeps it; mean pooling never reads it), or, when the start had
-        none, is the architecture's own initialisation (seeded, without touching the global RNG)."""
-        sd = dict(self.base.state_dict())
-        sd.update({k: v for k, v in getattr(self.encoder, "xprt_base_extras", {}).items() if k not in sd})
-        with torch.device("meta"):
-            wanted = type(self.base)(self.base.config).state_dict()
-        missing = [k for k in wanted if k not in sd]
-        if missing:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                fresh = type(self.base)(self.base.config).state_dict()
-            dtype = next(iter(sd.values())).dtype
-            sd.update({k: fresh[k].to(dtype) for k in missing})
-        return sd
-
-    def save_pretrained(self, out_dir: str, tokenizer, model_card: Optional[str] = None):
-        """Write a folder loadable by transformers.AutoModel AND sentence_transformers.SentenceTransformer
-        (mean pooling + normalisation, like all-MiniLM-L6-v2), plus xprt_heads.safetensors and
-        xprt_config.json so training can continue. Written to a temporary sibling, then renamed into
-        place (an existing out_dir is replaced; refusing it unless --overwrite is the script's job)."""
-        from safetensors.torch import save_file
-
-        hidden = self.encoder.config.hidden_size
-        max_len = self.max_seq_length or min(512, getattr(self.encoder.config, "max_position_embeddings", 512))
-        modules = [
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-        ]
-        pooling = {"word_embedding_dimension": hidden, "pooling_mode_cls_token": False,
-                   "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
-                   "pooling_mode_mean_sqrt_len_tokens": False}
-        xprt_config = {"objective": self.objective, "num_condition_vectors": self.num_condition_vectors,
-                       "decoder_layers": self.decoder_layers, "fill_in": self.fill_in,
-                       "weights": asdict(self.weights), "start_model": self.start_model, "prompts": self.prompts,
-                       "base_model": self.base_model, "hub_model_id": self.hub_model_id}
-        # sentence-transformers' own config: encode_query / encode_document apply these prompts, and mteb's
-        # sentence-transformers wrapper and evaluate.py read them (model_prompts)
-        st_config = {"prompts": self.prompts, "default_prompt_name": None, "similarity_fn_name": "cosine"}
-        with atomic_path(os.path.abspath(out_dir)) as tmp:
-            self.base.save_pretrained(tmp, safe_serialization=True, state_dict=self.complete_base_state_dict())
-            tokenizer.save_pretrained(tmp)
-            (tmp / "1_Pooling").mkdir()
-            (tmp / "2_Normalize").mkdir()
-            for name, obj in [("modules.json", modules), ("1_Pooling/config.json", pooling),
-                              ("sentence_bert_config.json", {"max_seq_length": max_len, "do_lower_case": False}),
-                              ("xprt_config.json", xprt_config), ("config_sentence_transformers.json", st_config)]:
-                (tmp / name).write_text(json.dumps(obj, indent=2))
-            save_file(self.heads_state_dict(), str(tmp / "xprt_heads.safetensors"))
-            if model_card:
-                (tmp / "README.md").write_text(model_card)
-
-    @classmethod
-    def from_pretrained(cls, path: str, objective: Optional[str] = None, mlm_head_from: Optional[str] = None,
-                        trust_remote_code: bool = False, prefixes: str = "auto", **kw) -> "XPRTModel":
-        """Any checkpoint (hub id, folder, the MiniLM alias) or a folder written by save_pretrained.
-
-        A save_pretrained folder gets its decoder and MLM head back (xprt_heads.safetensors) and its
-        xprt_config.json settings; any other checkpoint gets a fresh head tied to the word embeddings, or
-        `mlm_head_from`'s (load_mlm_encoder). kw go to XPRTModel.__init__ and override xprt_config.json.
-        The model's load_message says which happened. prefixes: "auto" (model_prompts' rule), "e5" or "none"."""
-        from safetensors.torch import load_file
-
-        name, path = path, resolve_model_path(path)
-        cfg_file = os.path.join(path, "xprt_config.json")
-        saved = json.loads(Path(cfg_file).read_text()) if os.path.isfile(cfg_file) else {}
-        heads_file = os.path.join(path, "xprt_heads.safetensors")
-        has_heads = os.path.isfile(heads_file)
-        mlm, message = load_mlm_encoder(path, mlm_head_from=None if has_heads else mlm_head_from,
-                                        trust_remote_code=trust_remote_code)
-        args = {"num_condition_vectors": saved.get("num_condition_vectors", 4),
-                "decoder_layers": saved.get("decoder_layers", 1), "fill_in": saved.get("fill_in", True),
-                "max_seq_length": read_max_seq_length(path), "start_model": saved.get("start_model") or name,
-                "prompts": model_prompts(name, prefixes), "base_model": hub_base_model(name)}
-        if "weights" in saved and "weights" not in kw:
-            args["weights"] = LossWeights(**saved["weights"])
-        args.update(kw)
-        if has_heads:
-            message = f"xprt folder {path}: decoder and MLM head restored from {heads_file}"
-        model = cls(mlm, objective=objective or saved.get("objective", "xprt"), load_message=message, **args)
-        if has_heads:
-            sd = load_file(heads_file)
-            decoder_sd = {k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")}
-            model.decoder.load_state_dict(decoder_sd, strict=True)
-            head = _head_params(model.encoder)
-            head_sd = {k[len("mlm_head."):]: v for k, v in sd.items() if k.startswith("mlm_head.")}
-            if set(head_sd) != set(head):
-                raise ValueError(f"{heads_file}: MLM head tensors {sorted(head_sd)} do not match the model's "
-                                 f"{sorted(head)}")
-            with torch.no_grad():
-                for k, v in head_sd.items():
-                    head[k].copy_(v)
-        logger.info(message)
-        return model
-
-
 # ==============================================================================================================
 # 5. Collators
-# Rows -> one batch dict of tensors. All masking and cropping happens here, seeded by a torch.Generator whose
-# state is checkpointed for exact resume.
+# Rows -> one batch dict of tensors (the layout table of section 4). All masking, cropping and index building happens
+# here, seeded by a torch.Generator whose state is checkpointed for exact resume.
 # ==============================================================================================================
 
 
@@ -906,7 +851,9 @@ class XPRTCollator:
     "self_reconstruction": the anchor only, encoder 30% / decoder 50% (RetroMAE's defaults).
     "contrastive_random_span": two random crops of the anchor, ratio uniform in [0.1, 0.5].
     Every objective also gets the clean anchor and s1 (retain_*) for the retention term.
-    Mask rates left at None take the objective's defaults above.
+    Mask rates left at None take the objective's defaults above. num_condition_vectors and fill_in are the model's
+    (XPRTModel): the collator lays out the decoder passes (decoder_pass_plan) and the decoder output rows each loss
+    reads (ConditionedDecoder.output_rows), so the model gathers and never computes an index.
     max_length counts the passage's own tokens: select_groups.py packs passages to --passage_tokens (128) without
     [CLS], [SEP] and the prefix, so the sequences are max_length + specials + prefix long and a selected passage
     reaches the encoder whole. The prefix ("passage: " for E5) is never a masking candidate: it is the same in
@@ -920,7 +867,7 @@ class XPRTCollator:
     def __init__(self, tokenizer, objective: str = "xprt", num_related: int = 4, max_length: int = 128,
                  encoder_mask_rate: Optional[float] = None, decoder_mask_rate: Optional[float] = None,
                  passage_prefix: str = "", positive: str = "s1", seed: int = 0,
-                 crop_ratio: tuple = (0.1, 0.5)):
+                 crop_ratio: tuple = (0.1, 0.5), num_condition_vectors: int = 4, fill_in: bool = True):
         if objective not in PRETRAIN_OBJECTIVES:
             raise ValueError(f"XPRTCollator objective must be one of {PRETRAIN_OBJECTIVES} "
                              "(pair uses PairCollator)")
@@ -937,6 +884,7 @@ class XPRTCollator:
             if not 0.0 <= r < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {r}")
         self.passage_prefix, self.positive, self.crop_ratio = passage_prefix, positive, crop_ratio
+        self.num_condition_vectors, self.fill_in = num_condition_vectors, fill_in
         self.prefix_ids = tokenizer(passage_prefix, add_special_tokens=False)["input_ids"] if passage_prefix else []
         self.seq_length = max_length + len(self.prefix_ids) + tokenizer.num_special_tokens_to_add(pair=False)
         self.generator = torch.Generator().manual_seed(seed)
@@ -1012,43 +960,54 @@ class XPRTCollator:
         masked, labels = self._mask_bert(ids, cand, self.encoder_mask_rate)
         ids3, cand3 = ids.view(g, p, l), cand.view(g, p, l)
         if self.objective == "xprt":
-            _, target, _ = decoder_pass_plan(self.num_related)
-            tgt = torch.tensor(target)
-            dec_ids, dec_labels = self._mask_all(ids3[:, tgt], cand3[:, tgt], self.decoder_mask_rate)  # (G, D, L)
-        else:
+            source, target, kind = decoder_pass_plan(self.num_related, self.fill_in)
+            # The masks of all 2R + 2 passes are drawn, kept or not: the "no fill-in" ablation then sees the same
+            # masks in its self passes, and the same encoder masks in later batches, as the full method.
+            _, all_target, all_kind = decoder_pass_plan(self.num_related)
+            tgt = torch.tensor(all_target)
+            dec_ids, dec_labels = self._mask_all(ids3[:, tgt], cand3[:, tgt], self.decoder_mask_rate)  # (G, 2R+2, L)
+            if not self.fill_in:
+                keep = torch.tensor([i for i, k in enumerate(all_kind) if k == "self"])
+                dec_ids, dec_labels = dec_ids[:, keep], dec_labels[:, keep]  # (G, D, L)
+        else:  # self_reconstruction: the anchor fills itself
+            source, target, kind = [0], [0], ["self"]
             dec_ids, dec_labels = self._mask_all(ids3, cand3, self.decoder_mask_rate)  # (G, 1, L)
         batch.update({"input_ids": masked.view(g, p, l), "attention_mask": am.view(g, p, l),
-                      "mlm_labels": labels.view(g, p, l),
-                      "dec_input_ids": dec_ids, "dec_labels": dec_labels})
-        batch.update(self._loss_positions(labels.view(g, p, l), dec_labels))
+                      "mlm_labels": labels.view(g, p, l), "dec_input_ids": dec_ids, "dec_labels": dec_labels,
+                      "dec_source": torch.tensor(source), "dec_target": torch.tensor(target)})
+        batch.update(self._loss_positions(labels.view(g, p, l), dec_labels, target, kind))
         return batch
 
-    def _loss_positions(self, mlm_labels, dec_labels) -> dict:
-        """The positions each vocabulary term uses, as flat index tensors (and their targets), built here on the CPU
-        once per batch: the model gathers with index_select, never with a boolean mask, whose data-dependent result
-        size would make a GPU wait for the host every step. Row-major order, the order a boolean mask gives.
+    def _loss_positions(self, mlm_labels, dec_labels, target, kind) -> dict:
+        """The rows each vocabulary term reads, as flat index tensors (and their targets), built here on the CPU once
+        per batch: the model gathers with index_select, never with a boolean mask, whose data-dependent result size
+        would make a GPU wait for the host every step. Row-major order, the order a boolean mask gives.
 
-        mlm_index, mlm_targets: masked encoder positions in (G * P * L). xprt: cross_index, cross_targets and
-        self_index at the masked positions of the cross / self decoder passes in (G * D * L) (all D passes of
-        decoder_pass_plan), self_enc_index the same tokens in the encoder's (G * P * L) (L_self's teacher).
-        self_reconstruction: dec_index, dec_targets in (G * 1 * L)."""
+        mlm_index, mlm_targets: masked encoder positions in the flat (G * P * L) encoder states. Decoder rows are
+        rows of the flat (G * D * (L + C)) decoder output (ConditionedDecoder.output_rows). xprt: cross_rows,
+        cross_targets at the masked positions of the cross passes; self_rows at those of the self passes and
+        self_enc_index the same tokens in the encoder states (L_self's teacher). self_reconstruction: dec_rows,
+        dec_targets. target, kind: the passes' target passage and kind (decoder_pass_plan)."""
         def at(mask, values):
             index = mask.reshape(-1).nonzero().squeeze(1)
             return index, values.reshape(-1)[index]
 
-        out = dict(zip(("mlm_index", "mlm_targets"), at(mlm_labels != -100, mlm_labels)))
-        if self.objective != "xprt":
-            out.update(zip(("dec_index", "dec_targets"), at(dec_labels != -100, dec_labels)))
-            return out
         g, p, l = mlm_labels.shape
-        _, target, kind = decoder_pass_plan(self.num_related)
-        d = len(kind)
-        is_self = torch.tensor([k == "self" for k in kind]).view(1, d, 1)
+        d, c = len(kind), self.num_condition_vectors
+        out = dict(zip(("mlm_index", "mlm_targets"), at(mlm_labels != -100, mlm_labels)))
         picked = dec_labels != -100  # (G, D, L)
-        out.update(zip(("cross_index", "cross_targets"), at(picked & ~is_self, dec_labels)))
+        if self.objective != "xprt":
+            index, targets = at(picked, dec_labels)
+            out.update(dec_rows=ConditionedDecoder.output_rows(index, l, c), dec_targets=targets)
+            return out
+        is_self = torch.tensor([k == "self" for k in kind]).view(1, d, 1)
+        if self.fill_in:
+            index, targets = at(picked & ~is_self, dec_labels)
+            out.update(cross_rows=ConditionedDecoder.output_rows(index, l, c), cross_targets=targets)
         self_index, _ = at(picked & is_self, dec_labels)
         grp, pas, j = self_index // (d * l), self_index // l % d, self_index % l
-        out.update(self_index=self_index, self_enc_index=(grp * p + torch.tensor(target)[pas]) * l + j)
+        out.update(self_rows=ConditionedDecoder.output_rows(self_index, l, c),
+                   self_enc_index=(grp * p + torch.tensor(target)[pas]) * l + j)
         return out
 
     def _crops(self, texts, spans=None):
@@ -1171,25 +1130,43 @@ class PairCollator:
 
 
 # ==============================================================================================================
-# 6. How the vocabulary terms are made fast
-# L_cross, L_self and L_MLM each project hidden states onto the 30K-word vocabulary. vocab_loss computes them
-# only at the positions a loss uses, chunk by chunk, never holding the (tokens x V) logits (_FusedLinearCE).
+# 6. The vocabulary sweep
+# L_MLM, L_cross and L_self each project hidden states onto the 30K-word vocabulary through the same MLM head. They
+# hand their rows to one VocabSweep per step, which computes them only at the positions a loss uses, all in one pass
+# over the vocabulary, chunk by chunk, never holding the (tokens x V) logits (_FusedLinearCE).
 # ==============================================================================================================
 
 
-def vocab_loss(hidden, weight, bias, targets=None, teacher_hidden=None, fused: bool = True,
-               chunk_size: int = 1024) -> torch.Tensor:
-    """Mean over positions of CE(softmax(hidden W^T + b), targets), or of KL(p_teacher || p_student)
-    with p_teacher = softmax(teacher_hidden W^T + b) (no gradient through the teacher side).
+class VocabSweep:
+    """The vocabulary terms of one training step, computed together (L_MLM, L_cross and L_self register here).
 
-    hidden: (N, H), already through the MLM head's transform and gathered at the positions a loss
-    uses (never every position: README, Notes: 1.70x vs 2.15x the encoder cost for BERT-base).
-    fused=True computes it chunk by chunk (_FusedLinearCE); fused=False is the plain reference.
-    One term of vocab_sweep (which computes several terms sharing the projection in one pass).
-    """
-    if targets is not None:
-        return vocab_sweep(weight, bias, ce=[(hidden, targets, 1.0)], fused=fused, chunk_size=chunk_size)[0]
-    return vocab_sweep(weight, bias, kl=[(hidden, teacher_hidden, 1.0)], fused=fused, chunk_size=chunk_size)[0]
+    mlm_loss / cross_fill_loss register cross-entropy terms (hidden rows, target tokens, weight), self_fill_loss a
+    KL term (hidden rows, teacher rows, weight); run() puts every student row through the MLM head's transform
+    once, the teacher rows once without gradient, and computes all terms in one vocab_sweep:
+    -> (sum_k w_k term_k with gradient, {name: detached value}). Terms are computed in registration order, cross-
+    entropies first (the chunking, hence the floating-point sums, depend on it)."""
+
+    def __init__(self, model: "XPRTModel"):
+        self.model, self.ce, self.kl = model, [], []
+
+    def cross_entropy(self, name: str, hidden: torch.Tensor, targets: torch.Tensor, weight: float):
+        self.ce.append((name, hidden, targets, weight))
+
+    def kl_to_teacher(self, name: str, hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: float):
+        self.kl.append((name, hidden, teacher_hidden, weight))
+
+    def run(self) -> tuple:
+        m = self.model
+        w, b = m.projection()
+        named = self.ce + self.kl
+        rows = [x[1] for x in named]
+        student = m.head_transform(torch.cat(rows) if len(rows) > 1 else rows[0]).split([r.shape[0] for r in rows])
+        with torch.no_grad():
+            teachers = [m.head_transform(t.detach()) for _, _, t, _ in self.kl]
+        total, vals = vocab_sweep(w, b, ce=[(s, t, wt) for s, (_, _, t, wt) in zip(student, self.ce)],
+                                  kl=[(s, t, wt) for s, t, (*_, wt) in zip(student[len(self.ce):], teachers, self.kl)],
+                                  fused=m.fused_vocab_loss)
+        return total, {name: v for (name, *_), v in zip(named, vals)}
 
 
 def vocab_sweep(weight, bias, ce=(), kl=(), fused: bool = True, chunk_size: int = 1024) -> tuple:
@@ -1276,15 +1253,6 @@ def _row_dot(a, b):
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-# How the bias enters the fp32 chunk logits: "add" (default) adds it in place after the matmul into the reused buffer
-# (_logits_into; no copy of the bias into the buffer first); "column" appends it to W as one more input column (the
-# matmul adds it and its gradient comes out as one more weight-gradient column, but the matmuls then run on H + 1 =
-# 385 / 769 columns, an unaligned size). Measured on 2 quiet CPU cores (python -m bench.bench_step --models minilm
-# --repeats 3 --baseline <copy with the other mode>): MiniLM step 2.79x the floor with "add", 2.90x with "column".
-# Both are tested against the plain loss.
-BIAS_MODE = "add"
-
-
 class _FusedLinearCE(torch.autograd.Function):
     """Vocabulary projection + cross-entropy (hard targets) and/or KL (soft targets), chunk by chunk.
 
@@ -1309,25 +1277,13 @@ class _FusedLinearCE(torch.autograd.Function):
             ctx.mark_non_differentiable(row_loss)
             return hidden.new_zeros((), dtype=torch.float32), row_loss
         v = weight.shape[0]
-        column = BIAS_MODE == "column" and hidden.dtype == weight.dtype == torch.float32 \
-            and not torch.is_autocast_enabled(hidden.device.type)
-        if column:  # the bias as one more input column: the matmul adds it, and its gradient is one more column too
-            wb = torch.cat([weight.detach(), bias.detach().to(weight.dtype).unsqueeze(1)], dim=1)  # (V, H + 1)
         grad_h = torch.empty_like(hidden) if need[0] else None
-        hw = weight.shape[1] + (1 if column else 0)
-        grad_w = torch.empty((v, hw), dtype=torch.float32, device=hidden.device) if need[1] or (column and need[2]) \
-            else None  # set by the first chunk
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need[2] and not column else None
+        grad_w = torch.empty((v, weight.shape[1]), dtype=torch.float32, device=hidden.device) if need[1] else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need[2] else None
         rows = min(chunk_size, n)
         buf = _scratch("logits", rows, v, hidden.device)
         tbuf = _scratch("teacher", rows, v, hidden.device) if teacher_hidden is not None else None
         first = True
-
-        def logits(out, h):
-            if column:
-                return torch.mm(torch.cat([h, h.new_ones(h.shape[0], 1)], 1), wb.t(), out=out)
-            return _logits_into(out, h, weight, bias)
-
         # chunks never straddle the hard/soft boundary
         starts = [(s, min(s + chunk_size, n_ce)) for s in range(0, n_ce, chunk_size)]
         starts += [(s, min(s + chunk_size, n)) for s in range(n_ce, n, chunk_size)]
@@ -1337,17 +1293,17 @@ class _FusedLinearCE(torch.autograd.Function):
             scale = row_scale[s:e]
             if s < n_ce:  # hard targets: CE = lse - logit[target]
                 tgt = targets[s:e]
-                z = logits(buf[:r], h)
+                z = _logits_into(buf[:r], h, weight, bias)
                 z_tgt = z.gather(1, tgt.unsqueeze(1)).squeeze(1)
                 row_loss[s:e] = _softmax_(z) - z_tgt
                 g = z  # softmax - one_hot(target)
                 g[torch.arange(r, device=g.device), tgt] -= 1.0
             else:  # soft targets p = softmax(teacher logits): KL(p || q) = sum p z_t - lse_t - (sum p z - lse)
-                zt = logits(tbuf[:r], teacher_hidden[s - n_ce : e - n_ce])
+                zt = _logits_into(tbuf[:r], teacher_hidden[s - n_ce : e - n_ce], weight, bias)
                 p = buf[:r].copy_(zt)
                 lse_t = _softmax_(p)
                 kl = _row_dot(p, zt) - lse_t  # sum p log p, before tbuf is reused for the student
-                z = logits(tbuf[:r], h)
+                z = _logits_into(tbuf[:r], h, weight, bias)
                 kl -= _row_dot(p, z) - _softmax_(z)  # - sum p log q
                 row_loss[s:e] = kl
                 g = z.sub_(p)  # softmax(student) - p
@@ -1355,21 +1311,13 @@ class _FusedLinearCE(torch.autograd.Function):
                 gh = g.to(weight.dtype) @ weight  # (r, H): small
                 grad_h[s:e] = gh * scale.unsqueeze(1).to(gh.dtype)
             if grad_w is not None:  # the rows' scales go on the small (r, H) side, never on the (r, V) one
-                hs = h.float() * scale.unsqueeze(1)
-                if column:
-                    hs = torch.cat([hs, scale.unsqueeze(1)], 1)
-                grad_w.addmm_(g.t(), hs, beta=0.0 if first else 1.0)  # beta 0: ignore the garbage
+                grad_w.addmm_(g.t(), h.float() * scale.unsqueeze(1), beta=0.0 if first else 1.0)  # beta 0: garbage
             if grad_b is not None:
                 grad_b.addmv_(g.t(), scale)
             first = False
         total = (row_loss * row_scale).sum()
-        gw = gb = None
-        if column and grad_w is not None:
-            gw = grad_w[:, :-1].to(weight.dtype) if need[1] else None
-            gb = grad_w[:, -1].to(bias.dtype) if need[2] else None
-        elif grad_w is not None or grad_b is not None:
-            gw = None if grad_w is None else grad_w.to(weight.dtype)
-            gb = None if grad_b is None else grad_b.to(bias.dtype)
+        gw = None if grad_w is None else grad_w.to(weight.dtype)
+        gb = None if grad_b is None else grad_b.to(bias.dtype)
         # The gradients are intermediates (neither inputs nor outputs), so they may live on ctx; backward hands
         # them over (scaled in place) instead of allocating a scaled copy of the (V, H) weight gradient.
         ctx.grads = (grad_h, gw, gb)

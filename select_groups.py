@@ -10,7 +10,8 @@ For every document:
   4. for each anchor rank the other passages of the SAME document by RRF of the E5-cosine rank
      (weight 2) and the TF-IDF rank (weight 1), k = 10, and keep the top 4 as its related passages.
 One group = (anchor, 4 related passages) = one parquet row; its columns and types are `group_schema()`
-in this file.
+in this file. Every setting of steps 1-4 is a field of `Selection`, the one object the selecting
+functions read and the key of the resume check.
 
 Scale: documents are streamed in chunks of --chunk_docs input records; chunk c goes to process
 c % world_size (torchrun / accelerate launch), is written as its own parquet file, and a finished
@@ -29,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import glob
-import gzip
 import hashlib
 import html
-import io
 import itertools
 import json
 import os
@@ -40,9 +39,13 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Optional
 
 import numpy as np
+
+from support import (atomic_path, atomic_write, iter_jsonl, iter_parquet, max_seq_length, model_prompts,
+                     pick_device_and_dtype, read_max_seq_length, resolve_model_path, stable_doc_hash)
 
 # The paper's statistics on 100K FineWeb documents with E5-base-unsupervised (printed beside ours).
 PAPER_FINEWEB_100K = {"documents_with_groups_pct": 99.0, "groups_per_document": 7.0, "passages_covered_pct": 68.0}
@@ -54,13 +57,66 @@ HIST_BINS = 40
 META_DIR = ".xprt"  # run config, document frequencies, chunk stats; hidden so load_dataset(out) ignores it
 
 
+@dataclass(frozen=True)
+class Selection:
+    """Every setting that changes which groups come out of the same records, in one place.
+
+    Built once from the flags (Selection.from_args; each field but passage_prefix is the flag of the same name, and
+    the flags take their defaults from here), handed to the functions that select, and, as dataclasses.asdict, the
+    key of the resume check (run_config): a rerun reuses finished chunks only when every field is the same, so a
+    chunk selected under other settings is never mixed into the output. A new knob is one field here plus its flag.
+    The defaults are the paper's where it gives one (E5-base-unsupervised, 0.825, 4 related, RRF k = 10 with weights
+    2 / 1) and ours where it gives none (the passage budget, the merge floor, TF-IDF's hashing space).
+
+    Left out, because they do not change which groups come out: --batch_size and --device (how fast; embeddings
+    move by float rounding only), --trust_remote_code (a permission). The records read and their chunking are keyed
+    beside these (RECORD_FLAGS).
+    """
+
+    model_name_or_path: str = "intfloat/e5-base-unsupervised"
+    dtype: str = "auto"
+    # the prefix itself, not --prefixes: the key is what the encoder reads, whichever mode and model produced it
+    passage_prefix: str = "passage: "
+    passage_tokens: int = 128
+    min_passage_tokens: int = 16
+    centrality_threshold: float = 0.825
+    anchor_share: Optional[float] = None
+    calibration_docs: int = 1000
+    num_related: int = 4
+    ranking: str = "rrf"
+    rrf_k: float = 10.0
+    rrf_weight_e5: float = 2.0
+    rrf_weight_tfidf: float = 1.0
+    tfidf_features: int = 2**20
+    seed: int = 0
+
+    @classmethod
+    def from_args(cls, args) -> "Selection":
+        """The settings of parsed flags; the passage prefix by the repository's one rule (support.model_prompts:
+        --prefixes auto follows the model's own prompts, else E5's 'passage: ' for an E5 model, else none), as
+        train.py applies it."""
+        given = {f.name: getattr(args, f.name) for f in fields(cls) if f.name != "passage_prefix"}
+        return cls(**given, passage_prefix=model_prompts(args.model_name_or_path, args.prefixes)["document"])
+
+
+PAPER = Selection()
+
+
+# The flags that decide which records are read and where chunks begin: keyed beside Selection by the resume check.
+# (--url_field is not among them: it feeds the --inspect report only.)
+RECORD_FLAGS = ("input", "dataset", "dataset_config", "dataset_split", "max_docs", "id_field", "text_field",
+                "skip_bad_lines", "max_doc_chars", "chunk_docs")
+
+
 def _input_flags(g):
     g.add_argument("--input", nargs="*", default=[],
                    help="Local .jsonl / .jsonl.gz / .jsonl.zst / .parquet files, folders or globs, read in the "
-                        "order given.")
+                        "order given; a folder gives every such file under it (and .json files, read as JSON "
+                        "Lines), sorted.")
     g.add_argument("--dataset", default=None,
                    help="A Hugging Face dataset name, streamed (e.g. HuggingFaceFW/fineweb). Every process "
-                        "streams it (twice: IDF pass, then selection).")
+                        "streams it in full twice (IDF pass, then selection); --anchor_share and --inspect read "
+                        "its first documents once more.")
     g.add_argument("--dataset_config", default=None, help="Config of --dataset (e.g. sample-10BT).")
     g.add_argument("--dataset_split", default="train", help="Split of --dataset.")
     g.add_argument("--max_docs", type=int, default=0, help="Read at most this many input records (0 = all).")
@@ -78,44 +134,51 @@ def _input_flags(g):
 
 
 def _embedding_flags(g):
-    g.add_argument("--model_name_or_path", default="intfloat/e5-base-unsupervised",
+    g.add_argument("--model_name_or_path", default=PAPER.model_name_or_path,
                    help="Selection encoder (paper: E5-base-unsupervised). 'all-MiniLM-L6-v2' uses the bundled "
-                        "offline weights.")
-    g.add_argument("--passage_prefix", default=None,
-                   help="Prefix put before every passage when embedding. Default: the model's own document prefix "
-                        "(modeling_xprt.model_prompts: its sentence-transformers prompts, else 'passage: ' for an "
-                        "E5 model, else '').")
-    g.add_argument("--passage_tokens", type=int, default=128,
+                        "offline weights. Passages are embedded up to the model's own length limit (its "
+                        "sentence_bert_config.json max_seq_length, else 512, within its position table).")
+    g.add_argument("--prefixes", choices=["auto", "e5", "none"], default="auto",
+                   help="Text prefix put before every passage when embedding: auto = the model's own document "
+                        "prefix (its sentence-transformers prompts, else 'passage: ' for an E5 model, else none: "
+                        "support.model_prompts, the rule train.py and evaluate.py follow); e5 / none force "
+                        "'passage: ' / no prefix. stats.json records the prefix used (passage_prefix).")
+    g.add_argument("--passage_tokens", type=int, default=PAPER.passage_tokens,
                    help="Token budget of one passage (tokenizer of the selection encoder, without special tokens).")
-    g.add_argument("--min_passage_tokens", type=int, default=16,
+    g.add_argument("--min_passage_tokens", type=int, default=PAPER.min_passage_tokens,
                    help="A shorter packed passage is merged into a neighbour when that stays within the budget.")
     g.add_argument("--batch_size", type=int, default=64,
                    help="Passages per embedding batch (batches are sorted by length).")
     g.add_argument("--device", default=None,
                    help="cpu / cuda / cuda:1 (default: this process's GPU if any, else CPU).")
-    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+    g.add_argument("--dtype", default=PAPER.dtype, choices=["auto", "fp32", "bf16", "fp16"],
                    help="auto: bf16 (fp16 before Ampere) on GPU, fp32 on CPU.")
     g.add_argument("--trust_remote_code", action="store_true",
                    help="Allow model code from the hub (off: only built-in architectures).")
 
 
 def _selection_flags(g):
-    g.add_argument("--centrality_threshold", type=float, default=0.825,
-                   help="Anchors have centrality >= this (tuned for E5 on FineWeb).")
-    g.add_argument("--anchor_share", type=float, default=None,
+    g.add_argument("--centrality_threshold", type=float, default=PAPER.centrality_threshold,
+                   help="Anchors have centrality >= this (tuned for E5 on FineWeb); --anchor_share replaces it.")
+    g.add_argument("--anchor_share", type=float, default=PAPER.anchor_share,
                    help="Instead of a fixed threshold: set it so this share of passages are anchors, from the "
                         "centralities of the first --calibration_docs documents (e.g. 0.6 for another encoder "
                         "or corpus).")
-    g.add_argument("--calibration_docs", type=int, default=1000, help="Documents used by --anchor_share.")
-    g.add_argument("--num_related", type=int, default=4,
+    g.add_argument("--calibration_docs", type=int, default=PAPER.calibration_docs,
+                   help="Documents used by --anchor_share.")
+    g.add_argument("--num_related", type=int, default=PAPER.num_related,
                    help="Related passages per anchor (a document needs num_related + 1 passages to form a group).")
-    g.add_argument("--ranking", default="rrf", choices=["rrf", "e5", "tfidf", "random"],
+    g.add_argument("--ranking", default=PAPER.ranking, choices=["rrf", "e5", "tfidf", "random"],
                    help="How related passages are ranked (paper Table 3 ablations).")
-    g.add_argument("--rrf_k", type=float, default=10.0, help="RRF constant k (fixed by the paper's worked example).")
-    g.add_argument("--rrf_weight_e5", type=float, default=2.0, help="Weight of the embedding-cosine rank in RRF.")
-    g.add_argument("--rrf_weight_tfidf", type=float, default=1.0, help="Weight of the TF-IDF rank in RRF.")
-    g.add_argument("--tfidf_features", type=int, default=2**20, help="Hashing space of the TF-IDF vectorizer.")
-    g.add_argument("--seed", type=int, default=0,
+    g.add_argument("--rrf_k", type=float, default=PAPER.rrf_k,
+                   help="RRF constant k (fixed by the paper's worked example).")
+    g.add_argument("--rrf_weight_e5", type=float, default=PAPER.rrf_weight_e5,
+                   help="Weight of the embedding-cosine rank in RRF.")
+    g.add_argument("--rrf_weight_tfidf", type=float, default=PAPER.rrf_weight_tfidf,
+                   help="Weight of the TF-IDF rank in RRF.")
+    g.add_argument("--tfidf_features", type=int, default=PAPER.tfidf_features,
+                   help="Hashing space of the TF-IDF vectorizer.")
+    g.add_argument("--seed", type=int, default=PAPER.seed,
                    help="Seeds random_passage and --ranking random, per document (same under any sharding).")
 
 
@@ -126,8 +189,8 @@ def _output_flags(g):
                    help="Replace an existing output folder (otherwise a finished one is refused; an unfinished "
                         "one with the same settings is resumed).")
     g.add_argument("--chunk_docs", type=int, default=1000,
-                   help="Input records per chunk (one parquet file each); bounds memory and the work lost to "
-                        "a crash.")
+                   help="Input records per chunk (one parquet file each, none for a chunk without groups); bounds "
+                        "memory and the work lost to a crash.")
     g.add_argument("--inspect", type=int, default=0,
                    help="Also write inspect.md: every passage of the first N documents with centrality, anchors, "
                         "excluded passages and related scores.")
@@ -160,10 +223,6 @@ def parse_args(argv=None):
         p.error("--inspect_only needs --inspect N with N >= 1")
     if args.chunk_docs < 1 or args.rrf_k <= 0:
         p.error("--chunk_docs must be >= 1 and --rrf_k > 0")
-    if args.passage_prefix is None:  # the repository's one prefix rule, as train.py and evaluate.py apply it
-        from modeling_xprt import model_prompts
-
-        args.passage_prefix = model_prompts(args.model_name_or_path)["document"]
     return args
 
 
@@ -184,8 +243,8 @@ def input_files(patterns):
         else:
             found = sorted(glob.glob(pat)) or ([pat] if os.path.exists(pat) else [])
         if not found:
-            raise FileNotFoundError(f"--input {pat!r}: no such file (or no .jsonl/.jsonl.gz/.jsonl.zst/.parquet in "
-                                    "that folder)")
+            raise FileNotFoundError(f"--input {pat!r}: no such file (or no .jsonl/.jsonl.gz/.jsonl.zst/.json/"
+                                    ".parquet in that folder)")
         files += found
     return files
 
@@ -198,64 +257,22 @@ def _iter_hf_dataset(name, config, split):
         yield f"{name}:row {i}", row, None, ""
 
 
-def _iter_parquet(path, columns):
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(path)
-    cols = [c for c in columns if c in pf.schema_arrow.names]
-    row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=cols):  # bounded memory
-        for rec in batch.to_pylist():
-            row += 1
-            yield f"{path}:row {row}", rec, None, ""
-
-
-def _open_bytes(path):
-    """A binary stream of a (possibly compressed) JSONL file, decompressed as it is read: .gz with gzip, .zst with
-    zstandard's streaming reader (the format of many web-corpus dumps; the package datasets uses for zstd), never the
-    whole file in memory."""
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.endswith(".zst"):
-        try:
-            import zstandard
-        except ImportError as err:
-            raise ImportError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from err
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    return open(path, "rb")
-
-
-def _iter_jsonl(path):
-    with _open_bytes(path) as fh:  # bytes: we decode ourselves to catch invalid UTF-8 per line
-        for lineno, raw in enumerate(fh, 1):
-            if not raw.strip():
-                continue  # blank lines are not documents
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield where, None, "invalid_utf8", str(err)
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                yield where, None, "malformed_json", str(err)
-                continue
-            yield where, obj, None, ""
-
-
 def _iter_local_files(patterns, columns):
+    """support's readers in select_groups' (where, obj, skip, detail) form: a JSONL line that is not UTF-8 JSON
+    comes back as a SKIP_REASONS entry ("invalid_utf8" / "malformed_json") to count or refuse, not an error."""
     for path in input_files(patterns):
         if path.endswith(".parquet"):
-            yield from _iter_parquet(path, columns)
+            for where, rec in iter_parquet(path, columns):  # only the three fields: bounded memory
+                yield where, rec, None, ""
         else:
-            yield from _iter_jsonl(path)
+            for where, rec, problem in iter_jsonl(path):
+                yield (where, rec, None, "") if problem is None else (where, None, *problem)
 
 
 def iter_raw_records(args):
     """Yield (where, obj, skip, detail): the decoded record and skip None, or obj None and a SKIP_REASONS entry
-    for a record that could not be decoded. (A record that decodes to a plain JSON string is an object like any
-    other, and parse_record skips it as not_an_object.)
+    for a record that could not be decoded. (A line that decodes to a JSON string or number is a record of the
+    wrong type, not a reader's failure: it is yielded, and parse_record skips it as not_an_object.)
 
     At most --max_docs records (blank lines are not records) when it is positive.
     """
@@ -336,8 +353,6 @@ def iter_records(args):
     are found with a set of 64-bit id hashes: the only state that grows with the corpus (~100 bytes
     per document).
     """
-    from modeling_xprt import stable_doc_hash
-
     seen = set()
     id_field = None if row_number_ids(args) else args.id_field
     for i, (where, obj, skip, detail) in enumerate(iter_raw_records(args)):
@@ -624,27 +639,27 @@ class DocResult:
     status: str = ""  # "groups", "too_few_passages", "no_anchor"
 
 
-def document_groups(doc_id, passages, vectors, cent, tfidf, threshold, *, ranking, num_related, rrf_k,
-                    rrf_weight_e5, rrf_weight_tfidf, seed):
+def document_groups(doc_id, passages, vectors, cent, tfidf, threshold, sel: Selection):
     """(status, groups) of one document: one group row (group_schema()) per anchor.
 
-    vectors (P, H) unit-length passage vectors, cent (P,) their centralities; status is "groups",
-    "too_few_passages" (fewer than num_related + 1 passages) or "no_anchor".
+    vectors (P, H) unit-length passage vectors, cent (P,) their centralities; threshold the centrality an anchor
+    needs (sel.centrality_threshold, or the one --anchor_share calibrated); status is "groups", "too_few_passages"
+    (fewer than num_related + 1 passages) or "no_anchor".
     """
-    if len(passages) < num_related + 1:
+    if len(passages) < sel.num_related + 1:
         return "too_few_passages", []
     anchors = np.flatnonzero(cent >= threshold)
     if len(anchors) == 0:
         return "no_anchor", []
     cos = vectors @ vectors.T  # (P, P) cosines: vectors are unit length
     tf = tfidf.cosines(passages)  # (P, P)
-    rank_rng = derived_rng(seed, doc_id, "ranking")
-    pick_rng = derived_rng(seed, doc_id, "random_passage")
+    rank_rng = derived_rng(sel.seed, doc_id, "ranking")
+    pick_rng = derived_rng(sel.seed, doc_id, "random_passage")
     groups = []
     for gi, a in enumerate(anchors):
-        idx, cs, ts, rrf = rank_related(a, cos[a], tf[a], ranking=ranking, num_related=num_related, rrf_k=rrf_k,
-                                        rrf_weight_e5=rrf_weight_e5, rrf_weight_tfidf=rrf_weight_tfidf,
-                                        rng=rank_rng)
+        idx, cs, ts, rrf = rank_related(a, cos[a], tf[a], ranking=sel.ranking, num_related=sel.num_related,
+                                        rrf_k=sel.rrf_k, rrf_weight_e5=sel.rrf_weight_e5,
+                                        rrf_weight_tfidf=sel.rrf_weight_tfidf, rng=rank_rng)
         j = int(pick_rng.integers(len(passages) - 1))  # uniform over the passages other than the anchor
         j += j >= a
         groups.append({
@@ -664,37 +679,37 @@ def document_groups(doc_id, passages, vectors, cent, tfidf, threshold, *, rankin
     return "groups", groups
 
 
-def select_documents(docs, tokenizer, model, tfidf, threshold, *, passage_tokens, min_passage_tokens,
-                     passage_prefix, batch_size, ranking, num_related, rrf_k, rrf_weight_e5, rrf_weight_tfidf,
-                     seed, desc="embedding", show_progress=False):
-    """Passages, centralities and groups of `docs` (valid Docs). Returns one DocResult per doc.
+@dataclass
+class Encoder:
+    """The frozen selection encoder as select_documents runs it (load_selection_encoder builds it)."""
 
-    The keyword arguments are the flags of the same names; `selection_options(args)` gives them.
-    """
+    tokenizer: object
+    model: object
+    # support.max_seq_length, the repository's one length rule: the limit the model's folder states, else 512.
+    # Passages are packed to --passage_tokens (128) first, so at the defaults nothing reaches it.
+    max_length: int
+    batch_size: int  # passages per forward pass: speed only
+
+
+def select_documents(docs, encoder: Encoder, tfidf, threshold, sel: Selection, *, desc="embedding",
+                     show_progress=False):
+    """Passages, centralities and groups of `docs` (valid Docs). Returns one DocResult per doc."""
     from modeling_xprt import embed_texts
 
-    passages = split_passages([d.text for d in docs], tokenizer, passage_tokens, min_passage_tokens)
+    passages = split_passages([d.text for d in docs], encoder.tokenizer, sel.passage_tokens, sel.min_passage_tokens)
     flat = [p for ps in passages for p in ps]
     # One embedding call per chunk: length sorting works across documents, so batches stay full.
-    vecs = embed_texts(model, tokenizer, flat, batch_size=batch_size, max_length=512, prefix=passage_prefix,
-                       show_progress=show_progress, desc=desc).numpy()
+    vecs = embed_texts(encoder.model, encoder.tokenizer, flat, batch_size=encoder.batch_size,
+                       max_length=encoder.max_length, prefix=sel.passage_prefix, show_progress=show_progress,
+                       desc=desc).numpy()
     results, pos = [], 0
     for d, ps in zip(docs, passages):
         v = vecs[pos : pos + len(ps)].astype(np.float64)  # (P, H)
         pos += len(ps)
         r = DocResult(d, ps, centrality(v) if len(ps) else np.zeros(0))
-        r.status, r.groups = document_groups(
-            d.doc_id, ps, v, r.centrality, tfidf, threshold, ranking=ranking, num_related=num_related,
-            rrf_k=rrf_k, rrf_weight_e5=rrf_weight_e5, rrf_weight_tfidf=rrf_weight_tfidf, seed=seed)
+        r.status, r.groups = document_groups(d.doc_id, ps, v, r.centrality, tfidf, threshold, sel)
         results.append(r)
     return results
-
-
-def selection_options(args):
-    """The flags select_documents depends on, as its keyword arguments."""
-    keys = ("passage_tokens", "min_passage_tokens", "passage_prefix", "batch_size", "ranking", "num_related",
-            "rrf_k", "rrf_weight_e5", "rrf_weight_tfidf", "seed")
-    return {k: getattr(args, k) for k in keys}
 
 
 # Per-chunk counters (summed into stats.json); STATUS_KEY maps a DocResult.status to its counter.
@@ -834,7 +849,7 @@ def inspect_markdown(results, *, threshold, source, model_name, ranking, max_cha
 
 # ----------------------------------------------------------------------------------------------
 # 6. The passes: output folder and resume, IDF pass, threshold, selection, stats, inspect report.
-#    Every file is written atomically (modeling_xprt.atomic_path: a '.tmp-' sibling renamed into
+#    Every file is written atomically (support.atomic_path: a '.tmp-' sibling renamed into
 #    place), so a reader or a resumed run sees a whole file or none.
 # ----------------------------------------------------------------------------------------------
 
@@ -843,36 +858,32 @@ def write_group_shard(path, rows):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from modeling_xprt import atomic_path
-
     with atomic_path(path) as tmp:
         pq.write_table(pa.Table.from_pylist(rows, schema=group_schema()), tmp)
 
 
-def run_config(args):
-    """Everything the groups depend on: a rerun resumes only when this is identical."""
-    keys = ("input", "dataset", "dataset_config", "dataset_split", "max_docs", "id_field", "text_field",
-            "skip_bad_lines", "max_doc_chars", "model_name_or_path", "passage_prefix", "passage_tokens",
-            "min_passage_tokens", "centrality_threshold", "anchor_share", "calibration_docs", "num_related",
-            "ranking", "rrf_k", "rrf_weight_e5", "rrf_weight_tfidf", "tfidf_features", "seed", "chunk_docs",
-            "dtype")
-    return {k: getattr(args, k) for k in keys}
+def run_config(args, sel: Selection):
+    """Everything the groups depend on, the key of the resume check: the records read (RECORD_FLAGS) and every
+    selection setting (the fields of Selection, whole). A rerun resumes only when this is identical."""
+    return {**{k: getattr(args, k) for k in RECORD_FLAGS}, **asdict(sel)}
 
 
-def prepare_output_dir(args, state):
-    """Refuse a finished output unless --overwrite; resume an unfinished one made with the same settings."""
-    from modeling_xprt import atomic_write
-
+def prepare_selection_dir(args, sel: Selection, state):
+    """Make --output_dir ready for this run: refuse a finished output unless --overwrite; resume an unfinished one
+    only when run_config matches (its finished chunks are then reused); otherwise start it afresh. Leftover
+    temporaries of a crash are removed. (train.py / finetune.py have support.prepare_output_dir, for run folders.)"""
     out, meta = args.output_dir, os.path.join(args.output_dir, META_DIR)
     cfg_path = os.path.join(meta, "run_config.json")
+    config = run_config(args, sel)
     finished = os.path.exists(os.path.join(out, "stats.json"))
     fresh = args.overwrite or not os.path.exists(out) or not os.listdir(out)
     if not fresh:
         if finished:
             raise FileExistsError(f"{out} holds a finished run (stats.json): pass --overwrite to replace it, "
                                   "or choose another --output_dir")
+        # compared as saved, through JSON (a tuple field would come back a list)
         old = json.load(open(cfg_path)) if os.path.exists(cfg_path) else None
-        if old != run_config(args):
+        if old != json.loads(json.dumps(config)):
             raise FileExistsError(f"{out} exists and was not made by this exact command (see {cfg_path}): "
                                   "pass --overwrite or another --output_dir")
     state.wait_for_everyone()  # every process checked before process 0 changes anything
@@ -884,7 +895,7 @@ def prepare_output_dir(args, state):
             if os.path.basename(f).startswith(".tmp-"):
                 os.remove(os.path.join(out, f))  # leftovers of a crash mid-write
         if fresh:
-            atomic_write(cfg_path, json.dumps(run_config(args), indent=1))
+            atomic_write(cfg_path, json.dumps(config, indent=1))
         else:
             done = len([f for f in os.listdir(meta) if f.startswith("chunk-")])
             print(f"resuming {out}: {done} finished chunk(s) will be reused")
@@ -894,8 +905,6 @@ def prepare_output_dir(args, state):
 def document_frequency_pass(args, state, tfidf):
     """Pass 1: document frequencies of this process's chunks, saved, then summed over processes."""
     from tqdm.auto import tqdm
-
-    from modeling_xprt import atomic_path
 
     meta = os.path.join(args.output_dir, META_DIR)
     mine = os.path.join(meta, f"df-r{state.process_index}-w{state.num_processes}.npz")
@@ -918,37 +927,32 @@ def document_frequency_pass(args, state, tfidf):
     return tfidf.finalize()
 
 
-def calibrate_threshold(args, state, tokenizer, model, tfidf):
+def calibrate_threshold(args, sel: Selection, state, encoder, tfidf):
     """--anchor_share s: threshold = the (1 - s) quantile of centrality over the first documents."""
-    from modeling_xprt import atomic_write
-
-    if args.anchor_share is None:
-        return args.centrality_threshold, "flag --centrality_threshold"
+    if sel.anchor_share is None:
+        return sel.centrality_threshold, "flag --centrality_threshold"
     path = os.path.join(args.output_dir, META_DIR, "calibration.json")
     if state.is_main_process and not os.path.exists(path):
-        docs = first_valid_records(args, args.calibration_docs)
-        res = select_documents(docs, tokenizer, model, tfidf, 1.0, **selection_options(args),
-                               desc="calibration", show_progress=True)
+        docs = first_valid_records(args, sel.calibration_docs)
+        res = select_documents(docs, encoder, tfidf, 1.0, sel, desc="calibration", show_progress=True)
         c = np.concatenate([r.centrality for r in res])
-        thr = anchor_share_threshold(c, args.anchor_share, default=args.centrality_threshold)
+        thr = anchor_share_threshold(c, sel.anchor_share, default=sel.centrality_threshold)
         atomic_write(path, json.dumps({"threshold": thr, "passages": int(len(c)), "documents": len(docs)}))
     state.wait_for_everyone()
     cal = json.load(open(path))
-    source = f"--anchor_share {args.anchor_share} over {cal['documents']} documents ({cal['passages']} passages)"
+    source = f"--anchor_share {sel.anchor_share} over {cal['documents']} documents ({cal['passages']} passages)"
     return cal["threshold"], source
 
 
-def select_chunk(args, c, recs, tokenizer, model, tfidf, threshold):
+def select_chunk(args, sel: Selection, c, recs, encoder, tfidf, threshold):
     """Pass 2 for one chunk: its groups parquet file, then its counters (which mark it finished)."""
-    from modeling_xprt import atomic_write
-
     counts = empty_counts()
     counts["records"] = len(recs)
     for d in recs:
         if d.skip:
             counts["skipped"][d.skip] = counts["skipped"].get(d.skip, 0) + 1
-    res = select_documents([d for d in recs if not d.skip], tokenizer, model, tfidf, threshold,
-                           **selection_options(args), desc=f"embedding chunk {c}", show_progress=False)
+    res = select_documents([d for d in recs if not d.skip], encoder, tfidf, threshold, sel,
+                           desc=f"embedding chunk {c}", show_progress=False)
     count_results(counts, res, threshold)
     rows = [g for r in res for g in r.groups]
     if rows:
@@ -958,7 +962,7 @@ def select_chunk(args, c, recs, tokenizer, model, tfidf, threshold):
     return counts["groups"]
 
 
-def selection_pass(args, state, tokenizer, model, tfidf, threshold):
+def selection_pass(args, sel: Selection, state, encoder, tfidf, threshold):
     """Pass 2: every chunk this process owns, skipping those finished before a crash."""
     from tqdm.auto import tqdm
 
@@ -967,16 +971,14 @@ def selection_pass(args, state, tokenizer, model, tfidf, threshold):
     for c, recs in iter_chunks(args, rank, world):
         # finished before a crash: its parquet file is already in place
         if not os.path.exists(os.path.join(args.output_dir, META_DIR, f"chunk-{c:06d}.json")):
-            n_groups = select_chunk(args, c, recs, tokenizer, model, tfidf, threshold)
+            n_groups = select_chunk(args, sel, c, recs, encoder, tfidf, threshold)
             bar.set_postfix(groups=n_groups, refresh=False)
         bar.update(len(recs))
     bar.close()
 
 
-def merge_stats(args, threshold, source, state, wall):
+def merge_stats(args, sel: Selection, threshold, source, state, wall):
     """stats.json: the chunks' counters summed, with the paper's numbers and the settings beside them."""
-    from modeling_xprt import atomic_write
-
     meta = os.path.join(args.output_dir, META_DIR)
     files = sorted(f for f in os.listdir(meta) if f.startswith("chunk-"))
     stats = summary_stats(sum_counts(json.load(open(os.path.join(meta, f))) for f in files), threshold, source)
@@ -984,16 +986,16 @@ def merge_stats(args, threshold, source, state, wall):
         "paper_fineweb_100k": PAPER_FINEWEB_100K,
         "dataset": args.dataset,  # the Hub dataset read (None: local files); train.py's model card names it
         "doc_ids": doc_id_source(args),
-        "model_name_or_path": args.model_name_or_path,
-        "passage_prefix": args.passage_prefix,
-        "ranking": args.ranking,
-        "num_related": args.num_related,
-        "rrf_k": args.rrf_k,
-        "rrf_weights": [args.rrf_weight_e5, args.rrf_weight_tfidf],
-        "passage_tokens": args.passage_tokens,
-        "min_passage_tokens": args.min_passage_tokens,
+        "model_name_or_path": sel.model_name_or_path,
+        "passage_prefix": sel.passage_prefix,  # the prefix itself, whichever --prefixes mode gave it
+        "ranking": sel.ranking,
+        "num_related": sel.num_related,
+        "rrf_k": sel.rrf_k,
+        "rrf_weights": [sel.rrf_weight_e5, sel.rrf_weight_tfidf],
+        "passage_tokens": sel.passage_tokens,
+        "min_passage_tokens": sel.min_passage_tokens,
         "idf": "corpus-level: document frequencies of every valid document (HashingVectorizer, smooth idf)",
-        "seed": args.seed,
+        "seed": sel.seed,
         "world_size": state.num_processes,
         "chunks": len(files),
         "wall_seconds": round(wall, 1),
@@ -1002,40 +1004,48 @@ def merge_stats(args, threshold, source, state, wall):
     return stats
 
 
-def write_inspect_report(args, tokenizer, model, tfidf, threshold, source):
+def write_inspect_report(args, sel: Selection, encoder, tfidf, threshold, source):
     """The paper's advice "check the filter on your own corpus" as one Markdown file."""
-    from modeling_xprt import atomic_write
-
     docs = first_valid_records(args, args.inspect)
-    res = select_documents(docs, tokenizer, model, tfidf, threshold, **selection_options(args), desc="inspect")
-    text = inspect_markdown(res, threshold=threshold, source=source, model_name=args.model_name_or_path,
-                            ranking=args.ranking, max_chars=args.inspect_chars)
+    res = select_documents(docs, encoder, tfidf, threshold, sel, desc="inspect")
+    text = inspect_markdown(res, threshold=threshold, source=source, model_name=sel.model_name_or_path,
+                            ranking=sel.ranking, max_chars=args.inspect_chars)
     path = os.path.join(args.output_dir, "inspect.md")
     atomic_write(path, text)
     return path
 
 
-def load_selection_encoder(args, state):
-    """(tokenizer, model) of the frozen selection encoder on this process's device."""
+def load_selection_encoder(args, sel: Selection, state) -> Encoder:
+    """The frozen selection encoder on this process's device, with its length limit (support.max_seq_length)."""
     from transformers import AutoModel, AutoTokenizer
 
-    from modeling_xprt import pick_device_and_dtype, resolve_model_path
-
     device = args.device or (str(state.device) if state.device.type == "cuda" else None)
-    device, dtype = pick_device_and_dtype(device, args.dtype)
-    path = resolve_model_path(args.model_name_or_path)
+    device, dtype = pick_device_and_dtype(device, sel.dtype)
+    path = resolve_model_path(sel.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     if not tokenizer.is_fast:
         raise ValueError(f"{path}: selection needs a fast tokenizer (offsets) to cut long paragraphs")
     model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=args.trust_remote_code)
     model = model.to(device).eval()
-    state.print(f"selection encoder {args.model_name_or_path} on {device} ({dtype}), {state.num_processes} "
-                f"process(es), passage prefix {args.passage_prefix!r}, budget {args.passage_tokens} tokens")
-    return tokenizer, model
+    encoder = Encoder(tokenizer, model, max_seq_length(model.config, read_max_seq_length(path)), args.batch_size)
+    state.print(f"selection encoder {sel.model_name_or_path} on {device} ({dtype}), {state.num_processes} "
+                f"process(es), passage prefix {sel.passage_prefix!r}, budget {sel.passage_tokens} tokens, "
+                f"embedded up to {encoder.max_length}")
+    # A passage longer than the limit, with its prefix and special tokens, would be embedded cut: its centrality
+    # and cosines would be those of its beginning. (+2: the budget counts pieces, and re-tokenising the joined
+    # pieces can add a token or two.)
+    prefix_tokens = len(tokenizer(sel.passage_prefix, add_special_tokens=False)["input_ids"])
+    longest = sel.passage_tokens + 2 + prefix_tokens + tokenizer.num_special_tokens_to_add()
+    if longest > encoder.max_length:
+        state.print(f"warning: passages of up to {longest} tokens (--passage_tokens {sel.passage_tokens} with the "
+                    f"prefix and special tokens) are cut to {encoder.max_length} when embedded: lower "
+                    "--passage_tokens")
+    return encoder
 
 
 def main(argv=None):
     args = parse_args(argv)
+    sel = Selection.from_args(args)  # the one object every selecting function reads its settings from
     import torch
     from accelerate import PartialState
 
@@ -1043,25 +1053,25 @@ def main(argv=None):
     # torchrun / accelerate launch: one process per device (gloo between CPU processes); plain python: one.
     # cpu=True is what makes accelerate see several CPU processes instead of one process each.
     state = PartialState(cpu=not torch.cuda.is_available() or (args.device or "").startswith("cpu"))
-    prepare_output_dir(args, state)
-    tokenizer, model = load_selection_encoder(args, state)
+    prepare_selection_dir(args, sel, state)
+    encoder = load_selection_encoder(args, sel, state)
     state.print(f"document ids: {doc_id_source(args)}")
 
-    tfidf = document_frequency_pass(args, state, CorpusTfidf(args.tfidf_features))
-    threshold, source = calibrate_threshold(args, state, tokenizer, model, tfidf)
+    tfidf = document_frequency_pass(args, state, CorpusTfidf(sel.tfidf_features))
+    threshold, source = calibrate_threshold(args, sel, state, encoder, tfidf)
     state.print(f"IDF over {tfidf.n_docs:,} documents; centrality threshold {threshold:.4f} ({source})")
 
     if not args.inspect_only:
-        selection_pass(args, state, tokenizer, model, tfidf, threshold)
+        selection_pass(args, sel, state, encoder, tfidf, threshold)
     state.wait_for_everyone()
     if state.is_main_process:
         if not args.inspect_only:
-            stats = merge_stats(args, threshold, source, state, time.time() - t0)
+            stats = merge_stats(args, sel, threshold, source, state, time.time() - t0)
             print(format_stats(stats))
             shards = sum(f.endswith(".parquet") for f in os.listdir(args.output_dir))
             print(f"groups: {args.output_dir} ({stats['groups']:,} rows in {shards} parquet shards)")
         if args.inspect:
-            print(f"inspect report: {write_inspect_report(args, tokenizer, model, tfidf, threshold, source)}")
+            print(f"inspect report: {write_inspect_report(args, sel, encoder, tfidf, threshold, source)}")
     state.wait_for_everyone()
 
 

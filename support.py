@@ -26,6 +26,7 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -40,6 +41,8 @@ logger = logging.getLogger("xprt")
 # The offline MiniLM alias and the one prefix rule every script follows.
 # ==============================================================================================================
 
+
+PAPER_MODEL = "intfloat/e5-base-unsupervised"  # the papers' starting checkpoint (needs the hub or a local copy)
 
 # The E5 family was trained with these prefixes; dropping them costs a lot (README, Notes: TREC-COVID
 # 51.0 vs 79.6 in one report). Models trained without them (MiniLM) take an empty prefix.
@@ -86,6 +89,8 @@ E5_PROMPTS = {"query": E5_QUERY_PREFIX, "document": E5_PASSAGE_PREFIX}
 
 
 def read_json(path) -> dict:
+    """A JSON object file's content, or {} when the file is absent or unreadable (optional configs: the prefix rule
+    and the card read what a folder may hold)."""
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -396,11 +401,17 @@ def checkpoint_tensors(path: str, keys: Sequence[str], prefix: str) -> dict:
 
 
 def read_max_seq_length(path: str) -> Optional[int]:
-    """The sentence-transformers length limit of a model folder (sentence_bert_config.json), if any."""
+    """The length limit a model folder states (sentence-transformers' sentence_bert_config.json max_seq_length), or
+    None when it states none."""
     f = os.path.join(resolve_model_path(path), "sentence_bert_config.json")
-    if os.path.isfile(f):
-        return json.load(open(f)).get("max_seq_length")
-    return None
+    return json.loads(Path(f).read_text()).get("max_seq_length") if os.path.isfile(f) else None
+
+
+def max_seq_length(config, stated: Optional[int] = None) -> int:
+    """The one length rule: the limit a model is used at is the one its folder states (read_max_seq_length;
+    all-MiniLM-L6-v2 says 256, and the MTEB leaderboard scored it there), else BERT's 512, never more than its
+    position table holds."""
+    return int(min(stated or 512, getattr(config, "max_position_embeddings", 512)))
 
 
 # ==============================================================================================================
@@ -417,6 +428,58 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 EVAL_SECTION_START, EVAL_SECTION_END = "<!-- xprt:evaluation -->", "<!-- /xprt:evaluation -->"
+
+
+@dataclass
+class ModelInfo:
+    """What a model folder records beyond the weights (save_model_folder writes it; XPRTModel.from_pretrained fills
+    it in from the start model): the checkpoint training started from (kept through continued runs), the
+    {"query", "document"} prefixes it is trained and used with (model_prompts), the length limit it is saved and
+    scored at (max_seq_length), the Hub id of the checkpoint it was loaded from (the card's base_model:
+    hub_base_model) and the Hub repository the folder is pushed to (so a model trained from it names it)."""
+
+    start_model: str = ""
+    prompts: dict = field(default_factory=lambda: dict(NO_PROMPTS))
+    max_seq_length: int = 512
+    base_model: Optional[str] = None
+    hub_model_id: Optional[str] = None
+
+
+def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, xprt_config: dict, info: ModelInfo,
+                      model_card: Optional[str] = None):
+    """A complete sentence-transformers model folder, written to a temporary sibling and renamed into place (an
+    existing out_dir is replaced; refusing it unless --overwrite is the script's job): the encoder `base` with
+    `state_dict` as safetensors (loadable by transformers.AutoModel), the tokenizer, modules.json (Transformer, mean
+    Pooling, Normalize: like all-MiniLM-L6-v2), config_sentence_transformers.json (the prompts, which
+    encode_query / encode_document apply and evaluate.py reads, and cosine similarity), sentence_bert_config.json
+    (the length limit), xprt_heads.safetensors (heads: the decoder and MLM head, so training can continue),
+    xprt_config.json (xprt_config plus `info`) and the card README.md."""
+    from safetensors.torch import save_file
+
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    pooling = {"word_embedding_dimension": base.config.hidden_size, "pooling_mode_cls_token": False,
+               "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+               "pooling_mode_mean_sqrt_len_tokens": False}
+    xprt_config = {**xprt_config, "start_model": info.start_model, "prompts": info.prompts,
+                   "base_model": info.base_model, "hub_model_id": info.hub_model_id}
+    st_config = {"prompts": info.prompts, "default_prompt_name": None, "similarity_fn_name": "cosine"}
+    with atomic_path(os.path.abspath(out_dir)) as tmp:
+        base.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "1_Pooling").mkdir()
+        (tmp / "2_Normalize").mkdir()
+        for name, obj in [("modules.json", modules), ("1_Pooling/config.json", pooling),
+                          ("sentence_bert_config.json", {"max_seq_length": info.max_seq_length,
+                                                         "do_lower_case": False}),
+                          ("xprt_config.json", xprt_config), ("config_sentence_transformers.json", st_config)]:
+            (tmp / name).write_text(json.dumps(obj, indent=2))
+        save_file(heads, str(tmp / "xprt_heads.safetensors"))
+        if model_card:
+            (tmp / "README.md").write_text(model_card)
 
 
 def hub_base_model(name_or_path: str) -> Optional[str]:
@@ -538,30 +601,26 @@ def public_command(script: str, argv) -> str:
     return " ".join(words)
 
 
-def model_card(args, title: str, summary, model=None) -> str:
+def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[str], summary: dict,
+               datasets: Optional[list] = None) -> str:
     """The saved folder's README.md: Hub metadata (huggingface_hub.ModelCardData: base_model, datasets, language,
     licence, library, pipeline, tags), usage code for sentence-transformers (with the saved prompts) and for plain
     transformers (prefix + mean pooling + L2), the training command without local paths, and a loss summary.
-    evaluate.py adds the evaluation table (modeling_xprt.add_eval_results_to_card).
-    summary: {"steps", "processes", "rows", "unit", "last_logged_step"}; model: the unwrapped XPRTModel."""
+    evaluate.py adds the evaluation table (add_eval_results_to_card).
+    args: the script's flags; info: the model's ModelInfo; script, argv: the command that trained it; summary:
+    {"steps", "processes", "rows", "unit", "last_logged_step"}; datasets: the Hub datasets it was trained on."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from modeling_xprt import card_license
-
-    prompts = getattr(args, "prompts", None) or {"query": "", "document": ""}
-    base_model = getattr(model, "base_model", None)
+    prompts, base_model, hub_id = info.prompts, info.base_model, args.hub_model_id
     # the start folder's own card first (local, and it carries an xprt start's licence on), then the Hub's
-    hub_id, script = getattr(args, "hub_model_id", None), getattr(args, "script", "train.py")
-    license_ = getattr(args, "license", None) or card_license(args.model_name_or_path) or card_license(base_model)
+    license_ = args.license or card_license(args.model_name_or_path) or card_license(base_model)
     model_id = hub_id or f"path/to/{Path(args.output_dir).name}/model"
-    data = ModelCardData(base_model=base_model, datasets=getattr(args, "card_datasets", None) or None,
+    data = ModelCardData(base_model=base_model, datasets=datasets or None,
                          language="en", license=license_, library_name="sentence-transformers",
                          pipeline_tag="sentence-similarity",
                          tags=["sentence-transformers", "sentence-similarity", "feature-extraction", "xprt",
                                "retrieval"])
-    # as save_pretrained writes it into sentence_bert_config.json
-    max_len = getattr(model, "max_seq_length", None) or (
-        min(512, getattr(model.encoder.config, "max_position_embeddings", 512)) if model is not None else 512)
+    max_len = info.max_seq_length  # as save_model_folder writes it into sentence_bert_config.json
     q, d = prompts["query"], prompts["document"]
     start = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local checkpoint"
     prefixes = (f"Prefixes: queries `{json.dumps(q)}`, documents `{json.dumps(d)}`, saved as the `query` / "
@@ -571,8 +630,7 @@ def model_card(args, title: str, summary, model=None) -> str:
     last = summary.get("last_logged_step") or {}
     terms = {k: v for k, v in last.items() if k == "loss" or k.endswith("_loss")}
     loss_rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in terms.items())
-    hidden = {"argv", "script", "hub_token", "prompts", "card_datasets"}
-    cfg = {k: _public_value(f"--{k}", v) for k, v in sorted(vars(args).items()) if k not in hidden}
+    cfg = {k: _public_value(f"--{k}", v) for k, v in sorted(vars(args).items()) if k != "hub_token"}
     body = f"""
 # {hub_id or Path(args.output_dir).name}
 
@@ -614,7 +672,7 @@ print(embeddings[0] @ embeddings[1])
 ## Training
 
 ```bash
-{public_command(script, getattr(args, "argv", []))}
+{public_command(script, argv)}
 ```
 
 {summary.get("steps")} optimiser step(s) over {summary.get("rows")} {summary.get("unit")}; batch
@@ -644,7 +702,7 @@ def push_to_hub(args, folder: Path):
     api = HfApi(token=args.hub_token)  # None: $HF_TOKEN, else the stored login
     repo = api.create_repo(args.hub_model_id, private=args.hub_private or None, exist_ok=True)
     commit = api.upload_folder(repo_id=repo.repo_id, folder_path=str(folder),
-                               commit_message=f"xprt {args.script}: upload {folder.name}/")
+                               commit_message=f"xprt: upload {folder.name}/")
     print(f"pushed {folder} to https://huggingface.co/{repo.repo_id}")
     return commit
 
@@ -658,7 +716,7 @@ def push_to_hub(args, folder: Path):
 EVAL_PREFIX = "eval_"  # train_log.jsonl keys of --eval_tasks scores: eval_<task name>
 
 
-def add_common_args(p: argparse.ArgumentParser, default_lr: float):
+def add_common_args(p, default_lr: float):
     """The flags train.py and finetune.py share: the start model, loss temperature, optimisation, output."""
     g = p.add_argument_group("start model")
     g.add_argument("--model_name_or_path", default=PAPER_MODEL,
@@ -737,27 +795,15 @@ def add_common_args(p: argparse.ArgumentParser, default_lr: float):
                         "never written to the card")
 
 
-def check_common_args(args, argv=None, script="train.py"):
-    """Sanity checks of the shared flags that fail early with a clear message; records the command line for the
-    model card (args.argv, args.script)."""
-    args.argv, args.script = [str(a) for a in (sys.argv[1:] if argv is None else argv)], script
+def check_common_args(args):
+    """Sanity checks of the shared flags that fail early with a clear message (the scripts check --eval_tasks'
+    folders with evaluate.check_task_specs)."""
     if args.warmup_ratio is not None and not 0.0 <= args.warmup_ratio < 1.0:
         raise SystemExit("--warmup_ratio must be in [0, 1)")
     if args.eval_steps is not None and (args.eval_steps < 1 or not args.eval_tasks):
         raise SystemExit("--eval_steps needs a value >= 1 and --eval_tasks")
     if args.eval_limit < 0 or args.eval_batch_size < 1:
         raise SystemExit("--eval_limit must be >= 0 and --eval_batch_size >= 1")
-    if args.eval_tasks:
-        # Imported here, before the run seeds its generators (importing mteb draws from them), and a local folder
-        # that is no known task stops the run now rather than after the first N steps.
-        import evaluate
-
-        for spec in args.eval_tasks:
-            if os.path.isdir(spec.rpartition("=")[2]) or os.path.isdir(spec):
-                try:
-                    evaluate.parse_local_spec(spec)
-                except (ValueError, FileNotFoundError) as err:
-                    raise SystemExit(f"--eval_tasks {spec}: {err}") from None
     if args.push_to_hub and not args.hub_model_id:
         raise SystemExit("--push_to_hub needs --hub_model_id namespace/name")
     if args.push_to_hub and args.no_save_model:
@@ -847,12 +893,10 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     batches: padding drops a lot while each batch still mixes documents (in-batch negatives stay random enough).
     Incomplete last batches are dropped so every step has the same number of negatives. Being a function of
     (seed, epoch) is what makes skip_first_batches land on the same data after a resume.
-    keys (fine-tuning: each row's query): no two rows of one batch share a key (sentence-transformers'
-    NoDuplicatesBatchSampler rule; _cut_without_repeats); None (pre-training) cuts the order as it is.
+    `cut` turns the epoch's order into batches (finetune.NoDuplicatesBatchSampler overrides it).
     """
 
-    def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50,
-                 keys=None):
+    def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50):
         # a numpy int64 array, not a list: 8 bytes per row, whatever the number of groups (a list of Python ints
         # costs about 36). A callable epoch -> lengths: lengths that change with the epoch (the random-span
         # baseline's crops, drawn per (seed, epoch): crop_spans); (N, 2) lengths: the longer and the shorter of two
@@ -862,11 +906,8 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         self.lengths, self.batch_size, self.seed = np.asarray(lengths, dtype=np.int64), batch_size, seed
         self.group, self.mega = group_by_length, mega
         self.epoch, self.drop_last = 0, True
-        self.keys = None if keys is None else list(keys)
         if len(self.lengths) < batch_size:
             raise ValueError(f"{len(self.lengths)} examples cannot fill one batch of {batch_size}")
-        if self.keys is not None and len(self.keys) != len(self.lengths):
-            raise ValueError(f"{len(self.keys)} keys for {len(self.lengths)} examples")
 
     def set_epoch(self, epoch: int):
         if self.lengths_for_epoch is not None and epoch != self.epoch:
@@ -892,10 +933,7 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
             for s in range(0, n, span):
                 part = order[s:s + span]
                 order[s:s + span] = part[self._longest_first(self.lengths[part])]
-        if self.keys is None:
-            batches = order[: (n // bs) * bs].reshape(n // bs, bs)
-        else:  # fine-tuning: no key twice in a batch (a list walk; fine-tuning sets are far smaller than the groups)
-            batches = np.asarray(self._cut_without_repeats(order.tolist()), dtype=np.int64).reshape(-1, bs)
+        batches = self.cut(order)
         perm = list(range(n // bs))
         rng.shuffle(perm)
         return batches[perm]
@@ -911,59 +949,13 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         order = np.argsort(-lengths[:, 0], kind="stable")
         return np.concatenate([p[np.argsort(-lengths[p, 1], kind="stable")] for p in np.array_split(order, buckets)])
 
+    def cut(self, order: np.ndarray) -> np.ndarray:
+        """The epoch's order -> (len(self), batch_size) batches: consecutive rows (the incomplete tail dropped)."""
+        n, bs = len(order), self.batch_size
+        return order[: (n // bs) * bs].reshape(n // bs, bs)
+
     def batches(self) -> list:
         return self.batch_matrix().tolist()
-
-    def _cut_without_repeats(self, order):
-        """Cut `order` into len(self) full batches in which no key repeats, keeping close to the order (so to the
-        length grouping). Rows are taken in order. A row whose key the batch already holds trades places with the
-        last row of the previous batch that the batch can take (its neighbour in length) when that batch lacks its
-        key; otherwise it waits at the head of the queue for the next batch. Trading costs less padding than
-        waiting: the traded row is one place out of order, a waiting row up to a batch. When only waiting rows are
-        left to fill the last batches, they trade with earlier batches (the nearest first). Deterministic in
-        `order`."""
-        from collections import deque
-
-        keys, bs = self.keys, self.batch_size
-        queue, out = deque(order), []
-
-        def trade(i, b, held):  # put row i into earlier batch b for b's last row the current batch can take
-            if keys[i] in {keys[j] for j in b}:
-                return None
-            pos = next((pos for pos in reversed(range(len(b))) if keys[b[pos]] not in held), None)
-            if pos is None:
-                return None
-            b[pos], taken = i, b[pos]
-            return taken
-
-        while len(out) < len(self):
-            batch, held, waiting = [], set(), []
-            while queue and len(batch) < bs:
-                i = queue.popleft()
-                if keys[i] in held:
-                    taken = trade(i, out[-1], held) if out else None
-                    if taken is None:
-                        waiting.append(i)
-                        continue
-                    i = taken
-                batch.append(i)
-                held.add(keys[i])
-            for i in list(waiting):  # the queue ran dry (only near the end): trade with any earlier batch
-                if len(batch) == bs:
-                    break
-                for b in reversed(out):
-                    taken = trade(i, b, held)
-                    if taken is not None:
-                        waiting.remove(i)
-                        batch.append(taken)
-                        held.add(keys[taken])
-                        break
-            if len(batch) < bs:
-                raise ValueError(f"cannot cut {len(self.lengths)} rows into {len(self)} batches of {bs} without "
-                                 "repeating a key (a key with more rows than batches?): lower the batch size")
-            out.append(batch)
-            queue.extendleft(reversed(waiting))  # first in line for the next batch
-        return out
 
     def __iter__(self):
         # one batch at a time as a list of Python ints (what the DataLoader and accelerate's samplers expect)
@@ -974,10 +966,11 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
 
 
 class RowsDataset(torch.utils.data.Dataset):
-    """Rows as plain dicts, from a list of dicts (fine-tuning) or a datasets.Dataset (the groups: memory-mapped
-    Arrow, one row converted to a dict when the loader asks for it, so memory does not grow with the number of
-    groups). Collation happens in the training loop, not in the DataLoader: the DataLoader prefetches a batch
-    ahead, which would advance the collator's mask RNG past a checkpoint and break exact resume."""
+    """(index, row) pairs: rows as plain dicts from a list of dicts (fine-tuning) or a datasets.Dataset (the groups:
+    memory-mapped Arrow, one row converted to a dict when the loader asks for it, so memory does not grow with the
+    number of groups); the index is the row's place in the data, which keys what is drawn per row (crops, negatives).
+    Collation happens in the training loop, not in the DataLoader: the DataLoader prefetches a batch ahead, which
+    would advance the collator's mask RNG past a checkpoint and break exact resume."""
 
     def __init__(self, rows):
         self.rows = rows
@@ -986,7 +979,7 @@ class RowsDataset(torch.utils.data.Dataset):
         return len(self.rows)
 
     def __getitem__(self, i):
-        return {"__index__": i, **self.rows[i]}
+        return i, self.rows[i]
 
 
 def padding_efficiency(batch, skip=()) -> tuple[int, int]:
@@ -1006,6 +999,17 @@ def batch_to_device(batch, device):
     pin = device.type == "cuda"
     return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) if torch.is_tensor(v) else v
             for k, v in batch.items()}
+
+
+def register_tied_projection(accelerator, model):
+    """Under ZeRO-3: the tied vocabulary projection (= the word embeddings) and its bias are read by the vocabulary
+    terms outside the modules that own them, so ZeRO-3 must keep them gathered for the whole forward and backward
+    (a no-op otherwise)."""
+    if zero3(accelerator):
+        import deepspeed
+
+        for p in model.projection():
+            deepspeed.zero.register_external_parameter(model, p)
 
 
 def optimizer_groups(model, learning_rate: float, head_learning_rate=None, weight_decay: float = 0.01):
@@ -1118,6 +1122,38 @@ def save_model(accelerator, model, tokenizer, dest: Path, card: str):
     accelerator.wait_for_everyone()
 
 
+def epoch_batches(accelerator, dataloader, sampler, state: "TrainState", epoch: int):
+    """The epoch's batches (their order depends on (seed, epoch) only). A resumed run starts its checkpoint's epoch
+    after the batches it had done: skip_first_batches skips at the sampler, so no collation and no RNG is drawn for
+    them. accelerate's loader re-sets the sampler's epoch from its own counter on every __iter__: a resumed run must
+    move that counter too, or epochs after the resumed one would replay epoch 0's order."""
+    dataloader.set_epoch(epoch)
+    sampler.set_epoch(epoch)
+    skip = state.batches_in_epoch if epoch == state.epoch else 0
+    state.epoch, state.batches_in_epoch = epoch, skip
+    return accelerator.skip_first_batches(dataloader, skip) if skip else dataloader
+
+
+def save_run(accelerator, args, model, tokenizer, finished: bool, card: dict):
+    """End of a run: the loss-curve picture, and for a finished run the model folder with its card (model_card(args,
+    info, **card), with the losses of the last logged step), then the Hub upload (--push_to_hub)."""
+    out = Path(args.output_dir)
+    log_path = out / "train_log.jsonl"
+    accelerator.wait_for_everyone()
+    logged = log_path.exists() and log_path.stat().st_size
+    if accelerator.is_main_process and logged:
+        plot_loss_curves(log_path, out / "loss_curve.png")
+    if finished and not args.no_save_model:
+        # the card's loss table: the last record with losses (score records of --eval_steps come after it)
+        losses = [r for r in read_jsonl(log_path) if "loss" in r] if logged else []
+        summary = {**card["summary"], "last_logged_step": losses[-1] if losses else {}}
+        text = model_card(args, accelerator.unwrap_model(model).info, **{**card, "summary": summary})
+        save_model(accelerator, model, tokenizer, out / "model", text)
+    accelerator.end_training()
+    if finished and not args.no_save_model and args.push_to_hub and accelerator.is_main_process:
+        push_to_hub(args, out / "model")
+
+
 def finite_everywhere(accelerator, terms: dict, where: str) -> bool:
     """--on_nonfinite skip: True when every loss term is finite on every process, decided before this micro-batch's
     backward. A NaN on any process must skip on every process together, or DDP would hang. This costs one
@@ -1130,17 +1166,73 @@ def finite_everywhere(accelerator, terms: dict, where: str) -> bool:
     return not n_bad
 
 
+def write_log_record(accelerator, log_path: Path, rec: dict):
+    """One record (a logging step's window, or a scoring) appended to train_log.jsonl by the main process."""
+    if accelerator.is_main_process:
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
 class LogWindow:
     """The loss terms, token counts and non-finite flags since the last logging step, kept ON THE DEVICE: a step
     adds to them without reading anything back (a `.item()` per term per step would stall a GPU on the host every
     step). `check_finite` and `record` read them once per logging step (and before a checkpoint)."""
 
-    def __init__(self):
+    def __init__(self, accelerator=None, args=None, lr_scheduler=None, optimizer=None, max_steps: int = 0,
+                 peak_flops: Optional[float] = None):
+        self.accelerator, self.args, self.lr_scheduler, self.optimizer = accelerator, args, lr_scheduler, optimizer
+        self.max_steps, self.peak_flops = max_steps, peak_flops  # peak FLOP/s of one device (None: not known)
+        self.progress = None
         self.reset()
+
+    def step_done(self, state: "TrainState", epoch: int, scalars: dict):
+        """After each optimiser step: the progress bar, and on logging steps (every --logging_steps and the run's
+        last) the window's record to the trackers and train_log.jsonl. Under --on_nonfinite stop the window is
+        checked first, on logging and checkpoint steps, so nothing non-finite is logged or saved."""
+        acc, args, step = self.accelerator, self.args, state.completed_steps
+        if self.progress is None:
+            from tqdm.auto import tqdm
+
+            self.progress = tqdm(total=self.max_steps, initial=step - 1, disable=not acc.is_local_main_process,
+                                 desc="train")
+        self.progress.update(1)
+        stop_at = min(self.max_steps, args.stop_after_steps or self.max_steps)
+        log_now = step % args.logging_steps == 0 or step == stop_at
+        ckpt_now = args.checkpointing_steps and step % args.checkpointing_steps == 0
+        if args.on_nonfinite == "stop" and (log_now or ckpt_now):
+            self.check_finite(acc, epoch)
+        if log_now:
+            rec = self.record(acc, args, step, epoch, self.lr_scheduler, self.optimizer, scalars)
+            acc.log({k: v for k, v in rec.items() if k != "step"}, step=step)
+            write_log_record(acc, Path(args.output_dir) / "train_log.jsonl", rec)
+            self.progress.set_postfix(loss=f"{rec.get('loss', float('nan')):.4f}",
+                                      s_per_step=f"{rec['time_per_step_s']:.2f}")
+
+    def close(self):
+        if self.progress is not None:
+            self.progress.close()
 
     def reset(self):
         self.t0, self.real, self.proc, self.sums, self.n_micro, self.n_skipped = time.time(), 0, 0, {}, 0, 0
+        self.flops = 0.0  # model FLOPs of the window's micro-batches (train.py's step_flops), this process
         self.bad, self.first_bad = {}, None  # per-term "was ever non-finite"; the first step that was
+
+    def count(self, batch, skip=(), flops: float = 0.0):
+        """Add one collated (CPU) batch's real and processed tokens (padding_efficiency) and its model FLOPs."""
+        real, proc = padding_efficiency(batch, skip)
+        self.real, self.proc, self.flops = self.real + real, self.proc + proc, self.flops + flops
+        return real, proc
+
+    def keep(self, accelerator, on_nonfinite: str, outputs: dict, step: int, epoch: int) -> bool:
+        """Whether this micro-batch's backward runs: always under --on_nonfinite stop (check_finite stops the run
+        at the next logging step), and under skip only when every term is finite on every process. The kept
+        micro-batch's loss terms are added to the window (on the device)."""
+        terms = {k: v for k, v in outputs.items() if torch.is_tensor(v) and v.dim() == 0}
+        if on_nonfinite == "stop" or finite_everywhere(accelerator, terms, f"step {step} (epoch {epoch})"):
+            self.add_terms(terms, step)
+            return True
+        self.n_skipped += 1
+        return False
 
     def add_terms(self, terms: dict, step: int):
         """Add one micro-batch's detached loss terms (0-dim device tensors); `step` is the optimiser step (1-based)
@@ -1185,6 +1277,10 @@ class LogWindow:
         rec.update({"lr": lr_scheduler.get_last_lr()[0], **scalars,
                     "padding_efficiency": vals[-2] / max(vals[-1], 1),
                     "tokens_per_s": vals[-2] / dt, "time_per_step_s": dt / args.logging_steps})
+        if self.flops:  # every process does the same work: its FLOP/s over its device's peak
+            rec["tflops_per_s"] = self.flops / dt / 1e12
+            if self.peak_flops:
+                rec["mfu"] = self.flops / dt / self.peak_flops
         if getattr(args, "head_learning_rate", None) is not None:
             lrs = lr_scheduler.get_last_lr()  # one per optimiser group, in order
             rec["head_lr"] = next(lr for lr, g in zip(lrs, optimizer.param_groups) if g["name"] == "heads")

@@ -1,14 +1,15 @@
 """
-Encoding throughput of modeling_xprt.embed_texts (the hand-written batch embedder of select_groups.py and
-finetune.py's mining) against sentence-transformers' `encode`, same run. It decided evaluate.py's encoder:
-sentence-transformers (with the model's own pooling and prompts) unless the hand-written path is >= 1.10x faster.
+Encoding throughput of modeling_xprt.embed_texts (the hand-written batch embedder of select_groups.py,
+finetune.py's mining and the scores during training) against sentence-transformers' `encode`, same run. It decided
+evaluate.py's encoder: sentence-transformers (with the model's own pooling and prompts) unless the hand-written path
+is >= 1.10x faster.
 
 Same model, same texts, same batch size, same max length, same device and dtype; both produce
 L2-normalised mean-pooled vectors, and the script checks they agree (cosine > 0.999 per text) before
 it reports speed. Each method runs `--repeats` times, interleaved so that load from other processes
 hits both alike; the best time of each counts (the usual micro-benchmark convention).
 
-From the repository root (it imports evaluate.py and modeling_xprt.py from there):
+From the repository root (it imports modeling_xprt.py and support.py from there):
 
     python -m bench.bench_encode                          # bundled data/eval texts, all-MiniLM-L6-v2
     python -m bench.bench_encode --data ../shared/data --num_texts 2000 --batch_size 64
@@ -90,7 +91,8 @@ def main():
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer
 
-    from modeling_xprt import embed_texts, pick_device_and_dtype, resolve_model_path
+    from modeling_xprt import embed_texts
+    from support import pick_device_and_dtype, resolve_model_path
 
     path = resolve_model_path(args.model)
     device, dtype = pick_device_and_dtype(args.device, args.dtype)

@@ -182,6 +182,7 @@ class PassageIds:
 
 
 def child_convert(groups_dir):
+    import support
     import train
 
     before, peak = status_mb("VmHWM"), AnonPeak()
@@ -193,6 +194,7 @@ def child_train(groups_dir, model, batches, batch_size):
     import torch
     from transformers import AutoTokenizer
 
+    import support
     import train
     from modeling_xprt import XPRTCollator
 
@@ -200,13 +202,13 @@ def child_train(groups_dir, model, batches, batch_size):
     before, peak = status_mb("VmHWM"), AnonPeak()
     rows = train.load_groups(groups_dir)
     lengths = train.group_lengths(rows, 4)
-    sampler = train.LengthGroupedBatchSampler(lengths, batch_size, seed=0)
-    loader = torch.utils.data.DataLoader(train.RowsDataset(rows), batch_sampler=sampler, collate_fn=list,
+    sampler = support.LengthGroupedBatchSampler(lengths, batch_size, seed=0)
+    loader = torch.utils.data.DataLoader(support.RowsDataset(rows), batch_sampler=sampler, collate_fn=list,
                                          generator=torch.Generator().manual_seed(0))
     collator = XPRTCollator(tok, num_related=4, max_length=128)
     tokens = 0
     for b, rows_b in enumerate(loader):
-        batch = collator([{k: v for k, v in r.items() if k != "__index__"} for r in rows_b])
+        batch = collator([r for _, r in rows_b])
         tokens += int(batch["attention_mask"].sum())
         if b + 1 == batches:
             break

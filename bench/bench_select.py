@@ -10,7 +10,7 @@ Benchmark of select_groups.py, measured in one run:
    BERT with the real tokenizer is the default encoder here: the model's memory is the same at 1x and
    10x, and a small one lets the 10x run finish in a minute on CPU.
 
-From the repository root (it imports select_groups.py and modeling_xprt.py from there):
+From the repository root (it imports select_groups.py, modeling_xprt.py and support.py from there):
 
     python -m bench.bench_select       # defaults: bundled data/docs.jsonl, all-MiniLM-L6-v2
     python -m bench.bench_select --num_docs 2 --repeats 1 --memory_docs 4 --memory_scale 2 --chunk_docs 2  # smoke
@@ -86,7 +86,8 @@ def main():
     from transformers import AutoModel, AutoTokenizer
 
     import select_groups as sg
-    from modeling_xprt import embed_texts, resolve_model_path
+    from modeling_xprt import embed_texts
+    from support import max_seq_length, read_max_seq_length, resolve_model_path
 
     tmp = tempfile.mkdtemp(prefix="bench-select-")
     # ---- 1. time: selection vs the embedding pass alone, same documents, same process ----
@@ -95,12 +96,16 @@ def main():
     path = resolve_model_path(args.model_name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModel.from_pretrained(path).eval()
-    sel_args = sg.parse_args(["--input", inp, "--output_dir", "x", "--model_name_or_path", args.model_name_or_path])
-    passages = [p for ps in sg.split_passages([d["text"] for d in docs], tok, sel_args.passage_tokens,
-                                              sel_args.min_passage_tokens) for p in ps]
+    # the settings and the length limit select_groups.py uses, so both sides embed the same token ids
+    sel = sg.Selection.from_args(sg.parse_args(["--input", inp, "--output_dir", "x",
+                                                "--model_name_or_path", args.model_name_or_path]))
+    max_length = max_seq_length(model.config, read_max_seq_length(path))
+    passages = [p for ps in sg.split_passages([d["text"] for d in docs], tok, sel.passage_tokens,
+                                              sel.min_passage_tokens) for p in ps]
     print(f"timing: {len(docs)} documents, {len(passages)} passages, {args.model_name_or_path}, "
           f"{torch.get_num_threads()} threads")
-    embed_texts(model, tok, passages[:64], batch_size=args.batch_size, prefix=sel_args.passage_prefix)  # warm-up
+    embed_texts(model, tok, passages[:64], batch_size=args.batch_size, max_length=max_length,
+                prefix=sel.passage_prefix)  # warm-up
 
     # Wall time and this process's CPU time (all threads). On a shared machine wall time also counts
     # waiting for other jobs, so the CPU-time ratio is the one reported on the last line.
@@ -110,7 +115,7 @@ def main():
         return time.perf_counter() - w, time.process_time() - c
 
     def embedding_only():
-        embed_texts(model, tok, passages, batch_size=args.batch_size, max_length=512, prefix=sel_args.passage_prefix)
+        embed_texts(model, tok, passages, batch_size=args.batch_size, max_length=max_length, prefix=sel.passage_prefix)
 
     def selection(i):
         sg.main(["--input", inp, "--output_dir", os.path.join(tmp, f"sel{i}"), "--model_name_or_path",

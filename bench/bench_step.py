@@ -29,6 +29,7 @@ import time
 import torch
 
 import modeling_xprt as mx
+import support as sp
 
 
 def parse_args():
@@ -98,7 +99,7 @@ def make_rows(tokenizer, groups, max_length, seed=0):
 def build(name):
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-    path = mx.resolve_model_path("all-MiniLM-L6-v2")
+    path = sp.resolve_model_path("all-MiniLM-L6-v2")
     tok = AutoTokenizer.from_pretrained(path)
     if name == "minilm":
         mlm, msg = mx.load_mlm_encoder(path)

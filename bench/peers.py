@@ -30,6 +30,7 @@ import torch
 from bench import ROOT  # noqa: F401  (offline defaults)
 
 import modeling_xprt as mx
+import support as sp
 
 DEFAULT_CORPUS = os.path.join(os.path.dirname(ROOT), "shared", "data", "scifact", "corpus.jsonl")
 
@@ -52,7 +53,7 @@ def read_texts(path, n):
     if not os.path.exists(path):
         path = os.path.join(ROOT, "data", "docs.jsonl")
     texts = []
-    for r in mx.read_jsonl(path):
+    for r in sp.read_jsonl(path):
         t = " ".join(x for x in (r.get("title", ""), r.get("text", "")) if x).strip()
         if t:
             texts.append(t)
@@ -200,7 +201,7 @@ def main():
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = mx.resolve_model_path("all-MiniLM-L6-v2")
+    path = sp.resolve_model_path("all-MiniLM-L6-v2")
     texts = read_texts(args.corpus, args.batch_size * args.batches)
     print(f"all-MiniLM-L6-v2, CPU fp32, {torch.get_num_threads()} threads; texts from {args.corpus}", flush=True)
     out = {}

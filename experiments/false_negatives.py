@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import finetune  # noqa: E402
-from modeling_xprt import load_beir, pair_false_negatives, pair_text_ids  # noqa: E402
-from train import LengthGroupedBatchSampler  # noqa: E402
+from modeling_xprt import pair_false_negatives, pair_text_ids
+from support import load_beir  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -72,8 +72,8 @@ def epoch_figures(rows, batches, num_negatives, seed, world):
     f = dict.fromkeys(("rows", "own", "relevant", "fn", "masked", "unmasked_fn", "masked_not_fn", "rows_masked",
                        "repeated_query_rows"), 0)
     for s in range(0, len(batches) - world + 1, world):
-        step = [{**rows[i], "__index__": i} for b in batches[s:s + world] for i in b]
-        step = [{**r, "negatives": finetune.pick_negatives(r, num_negatives, seed, 0)} for r in step]
+        step = [{**rows[i], "negatives": finetune.pick_negatives(rows[i], i, num_negatives, seed, 0)}
+                for b in batches[s:s + world] for i in b]
         texts = [t for r in step for t in [r["positive"]] + r["negatives"][:num_negatives]]
         k = 1 + num_negatives
         passage_ids, relevant_ids = pair_text_ids(step, num_negatives)
@@ -107,7 +107,7 @@ def main(argv=None):
     res = {"before": [], "after": []}
     for seed in range(args.seeds):
         for name, k in (("before", None), ("after", keys)):
-            batches = LengthGroupedBatchSampler(lengths, args.batch_size, seed, keys=k).batches()
+            batches = finetune.NoDuplicatesBatchSampler(lengths, args.batch_size, seed, keys=k).batches()
             fig = epoch_figures(rows, batches, args.num_negatives, seed, args.world_size)
             if name == "after":  # finetune.py's start-up line counts the same mask
                 c = finetune.count_false_negatives(rows, batches, args.num_negatives, seed, 0, args.world_size)

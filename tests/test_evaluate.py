@@ -11,9 +11,9 @@ import pytest
 
 import evaluate as ev
 import torch
-from modeling_xprt import load_beir
 from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
+from support import E5_PROMPTS, NO_PROMPTS, load_beir, model_prompts, resolve_model_path
 
 # ---------------------------------------------------------------- fake data and a controllable model
 
@@ -218,6 +218,26 @@ def test_results_folder_skips_finished_tasks(beir, tmp_path):
     assert enc.calls > calls
 
 
+def test_folder_hashes_are_pinned(beir, tmp_path):
+    """The data fingerprint (a local task's experiment folder name) and a model folder's revision are one hash
+    (files_hash) whose values are pinned: a change would orphan every finished result in a results folder."""
+    assert ev.data_fingerprint(beir) == "3aa76e567542" and ev.data_fingerprint(None) == "online"
+    model = tmp_path / "runs" / "x" / "model"
+    (model / "1_Pooling").mkdir(parents=True)
+    (model / "config.json").write_text('{"a": 1}\n')
+    (model / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    (model / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}\n')
+    (model / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+    (model / "xprt_heads.safetensors").write_bytes(b"heads")
+    (model / "README.md").write_text("card")
+    assert ev.content_revision(str(model)) == "dba4c287f369"
+    (model / "xprt_heads.safetensors").write_bytes(b"other heads")  # the decoder heads and the card are no part
+    (model / "README.md").write_text("a new card")  # of the sentence vector's identity
+    assert ev.content_revision(str(model)) == "dba4c287f369"
+    (model / "vocab.txt").write_text("[PAD]\n[CLS]\n")
+    assert ev.content_revision(str(model)) != "dba4c287f369"
+
+
 def test_limit_keeps_relevant_docs(tmp_path):
     docs = {f"d{i}": f"doc {i}" for i in range(100)}
     data = {"corpus": {d: ("", t) for d, t in docs.items()},
@@ -302,7 +322,7 @@ def test_bad_input_errors(tmp_path):
 def test_prefix_auto_rule(tmp_path, tiny_bert):
     from transformers import AutoTokenizer
 
-    from modeling_xprt import E5_PROMPTS, NO_PROMPTS, XPRTModel, model_prompts
+    from modeling_xprt import XPRTModel
 
     assert model_prompts("intfloat/e5-base-unsupervised") == E5_PROMPTS
     assert model_prompts("intfloat/multilingual-e5-small") == E5_PROMPTS
@@ -315,7 +335,7 @@ def test_prefix_auto_rule(tmp_path, tiny_bert):
     e5_start = tmp_path / "e5-tiny"
     e5_start.symlink_to(tiny_bert, target_is_directory=True)
     model = XPRTModel.from_pretrained(str(e5_start))
-    assert model.prompts == E5_PROMPTS and model.start_model == str(e5_start)
+    assert model.prompts == E5_PROMPTS and model.info.start_model == str(e5_start)
     run = tmp_path / "runs" / "xprt"
     model.save_pretrained(str(run), AutoTokenizer.from_pretrained(tiny_bert))
     assert model_prompts(str(run)) == E5_PROMPTS
@@ -352,9 +372,9 @@ def test_batched_embedder_matches_one_text_at_a_time(tiny_bert):
 
 def test_wrapper_end_to_end_on_tiny_bert(tiny_bert, beir, tmp_path):
     enc = ev.XPRTEncoder(str(tiny_bert), batch_size=4)
-    assert enc.prefix_mode == "none" and enc.query_prefix == "" and enc.max_length == 512
+    assert enc.prefixes == "none" and enc.query_prefix == "" and enc.max_length == 512
     assert enc.mteb_model_meta.similarity_fn_name == ScoringFunction.COSINE
-    e5 = ev.XPRTEncoder(str(tiny_bert), prefix_mode="e5", max_length=32)
+    e5 = ev.XPRTEncoder(str(tiny_bert), prefixes="e5", max_length=32)
     from mteb.types import PromptType
     assert e5.prefix_for(PromptType.query) == "query: " and e5.prefix_for(PromptType.document) == "passage: "
     assert e5.prefix_for(None) == "query: "  # symmetric tasks: "query: " on every text
@@ -411,6 +431,12 @@ def test_cli_defaults_to_mteb_eng_v2():
     assert len(mteb.get_benchmark(ev.DEFAULT_BENCHMARK).tasks) == 41  # the paper's 41 tasks
     with pytest.raises(SystemExit):
         ev.parse_args(["--models", "m", "--limit", "0"])
+    # the prefix flag is spelled as train.py / finetune.py spell it; the strings override it
+    args = ev.parse_args(["--models", "m"])
+    assert args.prefixes == "auto" and args.query_prefix is None and args.passage_prefix is None
+    assert ev.parse_args(["--models", "m", "--prefixes", "e5"]).prefixes == "e5"
+    with pytest.raises(SystemExit):
+        ev.parse_args(["--models", "m", "--prefixes", "E5"])
 
 
 def test_train_run_model_folders_get_distinct_column_labels():
@@ -464,7 +490,7 @@ def test_mteb_loader_reads_evaluate_results_folder(tiny_bert, beir, tmp_path, ca
     for task, score in scores.items():
         assert score == pytest.approx(table[task], abs=1e-9)
     assert 0.0 < table["SciFact"] <= 100.0
-    # the card of the xprt folder now holds the scores (modeling_xprt.add_eval_results_to_card or its stand-in)
+    # the card of the xprt folder holds the scores (support.add_eval_results_to_card)
     card = (model / "README.md").read_text()
     assert "SciFact" in card and f"{table['SciFact']:.2f}" in card and f"{table['STS12']:.2f}" in card
     # rewriting the card does not change the model's revision (the card is not part of its identity)
@@ -497,7 +523,7 @@ def test_cls_pooled_model_scored_with_its_own_pooling(tmp_path, beir):
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from modeling_xprt import embed_texts, resolve_model_path
+    from modeling_xprt import embed_texts
 
     raw = tmp_path / "raw"
     tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))

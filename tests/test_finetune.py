@@ -10,7 +10,7 @@ from conftest import cli_args
 import torch
 
 import finetune
-from modeling_xprt import load_beir
+from support import load_beir
 from test_train import read_log
 from test_train import run as run_main
 
@@ -90,7 +90,7 @@ def tiny_seq2seq_and_cross_encoder(tmp: Path):
     """Random tiny T5 generator and BERT cross-encoder, built from configs, with the MiniLM (BERT) tokenizer."""
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, T5Config, T5ForConditionalGeneration
 
-    from modeling_xprt import resolve_model_path
+    from support import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
     torch.manual_seed(0)
@@ -149,7 +149,7 @@ def test_finetune_stage_runs_and_its_loss_falls(tiny_bert, beir, tmp_path, capsy
                                                "--num_train_epochs": 4}))
     printed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("false negatives"))
     # recount from the rows as build_finetune_rows makes them (BEIR order, the mined pools) and the sampler
-    from train import LengthGroupedBatchSampler
+    from finetune import NoDuplicatesBatchSampler
 
     corpus, queries, qrels = read_beir(str(beir), "train")
     pools = json.loads((out / "mined_negatives.json").read_text())
@@ -157,7 +157,7 @@ def test_finetune_stage_runs_and_its_loss_falls(tiny_bert, beir, tmp_path, capsy
     rows = finetune.add_relevant([{**r, "negative_pool": [corpus[d] for d in p]} for r, p in zip(rows, pools)])
     assert rows[0]["relevant"] == [corpus["d0"], corpus["d5"]]  # q0's two positives
     keys = [r["query"] for r in rows]
-    batches = LengthGroupedBatchSampler([len(r["query"]) + len(r["positive"]) for r in rows], 4, 3, keys=keys).batches()
+    batches = NoDuplicatesBatchSampler([len(r["query"]) + len(r["positive"]) for r in rows], 4, 3, keys=keys).batches()
     c = finetune.count_false_negatives(rows, batches, 1, 3)
     assert f"{c['masked']} of {c['candidates']} in-batch candidates" in printed, (printed, c)
     assert f"{c['rows_with_masked']} of {c['rows']} rows" in printed, (printed, c)
@@ -245,7 +245,7 @@ def test_sampler_never_repeats_a_query_in_a_batch_and_stays_length_grouped():
     """604 rows of 250 queries with 1-5 positives each, drawn from 300 passages (length = query + positive, as
     finetune.py measures it). keys: no batch holds a query twice; full batches, len(sampler) of them; a function of
     (seed, epoch); padding within a point of the keyless sampler's."""
-    from train import LengthGroupedBatchSampler
+    from finetune import NoDuplicatesBatchSampler
 
     rng = random.Random(0)
     passages = [rng.randint(100, 1500) for _ in range(300)]
@@ -256,15 +256,17 @@ def test_sampler_never_repeats_a_query_in_a_batch_and_stays_length_grouped():
             keys.append(f"q{q}")
             lengths.append(query_length + passages[p])
     n = len(keys)
-    s = LengthGroupedBatchSampler(lengths, 16, seed=5, keys=keys)
+    s = NoDuplicatesBatchSampler(lengths, 16, seed=5, keys=keys)
     b0 = s.batches()
+    from support import LengthGroupedBatchSampler
+
     plain = LengthGroupedBatchSampler(lengths, 16, seed=5).batches()
     assert sum(len({keys[i] for i in b}) < len(b) for b in plain) > len(plain) // 2  # the problem is real
     assert len(b0) == len(s) == n // 16 and all(len(b) == 16 for b in b0)
     assert all(len({keys[i] for i in b}) == 16 for b in b0)
     flat = [i for b in b0 for i in b]
     assert len(set(flat)) == len(flat)
-    assert b0 == LengthGroupedBatchSampler(lengths, 16, seed=5, keys=keys).batches()
+    assert b0 == NoDuplicatesBatchSampler(lengths, 16, seed=5, keys=keys).batches()
     s.set_epoch(1)
     b1 = s.batches()
     assert b1 != b0 and all(len({keys[i] for i in b}) == 16 for b in b1)
@@ -272,25 +274,25 @@ def test_sampler_never_repeats_a_query_in_a_batch_and_stays_length_grouped():
     def eff(batches):  # real / processed, each batch padded to its longest member
         return sum(lengths[i] for b in batches for i in b) / sum(max(lengths[i] for i in b) * len(b) for b in batches)
 
-    shuffled = LengthGroupedBatchSampler(lengths, 16, seed=5, group_by_length=False, keys=keys).batches()
+    shuffled = NoDuplicatesBatchSampler(lengths, 16, seed=5, group_by_length=False, keys=keys).batches()
     assert eff(b0) > 0.95 and eff(b0) > eff(plain) - 0.01 and eff(shuffled) < 0.75, (eff(b0), eff(plain), eff(shuffled))
     # distinct keys: nothing waits, the batches are the keyless sampler's
-    assert LengthGroupedBatchSampler(lengths, 16, 5, keys=range(n)).batches() == plain
+    assert NoDuplicatesBatchSampler(lengths, 16, 5, keys=range(n)).batches() == plain
 
 
 def test_sampler_fills_the_last_batches_by_swapping_and_refuses_the_impossible():
     """One query has as many rows as there are batches, all shorter than every other row: length sorting puts them at
     the end, where only they are left; swaps with earlier batches still give every batch exactly one of them."""
-    from train import LengthGroupedBatchSampler
+    from finetune import NoDuplicatesBatchSampler
 
     lengths = [1000 - i for i in range(30)] + [10 - i for i in range(10)]
     keys = [f"u{i}" for i in range(30)] + ["heavy"] * 10
-    batches = LengthGroupedBatchSampler(lengths, 4, seed=1, keys=keys).batches()
+    batches = NoDuplicatesBatchSampler(lengths, 4, seed=1, keys=keys).batches()
     assert len(batches) == 10 and all(len(b) == 4 for b in batches)
     assert [sum(keys[i] == "heavy" for i in b) for b in batches] == [1] * 10
     assert len({i for b in batches for i in b}) == 40
     with pytest.raises(ValueError, match="without repeating a key"):
-        LengthGroupedBatchSampler(lengths, 4, seed=1, keys=keys[:29] + ["heavy"] * 11).batches()
+        NoDuplicatesBatchSampler(lengths, 4, seed=1, keys=keys[:29] + ["heavy"] * 11).batches()
 
 
 def hand_rows():

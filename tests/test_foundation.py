@@ -2,7 +2,8 @@
 
 import torch
 
-from modeling_xprt import embed_texts, mean_pool, resolve_model_path
+from modeling_xprt import embed_texts, mean_pool
+from support import resolve_model_path
 
 
 def test_minilm_alias_resolves_to_bundled_weights():

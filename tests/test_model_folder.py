@@ -17,6 +17,7 @@ import torch
 
 import finetune
 import modeling_xprt as mx
+import support as sp
 from test_finetune import make_beir
 from test_train import base_args, make_groups, run
 
@@ -137,13 +138,13 @@ def test_base_model_and_licence_of_a_hub_start_model(tmp_path):
     named; a folder saved from MiniLM carries MiniLM's pooler unchanged."""
     from safetensors.torch import load_file
 
-    assert mx.hub_base_model("all-MiniLM-L6-v2") == "sentence-transformers/all-MiniLM-L6-v2"
-    assert mx.hub_base_model("intfloat/e5-base-unsupervised") == "intfloat/e5-base-unsupervised"
-    assert mx.hub_base_model(str(tmp_path)) is None
-    assert mx.card_license("all-MiniLM-L6-v2") == "apache-2.0"
+    assert sp.hub_base_model("all-MiniLM-L6-v2") == "sentence-transformers/all-MiniLM-L6-v2"
+    assert sp.hub_base_model("intfloat/e5-base-unsupervised") == "intfloat/e5-base-unsupervised"
+    assert sp.hub_base_model(str(tmp_path)) is None
+    assert sp.card_license("all-MiniLM-L6-v2") == "apache-2.0"
     model = mx.XPRTModel.from_pretrained("all-MiniLM-L6-v2")
-    assert model.base_model == "sentence-transformers/all-MiniLM-L6-v2"
-    start = load_file(str(Path(mx.resolve_model_path("all-MiniLM-L6-v2")) / "model.safetensors"))
+    assert model.info.base_model == "sentence-transformers/all-MiniLM-L6-v2"
+    start = load_file(str(Path(sp.resolve_model_path("all-MiniLM-L6-v2")) / "model.safetensors"))
     saved = model.complete_base_state_dict()
     assert torch.equal(saved["pooler.dense.weight"], start["pooler.dense.weight"])
 
@@ -190,11 +191,11 @@ def test_eval_results_section_is_rewritten_not_repeated(runs, tmp_path):
     folder = tmp_path / "m"
     shutil.copytree(runs["model"], folder)
     before = (folder / "README.md").read_text()
-    mx.add_eval_results_to_card(folder, {"SciFact": {"metric": "ndcg_at_10", "score": 61.234},
+    sp.add_eval_results_to_card(folder, {"SciFact": {"metric": "ndcg_at_10", "score": 61.234},
                                          "STSBenchmark": {"metric": "cosine_spearman", "score": 80.5}}, "evaluate.py")
-    mx.add_eval_results_to_card(folder, {"SciFact": {"metric": "ndcg_at_10", "score": 62.0}}, "evaluate.py (2)")
+    sp.add_eval_results_to_card(folder, {"SciFact": {"metric": "ndcg_at_10", "score": 62.0}}, "evaluate.py (2)")
     text = (folder / "README.md").read_text()
-    assert text.count("## Evaluation") == 1 and text.count(mx.EVAL_SECTION_START) == 1
+    assert text.count("## Evaluation") == 1 and text.count(sp.EVAL_SECTION_START) == 1
     assert "| SciFact | Retrieval | ndcg_at_10 | 62.00 |" in text and "| STSBenchmark | STS | cosine_spearman | 80.50 |" \
         in text and "61.23" not in text
     card = ModelCard.load(folder / "README.md")
@@ -203,4 +204,4 @@ def test_eval_results_section_is_rewritten_not_repeated(runs, tmp_path):
     assert card.data.model_name == HUB_ID
     assert ModelCard(before).text.strip() in card.text  # everything else kept
     with pytest.raises(ValueError, match="metric"):
-        mx.add_eval_results_to_card(folder, {"X": {"score": 1}}, "s")
+        sp.add_eval_results_to_card(folder, {"X": {"score": 1}}, "s")

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import modeling_xprt as mx
+import support as sp
+from support import read_max_seq_length
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -254,7 +256,7 @@ def test_pair_collator_gives_text_ids_and_the_model_masks_with_them(tiny_bert, t
             {"query": "who calls strikes", "positive": "the umpire calls strikes",
              "negatives": ["a perfect game is rare"]},
             {"query": "ball and bat", "positive": "no hitter and perfect game", "negatives": ["stocks rose"]}]
-    h = mx.stable_doc_hash
+    h = sp.stable_doc_hash
     batch = mx.PairCollator(tok, num_negatives=1)(rows)
     assert batch["passage_ids"].tolist() == [[h(t) for t in [r["positive"]] + r["negatives"]] for r in rows]
     assert batch["relevant_ids"].tolist() == [[h(rows[0]["positive"]), h(rows[2]["positive"])],
@@ -282,6 +284,13 @@ def test_contrastive_random_span_is_one_direction_infonce():
     assert torch.allclose(mx.contrastive_random_span(v1, v2), plain_infonce(v1, v2, 0.05), atol=1e-5)
 
 
+def one_vocab_term(hidden, w, b, targets=None, teacher_hidden=None, **kw):
+    """One vocabulary term through vocab_sweep, the function VocabSweep.run hands a step's terms to."""
+    if teacher_hidden is None:
+        return mx.vocab_sweep(w, b, ce=[(hidden, targets, 1.0)], **kw)[0]
+    return mx.vocab_sweep(w, b, kl=[(hidden, teacher_hidden, 1.0)], **kw)[0]
+
+
 @pytest.mark.parametrize("soft", [False, True])
 def test_fused_vocab_loss_equals_plain(soft):
     """Chunked projection + CE/KL: same loss and gradients as full logits."""
@@ -296,25 +305,22 @@ def test_fused_vocab_loss_equals_plain(soft):
     for fused in (False, True):
         for t in (hid, w, b):
             t.grad = None
-        loss = mx.vocab_loss(hid, w, b, targets=None if soft else tgt, teacher_hidden=teacher, fused=fused, chunk_size=8)
+        loss = one_vocab_term(hid, w, b, targets=None if soft else tgt, teacher_hidden=teacher, fused=fused, chunk_size=8)
         (2.5 * loss).backward()
         results.append([loss.detach()] + [t.grad.clone() for t in (hid, w, b)])
     for x, y in zip(*results):
         assert torch.allclose(x, y, atol=1e-5, rtol=1e-4)
     with torch.no_grad():  # evaluation: same value, no gradient work
-        assert torch.allclose(mx.vocab_loss(hid, w, b, targets=None if soft else tgt, teacher_hidden=teacher, chunk_size=8),
+        assert torch.allclose(one_vocab_term(hid, w, b, targets=None if soft else tgt, teacher_hidden=teacher, chunk_size=8),
                               results[0][0], atol=1e-5)
     if soft:  # KL to itself is zero
-        assert mx.vocab_loss(teacher, w, b, teacher_hidden=teacher).abs().item() < 1e-5
+        assert one_vocab_term(teacher, w, b, teacher_hidden=teacher).abs().item() < 1e-5
 
 
-@pytest.mark.parametrize("bias_mode", ["column", "add"])
-def test_vocab_sweep_equals_separate_plain_terms(bias_mode, monkeypatch):
+def test_vocab_sweep_equals_separate_plain_terms():
     """L_MLM, L_cross (hard targets) and L_self (soft targets) in one fused sweep == three plain full-logit terms:
-    every term's value, and the gradients of the weighted sum w.r.t. all hidden rows, W and b (whichever way the
-    bias enters the matmul). Chunks of 8 with 13 + 21 + 9 rows: partial chunks, and no chunk straddles the
+    every term's value, and the gradients of the weighted sum w.r.t. all hidden rows, W and b. Chunks of 8 with 13 + 21 + 9 rows: partial chunks, and no chunk straddles the
     hard/soft boundary."""
-    monkeypatch.setattr(mx, "BIAS_MODE", bias_mode)
     torch.manual_seed(10)
     h, v = 16, 101
     w = torch.randn(v, h, requires_grad=True)
@@ -334,9 +340,9 @@ def test_vocab_sweep_equals_separate_plain_terms(bias_mode, monkeypatch):
     plain, fused = results
     for x, y in zip(plain, fused):
         assert torch.allclose(x, y, atol=1e-5, rtol=1e-4)
-    # the terms are those of separate vocab_loss calls, and the total their weighted sum
-    sep = [mx.vocab_loss(mlm_h, w, b, targets=mlm_t, fused=False), mx.vocab_loss(cross_h, w, b, targets=cross_t, fused=False),
-           mx.vocab_loss(self_h, w, b, teacher_hidden=teacher, fused=False)]
+    # the terms are those of separate one-term sweeps, and the total their weighted sum
+    sep = [one_vocab_term(mlm_h, w, b, targets=mlm_t, fused=False), one_vocab_term(cross_h, w, b, targets=cross_t, fused=False),
+           one_vocab_term(self_h, w, b, teacher_hidden=teacher, fused=False)]
     for x, y in zip(fused[1:4], sep):
         assert torch.allclose(x, y.detach(), atol=1e-5)
     assert torch.allclose(fused[0], sum(c * x for c, x in zip(weights, sep)).detach(), atol=1e-5)
@@ -347,7 +353,7 @@ def test_fused_vocab_loss_refuses_a_second_backward():
     backward through the same graph must fail loudly, not return gradients scaled twice."""
     torch.manual_seed(9)
     hid, w, b = torch.randn(5, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True), torch.zeros(11)
-    loss = mx.vocab_loss(hid, w, b, targets=torch.randint(11, (5,)), chunk_size=2)
+    loss = one_vocab_term(hid, w, b, targets=torch.randint(11, (5,)), chunk_size=2)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
@@ -386,7 +392,7 @@ def test_batched_forward_matches_loops_of_single_passes(tiny_bert, tok):
             for d in range(len(source)):  # one decoder pass at a time
                 ids = batch["dec_input_ids"][gi, d : d + 1]
                 am = batch["attention_mask"][gi, target[d]].unsqueeze(0)
-                x = model.decode(vec[gi, source[d]].unsqueeze(0), ids, am)[0]
+                x = model.decoder(vec[gi, source[d]].unsqueeze(0), model.base.embeddings(input_ids=ids), am)[0]
                 tokens = torch.cat([x[:1], x[1 + c :]])  # drop the conditioning slots: (L, H)
                 logits = head(tokens)
                 lab = batch["dec_labels"][gi, d]
@@ -481,8 +487,12 @@ def test_decoder_really_uses_the_conditioning(tiny_bert, tok):
             ids = batch["dec_input_ids"][:, idx].reshape(-1, l)
             labels = batch["dec_labels"][:, idx].reshape(-1, l)
             am = batch["attention_mask"][:, torch.tensor([target[i] for i in cross])].reshape(-1, l)
-            x = model.decode(anchors.repeat_interleave(len(cross), 0), ids, am)
-            return model._vocab(mx.cross_fill_loss, x[model._decoder_positions(labels)], targets=labels[labels != -100])
+            x = model.decoder(anchors.repeat_interleave(len(cross), 0), model.base.embeddings(input_ids=ids), am)
+            rows = mx.ConditionedDecoder.output_rows((labels != -100).reshape(-1).nonzero().squeeze(1), l,
+                                                     model.num_condition_vectors)
+            sweep = mx.VocabSweep(model)
+            mx.cross_fill_loss(sweep, x.reshape(-1, x.shape[-1]).index_select(0, rows), labels[labels != -100], 1.0)
+            return sweep.run()[1]["cross_fill_loss"]
 
     true, shuffled = fill_loss(torch.arange(g)), fill_loss(torch.roll(torch.arange(g), 1))
     assert true < shuffled - 0.3, (true, shuffled)
@@ -518,10 +528,11 @@ def test_each_objective_loss_falls_on_a_repeated_batch(tiny_bert, tok, objective
 
 def test_fill_in_off_drops_only_the_cross_term(tiny_bert, tok):
     model = make_model(tiny_bert, fill_in=False).eval()
-    batch = mx.XPRTCollator(tok, seed=5)(toy_rows(3))
+    batch = mx.XPRTCollator(tok, seed=5, fill_in=False)(toy_rows(3))
+    assert batch["dec_input_ids"].shape[1] == 2 and "cross_rows" not in batch  # the 2 self passes only
     out = model(batch)
     assert "cross_fill_loss" not in out and "self_fill_loss" in out
-    full = make_model(tiny_bert).eval()(batch)
+    full = make_model(tiny_bert).eval()(mx.XPRTCollator(tok, seed=5)(toy_rows(3)))  # the same masks
     assert torch.allclose(out["self_fill_loss"], full["self_fill_loss"], atol=1e-6)
 
 
@@ -732,9 +743,9 @@ def test_saved_model_keeps_the_start_models_length_limit(tiny_bert, tok, tmp_pat
     import json
 
     model = make_model(tiny_bert)
-    model.max_seq_length = 200
+    model.info.max_seq_length = 200
     model.save_pretrained(str(tmp_path / "m"), tok)
     assert json.load(open(tmp_path / "m" / "sentence_bert_config.json"))["max_seq_length"] == 200
-    assert mx.read_max_seq_length(str(tmp_path / "m")) == 200
+    assert read_max_seq_length(str(tmp_path / "m")) == 200
     assert mx.XPRTModel.from_pretrained(str(tmp_path / "m")).max_seq_length == 200
-    assert mx.read_max_seq_length("all-MiniLM-L6-v2") == 256
+    assert read_max_seq_length("all-MiniLM-L6-v2") == 256

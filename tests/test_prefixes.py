@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import cli_args
 
-from modeling_xprt import E5_PROMPTS, XPRTCollator, XPRTModel, load_teacher, model_prompts
+from modeling_xprt import XPRTCollator, XPRTModel, load_teacher
+from support import E5_PROMPTS, model_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 

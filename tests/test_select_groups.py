@@ -1,6 +1,7 @@
 """Tests of select_groups.py: the paper's formulas on hand-made numbers, then the script end to end
 on bundled documents with the tiny random BERT (fast), bad input, resume, and 1 vs 2 processes."""
 
+import dataclasses
 import gzip
 import json
 import os
@@ -196,11 +197,78 @@ def test_readers_agree_jsonl_gz_parquet_and_hf_streaming(tmp_path):
     assert [d.doc_id for d in sg.iter_records(args)] == [d["id"] for d in docs]
 
 
-def test_passage_prefix_default():
-    assert sg.parse_args(["--input", "x", "--output_dir", "o"]).passage_prefix == "passage: "  # E5 default
+def test_a_byte_order_mark_on_line_1_is_not_part_of_the_first_record(tmp_path):
+    """Windows exports start with a UTF-8 byte-order mark; the first record reads like the others (support.iter_jsonl
+    drops the mark), rather than failing as malformed JSON."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"id": "a", "text": "first"}\n{"id": "b", "text": "second"}\n')
+    args = sg.parse_args(["--input", str(path), "--output_dir", str(tmp_path / "o")])
+    assert [(d.doc_id, d.text, d.skip) for d in sg.iter_records(args)] == [("a", "first", ""), ("b", "second", "")]
+
+
+# ---- settings -----------------------------------------------------------------------------------
+
+def _selection(*flags):
+    return sg.Selection.from_args(sg.parse_args(["--input", "x", "--output_dir", "o", *flags]))
+
+
+def test_prefixes_flag_gives_the_passage_prefix():
+    """--prefixes is train.py's flag and rule (support.model_prompts): the model's own document prefix by default,
+    e5 / none force one. One spelling across the scripts, so --passage_prefix is not a flag here."""
     minilm = ["--model_name_or_path", "all-MiniLM-L6-v2"]
-    assert sg.parse_args(["--input", "x", "--output_dir", "o", *minilm]).passage_prefix == ""
-    assert sg.parse_args(["--input", "x", "--output_dir", "o", "--passage_prefix", "p: "]).passage_prefix == "p: "
+    assert _selection().passage_prefix == "passage: "  # the default encoder is E5
+    assert _selection(*minilm).passage_prefix == ""
+    assert _selection(*minilm, "--prefixes", "e5").passage_prefix == "passage: "
+    assert _selection("--prefixes", "none").passage_prefix == ""
+    with pytest.raises(SystemExit):
+        sg.parse_args(["--input", "x", "--output_dir", "o", "--passage_prefix", "p: "])
+
+
+# Flags the resume check leaves out, and why: a rerun that changes only these may reuse finished chunks.
+NOT_KEYED = {
+    "url_field": "shown in the --inspect report only",
+    "prefixes": "keyed as the prefix it gives (Selection.passage_prefix)",
+    "batch_size": "speed; embeddings move by float rounding only",
+    "device": "speed; embeddings move by float rounding only",
+    "trust_remote_code": "a permission, not a setting",
+    "output_dir": "where, not what", "overwrite": "what to do with an old output",
+    "inspect": "the report", "inspect_only": "the report", "inspect_chars": "the report",
+}
+
+
+def test_every_flag_is_in_the_resume_key_or_left_out_on_purpose():
+    """A setting that changes the groups is a field of Selection or a RECORD_FLAGS entry, so run_config (the resume
+    key) holds it and a rerun with another value never reuses chunks made with the old one. A new flag fails here
+    until it is one or the other."""
+    args = sg.parse_args(["--input", "x", "--output_dir", "o"])
+    keyed = {f.name for f in dataclasses.fields(sg.Selection)} | set(sg.RECORD_FLAGS)
+    assert set(vars(args)) - keyed == set(NOT_KEYED)
+    assert keyed - set(vars(args)) == {"passage_prefix"}  # the one derived field
+    sel = sg.Selection.from_args(args)
+    assert sel == sg.PAPER  # the flags' defaults are the dataclass's
+    config = sg.run_config(args, sel)
+    assert set(config) == keyed
+    for f in dataclasses.fields(sg.Selection):  # every field keys the check
+        other = dataclasses.replace(sel, **{f.name: "changed"})
+        assert sg.run_config(args, other) != config, f.name
+
+
+def test_embedding_length_is_the_models_own_limit(minilm_path, tiny_bert, capsys):
+    """support.max_seq_length: MiniLM states 256, a folder that states none gets 512; a passage budget the limit
+    cannot hold is said at the start, not found in odd centralities."""
+    from types import SimpleNamespace
+
+    import torch
+
+    state = SimpleNamespace(device=torch.device("cpu"), num_processes=1, print=print)
+    for model, want in ((minilm_path, 256), (str(tiny_bert), 512)):
+        args = sg.parse_args(["--input", "x", "--output_dir", "o", "--model_name_or_path", model])
+        assert sg.load_selection_encoder(args, sg.Selection.from_args(args), state).max_length == want
+    assert "warning" not in capsys.readouterr().out
+    args = sg.parse_args(["--input", "x", "--output_dir", "o", "--model_name_or_path", minilm_path,
+                          "--passage_tokens", "300"])
+    sg.load_selection_encoder(args, sg.Selection.from_args(args), state)
+    assert "are cut to 256 when embedded" in capsys.readouterr().out
 
 
 # ---- end to end ---------------------------------------------------------------------------------
@@ -278,6 +346,8 @@ def test_resume_after_crash_gives_identical_output(tmp_path, tiny_bert, small_co
     # a different command is refused rather than mixed into the unfinished run
     with pytest.raises(FileExistsError, match="not made by this exact command"):
         _run(tiny_bert, small_corpus, tmp_path / "out", "--chunk_docs", "5", "--centrality_threshold", "0.0")
+    with pytest.raises(FileExistsError, match="not made by this exact command"):  # a selection setting too
+        _run(tiny_bert, small_corpus, tmp_path / "out", *extra, "--rrf_weight_tfidf", "0.5")
     stats = _run(tiny_bert, small_corpus, tmp_path / "out", *extra)  # the same command again
     assert [p.stat().st_mtime_ns for p in finished] == mtimes  # finished chunks were reused, not redone
     assert not list((tmp_path / "out").glob(".tmp-*"))
@@ -322,8 +392,8 @@ def test_two_processes_match_one(tmp_path, tiny_bert, small_corpus):
 
 
 def test_a_plain_json_string_record_is_not_an_object(tmp_path):
-    """A line that decodes to a JSON string is a record of the wrong type, counted under not_an_object (it was once
-    mistaken for a reader's skip reason and counted under a reason of its own text)."""
+    """A line that decodes to a JSON string is a record of the wrong type, counted under not_an_object. The reader's
+    own skip reasons travel in a slot of their own, so a record whose text is a reason's name is not taken for one."""
     path = tmp_path / "s.jsonl"
     path.write_text('"hello"\n"malformed_json"\n')
     args = sg.parse_args(["--input", str(path), "--output_dir", str(tmp_path / "o"), "--skip_bad_lines"])

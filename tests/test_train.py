@@ -16,6 +16,7 @@ import pytest
 from conftest import cli_args
 import torch
 
+import support
 import train
 from select_groups import group_schema
 
@@ -139,10 +140,11 @@ def test_random_span_batches_are_grouped_by_their_crops(tmp_path):
     of the crops well above the former grouping by text length with one tensor (0.49-0.53 in train.py's log), and the
     spans change with the epoch, which the sampler follows."""
     import modeling_xprt as mx
+    import support as sp
     from transformers import AutoTokenizer
 
     rows = train.load_groups(str(make_groups(tmp_path / "g", 400)))
-    tok = AutoTokenizer.from_pretrained(mx.resolve_model_path("all-MiniLM-L6-v2"))
+    tok = AutoTokenizer.from_pretrained(sp.resolve_model_path("all-MiniLM-L6-v2"))
     collator = mx.XPRTCollator(tok, objective="contrastive_random_span", max_length=128)
     lengths_for, spans_for = train.crop_lengths(rows, collator, seed=3)
     s = train.LengthGroupedBatchSampler(lengths_for, 16, seed=3, mega=50)
@@ -222,7 +224,7 @@ def test_groups_stay_memory_mapped_and_their_lengths_match_the_rows(groups, tmp_
     rows = pq.read_table(folder / "shard-00000.parquet").to_pylist() + extra
     assert isinstance(ds, datasets.Dataset) and len(ds) == 27 and ds.cache_files  # backed by an Arrow file
     dataset = train.RowsDataset(ds)
-    assert [dataset[i] for i in range(27)] == [{"__index__": i, **r} for i, r in enumerate(rows)]
+    assert [dataset[i] for i in range(27)] == list(enumerate(rows))
     for num_related, batch_size in ((4, 8192), (2, 5), (6, 1)):
         want = [len(r["anchor"]) + sum(len(t) for t in r["related"][:num_related]) for r in rows]
         assert train.group_lengths(ds, num_related, batch_size).tolist() == want
@@ -233,7 +235,7 @@ def test_groups_stay_memory_mapped_and_their_lengths_match_the_rows(groups, tmp_
 def test_padding_efficiency_counts_every_attention_mask():
     batch = {"attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
              "decoder_attention_mask": torch.tensor([[1, 1, 1, 1]]), "input_ids": torch.zeros(2, 3)}
-    assert train.padding_efficiency(batch) == (7, 10)
+    assert support.padding_efficiency(batch) == (7, 10)
 
 
 def test_flags_fail_early():
@@ -524,7 +526,7 @@ def test_no_host_reads_outside_logging_steps(tiny_bert, groups, tmp_path, monkey
     where = {"loop": False, "log": False}
     orig_item, orig_tolist = torch.Tensor.item, torch.Tensor.tolist
 
-    ours = {str(ROOT / f) for f in ("train.py", "modeling_xprt.py", "finetune.py")}
+    ours = {str(ROOT / f) for f in ("train.py", "modeling_xprt.py", "finetune.py", "support.py")}
 
     def counted(orig):
         def f(self, *a, **kw):
@@ -557,7 +559,7 @@ def test_no_host_reads_outside_logging_steps(tiny_bert, groups, tmp_path, monkey
     monkeypatch.setattr(modeling_xprt.XPRTModel, "forward", forward)
     monkeypatch.setattr(train.LogWindow, "record", flagged(train.LogWindow.record, "log", True))
     monkeypatch.setattr(train.LogWindow, "check_finite", flagged(train.LogWindow.check_finite, "log", True))
-    monkeypatch.setattr(train, "plot_loss_curves", flagged(train.plot_loss_curves, "loop", False))
+    monkeypatch.setattr(support, "plot_loss_curves", flagged(support.plot_loss_curves, "loop", False))
     monkeypatch.setattr(torch.Tensor, "item", counted(orig_item))
     monkeypatch.setattr(torch.Tensor, "tolist", counted(orig_tolist))
     res = run(base_args(tiny_bert, groups, tmp_path / "h", **{"--max_train_steps": 6, "--max_groups": 8,

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's modules sit two folders up
 
-from modeling_xprt import atomic_path, atomic_write, resolve_model_path  # noqa: E402
+from support import atomic_path, atomic_write, resolve_model_path  # noqa: E402
 
 
 def parse_args(argv=None):

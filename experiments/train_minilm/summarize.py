@@ -26,7 +26,8 @@ def main():
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer
 
-    from modeling_xprt import embed_texts, resolve_model_path
+    from modeling_xprt import embed_texts
+    from support import resolve_model_path
 
     run, out = Path(args.run_dir), Path(args.out)
     recs = {}
