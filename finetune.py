@@ -287,7 +287,7 @@ def read_pairs(source: str, split: str = "train"):
         raise ValueError(f"no (query, positive) rows in {source}")
 
 
-load_triples = read_pairs  # the former name (triples TSV / JSONL only)
+load_triples = read_pairs  # the triples reader's name in scripts that read TSV / JSONL triples only
 
 
 def passage_text(title: str, text: str) -> str:
@@ -373,9 +373,8 @@ def _ranking_keys(scores: torch.Tensor, corpus_index: torch.Tensor) -> torch.Ten
     The high 32 bits hold the float32 score's bits made order-preserving (negative floats have their magnitude
     bits flipped), the low 32 bits the corpus index. No two candidates share a key, so topk on the keys is exact
     and deterministic: equal scores (a duplicated passage, or a coincidence) always rank the higher corpus index
-    first, whether the corpus is scored in one piece or in chunks, by one process or several. (The former single
-    torch.topk left the order of equal scores unspecified: on CPU it put the higher index first in most rows,
-    not all.)"""
+    first, whether the corpus is scored in one piece or in chunks, by one process or several (a plain torch.topk
+    leaves the order of equal scores unspecified: on CPU it put the higher index first in most rows, not all)."""
     keys = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0: -0.0 and 0.0 get the same key
     keys = torch.where(keys < 0, keys ^ 0x7FFFFFFF, keys)  # negative floats: a larger magnitude sorts lower
     return keys.mul_(_LOW).add_(corpus_index)
@@ -441,9 +440,8 @@ def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_id
          returns the same pools.
     Each encoding batch is the one a single embed_texts call would form, and the scores are float64 products
     rounded to float32 (see below), so the vectors, the scores and hence the pools are the same for any
-    chunk_size and any number of processes (tested, on CPU). Against the former version (one q @ c.T, topk): the
-    same vectors; pools can differ only where two scores were within float32 rounding of each other, which that
-    version ordered by its product's rounding and topk's unspecified tie order. Memory per process: the query
+    chunk_size and any number of processes (tested, on CPU); one float32 q @ c.T with topk would order scores
+    within float32 rounding of each other by that product's rounding and topk's unspecified tie order. Memory per process: the query
     vectors, the running top (queries x rank_max int64), one chunk and its scores against query_block queries,
     plus a few 8-byte integers per passage.
 

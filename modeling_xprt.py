@@ -270,7 +270,7 @@ def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
     passage is the anchor; the candidates are its own query and the negative passages (its hard
     negatives and every other query's, gathered across processes); the label is its query:
         L_P = -log exp(f(p+, q)) / (exp(f(p+, q)) + sum_{p- in N_P} exp(f(p+, p-))),
-    i.e. it enforces s(p+, q) > s(p+, p-). NOTE: the seed card prints the numerator as
+    i.e. it enforces s(p+, q) > s(p+, p-). NOTE: the PAIR summary (papers/pair.md) prints the numerator as
     exp(-f(p+, p+)), which reads as a transcription error (a passage against itself, negated, makes
     the loss push p+ away from itself); we implement the paper's form. Needs >= 1 negative per query.
     With passage_ids / relevant_ids (as in pair_q_loss) N_P leaves out the negatives labelled relevant to q
@@ -681,8 +681,8 @@ class XPRTModel(nn.Module):
         anchors x top related passages. With retention_student="masked" xPRT reuses its vectors of the main
         (15%-masked) pass; otherwise (and always for the baselines, which do not encode s1) the student encodes the
         clean anchor and s1 here, an extra pass with gradient and WITHOUT dropout: the teacher runs without it, so
-        the term measures the model's drift only and is 0 at step 0 (with dropout it was 0.010-0.012 on MiniLM, x40
-        in the loss: a dropout-consistency term nobody chose)."""
+        the term measures the model's drift only and is 0 at step 0 (with dropout in this pass it is not: a
+        dropout-consistency term under the weight 40 that nobody chose; README, Choices of ours)."""
         ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]  # (G, 2, L')
         g, _, lr = ids.shape
         if student is None or self.retention_student == "clean":
@@ -792,7 +792,7 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
     """L2-normalised mean-pooled vectors of `texts`, in input order, as a CPU float32 (N, H) tensor.
 
     The one batch embedder of the repository: select_groups.py (centrality and the E5 ranking), finetune.py
-    (hard-negative mining) and evaluate.py (the mteb wrapper) all call it. `model` is any transformers encoder
+    (hard-negative mining) and evaluate.py's scoring during training (--eval_tasks) call it. `model` is any transformers encoder
     (AutoModel, or an *ForMaskedLM whose base model is called), used on the device and dtype it sits on.
       - the whole list is tokenised once and sorted by *token* count, so each batch pads to within a token or
         two of its own texts (longest first: an out-of-memory error shows up on the first batch);

@@ -195,7 +195,7 @@ def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarra
 
     Computed with pyarrow compute on Arrow batches of the two columns (no Python dict per row, no cache file
     written, so every process can run it at once); utf8_length counts code points like Python's len, so the
-    lengths, and hence the batches, are those of the former per-row Python loop."""
+    lengths, and hence the batches, are those Python's len gives."""
     import pyarrow.compute as pc
 
     out = np.empty(len(groups), dtype=np.int64)

@@ -1,0 +1,121 @@
+"""The README's paper map is the code that runs: one training step of every objective and ablation, run through the
+real scripts under sys.setprofile, calls each paper-map function of that objective (and never L_cross without the
+fill-in loss); every function the map names for modeling_xprt.py, train.py, finetune.py and select_groups.py exists
+and ran in one of these runs."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import cli_args
+
+import finetune
+import select_groups
+import train
+from test_finetune import make_beir
+from test_select_groups import _docs, _write_jsonl
+from test_train import base_args
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ("modeling_xprt.py", "train.py", "finetune.py", "select_groups.py")
+
+# What one step of each objective must run (qualified names), beyond what every step runs.
+EVERY_PRETRAIN_STEP = {"XPRTModel.encode", "mean_pool", "retention_loss", "RetentionSchedule.value",
+                       "load_mlm_encoder"}
+EXPECTED = {
+    "xprt": {"XPRTModel.xprt_step", "xp_loss", "info_nce", "gather_with_grad", "cross_fill_loss", "self_fill_loss",
+             "mlm_loss", "uniformity_loss", "decoder_pass_plan", "ConditionedDecoder.forward", "XPRTModel.decode",
+             "VocabSweep.run", "vocab_sweep", "_FusedLinearCE.forward"},
+    "no_fill_in": {"XPRTModel.xprt_step", "xp_loss", "info_nce", "self_fill_loss", "mlm_loss", "uniformity_loss",
+                   "decoder_pass_plan", "ConditionedDecoder.forward", "VocabSweep.run", "vocab_sweep"},
+    "positive_random": {"XPRTModel.xprt_step", "xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss"},
+    "contrastive_random_span": {"contrastive_random_span", "info_nce", "gather_with_grad"},
+    "self_reconstruction": {"self_reconstruction", "mlm_loss", "ConditionedDecoder.forward", "VocabSweep.run"},
+    "pair": {"pair_q_loss", "pair_p_loss", "pair_loss", "pair_false_negatives", "info_nce", "pair_alpha_at",
+             "mine_hard_negatives", "XPRTModel.encode", "mean_pool"},
+}
+NEVER = {"no_fill_in": {"cross_fill_loss"}}
+
+
+def paper_map():
+    """{script: {function}} named in the README's paper map ("script : name, name"; flags and prose left out)."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("## Paper map", 1)[1].split("\n## ", 1)[0]
+    out = {}
+    for script, names in re.findall(r"`(\w+\.py) : ([^`]+)`", table):
+        out.setdefault(script, set()).update(n.strip() for n in names.split(","))
+    return out
+
+
+def profiled(fn):
+    """Run fn() and return the qualified names of the repository's functions it called (sys.setprofile)."""
+    files = {str(ROOT / s) for s in SCRIPTS}
+    seen = set()
+
+    def prof(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename in files:
+            seen.add(frame.f_code.co_qualname)
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_bert, tmp_path_factory):
+    """One optimiser step of every objective and ablation through train.main / finetune.main, and a small selection
+    through select_groups.main: {run: functions that ran}."""
+    tmp = tmp_path_factory.mktemp("paper_map")
+    # the groups the training runs read are select_groups.py's own output
+    docs = tmp / "docs.jsonl"
+    _write_jsonl(docs, _docs(12))
+    groups = tmp / "groups"
+    sel = ["--input", str(docs), "--model_name_or_path", str(tiny_bert), "--output_dir", str(groups),
+           "--centrality_threshold", "-1"]
+    out = {"select": profiled(lambda: select_groups.main(sel))}
+    flags = {"xprt": {}, "no_fill_in": {"--no_fill_in": True}, "positive_random": {"--positive": "random"},
+             "contrastive_random_span": {"--objective": "contrastive_random_span"},
+             "self_reconstruction": {"--objective": "self_reconstruction"}}
+    for name, extra in flags.items():
+        argv = base_args(tiny_bert, groups, tmp / name, **{"--max_train_steps": 1, "--max_groups": 8,
+                                                            "--no_save_model": True, **extra})
+        out[name] = profiled(lambda: train.main(argv))
+    beir = make_beir(tmp / "beir")
+    ft = cli_args({"--model_name_or_path": str(tiny_bert), "--beir_dir": str(beir), "--output_dir": str(tmp / "ft"),
+                   "--per_device_train_batch_size": 4, "--max_train_steps": 1, "--num_negatives": 1,
+                   "--negatives_rank_min": 1, "--negatives_rank_max": 5, "--pair_alpha": 0.1,
+                   "--report_to": "none", "--no_save_model": True})
+    out["pair"] = profiled(lambda: finetune.main(ft))
+    return out
+
+
+@pytest.mark.parametrize("objective", sorted(EXPECTED))
+def test_each_objective_runs_its_paper_map_functions(runs, objective):
+    ran = runs[objective]
+    expected = EXPECTED[objective] | (EVERY_PRETRAIN_STEP if objective != "pair" else set())
+    named = set().union(*paper_map().values())
+    print(f"{objective}: paper-map functions that ran: {sorted(ran & named)}")
+    assert expected <= ran, sorted(expected - ran)
+    assert not (NEVER.get(objective, set()) & ran), NEVER[objective] & ran
+
+
+def test_every_function_the_map_names_exists_and_runs(runs):
+    import modeling_xprt
+
+    modules = {"modeling_xprt.py": modeling_xprt, "train.py": train, "finetune.py": finetune,
+               "select_groups.py": select_groups}
+    ran = set().union(*runs.values())
+    # run by fine-tuning's stage 1 only, which needs real generator and cross-encoder weights (tests/test_finetune.py
+    # runs them on tiny random models)
+    stage1 = {"generate_pseudo_queries", "denoise_pseudo_queries"}
+    for script, names in paper_map().items():
+        for name in names:
+            obj = modules[script]
+            for part in name.split("."):
+                obj = getattr(obj, part)  # a renamed function breaks the map here
+            ran_here = name in ran or any(r.startswith(name + ".") for r in ran)  # a class: one of its methods
+            assert ran_here or name in stage1, f"{script} : {name} never ran"
