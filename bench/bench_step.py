@@ -199,7 +199,9 @@ def bench_model(name, args, device):
     def term_mlm():
         model.zero_grad(set_to_none=True)
         x = mlm_h.clone().requires_grad_(True)
-        model._vocab(mx.mlm_loss, x, targets=mlm_t).backward()
+        sweep = mx.VocabSweep(model)
+        mx.mlm_loss(sweep, x, mlm_t, 1.0)
+        sweep.run()[0].backward()
 
     def decoder_term(which):
         idx = [i for i, k in enumerate(kind) if k == which]
@@ -211,18 +213,20 @@ def bench_model(name, args, device):
         labels = batch["dec_labels"][:, sel].reshape(g * d, l)
         am = batch["attention_mask"][:, tgt].reshape(g * d, l)
         cond = vec.view(g, p, h)[:, src].reshape(g * d, h)
-        pos = model._decoder_positions(labels)
+        rows = mx.ConditionedDecoder.output_rows((labels != -100).reshape(-1).nonzero().squeeze(1), l,
+                                                 model.num_condition_vectors)
         enc_h = hidden.view(g, p, l, h)[:, tgt][batch["dec_labels"][:, sel] != -100]
 
         def run():
             model.zero_grad(set_to_none=True)
             v = cond.clone().requires_grad_(True)
-            out = model.decode(v, ids, am)
+            out = model.decoder(v, model.base.embeddings(input_ids=ids), am).reshape(-1, h).index_select(0, rows)
+            sweep = mx.VocabSweep(model)
             if which == "cross":
-                loss = model._vocab(mx.cross_fill_loss, out[pos], targets=labels[labels != -100])
+                mx.cross_fill_loss(sweep, out, labels[labels != -100], 1.0)
             else:
-                loss = model._vocab(mx.self_fill_loss, out[pos], teacher_hidden=enc_h)
-            loss.backward()
+                mx.self_fill_loss(sweep, out, enc_h, 1.0)
+            sweep.run()[0].backward()
 
         return run
 
