@@ -42,6 +42,9 @@ def parse_args():
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no_plain", action="store_true", help="skip the plain (unfused) vocabulary-loss comparison")
+    p.add_argument("--vocab", action="store_true",
+                   help="only compare the vocabulary cross-entropy three ways on the step's own L_MLM + L_cross rows: "
+                        "ours fused (vocab_sweep), plain full logits, torch's chunked F.linear_cross_entropy")
     p.add_argument("--baseline", default=None,
                    help="another tree's modeling_xprt.py (e.g. main's before a change): its step is timed interleaved "
                         "with this one's and the floor, same weights and batch, paper's (masked) retention student; "
@@ -276,8 +279,71 @@ def bench_model(name, args, device):
     return results
 
 
+def bench_vocab(name, args, device):
+    """The step's hard-target vocabulary rows (L_MLM's and L_cross's, from one real xPRT forward of this batch) through
+    the tied projection, forward + backward, three ways, interleaved, fastest of --repeats: ours fused
+    (vocab_sweep), plain (full logits), torch's chunked F.linear_cross_entropy (LinearCrossEntropyOptions; torch
+    has no KL form, so L_self is left out of all three). Returns each time over ours."""
+    import torch.nn.functional as F
+
+    tok, mlm, _, msg = build(name)
+    mlm.to(device)
+    batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(make_rows(tok, args.groups, args.max_length))
+    batch = {k: v.to(device) for k, v in batch.items()}
+    model = mx.XPRTModel(mlm).to(device).train()
+    g, p, l = batch["input_ids"].shape
+    with torch.no_grad():  # the step's own rows, through the head's transform, as leaves
+        hidden, vec = model.encode(batch["input_ids"].view(g * p, l), batch["attention_mask"].view(g * p, l))
+        dec = model.decode(vec.view(g, p, -1), batch, batch["attention_mask"])
+        rows = torch.cat([hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["mlm_index"]),
+                          dec.index_select(0, batch["cross_rows"])])
+        rows = model.head_transform(rows)
+    targets = torch.cat([batch["mlm_targets"], batch["cross_targets"]])
+    w, b = model.projection()
+    x = rows.clone().requires_grad_(True)
+    chunked = torch.nn.LinearCrossEntropyOptions() if hasattr(torch.nn, "LinearCrossEntropyOptions") else None
+
+    def run(how):
+        def fn():
+            x.grad = w.grad = b.grad = None
+            if how == "torch chunked":
+                loss = F.linear_cross_entropy(x, w, targets, linear_bias=b, options=chunked)
+            else:
+                loss = mx.vocab_sweep(w, b, ce=[(x, targets, 1.0)], fused=how == "ours fused")[0]
+            loss.backward()
+            return loss.detach(), x.grad.clone()
+        return fn
+
+    ways = ["ours fused", "plain"] + (["torch chunked"] if chunked is not None else [])
+    values = {k: run(k)() for k in ways}
+    times = {k: [] for k in ways}
+    for _ in range(args.repeats):
+        for k in ways:
+            t0 = time.perf_counter()
+            run(k)()
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    print(f"\n== {name} vocabulary CE: {rows.shape[0]} rows x {rows.shape[1]} x {w.shape[0]} words, forward + "
+          f"backward, {device}, fastest of {args.repeats} interleaved ==", flush=True)
+    ref_loss, ref_grad = values["plain"]
+    for k in ways:
+        loss, grad = values[k]
+        print(f"  {k:14s} {min(times[k]):7.3f} s  loss {float(loss):.6f}  |loss - plain| {abs(float(loss - ref_loss)):.1e}"
+              f"  max |grad - plain| {float((grad - ref_grad).abs().max()):.1e}", flush=True)
+    return {k: min(times[k]) / min(times["ours fused"]) for k in ways}
+
+
 def main():
     args = parse_args()
+    if args.vocab:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        r = {n: bench_vocab(n, args, torch.device(args.device)) for n in args.models}
+        for n, x in r.items():
+            print(f"  {n:10s} " + "  ".join(f"{k} {v:.2f}x" for k, v in x.items()) + " (time / ours fused)")
+        key = "minilm" if "minilm" in r else args.models[0]
+        print(f"ratio: {r[key].get('torch chunked', float('nan')):.3f}")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
