@@ -286,21 +286,13 @@ def peak_flops(accelerator, args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
+# The model and the data
 # ----------------------------------------------------------------------------------------------------------------
-def main(argv=None):
-    args = parse_args(argv)
-    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
-    from accelerate.utils import set_seed
-    from transformers import AutoTokenizer, get_scheduler
+def load_model(accelerator, args):
+    """XPRTModel.from_pretrained(--model_name_or_path) with the flags' loss weights, and its tokenizer. Loaded whole,
+    even under ZeRO-3: DeepSpeed partitions it at prepare."""
+    from transformers import AutoTokenizer
 
-    # ---- accelerator. Some objectives leave heads unused (no decoder without fill-in), which DDP only tolerates with
-    # find_unused_parameters.
-    accelerator = make_accelerator(args, find_unused_parameters=not (args.objective == "xprt" and not args.no_fill_in))
-    prepare_output_dir(accelerator, args)
-    set_seed(args.seed)
-
-    # ---- model: loaded whole, even under ZeRO-3 (DeepSpeed partitions it at prepare)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_name_or_path),
                                               trust_remote_code=args.trust_remote_code)
     weight_flags = [("xp", "xp_weight"), ("cross", "cross_weight"), ("self_fill", "self_fill_weight"),
@@ -318,8 +310,13 @@ def main(argv=None):
     register_tied_projection(accelerator, model)
     if args.gradient_checkpointing:
         model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, tokenizer
 
-    # ---- data: the groups, length-grouped batches; a different mask RNG per process, the same across restarts
+
+def load_data(accelerator, args, model, tokenizer):
+    """The groups, their collator (a different mask RNG per process, the same across restarts) and the length-grouped
+    sampler (the random-span baseline's by its crops' lengths: spans_for(epoch) gives each row its crops)
+    -> (rows, collator, sampler, spans_for)."""
     rows = load_groups(args.groups_dir, args.max_groups)
     collator = XPRTCollator(tokenizer, objective=args.objective, num_related=args.num_related,
                             max_length=args.max_length, encoder_mask_rate=args.encoder_mask_rate,
@@ -330,7 +327,12 @@ def main(argv=None):
         lengths, spans_for = crop_lengths(rows, collator, args.seed)
     else:
         lengths, spans_for = group_lengths(rows, args.num_related), None
-    # the retention term: the frozen start model (never prepared: it never trains) and its 40 -> 0 weight
+    return rows, collator, LengthGroupedBatchSampler(lengths, args.per_device_train_batch_size, args.seed), spans_for
+
+
+def load_retention(accelerator, args):
+    """The retention term: its 40 -> 0 weight and the frozen start model (never prepared: it never trains; None when
+    the weight is 0 at both ends) -> (retention, teacher)."""
     retention = RetentionSchedule(args.retention_weight, args.retention_final_weight, 1, args.retention_schedule)
     teacher = None
     if retention.enabled:
@@ -339,7 +341,30 @@ def main(argv=None):
             teacher = load_teacher(teacher_path, trust_remote_code=args.trust_remote_code).to(accelerator.device)
     accelerator.print(f"retention {args.retention_weight} -> {args.retention_final_weight} "
                       f"({args.retention_schedule}); heads lr {args.head_learning_rate or args.learning_rate}")
-    sampler = LengthGroupedBatchSampler(lengths, args.per_device_train_batch_size, args.seed)
+    return retention, teacher
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
+# ----------------------------------------------------------------------------------------------------------------
+def main(argv=None):
+    args = parse_args(argv)
+    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
+    from accelerate.utils import set_seed
+    from transformers import get_scheduler
+
+    # ---- accelerator. Some objectives leave heads unused (no decoder without fill-in), which DDP only tolerates with
+    # find_unused_parameters.
+    accelerator = make_accelerator(args, find_unused_parameters=not (args.objective == "xprt" and not args.no_fill_in))
+    prepare_output_dir(accelerator, args)
+    set_seed(args.seed)
+
+    # ---- model
+    model, tokenizer = load_model(accelerator, args)
+
+    # ---- data: the groups, length-grouped batches; then the retention term's frozen teacher and its weight
+    rows, collator, sampler, spans_for = load_data(accelerator, args, model, tokenizer)
+    retention, teacher = load_retention(accelerator, args)
     # collate_fn=list: rows are collated in the loop, not in the DataLoader, whose prefetching would advance the
     # collator's mask RNG past a checkpoint; generator: its base seed, not the global RNG that drives dropout
     dataloader = torch.utils.data.DataLoader(RowsDataset(rows), batch_sampler=sampler, collate_fn=list,
