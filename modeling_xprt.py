@@ -46,9 +46,20 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     hidden (B, L, H), attention_mask (B, L) -> (B, H). Not normalised: callers normalise when they
     need cosines, so the same function serves losses that want raw vectors.
     """
-    mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, L, 1)
+    mask = attention_mask.unsqueeze(-1).to(torch.float32)  # (B, L, 1)
+    # fp32 sums: a bf16 encoder's vectors would otherwise carry bf16's 3 significant digits into every cosine;
     # clamp: an all-padding row (never produced by our collators) would otherwise divide by zero
-    return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+    return (hidden.float() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+
+
+def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """cos(a_i, b_j) as an (A, B) fp32 matrix: what every similarity-based term is built on (L_xp and the baselines'
+    InfoNCE, L_unif, the retention KL, PAIR's L_Q and L_P). Computed in fp32 with autocast off: under bf16 autocast a
+    matmul recasts its inputs to bf16 whatever .float() came before it, and at tau = 0.05 the logits are 16-20, where
+    bf16 steps by 0.125; while the student is within 1e-3 cosine of its teacher, the retention KL is then mostly
+    rounding (README, Notes)."""
+    with torch.autocast(a.device.type, enabled=False):
+        return F.normalize(a.float(), dim=-1) @ F.normalize(b.float(), dim=-1).t()
 
 
 def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +110,7 @@ def info_nce(queries: torch.Tensor, keys: torch.Tensor, labels: torch.Tensor, ta
     Also known as MultipleNegativesRankingLoss; temperature tau = 0.05 is sentence-transformers'
     scale = 20. `exclude` (Q, K) bool marks candidates removed from the denominator (never the label).
     """
-    logits = F.normalize(queries, dim=-1) @ F.normalize(keys, dim=-1).t() / tau  # (Q, K)
+    logits = cosines(queries, keys) / tau  # (Q, K), fp32
     if exclude is not None:
         logits = logits.masked_fill(exclude, float("-inf"))
     return F.cross_entropy(logits.float(), labels)
@@ -172,11 +183,10 @@ def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
     Applied to the batch's anchors: the closer any two anchors, the larger the penalty, so the
     vectors do not collapse into one cluster. Local batch only (no gathering).
     """
-    x = F.normalize(vectors.float(), dim=-1)
-    sq = (2 - 2 * x @ x.t()).clamp(min=0)  # ||x - y||^2 for unit vectors, (N, N)
-    n = x.shape[0]
+    sq = (2 - 2 * cosines(vectors, vectors)).clamp(min=0)  # ||x - y||^2 for unit vectors, (N, N)
+    n = vectors.shape[0]
     # i != j by a -inf diagonal, not a boolean-mask gather (whose data-dependent size is a device-to-host sync)
-    diag = torch.eye(n, dtype=torch.bool, device=x.device)
+    diag = torch.eye(n, dtype=torch.bool, device=vectors.device)
     return torch.logsumexp((-t * sq).masked_fill(diag, float("-inf")).flatten(), dim=0) - math.log(n * (n - 1))
 
 
@@ -191,9 +201,9 @@ def retention_loss(student_anchors, student_related, teacher_anchors, teacher_re
     each KL averaged over rows/columns. The paper's weight falls 40 -> 0 over training (train.py).
     The paper gives no temperature for these softmaxes: tau = 0.05 (L_xp's) is our choice.
     """
-    s = F.normalize(student_anchors.float(), dim=-1) @ F.normalize(student_related.float(), dim=-1).t() / tau
+    s = cosines(student_anchors, student_related) / tau
     with torch.no_grad():
-        t = F.normalize(teacher_anchors.float(), dim=-1) @ F.normalize(teacher_related.float(), dim=-1).t() / tau
+        t = cosines(teacher_anchors, teacher_related) / tau
 
     def kl(t_logits, s_logits):  # mean over rows of KL(softmax(t) || softmax(s))
         return F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
@@ -280,8 +290,9 @@ def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
         raise ValueError("pair_p_loss needs at least one negative passage per query (num_negatives >= 1)")
     pos = passages[:, 0]  # (B, H)
     all_neg = gather_with_grad(passages[:, 1:].reshape(b * (k - 1), h))  # (world * B * n, H)
-    pos_n, q_n, neg_n = F.normalize(pos, dim=-1), F.normalize(queries, dim=-1), F.normalize(all_neg, dim=-1)
-    logits = torch.cat([(pos_n * q_n).sum(-1, keepdim=True), pos_n @ neg_n.t()], dim=1) / tau  # (B, 1 + world*B*n)
+    with torch.autocast(pos.device.type, enabled=False):  # fp32, as in cosines
+        own = (F.normalize(pos.float(), dim=-1) * F.normalize(queries.float(), dim=-1)).sum(-1, keepdim=True)
+    logits = torch.cat([own, cosines(pos, all_neg)], dim=1) / tau  # (B, 1 + world*B*n)
     if passage_ids is not None:
         relevant_ids = passage_ids[:, :1] if relevant_ids is None else relevant_ids
         neg_ids = gather_no_grad(passage_ids[:, 1:].reshape(b * (k - 1)))
@@ -589,7 +600,8 @@ class XPRTModel(nn.Module):
         g, d, l = ids.shape
         h = vectors.shape[-1]
         emb = self.base.embeddings(input_ids=ids.reshape(g * d, l))  # the encoder's own embedding layer
-        cond = vectors[:, batch["dec_source"]].reshape(g * d, h)  # (G*D, H)
+        # (G*D, H); mean_pool's fp32 vectors in the weights' dtype (bf16 under DeepSpeed's bf16)
+        cond = vectors[:, batch["dec_source"]].reshape(g * d, h).to(emb.dtype)
         mask = attention_mask[:, batch["dec_target"]].reshape(g * d, l)
         return self.decoder(cond, emb, mask).reshape(-1, h)
 
@@ -686,12 +698,23 @@ class XPRTModel(nn.Module):
         ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]  # (G, 2, L')
         g, _, lr = ids.shape
         if student is None or self.retention_student == "clean":
-            with dropout_off(self.base):
-                _, v = self.encode(ids.reshape(g * 2, lr), mask.reshape(g * 2, lr))
+            def clean_pass(flat_ids, flat_mask):
+                with dropout_off(self.base):
+                    return self.encode(flat_ids, flat_mask)[1]
+
+            flat = (ids.reshape(g * 2, lr), mask.reshape(g * 2, lr))
+            if self.encoder.is_gradient_checkpointing and torch.is_grad_enabled():
+                # eval mode (no dropout) makes transformers skip its per-layer checkpointing, so under
+                # --gradient_checkpointing the pass is checkpointed whole; its recomputation runs in eval mode too
+                from torch.utils.checkpoint import checkpoint
+
+                v = checkpoint(clean_pass, *flat, use_reentrant=False)
+            else:
+                v = clean_pass(*flat)
             student = v.view(g, 2, -1)
         with torch.no_grad():
             hidden = teacher(input_ids=ids.reshape(g * 2, lr), attention_mask=mask.reshape(g * 2, lr)).last_hidden_state
-            t = mean_pool(hidden.float(), mask.reshape(g * 2, lr)).view(g, 2, -1)
+            t = mean_pool(hidden, mask.reshape(g * 2, lr)).view(g, 2, -1)
         return retention_loss(student[:, 0], student[:, 1], t[:, 0], t[:, 1], self.tau)
 
     # -- saving and loading ----------------------------------------------------------------------
@@ -938,7 +961,8 @@ class XPRTCollator:
                                  f"need {self.num_related}")
         doc_ids = torch.tensor([stable_doc_hash(r["doc_id"]) for r in rows], dtype=torch.long)
         second = [r["random_passage"] if self.positive == "random" else r["related"][0] for r in rows]
-        clean = self._tokenize([t for r, s in zip(rows, second) for t in (r["anchor"], s)])
+        # the retention pairs are anchor x s1 whatever the positive: the paper gives every method the same term
+        clean = self._tokenize([t for r in rows for t in (r["anchor"], r["related"][0])])
         lr = clean["input_ids"].shape[1]
         batch = {"doc_ids": doc_ids, "retain_input_ids": clean["input_ids"].view(g, 2, lr),
                  "retain_attention_mask": clean["attention_mask"].view(g, 2, lr)}

@@ -1001,6 +1001,15 @@ def batch_to_device(batch, device):
             for k, v in batch.items()}
 
 
+def engine_dtype(accelerator) -> torch.dtype:
+    """The dtype a prepared model's weights compute in: bf16 / fp16 under DeepSpeed's bf16 / fp16, which casts the
+    model itself; otherwise fp32 (autocast, where --mixed_precision asks for it, recasts inside each op). A model
+    that runs beside the prepared one and must compute as it does (the frozen retention teacher) takes this dtype."""
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    return torch.float32
+
+
 def register_tied_projection(accelerator, model):
     """Under ZeRO-3: the tied vocabulary projection (= the word embeddings) and its bias are read by the vocabulary
     terms outside the modules that own them, so ZeRO-3 must keep them gathered for the whole forward and backward

@@ -27,9 +27,9 @@ import torch
 
 from modeling_xprt import PRETRAIN_OBJECTIVES, LossWeights, XPRTCollator, XPRTModel, crop_spans, load_teacher
 from support import (PAPER_MODEL, LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args,
-                     batch_to_device, check_common_args, describe_prompts, epoch_batches, make_accelerator,
-                     optimizer_groups, prepare_output_dir, read_json, register_tied_projection, resolve_model_path,
-                     resume, save_checkpoint, save_run, whole_weights, write_log_record)
+                     batch_to_device, check_common_args, describe_prompts, engine_dtype, epoch_batches,
+                     make_accelerator, optimizer_groups, prepare_output_dir, read_json, register_tied_projection,
+                     resolve_model_path, resume, save_checkpoint, save_run, whole_weights, write_log_record)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -112,6 +112,9 @@ def parse_args(argv=None):
             raise SystemExit(f"--{name} must be in [0, 1)")
     if args.retention_weight < 0 or args.retention_final_weight < 0:
         raise SystemExit("retention weights must be >= 0")
+    if args.positive == "random" and args.retention_student == "masked" and args.retention_weight > 0:
+        raise SystemExit("--positive random with --retention_student masked: the masked pass's slot 1 holds the "
+                         "random passage, while every method's retention pairs are anchor x s1; use the clean student")
     return args
 
 
@@ -338,7 +341,10 @@ def load_retention(accelerator, args):
     if retention.enabled:
         with whole_weights():
             teacher_path = resolve_model_path(args.teacher_name_or_path or args.model_name_or_path)
-            teacher = load_teacher(teacher_path, trust_remote_code=args.trust_remote_code).to(accelerator.device)
+            teacher = load_teacher(teacher_path, trust_remote_code=args.trust_remote_code)
+        # the student's precision: under DeepSpeed bf16 the student's weights are bf16, and an fp32 teacher would put
+        # a precision gap into the retention term from step 0 (under autocast both run inside the same autocast)
+        teacher.to(accelerator.device, dtype=engine_dtype(accelerator))
     accelerator.print(f"retention {args.retention_weight} -> {args.retention_final_weight} "
                       f"({args.retention_schedule}); heads lr {args.head_learning_rate or args.learning_rate}")
     return retention, teacher

@@ -585,10 +585,14 @@ def test_xprt_collator_masks_and_resume(tok):
     col2.load_state_dict(state)
     b2 = col2(rows)
     assert all(torch.equal(b[k], b2[k]) for k in b)
-    # positive="random" puts the random passage in slot 1
+    # positive="random" puts the random passage in slot 1 of the encoder passes; the retention pairs stay anchor x s1,
+    # as the paper gives every method the same retention term
     br = mx.XPRTCollator(tok, positive="random", seed=7)(rows)
+    assert torch.equal(br["retain_input_ids"], mx.XPRTCollator(tok, seed=7)(rows)["retain_input_ids"])
     rnd = tok([r["random_passage"] for r in rows], padding=True, return_tensors="pt")["input_ids"]
-    assert torch.equal(br["retain_input_ids"][:, 1, : rnd.shape[1]], rnd)
+    labels = br["mlm_labels"][:, 1]
+    slot1 = torch.where(labels != -100, labels, br["input_ids"][:, 1])  # the unmasked tokens
+    assert torch.equal(slot1[:, : rnd.shape[1]], rnd)
 
 
 def _crop_views(b):
@@ -749,3 +753,37 @@ def test_saved_model_keeps_the_start_models_length_limit(tiny_bert, tok, tmp_pat
     assert read_max_seq_length(str(tmp_path / "m")) == 200
     assert mx.XPRTModel.from_pretrained(str(tmp_path / "m")).max_seq_length == 200
     assert read_max_seq_length("all-MiniLM-L6-v2") == 256
+
+
+def test_clean_retention_pass_is_checkpointed_and_gives_the_same_gradients(tiny_bert, tok):
+    """Under gradient checkpointing the clean retention pass (eval mode inside, where transformers skips its own
+    per-layer checkpointing) is checkpointed whole: its activations are recomputed at the backward, and the loss
+    and every gradient equal the run without checkpointing."""
+    from torch.utils import checkpoint as ckpt
+
+    batch = mx.XPRTCollator(tok, seed=3)(toy_rows(4))
+    teacher = mx.load_teacher(str(tiny_bert))
+    with torch.no_grad():  # a teacher the student has drifted from: a non-zero term with a real gradient
+        g = torch.Generator().manual_seed(1)
+        for q in teacher.parameters():
+            q.add_(0.05 * torch.randn(q.shape, generator=g))
+    results, calls = [], []
+    orig = ckpt.checkpoint
+    for on in (False, True):
+        model = make_model(tiny_bert, weights=mx.LossWeights(xp=0, cross=0, self_fill=0, mlm=0, unif=0))
+        if on:
+            model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ckpt.checkpoint = lambda fn, *a, **kw: (calls.append(fn.__name__), orig(fn, *a, **kw))[1]
+        try:
+            torch.manual_seed(0)
+            out = model(batch, teacher=teacher, retention_weight=40.0)
+            out["loss"].backward()
+        finally:
+            ckpt.checkpoint = orig
+        results.append((out["loss"].detach(), {k: q.grad.clone() for k, q in model.named_parameters()
+                                                if q.grad is not None}))
+    assert "clean_pass" in calls
+    (l0, g0), (l1, g1) = results
+    assert l0 > 1e-4 and torch.equal(l0, l1) and set(g0) == set(g1)
+    for k in g0:
+        assert torch.allclose(g0[k], g1[k], atol=1e-7), k

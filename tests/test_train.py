@@ -492,6 +492,25 @@ def test_accelerate_launch_deepspeed_one_cpu_process(tiny_bert, groups, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_retention_is_zero_at_step_0_under_deepspeed_bf16(tiny_bert, groups, tmp_path, stage):
+    """DeepSpeed bf16 casts the student's weights to bf16; the frozen teacher is cast to the same dtype
+    (support.engine_dtype), so at step 0 the clean student pass and the teacher are one computation and the retention
+    term is exactly 0 (with an fp32 teacher it was 3.1e-7 on MiniLM, x40 in the loss)."""
+    out = tmp_path / "dsbf16"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / f"accelerate_cpu_deepspeed_{stage}.yaml"), str(ROOT / "train.py")]
+    cmd += [str(a) for a in base_args(tiny_bert, groups, out, **{"--max_train_steps": 1, "--max_groups": 8,
+                                                                   "--mixed_precision": "bf16",
+                                                                   "--no_save_model": True})]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "DistributedType.DEEPSPEED x 1, mixed precision bf16" in proc.stdout + proc.stderr
+    (rec,) = [r for r in _records(out) if "loss" in r]
+    assert rec["retention_loss"] == 0.0 and math.isfinite(rec["loss"])
+
+
+@pytest.mark.slow
 def test_two_process_run_resumes_exactly(tiny_bert, groups, tmp_path):
     """torchrun with 2 CPU processes (gloo): accelerate must form a MULTI_CPU group (train.py passes cpu=True when
     there is no GPU), negatives are gathered across both, and each process's collator RNG is checkpointed by that
