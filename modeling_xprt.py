@@ -215,7 +215,12 @@ def retention_loss(student_anchors, student_related, teacher_anchors, teacher_re
 def contrastive_random_span(view1: torch.Tensor, view2: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
     """Contriever-style baseline: two independent random crops of one passage (length ratio
     uniform in [0.1, 0.5], XPRTCollator) form the positive pair; InfoNCE, tau = 0.05, with the
-    (gathered) in-batch crops as negatives, one direction (view1 -> view2) as in Contriever."""
+    (gathered) in-batch crops as negatives, one direction (view1 -> view2) as in Contriever.
+
+    train.py passes the longer crop as view1: its batches are grouped by the crops' lengths, and with the views in
+    drawn order a query's partner would be the candidate of the other length class, a cue a length-only scorer
+    uses (partner percentile 0.30 instead of 0.5 on the demo's groups at batch 16; 0.51 with the longer crop as the
+    query: bench/bench_batches.py). The crops are exchangeable, so which one is the query is the labelling only."""
     all_v2 = gather_with_grad(view2)
     n = view1.shape[0]
     labels = torch.arange(n, device=view1.device) + rank_and_world()[0] * n
@@ -406,7 +411,7 @@ class ConditionedDecoder(nn.Module):
 #   contrastive_random_span:
 #     input_ids, attention_mask               (G, L)      the longer crop of each row
 #     short_input_ids, short_attention_mask   (G, L')     the shorter crop
-#     view1_is_long                           (G,)        which crop is view 1
+#     view1_is_long                           (G,)        which crop was drawn first (checks; the query is the longer)
 #   every pre-training objective:
 #     retain_input_ids, retain_attention_mask (G, 2, L")  clean anchor and s1 (teacher and clean student)
 #     doc_ids                                 (G,)        stable int64 hash of the document id
@@ -651,9 +656,7 @@ class XPRTModel(nn.Module):
         # the longer and the shorter crop of each row, each padded to its own length (XPRTCollator._crops)
         _, v_long = self.encode(batch["input_ids"], batch["attention_mask"])  # (G, H)
         _, v_short = self.encode(batch["short_input_ids"], batch["short_attention_mask"])
-        first = batch["view1_is_long"].unsqueeze(1)  # back in view order, without a data-dependent gather
-        c = contrastive_random_span(torch.where(first, v_long, v_short), torch.where(first, v_short, v_long),
-                                    self.tau)
+        c = contrastive_random_span(v_long, v_short, self.tau)  # the longer crop is the query
         return c, {"contrastive_loss": c}, None
 
     def self_reconstruction_step(self, batch):

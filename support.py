@@ -894,9 +894,14 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     Incomplete last batches are dropped so every step has the same number of negatives. Being a function of
     (seed, epoch) is what makes skip_first_batches land on the same data after a resume.
     `cut` turns the epoch's order into batches (finetune.NoDuplicatesBatchSampler overrides it).
+    spread > 1 deals each run of `spread` length-sorted batches round-robin (row k of the run to batch k mod spread):
+    rows of nearly equal length, such as the groups of one document (they share its passages), then land in
+    different batches, at the cost of a batch spanning `spread` batches' worth of the sorted lengths
+    (bench/bench_batches.py measures both).
     """
 
-    def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50):
+    def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50,
+                 spread: int = 1):
         # a numpy int64 array, not a list: 8 bytes per row, whatever the number of groups (a list of Python ints
         # costs about 36). A callable epoch -> lengths: lengths that change with the epoch (the random-span
         # baseline's crops, drawn per (seed, epoch): crop_spans); (N, 2) lengths: the longer and the shorter of two
@@ -904,7 +909,7 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         self.lengths_for_epoch = lengths if callable(lengths) else None
         lengths = lengths(0) if callable(lengths) else lengths
         self.lengths, self.batch_size, self.seed = np.asarray(lengths, dtype=np.int64), batch_size, seed
-        self.group, self.mega = group_by_length, mega
+        self.group, self.mega, self.spread = group_by_length, mega, spread
         self.epoch, self.drop_last = 0, True
         if len(self.lengths) < batch_size:
             raise ValueError(f"{len(self.lengths)} examples cannot fill one batch of {batch_size}")
@@ -932,11 +937,24 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
             span = bs * self.mega
             for s in range(0, n, span):
                 part = order[s:s + span]
-                order[s:s + span] = part[self._longest_first(self.lengths[part])]
+                part = part[self._longest_first(self.lengths[part])]
+                order[s:s + span] = self._deal(part, bs)
         batches = self.cut(order)
         perm = list(range(n // bs))
         rng.shuffle(perm)
         return batches[perm]
+
+    def _deal(self, part: np.ndarray, bs: int) -> np.ndarray:
+        """A sorted mega-batch with each run of `spread` batches dealt round-robin (the last, shorter run over the
+        batches it fills); consecutive batch_size blocks of the result are the batches."""
+        if self.spread <= 1:
+            return part
+        w, out = bs * self.spread, part.copy()
+        for s in range(0, len(part) // bs * bs, w):
+            run = part[s:s + w]
+            k = len(run) // bs  # full batches in this run
+            out[s:s + k * bs] = run[:k * bs].reshape(bs, k).T.reshape(-1)  # batch j: rows j, j + k, j + 2k, ...
+        return out
 
     @staticmethod
     def _longest_first(lengths, buckets: int = 10) -> np.ndarray:

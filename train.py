@@ -70,6 +70,13 @@ def parse_args(argv=None):
                    help="mask rate of the decoder inputs (default: the objective's; xprt 60%%, "
                         "self_reconstruction 50%%)")
     g.add_argument("--max_groups", type=int, default=None, help="use only the first N groups (debugging)")
+    g.add_argument("--spread_documents", type=int, default=16,
+                   help="deal each run of N length-sorted batches round-robin, so that the groups of one document "
+                        "(nearly equal lengths: they share its passages) land in different batches; 1 = off. Demo "
+                        "groups, batch 16: rows with a same-document partner 0.43 -> 0.11 (random batches 0.08), "
+                        "negatives the same-document mask removes 4.7%% -> 0.9%%, padding unchanged "
+                        "(bench/bench_batches.py). Not for the random-span baseline, whose crop-length grouping it "
+                        "would undo")
 
     g = p.add_argument_group("loss weights (modeling_xprt.LossWeights; None = its defaults)")
     g.add_argument("--xp_weight", type=float, default=None, help="weight of L_xp")
@@ -112,6 +119,8 @@ def parse_args(argv=None):
             raise SystemExit(f"--{name} must be in [0, 1)")
     if args.retention_weight < 0 or args.retention_final_weight < 0:
         raise SystemExit("retention weights must be >= 0")
+    if args.spread_documents < 1:
+        raise SystemExit("--spread_documents must be >= 1 (1 = off)")
     if args.positive == "random" and args.retention_student == "masked" and args.retention_weight > 0:
         raise SystemExit("--positive random with --retention_student masked: the masked pass's slot 1 holds the "
                          "random passage, while every method's retention pairs are anchor x s1; use the clean student")
@@ -330,7 +339,9 @@ def load_data(accelerator, args, model, tokenizer):
         lengths, spans_for = crop_lengths(rows, collator, args.seed)
     else:
         lengths, spans_for = group_lengths(rows, args.num_related), None
-    return rows, collator, LengthGroupedBatchSampler(lengths, args.per_device_train_batch_size, args.seed), spans_for
+    spread = 1 if args.objective == "contrastive_random_span" else args.spread_documents
+    sampler = LengthGroupedBatchSampler(lengths, args.per_device_train_batch_size, args.seed, spread=spread)
+    return rows, collator, sampler, spans_for
 
 
 def load_retention(accelerator, args):

@@ -122,7 +122,7 @@ def bench_contrastive(args, texts, path):
         for r in range(bs):
             long = b["input_ids"][r][b["attention_mask"][r].bool()]
             short = b["short_input_ids"][r][b["short_attention_mask"][r].bool()]
-            v1, v2 = (long, short) if b["view1_is_long"][r] else (short, long)
+            v1, v2 = long, short  # the longer crop is the query, as in random_span_step
             views[0].append(v1), views[1].append(v2)
         feats = []
         for col in views:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import cli_args
 import torch
@@ -132,6 +133,21 @@ def test_length_grouped_batches_are_deterministic_complete_and_pad_less():
 
     plain = train.LengthGroupedBatchSampler(lengths, 8, seed=3, group_by_length=False).batches()
     assert eff(b0) > 0.95 and eff(plain) < 0.7, (eff(b0), eff(plain))
+
+
+def test_spread_puts_one_documents_groups_into_different_batches():
+    """Groups of one document have nearly equal lengths and sort next to each other; spread deals each run of
+    `spread` sorted batches round-robin: 24 documents x 8 groups of equal length, batch 8, spread 8 -> no batch holds
+    two groups of one document (unspread: most do), the same rows in batches of the same length ranges."""
+    doc = np.repeat(np.arange(24), 8)
+    lengths = 1000 + 10 * doc  # a document's groups: one length
+    plain = train.LengthGroupedBatchSampler(lengths, 8, seed=3, mega=24).batch_matrix()
+    spread = train.LengthGroupedBatchSampler(lengths, 8, seed=3, mega=24, spread=8).batch_matrix()
+    assert sum(len(set(doc[b])) < 8 for b in plain) > len(plain) // 2
+    assert all(len(set(doc[b])) == 8 for b in spread)
+    assert sorted(spread.ravel().tolist()) == sorted(plain.ravel().tolist())
+    # each batch spans at most `spread` batches' worth of the sorted lengths
+    assert max(np.ptp(lengths[b]) for b in spread) <= 10 * 8
 
 
 def test_random_span_batches_are_grouped_by_their_crops(tmp_path):
