@@ -1,0 +1,316 @@
+"""
+The device check: one command for the first GPU this project is lent (at most about 8 minutes on one GPU), and the
+same code at toy size on a CPU (`--toy`, kept working by tests/test_device_check.py).
+
+    python -m bench.device_check               # on a GPU
+    python -m bench.device_check --toy         # on a CPU: toy sizes, same code
+
+It prints, in order:
+  1. torch / CUDA / transformers / accelerate versions and the device;
+  2. the bf16 xPRT step of a BERT-base config (random weights, the bundled tokenizer bench/tokenizer): groups per
+     step doubled until the device's memory is full, the largest that fits with its time, peak memory, tokens/s,
+     TFLOP/s (train.step_flops) and MFU against the device's dense bf16 peak (train.PEAK_BF16_TFLOPS);
+  3. the vocabulary loss of that step's rows three ways in bf16 autocast: ours fused (vocab_sweep), torch's chunked
+     F.linear_cross_entropy (where that torch has it), plain full logits: time and agreement with plain;
+  4. host syncs in one optimiser step (torch.cuda.set_sync_debug_mode; CUDA only);
+  5. select_groups.py -> `accelerate launch --mixed_precision bf16 train.py` -> evaluate.py on the bundled SciFact
+     sample, with a small random model: the pipeline end to end in bf16, ending in a scored model folder.
+
+A GPU machine without datasets or mteb (the lent one has torch, transformers, accelerate, sentence-transformers):
+run `bash bench/device_wheels.sh` here first and carry bench/wheels; this check installs them offline
+(pip --no-index) when it finds them missing. Last line `ratio: <MFU of the largest step>` (TFLOP/s on CPU).
+"""
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from bench import ROOT  # noqa: F401  (the repository on sys.path; offline defaults)
+
+HERE = Path(__file__).resolve().parent
+ROOT_DIR = HERE.parent
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--toy", action="store_true", help="toy sizes (a CPU, the test): 2 layers x 64 hidden, 16 tokens")
+    p.add_argument("--max_length", type=int, default=None, help="tokens per passage (default 128; toy 16)")
+    p.add_argument("--max_groups", type=int, default=None, help="largest groups per step tried (default 2048; toy 8)")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/xprt_device_check"),
+                   help="folder for the end-to-end run's outputs and device_check.json (default: $OUT)")
+    p.add_argument("--skip_e2e", action="store_true", help="skip part 5 (select -> train -> evaluate)")
+    return p.parse_args(argv)
+
+
+def ensure_packages():
+    """datasets and mteb from the carried wheelhouse (bench/wheels) when this machine lacks them."""
+    missing = [m for m in ("datasets", "mteb") if importlib.util.find_spec(m) is None]
+    wheels = HERE / "wheels"
+    if missing and wheels.is_dir():
+        print(f"installing {missing} offline from {wheels}", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
+                        *missing], check=True)
+        importlib.invalidate_caches()
+    return [m for m in ("datasets", "mteb") if importlib.util.find_spec(m) is None]
+
+
+def versions(device):
+    import accelerate
+    import torch
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"== 1. torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "
+          f"accelerate {accelerate.__version__}; device {name}", flush=True)
+    return name
+
+
+def build_model(toy: bool, device):
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    import modeling_xprt as mx
+
+    tok = AutoTokenizer.from_pretrained(str(HERE / "tokenizer"))
+    small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) if toy else {}
+    cfg = BertConfig(vocab_size=tok.vocab_size, attn_implementation="sdpa", **small)
+    torch.manual_seed(0)
+    model = mx.XPRTModel(BertForMaskedLM(cfg)).to(device).train()
+    teacher = BertForMaskedLM(cfg).bert.to(device).eval().requires_grad_(False)
+    return tok, model, teacher
+
+
+def make_batch(tok, groups, max_length, seed=0):
+    """Random word passages that fill max_length tokens, one group per document."""
+    import torch
+
+    import modeling_xprt as mx
+
+    g = torch.Generator().manual_seed(seed)
+    words = [w for w in tok.get_vocab() if w.isalpha() and len(w) > 2][:5000]
+    pick = lambda: " ".join(words[i] for i in torch.randint(len(words), (max_length,), generator=g).tolist())  # noqa
+    rows = [{"doc_id": f"d{i}", "anchor": pick(), "related": [pick() for _ in range(4)], "random_passage": pick()}
+            for i in range(groups)]
+    return mx.XPRTCollator(tok, max_length=max_length, seed=seed)(rows)
+
+
+def sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_bench(tok, model, teacher, device, args, peak):
+    """Part 2: the bf16 step at doubling groups per step until memory runs out -> the largest that fits."""
+    import torch
+
+    import support
+    import train
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    best, groups = None, 8 if not args.toy else 2
+    print(f"== 2. the bf16 xPRT step (autocast, fp32 weights), {'toy config' if args.toy else 'BERT-base config'}, "
+          f"{args.max_length} tokens per passage, retention on", flush=True)
+    while groups <= args.max_groups:
+        try:
+            batch = support.batch_to_device(make_batch(tok, groups, args.max_length), device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+
+            def step():
+                with amp:
+                    out = model(batch, teacher=teacher, retention_weight=40.0)
+                out["loss"].backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return out
+
+            step()  # warm-up
+            sync(device)
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                out = step()
+                sync(device)
+                times.append(time.perf_counter() - t0)
+        except torch.cuda.OutOfMemoryError:
+            print(f"  {groups:5d} groups: out of memory", flush=True)
+            break
+        t = min(times)
+        flops = train.step_flops(model, batch, retention=True)
+        real = sum(int(v.sum()) for k, v in batch.items() if k.endswith("attention_mask"))
+        mem = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+        mfu = flops / t / peak if peak else None  # None: the device's peak is not known (a CPU)
+        best = {"groups": groups, "step_s": t, "tokens_per_s": real / t, "tflops_per_s": flops / t / 1e12,
+                "mfu": mfu, "peak_memory_gib": mem, "loss": out["loss"].item()}
+        print(f"  {groups:5d} groups: {t:7.3f} s/step, {real / t:10.0f} tokens/s, {flops / t / 1e12:7.2f} TFLOP/s, "
+              f"MFU {'n/a' if mfu is None else f'{mfu:.3f}'}, peak memory "
+              f"{'n/a' if mem is None else f'{mem:.1f} GiB'}, loss {best['loss']:.4f}", flush=True)
+        del batch, out
+        groups *= 2
+    return best, make_batch(tok, min(best["groups"], 64 if not args.toy else 4), args.max_length)
+
+
+def vocab_three_ways(model, batch, device):
+    """Part 3: the step's L_MLM + L_cross rows through the tied projection in bf16 autocast, three ways."""
+    import torch
+    import torch.nn.functional as F
+
+    import modeling_xprt as mx
+    import support
+
+    batch = support.batch_to_device(batch, device)
+    g, p, l = batch["input_ids"].shape
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        hidden, vec = model.encode(batch["input_ids"].view(g * p, l), batch["attention_mask"].view(g * p, l))
+        dec = model.decode(vec.view(g, p, -1), batch, batch["attention_mask"])
+        rows = model.head_transform(torch.cat([hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["mlm_index"]),
+                                               dec.index_select(0, batch["cross_rows"])]))
+    targets = torch.cat([batch["mlm_targets"], batch["cross_targets"]])
+    w, b = model.projection()
+    x = rows.detach().clone().requires_grad_(True)
+    ways = ["ours fused", "plain"] + (["torch chunked"] if hasattr(F, "linear_cross_entropy") else [])
+
+    def run(how):
+        x.grad = w.grad = b.grad = None
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            if how == "torch chunked":
+                opts = torch.nn.LinearCrossEntropyOptions() if hasattr(torch.nn, "LinearCrossEntropyOptions") else None
+                loss = F.linear_cross_entropy(x, w, targets, linear_bias=b, options=opts)
+            else:
+                loss = mx.vocab_sweep(w, b, ce=[(x, targets, 1.0)], fused=how == "ours fused")[0]
+        loss.float().backward()
+        return loss.item(), x.grad.float().clone()
+
+    res = {k: run(k) for k in ways}  # warm-up, and the values
+    times = {k: [] for k in ways}
+    for _ in range(3):
+        for k in ways:
+            sync(device)
+            t0 = time.perf_counter()
+            run(k)
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    ref_loss, ref_grad = res["plain"]
+    print(f"== 3. vocabulary CE, {x.shape[0]} rows x {x.shape[1]} x {w.shape[0]} words, bf16 autocast, forward + "
+          "backward, fastest of 3 interleaved", flush=True)
+    out = {}
+    for k in ways:
+        loss, grad = res[k]
+        out[k] = {"s": min(times[k]), "loss": loss, "max_grad_diff_vs_plain": float((grad - ref_grad).abs().max())}
+        print(f"  {k:14s} {min(times[k]):8.4f} s  loss {loss:.6f} (plain {ref_loss:.6f})  max |grad - plain| "
+              f"{out[k]['max_grad_diff_vs_plain']:.1e}", flush=True)
+    return out
+
+
+def host_syncs(model, teacher, batch, device):
+    """Part 4: synchronising CUDA calls in one optimiser step, as torch.cuda.set_sync_debug_mode reports them."""
+    import torch
+
+    import support
+
+    if device.type != "cuda":
+        print("== 4. host syncs: n/a (no CUDA)", flush=True)
+        return None
+    batch = support.batch_to_device(batch, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(batch, teacher=teacher, retention_weight=40.0)
+            out["loss"].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+    print(f"== 4. host syncs in one step: {len(syncs)}", flush=True)
+    for s in sorted(set(syncs)):
+        print(f"  {syncs.count(s)} x {s[:150]}", flush=True)
+    return len(syncs)
+
+
+def end_to_end(args, device):
+    """Part 5: select_groups.py -> accelerate launch --mixed_precision bf16 train.py -> evaluate.py, small random
+    model, bundled data; returns the score of the trained folder."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    out = Path(args.out)
+    model_dir = out / "start"
+    tok = AutoTokenizer.from_pretrained(str(HERE / "tokenizer"))
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=tok.vocab_size, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=256)).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    env = {**os.environ, "HF_HOME": str(out / "hf"), "MTEB_CACHE": str(out / "mteb"), "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    py = sys.executable
+    steps = [
+        [py, "select_groups.py", "--input", "data/docs.jsonl", "--model_name_or_path", str(model_dir),
+         "--anchor_share", "0.5", "--max_docs", "40" if args.toy else "300", "--output_dir", str(out / "groups"),
+         "--overwrite"],
+        [py, "-m", "accelerate.commands.launch", "--num_processes", "1", "--mixed_precision", "bf16"]
+        + (["--cpu"] if device.type != "cuda" else []) +
+        ["train.py", "--model_name_or_path", str(model_dir), "--groups_dir", str(out / "groups"), "--output_dir",
+         str(out / "run"), "--max_train_steps", "4" if args.toy else "20", "--per_device_train_batch_size",
+         "4" if args.toy else "32", "--max_length", "32" if args.toy else "128", "--learning_rate", "1e-4",
+         "--logging_steps", "2", "--report_to", "none", "--overwrite"],
+        [py, "evaluate.py", "--models", str(out / "run" / "model"), "--local_tasks", "data/eval/scifact",
+         "--output_dir", str(out / "eval"), "--overwrite"] + (["--limit", "20"] if args.toy else []),
+    ]
+    print("== 5. select -> train (accelerate launch, bf16) -> evaluate, a random 2-layer model", flush=True)
+    for name, cmd in zip(("select_groups.py", "accelerate launch train.py", "evaluate.py"), steps):
+        t0 = time.time()
+        proc = subprocess.run(cmd, cwd=ROOT_DIR, env=env, capture_output=True, text=True)
+        print(f"  {name}: rc {proc.returncode} ({time.time() - t0:.0f} s)", flush=True)
+        if proc.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    log = [json.loads(line) for line in (out / "run" / "train_log.jsonl").read_text().splitlines()]
+    results = json.loads((out / "eval" / "results.json").read_text())
+    score = next(iter(next(iter(results["results"].values())).values()))["main_score"]  # in percent
+    print(f"  train.py: {len(log)} logged steps, last loss {log[-1].get('loss'):.4f}, mixed precision bf16; "
+          f"saved {out / 'run' / 'model'}; evaluate.py SciFact sample nDCG@10 {score:.2f}", flush=True)
+    return {"last_loss": log[-1].get("loss"), "scifact": score}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    args.max_length = args.max_length or (16 if args.toy else 128)
+    args.max_groups = args.max_groups or (8 if args.toy else 2048)
+    still_missing = ensure_packages()
+    import torch
+
+    import train
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = versions(device)
+    peak = next((t * 1e12 for k, t in train.PEAK_BF16_TFLOPS.items() if k in name), None)
+    tok, model, teacher = build_model(args.toy, device)
+    best, batch = step_bench(tok, model, teacher, device, args, peak)
+    report = {"device": name, "torch": torch.__version__, "step": best,
+              "vocab": vocab_three_ways(model, batch, device), "host_syncs": host_syncs(model, teacher, batch, device)}
+    if not args.skip_e2e:
+        if still_missing:
+            print(f"== 5. skipped: {still_missing} missing and no bench/wheels (bash bench/device_wheels.sh)")
+        else:
+            report["e2e"] = end_to_end(args, device)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "device_check.json").write_text(json.dumps(report, indent=1))
+    print(f"ratio: {best['mfu'] if peak else best['tflops_per_s']:.4f}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

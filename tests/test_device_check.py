@@ -1,0 +1,22 @@
+"""bench/device_check.py, the command ready for the first GPU, runs here at toy size (--toy): every part (the bf16
+step at doubling batch sizes, the vocabulary loss three ways, select -> accelerate launch bf16 train.py -> evaluate.py)
+and writes its report."""
+
+import json
+
+import pytest
+
+from bench import device_check
+
+
+@pytest.mark.slow
+def test_device_check_runs_at_toy_size_on_cpu(tmp_path):
+    report = device_check.main(["--toy", "--out", str(tmp_path)])
+    assert report["step"]["groups"] == 8 and report["step"]["tflops_per_s"] > 0  # 2, 4, 8 groups all fit
+    vocab = report["vocab"]
+    assert set(vocab) >= {"ours fused", "plain"}
+    assert abs(vocab["ours fused"]["loss"] - vocab["plain"]["loss"]) < 1e-3
+    assert vocab["ours fused"]["max_grad_diff_vs_plain"] < 1e-4
+    assert report["host_syncs"] is None  # CUDA only
+    assert report["e2e"]["scifact"] >= 0 and (tmp_path / "run" / "model" / "model.safetensors").exists()
+    assert json.loads((tmp_path / "device_check.json").read_text())["step"] == report["step"]
