@@ -60,8 +60,8 @@ import numpy as np
 
 from modeling_xprt import embed_texts
 from support import (E5_PROMPTS, EVAL_PREFIX, MINILM_ALIASES, NO_PROMPTS, add_eval_results_to_card, atomic_path,
-                     atomic_write, gathered_params, load_beir, max_seq_length, model_prompts, pick_device_and_dtype,
-                     read_json, resolve_model_path)
+                     atomic_write, check_tokenizer_fits, gathered_params, load_beir, max_seq_length, model_prompts,
+                     pick_device_and_dtype, read_json, resolve_model_path)
 
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (README, Notes); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))
@@ -216,6 +216,7 @@ class XPRTEncoder(AbsEncoder):
         except (OSError, ValueError) as err:
             raise ValueError(f"could not load a model from {name_or_path!r} ({path}): {err}") from err
         self.model.eval()
+        check_tokenizer_fits(self.model.tokenizer, self.model[0].auto_model.config, name_or_path)
         self.pooling = describe_pooling(self.model)
         if os.path.isdir(path) and not has_st_config:
             print(f"model {name_or_path}: no sentence-transformers modules.json: {self.pooling} pooling "

@@ -33,9 +33,10 @@ import torch
 
 from modeling_xprt import PairCollator, XPRTModel, embed_texts, pair_false_negatives, pair_text_ids
 from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args, atomic_write,
-                     batch_to_device, check_common_args, describe_prompts, epoch_batches, load_beir, make_accelerator,
-                     optimizer_groups, prepare_output_dir, rank_and_world, register_tied_projection,
-                     resolve_model_path, resume, save_checkpoint, save_run, whole_weights, write_log_record)
+                     batch_to_device, check_common_args, check_tokenizer_fits, describe_prompts, epoch_batches,
+                     load_beir, make_accelerator, optimizer_groups, prepare_output_dir, rank_and_world,
+                     register_tied_projection, resolve_model_path, resume, save_checkpoint, save_run, whole_weights,
+                     write_log_record)
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 
@@ -441,9 +442,9 @@ def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_id
     Each encoding batch is the one a single embed_texts call would form, and the scores are float64 products
     rounded to float32 (see below), so the vectors, the scores and hence the pools are the same for any
     chunk_size and any number of processes (tested, on CPU); one float32 q @ c.T with topk would order scores
-    within float32 rounding of each other by that product's rounding and topk's unspecified tie order. Memory per process: the query
-    vectors, the running top (queries x rank_max int64), one chunk and its scores against query_block queries,
-    plus a few 8-byte integers per passage.
+    within float32 rounding of each other by that product's rounding and topk's unspecified tie order. Memory per
+    process: the query vectors, the running top (queries x rank_max int64), one chunk and its scores against
+    query_block queries, plus a few 8-byte integers per passage.
 
     corpus_texts / corpus_ids can be any sequence indexed by int (a list, or a lazy view of an Arrow column).
     """
@@ -761,6 +762,7 @@ def main(argv=None):
         model = XPRTModel.from_pretrained(args.model_name_or_path, objective="pair", tau=args.tau or 0.05,
                                           trust_remote_code=args.trust_remote_code, prefixes=args.prefixes,
                                           hub_model_id=args.hub_model_id)
+    check_tokenizer_fits(tokenizer, model.encoder.config, args.model_name_or_path)
     accelerator.print(f"model: {model.load_message}")
     accelerator.print(f"{describe_prompts(model.prompts)} (--prefixes {args.prefixes}; start model "
                       f"{model.info.start_model})")

@@ -818,8 +818,9 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
     """L2-normalised mean-pooled vectors of `texts`, in input order, as a CPU float32 (N, H) tensor.
 
     The one batch embedder of the repository: select_groups.py (centrality and the E5 ranking), finetune.py
-    (hard-negative mining) and evaluate.py's scoring during training (--eval_tasks) call it. `model` is any transformers encoder
-    (AutoModel, or an *ForMaskedLM whose base model is called), used on the device and dtype it sits on.
+    (hard-negative mining) and evaluate.py's scoring during training (--eval_tasks) call it. `model` is any
+    transformers encoder (AutoModel, or an *ForMaskedLM whose base model is called), used on the device and dtype it
+    sits on.
       - the whole list is tokenised once and sorted by *token* count, so each batch pads to within a token or
         two of its own texts (longest first: an out-of-memory error shows up on the first batch);
       - a batch without padding runs with no attention mask, which lets SDPA take its unmasked path;

@@ -44,8 +44,8 @@ from typing import Optional
 
 import numpy as np
 
-from support import (atomic_path, atomic_write, iter_jsonl, iter_parquet, max_seq_length, model_prompts,
-                     pick_device_and_dtype, read_max_seq_length, resolve_model_path, stable_doc_hash)
+from support import (atomic_path, atomic_write, check_tokenizer_fits, iter_jsonl, iter_parquet, max_seq_length,
+                     model_prompts, pick_device_and_dtype, read_max_seq_length, resolve_model_path, stable_doc_hash)
 
 # The paper's statistics on 100K FineWeb documents with E5-base-unsupervised (printed beside ours).
 PAPER_FINEWEB_100K = {"documents_with_groups_pct": 99.0, "groups_per_document": 7.0, "passages_covered_pct": 68.0}
@@ -1026,6 +1026,7 @@ def load_selection_encoder(args, sel: Selection, state) -> Encoder:
     if not tokenizer.is_fast:
         raise ValueError(f"{path}: selection needs a fast tokenizer (offsets) to cut long paragraphs")
     model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=args.trust_remote_code)
+    check_tokenizer_fits(tokenizer, model.config, sel.model_name_or_path)
     model = model.to(device).eval()
     encoder = Encoder(tokenizer, model, max_seq_length(model.config, read_max_seq_length(path)), args.batch_size)
     state.print(f"selection encoder {sel.model_name_or_path} on {device} ({dtype}), {state.num_processes} "

@@ -407,6 +407,18 @@ def read_max_seq_length(path: str) -> Optional[int]:
     return json.loads(Path(f).read_text()).get("max_seq_length") if os.path.isfile(f) else None
 
 
+def check_tokenizer_fits(tokenizer, config, where: str):
+    """Refuse a tokenizer that does not fit the model's embedding matrix, naming both sizes. transformers 5.24 gives a
+    folder without tokenizer files a 5-token fallback tokenizer with only an INFO log: every word becomes [UNK], and
+    every script would run on it to the end (STS-B Spearman -25 instead of 93). A tokenizer may be a little smaller
+    than the matrix (vocabularies padded to a multiple of 8 or 64), never larger, and not a tenth smaller."""
+    n_tok, n_emb = len(tokenizer), config.vocab_size
+    if n_tok > n_emb or n_tok < 0.9 * n_emb:
+        raise ValueError(f"{where}: the tokenizer has {n_tok:,} tokens and the model's embedding matrix {n_emb:,} "
+                         "rows: they do not belong together (a folder without its tokenizer files gets transformers' "
+                         "5-token fallback); save the model's own tokenizer into the folder")
+
+
 def max_seq_length(config, stated: Optional[int] = None) -> int:
     """The one length rule: the limit a model is used at is the one its folder states (read_max_seq_length;
     all-MiniLM-L6-v2 says 256, and the MTEB leaderboard scored it there), else BERT's 512, never more than its
@@ -1217,6 +1229,7 @@ class LogWindow:
         last) the window's record to the trackers and train_log.jsonl. Under --on_nonfinite stop the window is
         checked first, on logging and checkpoint steps, so nothing non-finite is logged or saved."""
         acc, args, step = self.accelerator, self.args, state.completed_steps
+        self.steps += 1
         if self.progress is None:
             from tqdm.auto import tqdm
 
@@ -1242,6 +1255,7 @@ class LogWindow:
     def reset(self):
         self.t0, self.real, self.proc, self.sums, self.n_micro, self.n_skipped = time.time(), 0, 0, {}, 0, 0
         self.flops = 0.0  # model FLOPs of the window's micro-batches (train.py's step_flops), this process
+        self.steps = 0  # optimiser steps in the window: the last window of a run may be shorter
         self.bad, self.first_bad = {}, None  # per-term "was ever non-finite"; the first step that was
 
     def count(self, batch, skip=(), flops: float = 0.0):
@@ -1303,7 +1317,7 @@ class LogWindow:
         rec.update({k: vals[i] / world for i, k in enumerate(keys)})
         rec.update({"lr": lr_scheduler.get_last_lr()[0], **scalars,
                     "padding_efficiency": vals[-2] / max(vals[-1], 1),
-                    "tokens_per_s": vals[-2] / dt, "time_per_step_s": dt / args.logging_steps})
+                    "tokens_per_s": vals[-2] / dt, "time_per_step_s": dt / max(self.steps, 1)})
         if self.flops:  # every process does the same work: its FLOP/s over its device's peak
             rec["tflops_per_s"] = self.flops / dt / 1e12
             if self.peak_flops:

@@ -18,6 +18,7 @@ modeling_xprt.py, one function per equation; the plumbing (checkpoints, logs, th
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -26,10 +27,11 @@ import numpy as np
 import torch
 
 from modeling_xprt import PRETRAIN_OBJECTIVES, LossWeights, XPRTCollator, XPRTModel, crop_spans, load_teacher
-from support import (PAPER_MODEL, LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args,
-                     batch_to_device, check_common_args, describe_prompts, engine_dtype, epoch_batches,
-                     make_accelerator, optimizer_groups, prepare_output_dir, read_json, register_tied_projection,
-                     resolve_model_path, resume, save_checkpoint, save_run, whole_weights, write_log_record)
+from support import (LengthGroupedBatchSampler, LogWindow, PAPER_MODEL, RowsDataset, TrainState, add_common_args,
+                     batch_to_device, check_common_args, check_tokenizer_fits, describe_prompts, engine_dtype,
+                     epoch_batches, make_accelerator, optimizer_groups, prepare_output_dir, read_json,
+                     register_tied_projection, resolve_model_path, resume, save_checkpoint, save_run, whole_weights,
+                     write_log_record)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -184,10 +186,21 @@ def load_groups(groups_dir: str, max_groups=None):
     to 128 tokens each) would take GBs to tens of GBs in every process."""
     from datasets import load_dataset
 
-    files = sorted(str(f) for f in Path(groups_dir).glob("*.parquet"))
+    # stats.json is what select_groups.py writes last: without it the selection was interrupted (rerunning its command
+    # resumes it), and the folder may hold an unfinished chunk's temporary shard
+    stats = Path(groups_dir) / "stats.json"
+    if not stats.is_file():
+        raise FileNotFoundError(f"{groups_dir}: no stats.json, which select_groups.py writes when it has finished: "
+                                "an interrupted selection (rerun its command to finish it) or no groups folder")
+    # the finished shards only: ".tmp-*" files are a killed run's half-written ones (support.atomic_path)
+    files = sorted(str(f) for f in Path(groups_dir).glob("*.parquet") if not f.name.startswith("."))
     if not files:
         raise FileNotFoundError(f"no *.parquet in {groups_dir}: run select_groups.py first")
     ds = load_dataset("parquet", data_files=files, split="train")
+    expected = json.loads(stats.read_text()).get("groups")
+    if expected is not None and len(ds) != expected:
+        raise ValueError(f"{groups_dir}: its shards hold {len(ds):,} groups, its stats.json {expected:,}: shards were "
+                         "added or removed after the selection finished")
     # The first load converts the shards into the Arrow cache; pyarrow's allocator keeps the freed conversion
     # buffers (about 0.3 GB per 1M groups here) unless asked to hand them back. Later loads convert nothing.
     import pyarrow
@@ -316,6 +329,7 @@ def load_model(accelerator, args):
                                           fill_in=not args.no_fill_in, retention_student=args.retention_student,
                                           trust_remote_code=args.trust_remote_code, prefixes=args.prefixes,
                                           hub_model_id=args.hub_model_id)
+    check_tokenizer_fits(tokenizer, model.encoder.config, args.model_name_or_path)
     accelerator.print(f"model: {model.load_message}")
     accelerator.print(f"{describe_prompts(model.prompts)} (--prefixes {args.prefixes}; start model "
                       f"{model.info.start_model})")

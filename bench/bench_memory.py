@@ -130,6 +130,8 @@ def write_groups(folder, n, words, shard=100_000):
             "related_cosine": [[0.8] * 4] * m, "related_tfidf": [[0.3] * 4] * m, "related_rrf": [[0.2] * 4] * m,
             "random_passage": rand, "num_passages": [9] * m}, schema=group_schema())
         pq.write_table(table, os.path.join(folder, f"shard-{s // shard:05d}.parquet"))
+    with open(os.path.join(folder, "stats.json"), "w") as f:  # a finished selection's marker (train.load_groups)
+        json.dump({"groups": n}, f)
 
 
 def write_corpus(path, n, words, shard=100_000):

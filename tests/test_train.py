@@ -135,6 +135,32 @@ def test_length_grouped_batches_are_deterministic_complete_and_pad_less():
     assert eff(b0) > 0.95 and eff(plain) < 0.7, (eff(b0), eff(plain))
 
 
+def test_groups_are_read_only_from_a_finished_selection(tiny_bert, tmp_path):
+    """select_groups.py's real output: a killed run's leftover .tmp-* shard is not read, a folder without the
+    stats.json that select_groups.py writes last is refused, and shards added afterwards are refused by count."""
+    import shutil
+
+    import select_groups
+
+    docs = tmp_path / "docs.jsonl"
+    with open(ROOT / "data" / "docs.jsonl", encoding="utf-8") as f, open(docs, "w", encoding="utf-8") as out:
+        out.writelines(line for _, line in zip(range(12), f))
+    groups = tmp_path / "groups"
+    select_groups.main(["--input", str(docs), "--model_name_or_path", str(tiny_bert), "--output_dir", str(groups),
+                        "--centrality_threshold", "-1"])
+    n = json.loads((groups / "stats.json").read_text())["groups"]
+    shard = next(groups.glob("groups-*.parquet"))
+    shutil.copy(shard, groups / f".tmp-123-{shard.name}")  # a killed run's half-written shard
+    assert len(train.load_groups(str(groups))) == n
+    shutil.copy(shard, groups / "groups-999999.parquet")
+    with pytest.raises(ValueError, match="its stats.json"):
+        train.load_groups(str(groups))
+    (groups / "groups-999999.parquet").unlink()
+    (groups / "stats.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no stats.json"):
+        train.load_groups(str(groups))
+
+
 def test_spread_puts_one_documents_groups_into_different_batches():
     """Groups of one document have nearly equal lengths and sort next to each other; spread deals each run of
     `spread` sorted batches round-robin: 24 documents x 8 groups of equal length, batch 8, spread 8 -> no batch holds
@@ -236,6 +262,7 @@ def test_groups_stay_memory_mapped_and_their_lengths_match_the_rows(groups, tmp_
     extra[0]["anchor"] = "héllo wörld 日本語 🙂 " * 3
     extra[1]["related"] = ["ä", "b"]  # fewer related passages than asked for
     pq.write_table(pa.Table.from_pylist(extra, schema=group_schema()), folder / "shard-00001.parquet")
+    (folder / "stats.json").write_text(json.dumps({"groups": 27}))
     ds = train.load_groups(str(folder))
     rows = pq.read_table(folder / "shard-00000.parquet").to_pylist() + extra
     assert isinstance(ds, datasets.Dataset) and len(ds) == 27 and ds.cache_files  # backed by an Arrow file

@@ -1,0 +1,55 @@
+"""Inputs read as their producer meant them, or refused (issue 22): a model folder whose tokenizer does not fit its
+embedding matrix; the logged time per step of a shorter last window."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import evaluate
+import select_groups
+import support
+import train
+from test_train import base_args, groups, run  # noqa: F401  (groups: a fixture)
+
+
+@pytest.fixture
+def no_tokenizer(tiny_bert, tmp_path):
+    """The tiny BERT folder without its tokenizer files: transformers 5.24 loads a 5-token fallback for it."""
+    folder = tmp_path / "no_tok"
+    shutil.copytree(tiny_bert, folder)
+    for f in folder.iterdir():
+        if "token" in f.name or f.name in ("vocab.txt", "special_tokens_map.json"):
+            f.unlink()
+    return folder
+
+
+def test_every_script_refuses_a_tokenizer_that_does_not_fit_the_model(no_tokenizer, groups, tmp_path):
+    match = r"tokenizer has 5 tokens and the model's embedding matrix 30,522 rows"
+    with pytest.raises(ValueError, match=match):
+        train.main(base_args(str(no_tokenizer), groups, tmp_path / "t", **{"--max_train_steps": 1}))
+    with pytest.raises(ValueError, match=match):
+        select_groups.main(["--input", str(Path(train.__file__).parent / "data" / "docs.jsonl"),
+                            "--model_name_or_path", str(no_tokenizer), "--output_dir", str(tmp_path / "s"),
+                            "--max_docs", "3"])
+    with pytest.raises(ValueError, match=match):
+        evaluate.XPRTEncoder(str(no_tokenizer))
+
+
+def test_time_per_step_counts_the_steps_of_each_window(tiny_bert, groups, tmp_path, monkeypatch):
+    """5 steps logged every 3: the last window holds 2 steps, and its time per step divides by 2, not by 3."""
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(support.time, "time", lambda: clock["now"])
+    orig = support.LogWindow.step_done
+
+    def step_done(self, *a, **kw):  # every optimiser step takes 10 s of the fake clock
+        clock["now"] += 10.0
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(support.LogWindow, "step_done", step_done)
+    out = tmp_path / "w"
+    run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 5, "--logging_steps": 3, "--max_groups": 8,
+                                             "--no_save_model": True}))
+    recs = [r for r in support.read_jsonl(out / "train_log.jsonl") if "loss" in r]
+    assert [r["step"] for r in recs] == [3, 5]
+    assert [r["time_per_step_s"] for r in recs] == [10.0, 10.0]
