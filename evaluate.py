@@ -632,12 +632,15 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     if not specs:
         raise ValueError("no task: give --local_tasks, --tasks or --benchmark")
     cache = mteb.ResultCache(results_dir) if results_dir else None
+    # what the scores are: a --limit sample and local copies are not the tasks as the MTEB leaderboard scores them
     out = {"models": list(models), "results": {}, "tasks": [], "model_meta": {},
-           "results_dir": str(cache.cache_path) if cache else None}
+           "results_dir": str(cache.cache_path) if cache else None,
+           "sample": {"limit": limit, "corpus_limit": corpus_limit, "seed": seed} if limit else None}
     for name, local, _ in specs:
         t = mteb.get_task(name)
         out["tasks"].append({"name": name, "type": t.metadata.type,
-                             "source": str(local[0]) if local else "mteb (online)"})
+                             "source": str(local[0]) if local else "mteb (online)",
+                             "data": "local copy" if local else "mteb", "sample": bool(limit)})
     # once per task, not per model: the fingerprint reads every file of the folder
     task_settings = {name: run_settings(local, limit, corpus_limit, seed) for name, local, _ in specs}
     for model_name in models:
@@ -892,8 +895,18 @@ def to_markdown(out: dict, summ: dict, overlaps: Sequence[dict] = ()) -> str:
     head = "| " + " | ".join(["task", "type", "metric"] + [short(m) for m in models]
                              + [f"Δ {short(m)}" for m in models[1:]]) + " |"
     sep = "|" + "---|" * (3 + 2 * len(models) - 1)
-    lines = ["# Evaluation results", "", f"Scores x100 (mteb's metrics). Δ = difference to {short(first)}.", "",
-             "## Per task", "", head, sep]
+    lines = ["# Evaluation results", "", f"Scores x100 (mteb's metrics). Δ = difference to {short(first)}.", ""]
+    if out.get("sample"):
+        s = out["sample"]
+        lines += [f"**A sample, not the full tasks**: at most {s['limit']} queries / pairs / test texts per task "
+                  f"(`--limit {s['limit']}`, seed {s['seed']}"
+                  + (f", corpus at most {s['corpus_limit']}" if s.get("corpus_limit") else "")
+                  + "): these scores do not compare with full-task scores such as the MTEB leaderboard's.", ""]
+    local = [t["name"] for t in out["tasks"] if t.get("data") == "local copy"]
+    if local:
+        lines += [f"Local task folders (`--local_tasks`): {', '.join(local)}, scored by the stock mteb tasks on the "
+                  "folders' data; a folder that holds a subset of a task gives that subset's score.", ""]
+    lines += ["## Per task", "", head, sep]
     for t in out["tasks"]:
         n = t["name"]
         metric = out["results"][first][n]["metric"]
@@ -969,7 +982,8 @@ def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (),
             for m, rs in out["results"].items()}
     atomic_write(output_dir / "results.json", json.dumps(
         {"models": out["models"], "tasks": out["tasks"], "summary": summ, "overlap_analysis": overlaps,
-         "results_dir": out.get("results_dir"), "model_meta": out.get("model_meta", {}), "results": slim}, indent=1))
+         "results_dir": out.get("results_dir"), "model_meta": out.get("model_meta", {}), "sample": out.get("sample"),
+         "results": slim}, indent=1))
     plot_bars(summ, out["models"], output_dir / "results.png")
     return {"summary": summ, "overlap_analysis": overlaps}
 

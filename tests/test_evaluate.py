@@ -187,6 +187,26 @@ def test_multi_model_table_markdown_json_png(beir, tmp_path):
         ev.write_report(out, tmp_path / "report")
 
 
+def test_sample_and_local_runs_say_what_they_are(beir, tmp_path):
+    """results.md and results.json of a --limit run say it is a sample (with the limit and seed), and of a local
+    folder that the data is a local copy: a 20-query sample's 84.91 once sat beside the published 64.5 unmarked."""
+    enc = FakeEncoder(PERFECT, "fake/perfect")
+    out = ev.run_evaluation(["perfect"], local_tasks=[f"SciFact={beir}"], encoder_factory=lambda n: enc,
+                            show_progress=False, limit=2)
+    ev.write_report(out, tmp_path / "r")
+    md = (tmp_path / "r" / "results.md").read_text()
+    assert "**A sample, not the full tasks**: at most 2 queries" in md and "`--limit 2`, seed 0" in md
+    assert "Local task folders (`--local_tasks`): SciFact" in md
+    js = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert js["sample"] == {"limit": 2, "corpus_limit": None, "seed": 0}
+    assert js["tasks"][0]["data"] == "local copy" and js["tasks"][0]["sample"] is True
+    full = ev.run_evaluation(["perfect"], local_tasks=[f"SciFact={beir}"], encoder_factory=lambda n: enc,
+                             show_progress=False)
+    ev.write_report(full, tmp_path / "f")
+    assert "A sample" not in (tmp_path / "f" / "results.md").read_text()
+    assert json.loads((tmp_path / "f" / "results.json").read_text())["sample"] is None
+
+
 # ---------------------------------------------------------------- cache, limit, classification
 
 
