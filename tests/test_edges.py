@@ -53,3 +53,39 @@ def test_time_per_step_counts_the_steps_of_each_window(tiny_bert, groups, tmp_pa
     recs = [r for r in support.read_jsonl(out / "train_log.jsonl") if "loss" in r]
     assert [r["step"] for r in recs] == [3, 5]
     assert [r["time_per_step_s"] for r in recs] == [10.0, 10.0]
+
+
+# ---- the BEIR reader (--beir_dir, --local_tasks): one standard with --train_data's reader ----------------------
+
+def _beir(tmp_path, corpus=None, queries=None, qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\n"):
+    (tmp_path / "qrels").mkdir(parents=True, exist_ok=True)
+    corpus = corpus if corpus is not None else '{"_id": "d1", "text": "alpha"}\n{"_id": "d2", "text": "beta"}\n'
+    queries = queries if queries is not None else '{"_id": "q1", "text": "a?"}\n{"_id": "q2", "text": "b?"}\n'
+    (tmp_path / "corpus.jsonl").write_bytes(corpus.encode("utf-8") if isinstance(corpus, str) else corpus)
+    (tmp_path / "queries.jsonl").write_text(queries, encoding="utf-8")
+    (tmp_path / "qrels" / "test.tsv").write_bytes(qrels.encode("utf-8") if isinstance(qrels, str) else qrels)
+    return tmp_path
+
+
+def test_beir_reader_reads_bom_headerless_and_trec_qrels(tmp_path):
+    want = {"q1": {"d1": 1}, "q2": {"d2": 1}}
+    assert support.load_beir(_beir(tmp_path / "plain"))["qrels"] == want
+    bom = _beir(tmp_path / "bom", corpus=b"\xef\xbb\xbf" + b'{"_id": "d1", "text": "alpha"}\n{"_id": "d2", "text": "b"}\n',
+                qrels=b"\xef\xbb\xbfquery-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\n")
+    assert support.load_beir(bom)["qrels"] == want
+    assert support.load_beir(_beir(tmp_path / "nohead", qrels="q1\td1\t1\nq2\td2\t1\n"))["qrels"] == want
+    assert support.load_beir(_beir(tmp_path / "trec", qrels="q1 0 d1 1\nq2 0 d2 1\n"))["qrels"] == want
+    assert support.load_beir(_beir(tmp_path / "trectab", qrels="q1\t0\td1\t1\nq2\t0\td2\t1\n"))["qrels"] == want
+
+
+def test_beir_reader_refuses_what_it_cannot_read_naming_the_file_and_line(tmp_path):
+    with pytest.raises(ValueError, match=r"corpus.jsonl:2: a BEIR corpus record needs an \"_id\" field; found \['id'"):
+        support.load_beir(_beir(tmp_path / "id", corpus='{"_id": "d1", "text": "a"}\n{"id": "d2", "text": "b"}\n'))
+    with pytest.raises(ValueError, match=r"corpus.jsonl:2: corpus id 'd1' appears twice \(first at line 1\)"):
+        support.load_beir(_beir(tmp_path / "dup", corpus='{"_id": "d1", "text": "a"}\n{"_id": "d1", "text": "b"}\n'))
+    with pytest.raises(ValueError, match=r"test.tsv: no judgements \(an empty qrels file\)"):
+        support.load_beir(_beir(tmp_path / "empty", qrels=""))
+    with pytest.raises(ValueError, match=r"test.tsv:3: expected query-id, corpus-id, integer score"):
+        support.load_beir(_beir(tmp_path / "bad", qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\n"))
+    with pytest.raises(ValueError, match=r"test.tsv:3: query 'q1' x document 'd1' judged twice \(first at line 2\)"):
+        support.load_beir(_beir(tmp_path / "twice", qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td1\t0\n"))
