@@ -34,6 +34,7 @@ import torch
 from modeling_xprt import PairCollator, XPRTModel, embed_texts, pair_false_negatives, pair_text_ids
 from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args, atomic_write,
                      batch_to_device, check_common_args, check_tokenizer_fits, describe_prompts, epoch_batches,
+                     iter_jsonl, iter_parquet,
                      load_beir, make_accelerator, optimizer_groups, prepare_output_dir, rank_and_world,
                      register_tied_projection, resolve_model_path, resume, save_checkpoint, save_run, whole_weights,
                      write_log_record)
@@ -59,7 +60,12 @@ def parse_args(argv=None):
                         ".tsv, .parquet or a dataset name. Negatives in the data are used as they are; rows with "
                         "fewer than --num_negatives are mined (from --beir_dir's corpus, else the data's own "
                         "passages)")
-    g.add_argument("--train_split", default="train", help="split of a --train_data Hub dataset")
+    g.add_argument("--train_split", default="train", help="split of a --train_data Hub dataset or save_to_disk folder")
+    g.add_argument("--train_config", default=None, help="config (subset) of a multi-config --train_data Hub dataset")
+    g.add_argument("--train_format", default="auto", choices=["auto", *PAIR_SCHEMAS],
+                   help="--train_data's schema; auto = detected from the first record's fields (an unknown layout is "
+                        "refused); sentence-transformers reads any column names by position (anchor, positive, "
+                        "negatives)")
     g.add_argument("--num_negatives", type=int, default=1, help="hard negatives per query in each step")
     g.add_argument("--negatives_rank_min", type=int, default=10,
                    help="mined negatives come from ranks [min, max] of the starting model (1-based); skipping the "
@@ -147,31 +153,47 @@ def pair_alpha_at(step: int, total_steps: int, alpha_0: float, schedule: str) ->
 PAIR_SCHEMAS = {
     "tevatron": "tevatron {query_id, query, positive_passages: [{docid, title, text}], negative_passages: [...]}",
     "flagembedding": 'FlagEmbedding {query, pos: [...], neg: [...]} (also what its hard-negative miner writes)',
-    "sentence-transformers": "sentence-transformers columns anchor, positive[, negative | negative_1, ...]",
+    "sentence-transformers": "sentence-transformers columns anchor | query, positive | answer[, negative | "
+                             "negative_1, ...] (mine_hard_negatives' triplet and n-tuple)",
+    "labeled-pair": "sentence-transformers labeled-pair columns anchor | query, positive | answer, label (1 / 0)",
+    "labeled-list": "sentence-transformers labeled-list columns anchor | query, positive | answer: [...], labels: [...]",
     "triples": "triples {query, positive, negatives | negative}, or TSV query<TAB>positive[<TAB>negative...]",
 }
-PAIR_FORMATS = (".jsonl / .json / .jsonl.gz, .csv / .tsv with a header, .parquet, a headerless triples .tsv, or a "
-                "Hub dataset name (datasets.load_dataset)")
+PAIR_FORMATS = (".jsonl / .jsonl.gz, .json (JSON lines, or one JSON array of objects), .csv / .tsv with a header, "
+                ".parquet, a headerless triples .tsv, a datasets save_to_disk folder, or a Hub dataset name or local "
+                "dataset folder (datasets.load_dataset, --train_config, --train_split)")
+ANCHOR_COLUMNS, POSITIVE_COLUMNS = ("anchor", "query"), ("positive", "answer")
 
 
 def pair_schema(fields) -> str | None:
-    """The PAIR_SCHEMAS entry a record's (or a table's) field names match, or None. Checked most specific first:
-    tevatron and FlagEmbedding records also have a "query" field."""
-    f = set(fields)
-    if {"query", "positive_passages"} <= f:
+    """The PAIR_SCHEMAS entry a record's (or a table's) fields match, in their order, or None. One schema per layout:
+    sentence-transformers' columns are read by position (the first the anchor, the second its positive, the rest
+    negatives; label / labels mark the labeled formats), so their auto-detection asks for the names its miner and
+    its Hub datasets use (--train_format sentence-transformers reads any names by position)."""
+    f = list(fields)
+    if {"query", "positive_passages"} <= set(f):
         return "tevatron"
-    if {"query", "pos"} <= f:
+    if {"query", "pos"} <= set(f):
         return "flagembedding"
-    if {"anchor", "positive"} <= f:
-        return "sentence-transformers"
-    if {"query", "positive"} <= f:
+    if len(f) >= 2 and f[0] in ANCHOR_COLUMNS and f[1] in POSITIVE_COLUMNS:
+        rest = f[2:]
+        if rest == ["label"]:
+            return "labeled-pair"
+        if rest == ["labels"]:
+            return "labeled-list"
+        if f[:2] == ["query", "positive"] and rest in ([], ["negatives"]):
+            return "triples"
+        if all(c == "negative" or (c.startswith("negative_") and c[9:].isdigit()) for c in rest):
+            return "sentence-transformers"
+    if {"query", "positive"} <= set(f) and set(f) <= {"query", "positive", "negatives", "negative"}:
         return "triples"
     return None
 
 
 def _as_pairs(schema: str, r: dict, where: str):
     """One record of `schema` -> (query, [positives], [negatives]); a field of the wrong shape raises naming `where`
-    and the schema. Negatives present mean the file's own hard negatives are used (no mining for these rows)."""
+    and the schema. Negatives present mean the file's own hard negatives are used (no mining for these rows).
+    labeled-pair records are one passage each: (query, [passage], []) for label 1, (query, [], [passage]) for 0."""
     def texts(v, name):
         if isinstance(v, str):
             v = [v]
@@ -184,41 +206,58 @@ def _as_pairs(schema: str, r: dict, where: str):
             raise ValueError(f"{where}: {name} must be a list of {{docid, title, text}} ({PAIR_SCHEMAS[schema]})")
         return [passage_text(p.get("title") or "", p["text"]) for p in v]
 
+    cols = list(r)
     if schema == "tevatron":
         return r.get("query"), passages(r["positive_passages"], "positive_passages"), \
             passages(r.get("negative_passages") or [], "negative_passages")
     if schema == "flagembedding":
         return r.get("query"), texts(r["pos"], "pos"), texts(r.get("neg") or [], "neg")
-    if schema == "sentence-transformers":
-        negs = [r[k] for k in r if k.startswith("negative") and r[k] is not None]
-        return r.get("anchor"), texts(r["positive"], "positive"), texts(negs, "negative columns")
+    if schema == "labeled-pair":
+        label = r[cols[2]]
+        if label not in (0, 1, "0", "1"):
+            raise ValueError(f"{where}: label must be 1 or 0, got {label!r} ({PAIR_SCHEMAS[schema]})")
+        passage = texts(r[cols[1]], cols[1])
+        return r[cols[0]], passage if int(label) == 1 else [], [] if int(label) == 1 else passage
+    if schema == "labeled-list":
+        items, labels = r[cols[1]], r[cols[2]]
+        if isinstance(labels, str) or isinstance(items, str):  # a list column written to CSV is its Python repr
+            raise ValueError(f"{where}: {cols[1]} / {cols[2]} hold the text {str(labels)[:30]!r}, not lists: a list "
+                             "column saved as CSV cannot be read back as the list it was; save the dataset as JSONL "
+                             "or parquet")
+        items = texts(items, cols[1])
+        if not isinstance(labels, list) or len(labels) != len(items) or any(x not in (0, 1) for x in labels):
+            raise ValueError(f"{where}: {cols[2]} must be one 1 / 0 per passage ({PAIR_SCHEMAS[schema]})")
+        return r[cols[0]], [t for t, y in zip(items, labels) if y == 1], [t for t, y in zip(items, labels) if y == 0]
+    if schema == "sentence-transformers":  # by position: anchor, positive, negatives
+        negs = [r[c] for c in cols[2:] if r[c] is not None]
+        return r[cols[0]], texts(r[cols[1]], cols[1]), texts(negs, "negative columns")
     negs = r["negatives"] if "negatives" in r else [r["negative"]] if "negative" in r else []
     if not isinstance(negs, list):
         raise ValueError(f"{where}: negatives is not a list ({PAIR_SCHEMAS[schema]})")
     return r.get("query"), [r.get("positive")], negs
 
 
-def _pair_records(source: str, split: str):
+def _pair_records(source: str, split: str, config=None):
     """(where, record) pairs of a pairs source, read lazily: JSONL one line at a time, CSV / TSV one row at a time,
-    parquet one 1,024-row batch at a time, a Hub dataset through datasets (memory-mapped Arrow). A headerless TSV
-    gives records {query, positive, negatives} by position (the triples format)."""
+    parquet one 1,024-row batch at a time, a JSON array whole, a save_to_disk folder or a Hub dataset through
+    datasets (memory-mapped Arrow). A headerless TSV gives records {query, positive, negatives} by position (the
+    triples format)."""
     import csv
-    import gzip
 
     p = Path(source)
-    if p.is_file() and source.endswith((".jsonl", ".json", ".jsonl.gz")):
-        opener = gzip.open if source.endswith(".gz") else open
-        with opener(source, "rt", encoding="utf-8-sig") as f:  # -sig: real-world files often start with a BOM
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    r = json.loads(line)
-                except ValueError as err:
-                    raise ValueError(f"{source}:{line_no}: not valid JSON ({err})") from err
-                if not isinstance(r, dict):
-                    raise ValueError(f"{source}:{line_no}: expected a JSON object, got {type(r).__name__}")
-                yield f"{source}:{line_no}", r
+    if p.is_file() and source.endswith(".json") and p.read_bytes()[:64].lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"[":
+        records = json.loads(p.read_text(encoding="utf-8-sig"))  # a JSON array: read whole
+        for i, r in enumerate(records, 1):
+            if not isinstance(r, dict):
+                raise ValueError(f"{source}: item {i} of the JSON array is a {type(r).__name__}, not an object")
+            yield f"{source}:item {i}", r
+    elif p.is_file() and source.endswith((".jsonl", ".json", ".jsonl.gz")):
+        for where, r, problem in iter_jsonl(source):
+            if problem:
+                raise ValueError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
+            if not isinstance(r, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(r).__name__}")
+            yield where, r
     elif p.is_file() and source.endswith((".csv", ".tsv")):
         with open(source, encoding="utf-8-sig", newline="") as f:
             delim = "\t" if source.endswith(".tsv") else ","
@@ -242,40 +281,51 @@ def _pair_records(source: str, split: str):
                     yield f"{source}:{line_no}", {"query": parts[0], "positive": parts[1] if len(parts) > 1 else None,
                                                   "negatives": parts[2:]}
     elif p.is_file() and source.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        row = 0
-        for batch in pq.ParquetFile(source).iter_batches(batch_size=1024):  # bounded memory
-            for r in batch.to_pylist():
-                row += 1
-                yield f"{source}:row {row}", r
+        yield from iter_parquet(source)
     elif p.exists() and not p.is_dir():
         raise ValueError(f"{source}: unknown file type; accepted: {PAIR_FORMATS}")
-    else:  # a Hub dataset name, or a local dataset folder: datasets resolves both the same way
+    else:
         import datasets
 
-        ds = datasets.load_dataset(source, split=split)
+        if p.is_dir() and ((p / "dataset_info.json").is_file() or (p / "dataset_dict.json").is_file()):
+            ds = datasets.load_from_disk(source)  # a save_to_disk folder
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise ValueError(f"{source}: no split {split!r} (it has {list(ds)}): pass --train_split")
+                ds = ds[split]
+        else:  # a Hub dataset name, or a local dataset folder: datasets resolves both the same way
+            ds = datasets.load_dataset(source, config, split=split)
         for i, r in enumerate(ds, 1):
             yield f"{source}:row {i}", r
 
 
-def read_pairs(source: str, split: str = "train"):
+def read_pairs(source: str, split: str = "train", config=None, schema: str | None = None):
     """Rows {query, positive, negatives} from any PAIR_SCHEMAS format in any PAIR_FORMATS container, yielded as they
-    are read: a file of millions of pairs is never read whole here. The schema is that of the first record (or the
-    columns); a record that does not fit it stops with `file:line: reason (accepted schemas)`. A record with several
-    positives (FlagEmbedding's pos, tevatron's positive_passages) gives one row per positive, all with the record's
-    negatives; blank lines are skipped."""
-    schema, n = None, 0
-    for where, r in _pair_records(source, split):
+    are read (labeled-pair files, whose passages of one query come in rows of their own, once read whole). The
+    schema is `schema` (--train_format), else that of the first record (or the columns); a record that does not fit
+    it stops with `file:line: reason (accepted schemas)`. A record with several positives (FlagEmbedding's pos,
+    tevatron's positive_passages, a labeled-list) gives one row per positive, all with the record's negatives; blank
+    lines are skipped. FlagEmbedding's per-record prompt / type fields are counted and said (the model's own
+    prefixes are used)."""
+    n, unused, grouped = 0, 0, {}
+    for where, r in _pair_records(source, split, config):
         if schema is None:
             schema = pair_schema(r)
             if schema is None:
-                raise ValueError(f"{where}: fields {sorted(r)} match no accepted schema; accepted: "
-                                 f"{'; '.join(PAIR_SCHEMAS.values())}")
-        elif pair_schema(r) != schema and not (schema == "triples" and {"query", "positive"} <= set(r)):
-            raise ValueError(f"{where}: fields {sorted(r)} do not fit the file's schema, {PAIR_SCHEMAS[schema]} "
+                raise ValueError(f"{where}: fields {list(r)} match no accepted schema; accepted: "
+                                 f"{'; '.join(PAIR_SCHEMAS.values())} (--train_format sentence-transformers reads "
+                                 "any column names by position)")
+        elif pair_schema(r) not in (schema, None if schema == "sentence-transformers" else schema) \
+                and not (schema == "triples" and {"query", "positive"} <= set(r)):
+            raise ValueError(f"{where}: fields {list(r)} do not fit the file's schema, {PAIR_SCHEMAS[schema]} "
                              f"(from its first record; accepted: {'; '.join(PAIR_SCHEMAS.values())})")
+        unused += schema == "flagembedding" and bool({"prompt", "type"} & set(r))
         query, positives, negatives = _as_pairs(schema, r, where)
+        if schema == "labeled-pair":  # a query's positive and negatives come in rows of their own
+            pos, neg = grouped.setdefault(query, ([], []))
+            pos += positives
+            neg += negatives
+            continue
         bad = ["query"] if not isinstance(query, str) or not query.strip() else []
         if not positives or any(not isinstance(t, str) or not t.strip() for t in positives):
             bad.append("positive")
@@ -284,6 +334,15 @@ def read_pairs(source: str, split: str = "train"):
         for pos in positives:
             n += 1
             yield {"query": query, "positive": pos, "negatives": list(negatives)}
+    for query, (positives, negatives) in grouped.items():
+        if not positives:
+            raise ValueError(f"{source}: query {query[:60]!r} has no passage labelled 1 ({PAIR_SCHEMAS[schema]})")
+        for pos in positives:
+            n += 1
+            yield {"query": query, "positive": pos, "negatives": list(negatives)}
+    if unused:
+        print(f"{source}: {unused} FlagEmbedding records carry a per-record prompt / type field; finetune.py does not "
+              "apply them (it uses the model's own prefixes)", flush=True)
     if not n:
         raise ValueError(f"no (query, positive) rows in {source}")
 
@@ -556,7 +615,8 @@ def build_finetune_rows(args, accelerator, encoder, tokenizer, prompts):
     """Rows {query, positive, negative_pool | negatives}: the --train_data rows that bring enough negatives, then one
     row per (query, relevant passage) of the BEIR qrels, then the kept pseudo-queries, then the --train_data rows
     without enough negatives; all but the first get mined pools (mine_data_rows)."""
-    rows = list(read_pairs(args.train_data, args.train_split)) if args.train_data else []
+    rows = list(read_pairs(args.train_data, args.train_split, args.train_config,
+                           None if args.train_format == "auto" else args.train_format)) if args.train_data else []
     needy = [r for r in rows if len(r["negatives"]) < args.num_negatives]
     rows = [r for r in rows if len(r["negatives"]) >= args.num_negatives]
     corpus = {}

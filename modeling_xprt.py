@@ -183,7 +183,9 @@ def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
     Applied to the batch's anchors: the closer any two anchors, the larger the penalty, so the
     vectors do not collapse into one cluster. Local batch only (no gathering).
     """
-    sq = (2 - 2 * cosines(vectors, vectors)).clamp(min=0)  # ||x - y||^2 for unit vectors, (N, N)
+    with torch.autocast(vectors.device.type, enabled=False):  # fp32, as in cosines; one normalisation for both sides
+        x = F.normalize(vectors.float(), dim=-1)
+        sq = (2 - 2 * x @ x.t()).clamp(min=0)  # ||x - y||^2 for unit vectors, (N, N)
     n = vectors.shape[0]
     # i != j by a -inf diagonal, not a boolean-mask gather (whose data-dependent size is a device-to-host sync)
     diag = torch.eye(n, dtype=torch.bool, device=vectors.device)
@@ -295,9 +297,9 @@ def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
         raise ValueError("pair_p_loss needs at least one negative passage per query (num_negatives >= 1)")
     pos = passages[:, 0]  # (B, H)
     all_neg = gather_with_grad(passages[:, 1:].reshape(b * (k - 1), h))  # (world * B * n, H)
-    with torch.autocast(pos.device.type, enabled=False):  # fp32, as in cosines
-        own = (F.normalize(pos.float(), dim=-1) * F.normalize(queries.float(), dim=-1)).sum(-1, keepdim=True)
-    logits = torch.cat([own, cosines(pos, all_neg)], dim=1) / tau  # (B, 1 + world*B*n)
+    with torch.autocast(pos.device.type, enabled=False):  # fp32, as in cosines; p+ normalised once for both columns
+        pos_n, q_n, neg_n = (F.normalize(x.float(), dim=-1) for x in (pos, queries, all_neg))
+        logits = torch.cat([(pos_n * q_n).sum(-1, keepdim=True), pos_n @ neg_n.t()], dim=1) / tau  # (B, 1 + W*B*n)
     if passage_ids is not None:
         relevant_ids = passage_ids[:, :1] if relevant_ids is None else relevant_ids
         neg_ids = gather_no_grad(passage_ids[:, 1:].reshape(b * (k - 1)))
@@ -790,9 +792,15 @@ class XPRTModel(nn.Module):
         if weights:
             args["weights"] = LossWeights(**weights)
         args.update(kw)
+        # the stages so far: an xprt folder's own record (or, from folders saved before it kept one, its start and
+        # one unnamed stage), else the start checkpoint itself
+        lineage = saved.get("lineage") or ([{"stage": "start", "model": saved.get("base_model")},
+                                            {"stage": f"xprt {saved.get('objective', 'xprt')}",
+                                             "model": saved.get("hub_model_id")}] if saved
+                                           else [{"stage": "start", "model": hub_base_model(name)}])
         args["info"] = ModelInfo(start_model=saved.get("start_model") or name, prompts=model_prompts(name, prefixes),
                                  max_seq_length=max_seq_length(mlm.config, read_max_seq_length(path)),
-                                 base_model=hub_base_model(name), hub_model_id=hub_model_id)
+                                 base_model=hub_base_model(name), hub_model_id=hub_model_id, lineage=lineage)
         model = cls(mlm, objective=objective or saved.get("objective", "xprt"), **args)
         model.load_message = f"xprt folder {path}: decoder and MLM head restored from {heads_file}" if has_heads \
             else message

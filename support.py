@@ -489,13 +489,16 @@ class ModelInfo:
     it in from the start model): the checkpoint training started from (kept through continued runs), the
     {"query", "document"} prefixes it is trained and used with (model_prompts), the length limit it is saved and
     scored at (max_seq_length), the Hub id of the checkpoint it was loaded from (the card's base_model:
-    hub_base_model) and the Hub repository the folder is pushed to (so a model trained from it names it)."""
+    hub_base_model), the Hub repository the folder is pushed to (so a model trained from it names it), and its
+    lineage: every stage from the first checkpoint on, [{"stage", "model"}] ("model": a Hub id, or None for a local
+    one), so a model fine-tuned from an xPRT folder says so."""
 
     start_model: str = ""
     prompts: dict = field(default_factory=lambda: dict(NO_PROMPTS))
     max_seq_length: int = 512
     base_model: Optional[str] = None
     hub_model_id: Optional[str] = None
+    lineage: list = field(default_factory=list)
 
 
 def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, xprt_config: dict, info: ModelInfo,
@@ -518,7 +521,7 @@ def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, x
                "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
                "pooling_mode_mean_sqrt_len_tokens": False}
     xprt_config = {**xprt_config, "start_model": info.start_model, "prompts": info.prompts,
-                   "base_model": info.base_model, "hub_model_id": info.hub_model_id}
+                   "base_model": info.base_model, "hub_model_id": info.hub_model_id, "lineage": info.lineage}
     st_config = {"prompts": info.prompts, "default_prompt_name": None, "similarity_fn_name": "cosine"}
     with atomic_path(os.path.abspath(out_dir)) as tmp:
         base.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
@@ -676,6 +679,7 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
     max_len = info.max_seq_length  # as save_model_folder writes it into sentence_bert_config.json
     q, d = prompts["query"], prompts["document"]
     start = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local checkpoint"
+    lineage = " -> ".join(f"{s['stage']} ({s['model'] or 'local'})" for s in info.lineage)
     prefixes = (f"Prefixes: queries `{json.dumps(q)}`, documents `{json.dumps(d)}`, saved as the `query` / "
                 "`document` prompts, so "
                 "`encode_query` / `encode_document` add them; with plain transformers, add them yourself."
@@ -687,7 +691,8 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
     body = f"""
 # {hub_id or Path(args.output_dir).name}
 
-{title}, trained from {start} with this repository's `{script}`. A sentence-transformers model: mean pooling,
+{title}, trained from {start} with this repository's `{script}`. Lineage: {lineage}.
+A sentence-transformers model: mean pooling,
 L2-normalised vectors, cosine similarity (`config_sentence_transformers.json`), at most {max_len} tokens. {prefixes}
 
 ## Usage (sentence-transformers)
@@ -1227,7 +1232,11 @@ def save_run(accelerator, args, model, tokenizer, finished: bool, card: dict):
         # the card's loss table: the last record with losses (score records of --eval_steps come after it)
         losses = [r for r in read_jsonl(log_path) if "loss" in r] if logged else []
         summary = {**card["summary"], "last_logged_step": losses[-1] if losses else {}}
-        text = model_card(args, accelerator.unwrap_model(model).info, **{**card, "summary": summary})
+        info = accelerator.unwrap_model(model).info
+        # this run's stage joins the lineage the folder records (and the card shows)
+        info.lineage = [*info.lineage, {"stage": f"{card['title']}, {summary['steps']} steps ({card['script']})",
+                                        "model": args.hub_model_id}]
+        text = model_card(args, info, **{**card, "summary": summary})
         save_model(accelerator, model, tokenizer, out / "model", text)
     accelerator.end_training()
     if finished and not args.no_save_model and args.push_to_hub and accelerator.is_main_process:

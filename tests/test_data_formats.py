@@ -74,7 +74,7 @@ def test_a_wrong_schema_names_the_file_the_line_and_the_accepted_schemas(tmp_pat
     with pytest.raises(ValueError) as err:
         list(finetune.read_pairs(str(bad)))
     msg = str(err.value)
-    assert msg.startswith(f"{bad}:1: fields ['answer', 'question'] match no accepted schema")
+    assert msg.startswith(f"{bad}:1: fields ['question', 'answer'] match no accepted schema")
     for schema in ("FlagEmbedding {query, pos: [...], neg: [...]}", "sentence-transformers columns anchor",
                    "tevatron {query_id, query, positive_passages", "triples {query, positive"):
         assert schema in msg
@@ -151,3 +151,81 @@ def test_pairs_without_negatives_are_mined_from_the_datas_own_passages(tmp_path,
     for (query, positive), pool in zip(flat, pools):
         own = {p for q, p in flat if q == query}
         assert pool and not own & {corpus[d] for d in pool}
+
+
+# ---- files written by the real producer: sentence-transformers' mine_hard_negatives, every output format and container
+
+@pytest.fixture(scope="module")
+def mined(tmp_path_factory):
+    """mine_hard_negatives (sentence-transformers 6.2) with all-MiniLM-L6-v2 on 24 (query, positive) pairs of the bundled
+    SciFact sample, 3 negatives each, in each output format, written as JSONL, CSV, parquet and a save_to_disk folder:
+    {(format, container): path}, and the pairs."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformer, util
+
+    import support
+
+    root = tmp_path_factory.mktemp("mined")
+    beir = support.load_beir(support.Path(__file__).resolve().parent.parent / "data" / "eval" / "scifact")
+    pairs = [(beir["queries"][q], beir["corpus"][d][1]) for q, ds in sorted(beir["qrels"].items()) for d in ds][:24]
+    model = SentenceTransformer(support.resolve_model_path("all-MiniLM-L6-v2"))
+    data = Dataset.from_dict({"anchor": [q for q, _ in pairs], "positive": [p for _, p in pairs]})
+    files = {}
+    for fmt in ("triplet", "n-tuple", "labeled-pair", "labeled-list"):
+        out = util.mine_hard_negatives(data, model, num_negatives=3, output_format=fmt, verbose=False)
+        name = fmt.replace("-", "_")
+        out.to_json(str(root / f"{name}.jsonl"))
+        out.to_csv(str(root / f"{name}.csv"), index=False)
+        out.to_parquet(str(root / f"{name}.parquet"))
+        out.save_to_disk(str(root / f"{name}_disk"))
+        files.update({(fmt, "jsonl"): root / f"{name}.jsonl", (fmt, "csv"): root / f"{name}.csv",
+                      (fmt, "parquet"): root / f"{name}.parquet", (fmt, "save_to_disk"): root / f"{name}_disk"})
+    return files, pairs
+
+
+def _by_query(rows):
+    out = {}
+    for r in rows:
+        pos, neg = out.setdefault(r["query"], (set(), set()))
+        pos.add(r["positive"])
+        neg.update(r["negatives"])
+    return out
+
+
+def test_mine_hard_negatives_outputs_are_read_as_sentence_transformers_meant_them(mined):
+    """n-tuple, labeled-pair and labeled-list of the same mining: 24 rows, one per query and positive, each with its 3
+    mined negatives (labeled formats read by their labels: a label-0 passage is a negative, never a positive); the
+    triplet format: one row per (query, positive, negative), 72; every container gives the same rows. A labeled-list
+    saved as CSV (its lists become Python reprs) is refused."""
+    files, pairs = mined
+    want = None
+    for (fmt, container), path in sorted(files.items()):
+        if (fmt, container) == ("labeled-list", "csv"):
+            with pytest.raises(ValueError, match="not lists: a list column saved as CSV"):
+                list(finetune.read_pairs(str(path)))
+            continue
+        rows = list(finetune.read_pairs(str(path)))
+        assert {r["query"] for r in rows} == {q for q, _ in pairs}, (fmt, container)
+        assert all(r["positive"] not in r["negatives"] for r in rows)
+        if fmt == "triplet":
+            assert len(rows) == 72 and all(len(r["negatives"]) == 1 for r in rows), (fmt, container)
+        else:
+            assert len(rows) == 24 and all(len(r["negatives"]) == 3 for r in rows), (fmt, container)
+            assert [(r["query"], r["positive"]) for r in rows] == pairs, (fmt, container)
+        grouped = _by_query(rows)
+        want = want or grouped
+        assert grouped == want, (fmt, container)  # the same positives and negatives per query, whatever the format
+
+
+def test_json_arrays_and_explicit_formats(tmp_path):
+    """A .json array of records reads as its JSON lines do; --train_format sentence-transformers reads any column
+    names by position (what sentence-transformers' trainer does), which auto-detection refuses as unknown."""
+    arr = tmp_path / "pairs.json"
+    arr.write_text(json.dumps(ST_ROWS))
+    assert list(finetune.read_pairs(str(arr))) == WANT
+    named = [{"question": r["anchor"], "doc": r["positive"], "hard": r["negative_1"], "hard2": r["negative_2"]}
+             for r in ST_ROWS]
+    path = _write_jsonl(tmp_path / "named.jsonl", named)
+    with pytest.raises(ValueError, match="match no accepted schema"):
+        list(finetune.read_pairs(str(path)))
+    assert list(finetune.read_pairs(str(path), schema="sentence-transformers")) == WANT

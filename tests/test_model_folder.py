@@ -120,6 +120,13 @@ def test_card_metadata_usage_code_and_command_without_local_paths(runs):
     assert ModelCard(ft).data.license == "mit"  # no --license: the start folder's card's
     assert "python finetune.py --model_name_or_path MODEL_NAME_OR_PATH --train_data TRAIN_DATA" in ft
     assert json.loads((runs["model"] / "xprt_config.json").read_text())["hub_model_id"] == HUB_ID
+    # every stage in the lineage, the xPRT one too, with no local path
+    lineage = json.loads((runs["ft"] / "xprt_config.json").read_text())["lineage"]
+    assert [s["stage"].split(",")[0] for s in lineage] == ["start", "xprt pretrain (xprt)",
+                                                          "xprt finetune (PAIR loss"]
+    assert [s["model"] for s in lineage] == [None, HUB_ID, None]  # the start is a local folder
+    assert f"Lineage: start (local) -> xprt pretrain (xprt), 2 steps (train.py) ({HUB_ID}) -> xprt finetune" in ft
+    assert str(runs["tmp"]) not in ft
 
 
 @pytest.mark.slow  # shares the module's train.py + finetune.py runs (about 35 s)
