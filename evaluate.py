@@ -717,8 +717,8 @@ def eval_mode_and_rng(module):
 
 
 class TrainingEncoder(AbsEncoder):
-    """mteb wrapper of the encoder being trained: modeling_xprt.embed_texts (mean pooling, the pooling train.py
-    trains with and saves) under the model's prompts, no gradient.
+    """mteb wrapper of the encoder being trained: modeling_xprt.embed_texts (with the pooling train.py trains with
+    and saves: mean, or [CLS] for a CLS-pooled start) under the model's prompts, no gradient.
 
     With several processes every process runs the same mteb evaluation, and each encode call is split: the distinct
     texts are cut into one equal slice per process (padded to equal length, so that every process runs the same
@@ -727,8 +727,9 @@ class TrainingEncoder(AbsEncoder):
     minutes); the scoring itself (similarities, nDCG) is repeated on every process and stays small under
     --eval_limit."""
 
-    def __init__(self, encoder, tokenizer, prompts: dict, max_length: int, batch_size: int, accelerator=None):
-        self.encoder, self.tokenizer, self.prompts = encoder, tokenizer, prompts
+    def __init__(self, encoder, tokenizer, prompts: dict, max_length: int, batch_size: int, accelerator=None,
+                 pooling: str = "mean"):
+        self.encoder, self.tokenizer, self.prompts, self.pooling = encoder, tokenizer, prompts, pooling
         self.max_length, self.batch_size, self.accelerator = max_length, batch_size, accelerator
         self.mteb_model_meta = ModelMeta(
             loader=None, name="local/training", revision="in-training", release_date=None, languages=None,
@@ -747,13 +748,14 @@ class TrainingEncoder(AbsEncoder):
         if world == 1:
             with autocast:
                 return embed_texts(self.encoder, self.tokenizer, texts, self.batch_size, self.max_length,
-                                   prefix).numpy()
+                                   prefix, pooling=self.pooling).numpy()
         unique = list(dict.fromkeys(texts))
         per = math.ceil(len(unique) / world)
         mine = unique[acc.process_index * per:(acc.process_index + 1) * per]
         mine += [f"[xprt eval padding {i}]" for i in range(per - len(mine))]
         with autocast:
-            vecs = embed_texts(self.encoder, self.tokenizer, mine, self.batch_size, self.max_length, prefix)
+            vecs = embed_texts(self.encoder, self.tokenizer, mine, self.batch_size, self.max_length, prefix,
+                               pooling=self.pooling)
         every = acc.gather(vecs.to(acc.device)).cpu()  # (world * per, H), in process order
         where = {t: i for i, t in enumerate(unique)}
         return every[[where[t] for t in texts]].numpy()
@@ -781,7 +783,8 @@ def score_during_training(model, tokenizer, tasks: Sequence, prompts: dict, max_
     """{task name: main score x100} of the model being trained (an XPRTModel, possibly wrapped by DDP / DeepSpeed:
     pass the accelerator), in eval mode, then back in training mode."""
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
-    enc = TrainingEncoder(unwrapped.encoder, tokenizer, prompts, max_length, batch_size, accelerator)
+    enc = TrainingEncoder(unwrapped.encoder, tokenizer, prompts, max_length, batch_size, accelerator,
+                          getattr(getattr(unwrapped, "info", None), "pooling", "mean"))
     scores = {}
     with eval_mode_and_rng(unwrapped):
         for task in tasks:

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from support import (NO_PROMPTS, ModelInfo, checkpoint_tensors, dist_on, hub_base_model, max_seq_length,
-                     model_prompts, quiet_load_report, rank_and_world, read_max_seq_length, resolve_model_path,
-                     save_model_folder, stable_doc_hash)
+from support import (ModelInfo, checkpoint_tensors, dist_on, hub_base_model, max_seq_length,
+                     model_prompts, quiet_load_report, rank_and_world, read_max_seq_length, read_pooling,
+                     resolve_model_path, save_model_folder, stable_doc_hash)
 
 logger = logging.getLogger("xprt")
 
@@ -594,9 +594,14 @@ class XPRTModel(nn.Module):
         return out.weight, bias
 
     def encode(self, input_ids, attention_mask):
-        """(N, L) -> hidden (N, L, H), mean-pooled vectors (N, H)."""
+        """(N, L) -> hidden (N, L, H), sentence vectors (N, H)."""
         hidden = self.base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return hidden, mean_pool(hidden, attention_mask)
+        return hidden, self.pool(hidden, attention_mask)
+
+    def pool(self, hidden, attention_mask):
+        """The sentence vector the saved folder makes: mean pooling (E5's, the paper's), or [CLS] for a CLS-pooled
+        start (support.read_pooling), so fine-tuning a BGE-style folder trains and saves the vector it is used by."""
+        return hidden[:, 0].float() if self.info.pooling == "cls" else mean_pool(hidden, attention_mask)
 
     def decode(self, vectors, batch, attention_mask):
         """Every decoder pass of the batch in one call -> the flat (G * D * (L + C), H) output rows.
@@ -719,7 +724,7 @@ class XPRTModel(nn.Module):
             student = v.view(g, 2, -1)
         with torch.no_grad():
             hidden = teacher(input_ids=ids.reshape(g * 2, lr), attention_mask=mask.reshape(g * 2, lr)).last_hidden_state
-            t = mean_pool(hidden, mask.reshape(g * 2, lr)).view(g, 2, -1)
+            t = self.pool(hidden, mask.reshape(g * 2, lr)).view(g, 2, -1)
         return retention_loss(student[:, 0], student[:, 1], t[:, 0], t[:, 1], self.tau)
 
     # -- saving and loading ----------------------------------------------------------------------
@@ -800,7 +805,8 @@ class XPRTModel(nn.Module):
                                            else [{"stage": "start", "model": hub_base_model(name)}])
         args["info"] = ModelInfo(start_model=saved.get("start_model") or name, prompts=model_prompts(name, prefixes),
                                  max_seq_length=max_seq_length(mlm.config, read_max_seq_length(path)),
-                                 base_model=hub_base_model(name), hub_model_id=hub_model_id, lineage=lineage)
+                                 base_model=hub_base_model(name), hub_model_id=hub_model_id, lineage=lineage,
+                                 pooling=read_pooling(path))
         model = cls(mlm, objective=objective or saved.get("objective", "xprt"), **args)
         model.load_message = f"xprt folder {path}: decoder and MLM head restored from {heads_file}" if has_heads \
             else message
@@ -822,8 +828,10 @@ class XPRTModel(nn.Module):
 
 @torch.inference_mode()
 def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, max_length: int = 512,
-                prefix: str = "", show_progress: bool = False, desc: str = "embedding") -> torch.Tensor:
-    """L2-normalised mean-pooled vectors of `texts`, in input order, as a CPU float32 (N, H) tensor.
+                prefix: str = "", show_progress: bool = False, desc: str = "embedding",
+                pooling: str = "mean") -> torch.Tensor:
+    """L2-normalised sentence vectors of `texts` (mean-pooled, or [CLS] with pooling="cls"), in input order, as a
+    CPU float32 (N, H) tensor.
 
     The one batch embedder of the repository: select_groups.py (centrality and the E5 ranking), finetune.py
     (hard-negative mining) and evaluate.py's scoring during training (--eval_tasks) call it. `model` is any
@@ -839,7 +847,7 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
 
     unique = list(dict.fromkeys(texts))  # first-occurrence order
     if len(unique) < len(texts):
-        vecs = embed_texts(model, tokenizer, unique, batch_size, max_length, prefix, show_progress, desc)
+        vecs = embed_texts(model, tokenizer, unique, batch_size, max_length, prefix, show_progress, desc, pooling)
         where = {t: i for i, t in enumerate(unique)}
         return vecs[[where[t] for t in texts]]
     base = getattr(model, "base_model", model)
@@ -860,7 +868,10 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
         for row, i in enumerate(idx):
             input_ids[row, : lens[row]] = torch.tensor(ids[i])
         input_ids = input_ids.to(device)
-        if lens[-1] == width:  # no padding in this batch: plain mean, no mask
+        if pooling == "cls":
+            mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).long().to(device)
+            vec = base(input_ids=input_ids, attention_mask=mask).last_hidden_state[:, 0].float()
+        elif lens[-1] == width:  # no padding in this batch: plain mean, no mask
             vec = base(input_ids=input_ids).last_hidden_state.float().mean(dim=1)
         else:
             mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).long().to(device)

@@ -24,7 +24,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -444,8 +443,36 @@ def checkpoint_tensors(path: str, keys: Sequence[str], prefix: str) -> dict:
 def read_max_seq_length(path: str) -> Optional[int]:
     """The length limit a model folder states (sentence-transformers' sentence_bert_config.json max_seq_length), or
     None when it states none."""
-    f = os.path.join(resolve_model_path(path), "sentence_bert_config.json")
-    return json.loads(Path(f).read_text()).get("max_seq_length") if os.path.isfile(f) else None
+    folder = resolve_model_path(path)
+    f = os.path.join(folder, "sentence_bert_config.json")
+    stated = json.loads(Path(f).read_text()).get("max_seq_length") if os.path.isfile(f) else None
+    tok = os.path.join(folder, "tokenizer_config.json")
+    if stated is None and os.path.isfile(os.path.join(folder, "modules.json")) and os.path.isfile(tok):
+        # sentence-transformers 6 keeps a folder's limit as its tokenizer's model_max_length (transformers writes a
+        # huge number there for "no limit")
+        m = json.loads(Path(tok).read_text()).get("model_max_length")
+        stated = m if isinstance(m, int) and m < 1_000_000 else None
+    return stated
+
+
+def read_pooling(path: str) -> str:
+    """The sentence vector a folder's sentence-transformers Pooling module makes: "mean" or "cls" (either config
+    layout: sentence-transformers 6's pooling_mode, or the older pooling_mode_*_tokens flags); "mean" for a folder
+    without modules.json (E5 and MiniLM are mean-pooled; sentence-transformers' own default). Other modes are
+    refused: the losses would train one vector and the saved folder make another."""
+    folder = Path(resolve_model_path(path))
+    modules = read_json(folder / "modules.json") if (folder / "modules.json").is_file() else []
+    for m in modules if isinstance(modules, list) else []:
+        if m.get("type", "").endswith("Pooling"):
+            cfg = read_json(folder / m.get("path", "") / "config.json")
+            mode = cfg.get("pooling_mode") or next((k[len("pooling_mode_"):] for k, v in cfg.items()
+                                                    if k.startswith("pooling_mode_") and v is True), "mean")
+            mode = {"cls_token": "cls", "mean_tokens": "mean"}.get(mode, mode)
+            if mode not in ("mean", "cls"):
+                raise ValueError(f"{folder}: sentence-transformers pooling {mode!r}; xprt trains and saves mean or "
+                                 "cls pooling only")
+            return mode
+    return "mean"
 
 
 def check_tokenizer_fits(tokenizer, config, where: str):
@@ -499,6 +526,7 @@ class ModelInfo:
     base_model: Optional[str] = None
     hub_model_id: Optional[str] = None
     lineage: list = field(default_factory=list)
+    pooling: str = "mean"  # the sentence vector: the mean of the token vectors (E5's, the paper's), or [CLS]'s
 
 
 def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, xprt_config: dict, info: ModelInfo,
@@ -517,11 +545,12 @@ def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, x
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
         {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
     ]
-    pooling = {"word_embedding_dimension": base.config.hidden_size, "pooling_mode_cls_token": False,
-               "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
-               "pooling_mode_mean_sqrt_len_tokens": False}
+    pooling = {"word_embedding_dimension": base.config.hidden_size,
+               "pooling_mode_cls_token": info.pooling == "cls", "pooling_mode_mean_tokens": info.pooling == "mean",
+               "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}
     xprt_config = {**xprt_config, "start_model": info.start_model, "prompts": info.prompts,
-                   "base_model": info.base_model, "hub_model_id": info.hub_model_id, "lineage": info.lineage}
+                   "base_model": info.base_model, "hub_model_id": info.hub_model_id, "lineage": info.lineage,
+                   "pooling": info.pooling}
     st_config = {"prompts": info.prompts, "default_prompt_name": None, "similarity_fn_name": "cosine"}
     with atomic_path(os.path.abspath(out_dir)) as tmp:
         base.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
@@ -680,6 +709,14 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
     q, d = prompts["query"], prompts["document"]
     start = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local checkpoint"
     lineage = " -> ".join(f"{s['stage']} ({s['model'] or 'local'})" for s in info.lineage)
+    if info.pooling == "cls":
+        pool_code = "embeddings = F.normalize(hidden[:, 0], dim=-1)  # [CLS] pooling, then L2"
+        flag_note = ""
+    else:
+        pool_code = ('mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)\n'
+                     "embeddings = F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)  # mean pooling, then L2")
+        flag_note = ("\nFlagEmbedding's `FlagModel` pools [CLS] unless told otherwise: load this model with "
+                     f'`FlagModel("{model_id}", pooling_method="mean")`.\n')
     prefixes = (f"Prefixes: queries `{json.dumps(q)}`, documents `{json.dumps(d)}`, saved as the `query` / "
                 "`document` prompts, so "
                 "`encode_query` / `encode_document` add them; with plain transformers, add them yourself."
@@ -692,7 +729,7 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
 # {hub_id or Path(args.output_dir).name}
 
 {title}, trained from {start} with this repository's `{script}`. Lineage: {lineage}.
-A sentence-transformers model: mean pooling,
+A sentence-transformers model: {info.pooling} pooling,
 L2-normalised vectors, cosine similarity (`config_sentence_transformers.json`), at most {max_len} tokens. {prefixes}
 
 ## Usage (sentence-transformers)
@@ -722,10 +759,10 @@ texts = [{json.dumps(q + "which passages does an anchor retrieve?")},
 batch = tokenizer(texts, padding=True, truncation=True, max_length={max_len}, return_tensors="pt")
 with torch.no_grad():
     hidden = model(**batch).last_hidden_state
-mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-embeddings = F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)  # mean pooling, then L2
+{pool_code}
 print(embeddings[0] @ embeddings[1])
 ```
+{flag_note}
 
 ## Training
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from modeling_xprt import PRETRAIN_OBJECTIVES, LossWeights, XPRTCollator, XPRTModel, crop_spans, load_teacher
-from support import (LengthGroupedBatchSampler, LogWindow, PAPER_MODEL, RowsDataset, TrainState, add_common_args,
+from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args,
                      batch_to_device, check_common_args, check_tokenizer_fits, describe_prompts, engine_dtype,
                      epoch_batches, make_accelerator, optimizer_groups, prepare_output_dir, read_json,
                      register_tied_projection, resolve_model_path, resume, save_checkpoint, save_run, whole_weights,

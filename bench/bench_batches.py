@@ -70,7 +70,7 @@ def main():
 
     import support
     import train
-    from modeling_xprt import XPRTCollator, crop_spans
+    from modeling_xprt import XPRTCollator
 
     groups = train.load_groups(args.groups_dir)
     tok = AutoTokenizer.from_pretrained(support.resolve_model_path("all-MiniLM-L6-v2"))
@@ -99,7 +99,7 @@ def main():
     spans = spans_for(0)
     ks = spans[:, :, 1]
     crop_tokens = np.stack([ks.max(1), ks.min(1)], 1) + 2
-    print(f"\nrandom-span baseline (crops of the anchors): length-only scorer's partner percentile (0.5 = no cue)")
+    print("\nrandom-span baseline (crops of the anchors): length-only scorer's partner percentile (0.5 = no cue)")
     for name, group, spread, long_first in [("random batches, views as drawn", False, 1, False),
                                             ("crop-grouped, views as drawn", True, 1, False),
                                             ("crop-grouped, query = longer crop", True, 1, True),

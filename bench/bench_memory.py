@@ -184,7 +184,6 @@ class PassageIds:
 
 
 def child_convert(groups_dir):
-    import support
     import train
 
     before, peak = status_mb("VmHWM"), AnonPeak()

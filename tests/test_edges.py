@@ -89,3 +89,37 @@ def test_beir_reader_refuses_what_it_cannot_read_naming_the_file_and_line(tmp_pa
         support.load_beir(_beir(tmp_path / "bad", qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\n"))
     with pytest.raises(ValueError, match=r"test.tsv:3: query 'q1' x document 'd1' judged twice \(first at line 2\)"):
         support.load_beir(_beir(tmp_path / "twice", qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td1\t0\n"))
+
+
+def test_a_sentence_transformers_folder_keeps_its_length_and_pooling_through_fine_tuning(tiny_bert, tmp_path):
+    """A CLS-pooled folder saved by sentence-transformers 6.2 (which keeps the length limit as the tokenizer's
+    model_max_length, not in sentence_bert_config.json), fine-tuned 2 steps: the saved folder loads with the same
+    limit (200, not 512) and [CLS] pooling, and its vectors are [CLS]'s."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules.transformer import Transformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+
+    import finetune
+    from modeling_xprt import embed_texts
+    from test_finetune import make_beir
+
+    start = tmp_path / "st_cls"
+    tr = Transformer(str(tiny_bert), max_seq_length=200)
+    SentenceTransformer(modules=[tr, Pooling(tr.get_embedding_dimension(), "cls"), Normalize()]).save(str(start))
+    assert support.read_max_seq_length(str(start)) == 200 and support.read_pooling(str(start)) == "cls"
+    out = tmp_path / "ft"
+    run(["--model_name_or_path", start, "--beir_dir", make_beir(tmp_path / "beir"), "--output_dir", out,
+         "--max_train_steps", 2, "--per_device_train_batch_size", 4, "--report_to", "none", "--negatives_rank_min", 1,
+         "--negatives_rank_max", 5], main=finetune.main)
+    folder = out / "model"
+    st = SentenceTransformer(str(folder), device="cpu")
+    assert st.max_seq_length == 200 and st[1].get_config_dict()["pooling_mode"] == "cls"
+    assert support.read_pooling(str(folder)) == "cls" and support.read_max_seq_length(str(folder)) == 200
+    texts = ["a cls pooled model", "keeps its pooling"]
+    from transformers import AutoModel, AutoTokenizer
+
+    by_hand = embed_texts(AutoModel.from_pretrained(folder), AutoTokenizer.from_pretrained(folder), texts,
+                          pooling="cls")
+    assert torch.allclose(torch.from_numpy(st.encode(texts)), by_hand, atol=1e-5)
+    assert "cls pooling" in (folder / "README.md").read_text()
