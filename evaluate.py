@@ -533,6 +533,20 @@ def data_fingerprint(folder: Optional[Path]) -> str:
     return files_hash(folder, [f for f in folder.rglob("*") if f.is_file()])
 
 
+def card_data(name: str, local, settings: dict, result: dict) -> Optional[str]:
+    """What a model card says was scored when it is not the full standard task (None when it is): the local folder's
+    name and content hash (never its path), the queries scored, the --limit sample."""
+    if local is None and "limit" not in settings:
+        return None
+    parts = [f"local copy {Path(local[0]).name} (data_{settings['data']})"] if local is not None else [f"mteb {name}"]
+    if result.get("per_query"):
+        parts.append(f"{len(result['per_query'])} queries")
+    if "limit" in settings:
+        parts.append(f"a --limit {settings['limit']} sample (corpus at most {settings['corpus_limit']}, seed "
+                     f"{settings['seed']})")
+    return ", ".join(parts)
+
+
 def run_settings(local: Optional[tuple[Path, str]], limit: Optional[int], corpus_limit: Optional[int],
                  seed: int, encoder_settings: Optional[dict] = None) -> dict:
     """What makes a run differ from mteb's standard run of the model on the task, as mteb's `experiment_kwargs`.
@@ -582,20 +596,35 @@ def evaluate_model_on_task(encoder, task, batch_size: int, cache=None, settings:
             "result_file": str(path) if path else None}
 
 
-def card_results(results: dict) -> dict:
-    """{task: {"metric", "score"}} for support.add_eval_results_to_card, from one model's results."""
-    return {t: {"metric": r["metric"], "score": round(r["main_score"], 2)} for t, r in results.items()}
+def card_results(results: dict) -> tuple[dict, dict]:
+    """One model's results for support.add_eval_results_to_card -> (full standard tasks: {task: {"metric", "score",
+    "dataset_id", "split", "revision"}}, local data and samples: {task: {"metric", "score", "data"}})."""
+    standard, local = {}, {}
+    for t, r in results.items():
+        entry = {"metric": r["metric"], "score": round(r["main_score"], 2)}
+        if r.get("card_data"):  # a local copy or a --limit sample: what was scored, without a path
+            local[t] = {**entry, "data": r["card_data"]}
+        else:
+            ds = r.get("dataset") or {}
+            standard[t] = {**entry, "dataset_id": ds.get("path"), "split": r.get("split"),
+                           "revision": ds.get("revision")}
+    return standard, local
 
 
 def update_model_card(model_name: str, results: dict, source: str) -> bool:
-    """After scoring a local xprt folder (xprt_config.json present) on full tasks: its card's evaluation section."""
+    """After scoring a local xprt folder (xprt_config.json present): full standard tasks into its card's
+    Evaluation section and model-index, local data and samples into a section of their own."""
     path = resolve_model_path(model_name)
     if not (os.path.isdir(path) and (Path(path) / "xprt_config.json").is_file()):
         return False
     if not (Path(path) / "README.md").is_file():
         print(f"model {model_name}: no model card (README.md) to write the scores into", flush=True)
         return False
-    add_eval_results_to_card(path, card_results(results), source)
+    standard, local = card_results(results)
+    if standard:
+        add_eval_results_to_card(path, standard, source)
+    if local:
+        add_eval_results_to_card(path, local, source, local=True)
     return True
 
 
@@ -614,7 +643,8 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     Returns {"models": [...], "results": {model: {task: result}}, "tasks": [{"name","type","source"}], ...}.
     prefixes, query_prefix, passage_prefix, max_length, device, dtype, trust_remote_code: XPRTEncoder's.
     `encoder_factory(name) -> AbsEncoder` replaces XPRTEncoder (tests use it).
-    update_cards: write the scores into a local xprt folder's model card (never for a --limit sample).
+    update_cards: write the scores into a local xprt folder's model card (full standard tasks into its model-index,
+    local data and --limit samples into a section of their own).
     """
     from tqdm.auto import tqdm
 
@@ -666,13 +696,13 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
             result = evaluate_model_on_task(encoder, task, batch_size, cache=cache, settings=settings,
                                             rerun=rerun, show_progress=show_progress)
             result["source"] = str(local[0]) if local else "mteb (online)"
+            result.update(dataset=dict(task.metadata.dataset), split=task.metadata.eval_splits[0],
+                          card_data=card_data(name, local, task_settings[name], result))
             out["results"][model_name][name] = result
             logger.info("%s | %s: %s = %.2f (%s)", model_name, name, result["metric"], result["main_score"],
                         result["result_file"] or "not written")
-        if update_cards and not limit and update_model_card(
-                model_name, out["results"][model_name],
-                f"xprt's evaluate.py (mteb {mteb.__version__}, main scores; data: "
-                + ", ".join(sorted({r["source"] for r in out["results"][model_name].values()})) + ")"):
+        if update_cards and update_model_card(model_name, out["results"][model_name],
+                                              f"xprt's evaluate.py (mteb {mteb.__version__}, main scores)"):
             print(f"model {model_name}: evaluation written into its model card", flush=True)
         del encoder
     return out

@@ -181,8 +181,8 @@ def pair_schema(fields) -> str | None:
             return "labeled-pair"
         if rest == ["labels"]:
             return "labeled-list"
-        if f[:2] == ["query", "positive"] and rest in ([], ["negatives"]):
-            return "triples"
+        if f[:2] == ["query", "positive"] and rest in ([], ["negatives"], ["negative"]):
+            return "triples"  # the triples format (one negative, or a list of them); a triplet reads the same
         if all(c == "negative" or (c.startswith("negative_") and c[9:].isdigit()) for c in rest):
             return "sentence-transformers"
     if {"query", "positive"} <= set(f) and set(f) <= {"query", "positive", "negatives", "negative"}:

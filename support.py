@@ -508,6 +508,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
 EVAL_SECTION_START, EVAL_SECTION_END = "<!-- xprt:evaluation -->", "<!-- /xprt:evaluation -->"
+LOCAL_SECTION_START, LOCAL_SECTION_END = "<!-- xprt:local-evaluation -->", "<!-- /xprt:local-evaluation -->"
 
 
 @dataclass
@@ -610,45 +611,73 @@ def _task_type(metric: str) -> str:
     return "Other"
 
 
-def add_eval_results_to_card(model_dir, results: dict, source: str) -> Path:
-    """(Re)write the "Evaluation" section and the model-index metadata of a saved folder's model card (README.md).
+def add_eval_results_to_card(model_dir, results: dict, source: str, local: bool = False) -> Path:
+    """(Re)write an evaluation section of a saved folder's model card (README.md), atomically; returns its path.
 
-    results: {task_name: {"metric": main metric name (mteb's, e.g. "ndcg_at_10"), "score": score in percent}};
-    source: how they were obtained (e.g. "evaluate.py, mteb 2.26, local task folders"), written under the table.
-    Scores already on the card for other tasks are kept, a task scored again is replaced: the section is rebuilt
-    from the model-index each time, so calling this twice leaves one section. The card is written atomically.
-    Returns the card's path.
-    """
+    results: {task: {"metric": mteb's main metric (e.g. "ndcg_at_10"), "score": percent, optional "dataset_id",
+    "split", "revision" (the task's Hub dataset), "data" (what was scored, for local runs)}}; source: how they were
+    obtained (evaluate.py and mteb's version; never a local path). Full standard tasks (local=False) go into the
+    "Evaluation" section and the Hub's `model-index` (a dataset id, split and revision where the task names them).
+    Local folders and --limit samples (local=True) are not the tasks the Hub's leaderboards mean: they go into a
+    section of their own, "Scores on local data", with what was scored, and never into `model-index`. A task scored
+    again replaces its row, and the replaced score is printed; the rest of the card stays as it was."""
     from huggingface_hub import EvalResult, ModelCard
 
     path = Path(model_dir) / "README.md"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no model card to add results to (is {model_dir} a saved model folder?)")
-    card = ModelCard(path.read_text(encoding="utf-8"))
-    merged = {e.dataset_name: e for e in (card.data.eval_results or [])}
     for task, r in results.items():
         if not isinstance(r, dict) or not {"metric", "score"} <= set(r):
             raise ValueError(f"results[{task!r}] must be {{'metric': name, 'score': percent}}, got {r!r}")
-        merged[task] = EvalResult(task_type=_task_type(r["metric"]), dataset_type=task, dataset_name=task,
-                                  metric_type=r["metric"], metric_value=round(float(r["score"]), 2))
+    card = ModelCard(path.read_text(encoding="utf-8"))
+    if local:  # kept in the card's metadata under a key of ours (not model-index), rebuilt from it each time
+        merged = dict(getattr(card.data, "xprt_local_evaluation", None) or {})
+        for task, r in results.items():
+            old = merged.get(task)
+            if old and old["score"] != round(float(r["score"]), 2):
+                print(f"{path}: local {task} score {old['score']:.2f} ({old['data']}) replaced", flush=True)
+            merged[task] = {"metric": r["metric"], "score": round(float(r["score"]), 2), "data": r.get("data", "")}
+        card.data.xprt_local_evaluation = merged
+        rows = "\n".join(f"| {t} | {e['data']} | {e['metric']} | {e['score']:.2f} |" for t, e in merged.items())
+        section = (f"{LOCAL_SECTION_START}\n## Scores on local data\n\nNot the tasks the MTEB leaderboard scores: "
+                   "local copies or samples of their data, so not in the card's `model-index`.\n\n| task | data | "
+                   f"main metric | score |\n|---|---|---|---|\n{rows}\n\nScores in percent; the last update came "
+                   f"from {source}.\n{LOCAL_SECTION_END}")
+        card.text = _replace_section(card.text, LOCAL_SECTION_START, LOCAL_SECTION_END, section)
+        atomic_write(path, str(card))
+        return path
+    merged = {e.dataset_name: e for e in (card.data.eval_results or [])}
+    for task, r in results.items():
+        old = merged.get(task)
+        if old is not None and old.metric_value != round(float(r["score"]), 2):
+            print(f"{path}: {task} score {old.metric_value:.2f} replaced", flush=True)
+        merged[task] = EvalResult(task_type=_task_type(r["metric"]), dataset_type=r.get("dataset_id") or task,
+                                  dataset_name=task, dataset_split=r.get("split"),
+                                  dataset_revision=r.get("revision"), metric_type=r["metric"],
+                                  metric_value=round(float(r["score"]), 2))
     card.data.eval_results = list(merged.values()) or None
-    card.data.model_name = card.data.model_name or read_json(Path(model_dir) / "xprt_config.json").get(
-        "hub_model_id") or Path(model_dir).resolve().name
+    cfg = read_json(Path(model_dir) / "xprt_config.json")
+    folder = Path(model_dir).resolve()
+    # the model's name on the Hub, else its run's (train.py saves <run>/model)
+    card.data.model_name = card.data.model_name or cfg.get("hub_model_id") or (
+        folder.parent.name if folder.name == "model" else folder.name)
     rows = "\n".join(f"| {e.dataset_name} | {e.task_type} | {e.metric_type} | {e.metric_value:.2f} |"
                      for e in card.data.eval_results or [])
     section = (f"{EVAL_SECTION_START}\n## Evaluation\n\n| task | type | main metric | score |\n|---|---|---|---|\n"
-               f"{rows}\n\nScores in percent; the last update came from {source}. The same figures are in the "
-               "card's `model-index` metadata.\n"
+               f"{rows}\n\nScores in percent on the full tasks; the last update came from {source}. The same "
+               "figures are in the card's `model-index` metadata.\n"
                f"{EVAL_SECTION_END}")
-    text = card.text
-    if EVAL_SECTION_START in text and EVAL_SECTION_END in text:
-        head, rest = text.split(EVAL_SECTION_START, 1)
-        text = head + section + rest.split(EVAL_SECTION_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    card.text = text
+    card.text = _replace_section(card.text, EVAL_SECTION_START, EVAL_SECTION_END, section)
     atomic_write(path, str(card))
     return path
+
+
+def _replace_section(text: str, start: str, end: str, section: str) -> str:
+    """`text` with the part between the markers replaced by `section` (appended when absent)."""
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        return head + section + rest.split(end, 1)[1]
+    return text.rstrip("\n") + "\n\n" + section + "\n"
 
 
 # Flags whose values are local paths: the card's command and flags show a placeholder instead (a path of the training

@@ -510,9 +510,16 @@ def test_mteb_loader_reads_evaluate_results_folder(tiny_bert, beir, tmp_path, ca
     for task, score in scores.items():
         assert score == pytest.approx(table[task], abs=1e-9)
     assert 0.0 < table["SciFact"] <= 100.0
-    # the card of the xprt folder holds the scores (support.add_eval_results_to_card)
+    # the card of the xprt folder holds the scores (support.add_eval_results_to_card): local folders in a section of
+    # their own, saying what was scored, never in the model-index under MTEB's task names, and no local path
+    from huggingface_hub import ModelCard
+
     card = (model / "README.md").read_text()
     assert "SciFact" in card and f"{table['SciFact']:.2f}" in card and f"{table['STS12']:.2f}" in card
+    assert "## Scores on local data" in card and "## Evaluation" not in card
+    assert ModelCard(card).data.eval_results is None
+    assert f"| SciFact | local copy {beir.name} (data_" in card and "queries |" in card
+    assert str(tmp_path) not in card
     # rewriting the card does not change the model's revision (the card is not part of its identity)
     assert ev.model_name_and_revision(str(model)) == (name, revision)
 

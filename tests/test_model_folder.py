@@ -205,7 +205,13 @@ def test_eval_results_section_is_rewritten_not_repeated(runs, tmp_path):
     assert text.count("## Evaluation") == 1 and text.count(sp.EVAL_SECTION_START) == 1
     assert "| SciFact | Retrieval | ndcg_at_10 | 62.00 |" in text and "| STSBenchmark | STS | cosine_spearman | 80.50 |" \
         in text and "61.23" not in text
+    sp.add_eval_results_to_card(folder, {"ArguAna": {"metric": "ndcg_at_10", "score": 40.0, "dataset_id": "mteb/arguana",
+                                                     "split": "test", "revision": "abc123"}}, "evaluate.py (3)")
+    arg = [e for e in ModelCard.load(folder / "README.md").data.eval_results if e.dataset_name == "ArguAna"][0]
+    assert (arg.dataset_type, arg.dataset_split, arg.dataset_revision) == ("mteb/arguana", "test", "abc123")
+    assert ModelCard.load(folder / "README.md").data.model_name == HUB_ID  # the Hub id the folder records
     card = ModelCard.load(folder / "README.md")
+    card.data.eval_results = [e for e in card.data.eval_results if e.dataset_name != "ArguAna"]
     assert {(e.dataset_name, e.metric_type, e.metric_value) for e in card.data.eval_results} == \
         {("SciFact", "ndcg_at_10", 62.0), ("STSBenchmark", "cosine_spearman", 80.5)}
     assert card.data.model_name == HUB_ID
