@@ -245,7 +245,12 @@ def _pair_records(source: str, split: str, config=None):
     import csv
 
     p = Path(source)
-    if p.is_file() and source.endswith(".json") and p.read_bytes()[:64].lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"[":
+    jsonl_folder = p.is_dir() and not (p / "dataset_info.json").is_file() and not (p / "dataset_dict.json").is_file() \
+        and any(p.glob("*.jsonl")) and not any(p.glob("*.parquet"))
+    if jsonl_folder:  # a folder of JSONL files (FlagEmbedding keeps its data so): each file read as one
+        for f in sorted(p.glob("*.jsonl")):
+            yield from _pair_records(str(f), split, config)
+    elif p.is_file() and source.endswith(".json") and p.read_bytes()[:64].lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"[":
         records = json.loads(p.read_text(encoding="utf-8-sig"))  # a JSON array: read whole
         for i, r in enumerate(records, 1):
             if not isinstance(r, dict):

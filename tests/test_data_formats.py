@@ -229,3 +229,15 @@ def test_json_arrays_and_explicit_formats(tmp_path):
     with pytest.raises(ValueError, match="match no accepted schema"):
         list(finetune.read_pairs(str(path)))
     assert list(finetune.read_pairs(str(path), schema="sentence-transformers")) == WANT
+
+
+def test_a_folder_of_flagembedding_files_with_different_optional_fields(tmp_path, capsys):
+    """FlagEmbedding keeps its data as a folder of JSONL files whose optional fields differ (prompt, type): read file
+    by file (datasets.load_dataset would stop with a CastError naming no file), the prompt / type fields counted and
+    said, not applied."""
+    folder = tmp_path / "fe"
+    folder.mkdir()
+    _write_jsonl(folder / "a.jsonl", RECORDS[:2])
+    _write_jsonl(folder / "b.jsonl", [{**RECORDS[2], "prompt": "Represent this query: ", "type": "normal"}])
+    assert list(finetune.read_pairs(str(folder))) == WANT
+    assert "1 FlagEmbedding records carry a per-record prompt / type field" in capsys.readouterr().out
