@@ -33,11 +33,9 @@ import torch
 
 from modeling_xprt import PairCollator, XPRTModel, embed_texts, pair_false_negatives, pair_text_ids
 from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args, atomic_write,
-                     batch_to_device, check_common_args, check_tokenizer_fits, describe_prompts, epoch_batches,
-                     iter_jsonl, iter_parquet,
-                     load_beir, make_accelerator, optimizer_groups, prepare_output_dir, rank_and_world,
-                     register_tied_projection, resolve_model_path, resume, save_checkpoint, save_run, whole_weights,
-                     write_log_record)
+                     batch_to_device, check_common_args, epoch_batches, iter_jsonl, iter_parquet, load_beir, load_model,
+                     make_accelerator, optimizer_groups, prepare_output_dir, rank_and_world, resume, save_checkpoint,
+                     save_run, whole_weights, write_log_record)
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 
@@ -809,7 +807,7 @@ def main(argv=None):
     args = parse_args(argv)
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
     from accelerate.utils import set_seed
-    from transformers import AutoTokenizer, get_scheduler
+    from transformers import get_scheduler
 
     # ---- accelerator. The idle heads are frozen below, so every trainable parameter gets a gradient: no
     # unused-parameter search.
@@ -821,19 +819,7 @@ def main(argv=None):
     set_seed(args.seed)
 
     # ---- model: loaded whole, even under ZeRO-3 (the start model mines negatives before prepare)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_name_or_path),
-                                              trust_remote_code=args.trust_remote_code)
-    with whole_weights():
-        model = XPRTModel.from_pretrained(args.model_name_or_path, objective="pair", tau=args.tau or 0.05,
-                                          trust_remote_code=args.trust_remote_code, prefixes=args.prefixes,
-                                          hub_model_id=args.hub_model_id)
-    check_tokenizer_fits(tokenizer, model.encoder.config, args.model_name_or_path)
-    accelerator.print(f"model: {model.load_message}")
-    accelerator.print(f"{describe_prompts(model.prompts)} (--prefixes {args.prefixes}; start model "
-                      f"{model.info.start_model})")
-    register_tied_projection(accelerator, model)
-    if args.gradient_checkpointing:
-        model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, tokenizer = load_model(accelerator, args, XPRTModel, objective="pair")
     # PAIR's losses read only the pooled encoder vectors: the decoder and the MLM head's own parameters (transform,
     # output bias; the tied projection is the word embeddings and stays trainable) get no gradient. Frozen, they
     # stay out of the optimiser and DDP's reducer, and are saved unchanged for a later pre-training run.

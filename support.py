@@ -1152,6 +1152,30 @@ def engine_dtype(accelerator) -> torch.dtype:
     return torch.float32
 
 
+def load_model(accelerator, args, model_class, **kw):
+    """model_class.from_pretrained(--model_name_or_path, **kw) (modeling_xprt.XPRTModel; passed in, as this file
+    imports none of the repository's) and its tokenizer, for train.py and finetune.py: loaded whole even under
+    ZeRO-3 (DeepSpeed partitions the model at prepare; fine-tuning mines with it before), the tokenizer checked
+    against the embedding matrix, the prefixes printed, the tied projection registered for ZeRO-3, gradient
+    checkpointing on when asked."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_name_or_path),
+                                              trust_remote_code=args.trust_remote_code)
+    with whole_weights():
+        model = model_class.from_pretrained(args.model_name_or_path, tau=args.tau or 0.05,
+                                            trust_remote_code=args.trust_remote_code, prefixes=args.prefixes,
+                                            hub_model_id=args.hub_model_id, **kw)
+    check_tokenizer_fits(tokenizer, model.encoder.config, args.model_name_or_path)
+    accelerator.print(f"model: {model.load_message}")
+    accelerator.print(f"{describe_prompts(model.prompts)} (--prefixes {args.prefixes}; start model "
+                      f"{model.info.start_model})")
+    register_tied_projection(accelerator, model)
+    if args.gradient_checkpointing:
+        model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, tokenizer
+
+
 def register_tied_projection(accelerator, model):
     """Under ZeRO-3: the tied vocabulary projection (= the word embeddings) and its bias are read by the vocabulary
     terms outside the modules that own them, so ZeRO-3 must keep them gathered for the whole forward and backward

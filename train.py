@@ -27,11 +27,10 @@ import numpy as np
 import torch
 
 from modeling_xprt import PRETRAIN_OBJECTIVES, LossWeights, XPRTCollator, XPRTModel, crop_spans, load_teacher
-from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args,
-                     batch_to_device, check_common_args, check_tokenizer_fits, describe_prompts, engine_dtype,
-                     epoch_batches, make_accelerator, optimizer_groups, prepare_output_dir, read_json,
-                     register_tied_projection, resolve_model_path, resume, save_checkpoint, save_run, whole_weights,
-                     write_log_record)
+from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args, batch_to_device,
+                     check_common_args, engine_dtype, epoch_batches, load_model, make_accelerator, optimizer_groups,
+                     prepare_output_dir, read_json, resolve_model_path, resume, save_checkpoint, save_run,
+                     whole_weights, write_log_record)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -313,30 +312,15 @@ def peak_flops(accelerator, args):
 # ----------------------------------------------------------------------------------------------------------------
 # The model and the data
 # ----------------------------------------------------------------------------------------------------------------
-def load_model(accelerator, args):
-    """XPRTModel.from_pretrained(--model_name_or_path) with the flags' loss weights, and its tokenizer. Loaded whole,
-    even under ZeRO-3: DeepSpeed partitions it at prepare."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_name_or_path),
-                                              trust_remote_code=args.trust_remote_code)
+def load_pretraining_model(accelerator, args):
+    """XPRTModel.from_pretrained(--model_name_or_path) for --objective with the flags' loss weights, and its
+    tokenizer (support.load_model)."""
     weight_flags = [("xp", "xp_weight"), ("cross", "cross_weight"), ("self_fill", "self_fill_weight"),
                     ("mlm", "mlm_weight"), ("unif", "unif_weight")]
     weights = LossWeights(**{f: getattr(args, a) for f, a in weight_flags if getattr(args, a) is not None})
-    with whole_weights():
-        model = XPRTModel.from_pretrained(args.model_name_or_path, objective=args.objective, weights=weights,
-                                          tau=args.tau or 0.05, mlm_head_from=args.mlm_head_from,
-                                          fill_in=not args.no_fill_in, retention_student=args.retention_student,
-                                          trust_remote_code=args.trust_remote_code, prefixes=args.prefixes,
-                                          hub_model_id=args.hub_model_id)
-    check_tokenizer_fits(tokenizer, model.encoder.config, args.model_name_or_path)
-    accelerator.print(f"model: {model.load_message}")
-    accelerator.print(f"{describe_prompts(model.prompts)} (--prefixes {args.prefixes}; start model "
-                      f"{model.info.start_model})")
-    register_tied_projection(accelerator, model)
-    if args.gradient_checkpointing:
-        model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model, tokenizer
+    return load_model(accelerator, args, XPRTModel, objective=args.objective, weights=weights,
+                      mlm_head_from=args.mlm_head_from, fill_in=not args.no_fill_in,
+                      retention_student=args.retention_student)
 
 
 def load_data(accelerator, args, model, tokenizer):
@@ -391,7 +375,7 @@ def main(argv=None):
     set_seed(args.seed)
 
     # ---- model
-    model, tokenizer = load_model(accelerator, args)
+    model, tokenizer = load_pretraining_model(accelerator, args)
 
     # ---- data: the groups, length-grouped batches; then the retention term's frozen teacher and its weight
     rows, collator, sampler, spans_for = load_data(accelerator, args, model, tokenizer)
