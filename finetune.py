@@ -161,6 +161,8 @@ PAIR_FORMATS = (".jsonl / .jsonl.gz, .json (JSON lines, or one JSON array of obj
                 ".parquet, a headerless triples .tsv, a datasets save_to_disk folder, or a Hub dataset name or local "
                 "dataset folder (datasets.load_dataset, --train_config, --train_split)")
 ANCHOR_COLUMNS, POSITIVE_COLUMNS = ("anchor", "query"), ("positive", "answer")
+# fields FlagEmbedding's example data and miner write beside query / pos / neg (its examples/finetune/embedder data)
+FLAGEMBEDDING_UNUSED = {"prompt", "type", "pos_scores", "neg_scores"}
 
 
 def pair_schema(fields) -> str | None:
@@ -310,7 +312,7 @@ def read_pairs(source: str, split: str = "train", config=None, schema: str | Non
     tevatron's positive_passages, a labeled-list) gives one row per positive, all with the record's negatives; blank
     lines are skipped. FlagEmbedding's per-record prompt / type fields are counted and said (the model's own
     prefixes are used)."""
-    n, unused, grouped = 0, 0, {}
+    n, unused, unused_fields, grouped = 0, 0, set(), {}
     for where, r in _pair_records(source, split, config):
         if schema is None:
             schema = pair_schema(r)
@@ -322,7 +324,8 @@ def read_pairs(source: str, split: str = "train", config=None, schema: str | Non
                 and not (schema == "triples" and {"query", "positive"} <= set(r)):
             raise ValueError(f"{where}: fields {list(r)} do not fit the file's schema, {PAIR_SCHEMAS[schema]} "
                              f"(from its first record; accepted: {'; '.join(PAIR_SCHEMAS.values())})")
-        unused += schema == "flagembedding" and bool({"prompt", "type"} & set(r))
+        extra = set(r) & FLAGEMBEDDING_UNUSED if schema == "flagembedding" else set()
+        unused, unused_fields = unused + bool(extra), unused_fields | extra
         query, positives, negatives = _as_pairs(schema, r, where)
         if schema == "labeled-pair":  # a query's positive and negatives come in rows of their own
             pos, neg = grouped.setdefault(query, ([], []))
@@ -344,8 +347,9 @@ def read_pairs(source: str, split: str = "train", config=None, schema: str | Non
             n += 1
             yield {"query": query, "positive": pos, "negatives": list(negatives)}
     if unused:
-        print(f"{source}: {unused} FlagEmbedding records carry a per-record prompt / type field; finetune.py does not "
-              "apply them (it uses the model's own prefixes)", flush=True)
+        print(f"{source}: {unused} FlagEmbedding records carry {', '.join(sorted(unused_fields))}, which finetune.py "
+              "does not use (the model's own prefixes stand for prompt; pos_scores / neg_scores are distillation "
+              "targets, and PAIR's losses have none)", flush=True)
     if not n:
         raise ValueError(f"no (query, positive) rows in {source}")
 
