@@ -1221,10 +1221,10 @@ def vocab_sweep(weight, bias, ce=(), kl=(), fused: bool = True, chunk_size: int 
 
     ce: [(hidden (N_k, H), targets (N_k,), w_k)] hard-target terms (L_MLM and L_cross: the same MLM head);
     kl: [(hidden (N_k, H), teacher_hidden (N_k, H), w_k)] soft-target terms (L_self). Each term is the mean over
-    its own rows, as vocab_loss gives it; the first output carries the gradient, the list holds the terms' values
+    its own rows; the first output carries the gradient, the list holds the terms' values
     (detached when fused). Why one sweep: one (V, H) weight gradient accumulated for all terms instead of one per
     term (each 94 MB for BERT-base, summed by autograd afterwards), one set of (chunk, V) buffers, and the
-    hard-target terms chunked together (fewer partial chunks). The math is that of separate vocab_loss calls: each
+    hard-target terms chunked together (fewer partial chunks). The math is that of one sweep per term: each
     row's loss and gradient are scaled by w_k / N_k (tests: test_vocab_sweep_equals_separate_plain_terms).
     """
     terms = [(h, t, w, None) for h, t, w in ce] + [(h, None, w, th) for h, th, w in kl]
@@ -1255,7 +1255,7 @@ def vocab_sweep(weight, bias, ce=(), kl=(), fused: bool = True, chunk_size: int 
     total, row_loss = _FusedLinearCE.apply(hidden, weight, bias, targets, teacher, row_scale, chunk_size,
                                            torch.is_grad_enabled())
     vals, s = [], 0
-    for n in sizes:  # each term's mean over its rows (0 for an empty term, as vocab_loss gave)
+    for n in sizes:  # each term's mean over its rows (0 for an empty term)
         vals.append(row_loss[s : s + n].sum() / max(n, 1))
         s += n
     return total, vals

@@ -849,7 +849,7 @@ def add_common_args(p, default_lr: float):
     g.add_argument("--trust_remote_code", action="store_true", help="allow custom model code from the hub")
     g.add_argument("--prefixes", choices=["auto", "e5", "none"], default="auto",
                    help="text prefixes: auto = the start model's own (its sentence-transformers prompts, else E5's "
-                        "'query: ' / 'passage: ' when it is an E5 model, else none: modeling_xprt.model_prompts); "
+                        "'query: ' / 'passage: ' when it is an E5 model, else none: support.model_prompts); "
                         "e5 / none force them. Pre-training reads passages only (the 'passage: ' prefix). Saved "
                         "with the model"),
     g.add_argument("--tau", type=float, default=None, help="InfoNCE temperature (paper: 0.05)")
