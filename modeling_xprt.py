@@ -230,13 +230,14 @@ def contrastive_random_span(view1: torch.Tensor, view2: torch.Tensor, tau: float
 
 
 def self_reconstruction(sweep: "VocabSweep", dec_hidden: torch.Tensor, dec_targets: torch.Tensor,
-                        enc_hidden: torch.Tensor, enc_targets: torch.Tensor) -> None:
+                        enc_hidden: torch.Tensor, enc_targets: torch.Tensor, shares=(1.0, 1.0)) -> None:
     """RetroMAE-style baseline: L = L_recon + L_MLM, weights 1 and 1 as in RetroMAE. The encoder reads the passage
     30%-masked (L_MLM, mlm_loss); the same one-layer decoder rebuilds the passage, 50%-masked, from the passage's
     own vector (L_recon: cross-entropy at the decoder's masked positions). Both terms go to the step's VocabSweep,
-    whose weighted sum is this loss."""
-    sweep.cross_entropy("recon_loss", dec_hidden, dec_targets, 1.0)
-    mlm_loss(sweep, enc_hidden, enc_targets, 1.0)
+    whose weighted sum is this loss. shares: (L_recon's, L_MLM's) share of the batch's rows when the rows are a
+    chunk of the batch (the gradient cache: the chunks' weighted terms add up to the batch's)."""
+    sweep.cross_entropy("recon_loss", dec_hidden, dec_targets, 1.0 * shares[0])
+    mlm_loss(sweep, enc_hidden, enc_targets, 1.0 * shares[1])
 
 
 def pair_false_negatives(candidate_ids: torch.Tensor, relevant_ids: torch.Tensor,
@@ -515,6 +516,22 @@ def dropout_off(module: nn.Module):
         module.train(was_training)
 
 
+# The flat index tensors of a batch (XPRTCollator._loss_positions): the gradient cache cuts them at chunk bounds.
+_INDEX_KEYS = ("mlm_index", "mlm_targets", "cross_rows", "cross_targets", "self_rows", "self_enc_index", "dec_rows",
+               "dec_targets")
+
+
+def _rng_state(device):
+    """The random state dropout draws from (CPU, and the device's on CUDA): kept for a chunk's replay."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(state, device):
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 class XPRTModel(nn.Module):
     """Encoder (AutoModelForMaskedLM, mean pooling) + conditioned decoder + every loss term.
 
@@ -634,29 +651,47 @@ class XPRTModel(nn.Module):
     def xprt_step(self, batch):
         """xPRT: w_xp L_xp + w_unif L_unif + w_mlm L_MLM + w_cross L_cross + w_self L_self -> (loss, terms, the
         (G, 2, H) anchor and s1 vectors for a masked retention student)."""
-        w = self.weights
+        enc_flat, vec = self.encode_groups(batch)  # one encoder call
+        loss, terms = self.xprt_batch_terms(vec, batch)  # the groups meet only here, through their vectors
+        local, local_terms = self.xprt_group_terms(enc_flat, vec, batch)  # one decoder call, one vocabulary sweep
+        terms.update(local_terms)
+        return loss + local, terms, torch.stack([vec[:, 0], vec[:, 1]], dim=1)
+
+    def encode_groups(self, batch):
+        """All P passages of all G groups in one encoder call -> (flat (G * P * L, H) token states, (G, P, H)
+        vectors: 0 = anchor, 1 = s1, ...)."""
         ids, am = batch["input_ids"], batch["attention_mask"]  # (G, P, L)
         g, p, l = ids.shape
-        hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))  # (G*P, L, H), (G*P, H): one encoder call
+        hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))  # (G*P, L, H), (G*P, H)
         h = hidden.shape[-1]
-        enc_flat = hidden.view(g * p * l, h)
-        vec = vec.view(g, p, h)  # 0 = anchor, 1 = s1, ...
+        return hidden.view(g * p * l, h), vec.view(g, p, h)
+
+    def xprt_batch_terms(self, vec, batch):
+        """The terms that couple the groups of a batch, through their vectors only: w_xp L_xp + w_unif L_unif."""
+        w = self.weights
         anchors, s1 = vec[:, 0], vec[:, 1]
         terms = {"xp_loss": xp_loss(anchors, s1, batch["doc_ids"], self.tau),
                  "uniformity_loss": uniformity_loss(anchors)}
-        dec_flat = self.decode(vec, batch, am.view(g, p, l))  # every pass of every group: one decoder call
+        return w.xp * terms["xp_loss"] + w.unif * terms["uniformity_loss"], terms
+
+    def xprt_group_terms(self, enc_flat, vec, batch, share=None):
+        """The terms a group computes from its own token states and vectors: the decoder's passes and the vocabulary
+        terms (w_mlm L_MLM + w_cross L_cross + w_self L_self). share: each term's share of the batch's rows when
+        `batch` is a chunk of it (the gradient cache), so that the chunks' terms add up to the batch's means."""
+        w, share = self.weights, share or {}
+        g, p, l = batch["input_ids"].shape
+        dec_flat = self.decode(vec, batch, batch["attention_mask"].view(g, p, l))  # every pass: one decoder call
         # The vocabulary terms read the rows the collator picked (index tensors: no data-dependent shapes here, so
         # no device-to-host sync) and hand them to one sweep over the vocabulary.
         sweep = VocabSweep(self)
-        mlm_loss(sweep, enc_flat.index_select(0, batch["mlm_index"]), batch["mlm_targets"], w.mlm)
+        mlm_loss(sweep, enc_flat.index_select(0, batch["mlm_index"]), batch["mlm_targets"],
+                 w.mlm * share.get("mlm_loss", 1.0))
         if self.fill_in:
-            cross_fill_loss(sweep, dec_flat.index_select(0, batch["cross_rows"]), batch["cross_targets"], w.cross)
+            cross_fill_loss(sweep, dec_flat.index_select(0, batch["cross_rows"]), batch["cross_targets"],
+                            w.cross * share.get("cross_fill_loss", 1.0))
         self_fill_loss(sweep, dec_flat.index_select(0, batch["self_rows"]),
-                       enc_flat.index_select(0, batch["self_enc_index"]), w.self_fill)
-        vocab_total, vocab_terms = sweep.run()
-        terms.update(vocab_terms)
-        loss = w.xp * terms["xp_loss"] + w.unif * terms["uniformity_loss"] + vocab_total
-        return loss, terms, torch.stack([anchors, s1], dim=1)
+                       enc_flat.index_select(0, batch["self_enc_index"]), w.self_fill * share.get("self_fill_loss", 1.0))
+        return sweep.run()
 
     def random_span_step(self, batch):
         """The Contriever-style baseline: contrastive_random_span on the two crops of each row."""
@@ -668,6 +703,13 @@ class XPRTModel(nn.Module):
 
     def self_reconstruction_step(self, batch):
         """The RetroMAE-style baseline: self_reconstruction on the anchor."""
+        total, t = self.self_reconstruction_terms(batch)
+        return total, t, None
+
+    def self_reconstruction_terms(self, batch, share=None):
+        """self_reconstruction of `batch` -> VocabSweep.run()'s (weighted sum, terms); share: the terms' shares of
+        the batch's rows when `batch` is a chunk of it (the gradient cache)."""
+        share = share or {}
         ids, am = batch["input_ids"], batch["attention_mask"]  # (G, 1, L)
         g, p, l = ids.shape
         hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))
@@ -675,9 +717,8 @@ class XPRTModel(nn.Module):
         sweep = VocabSweep(self)
         self_reconstruction(sweep, dec_flat.index_select(0, batch["dec_rows"]), batch["dec_targets"],
                             hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["mlm_index"]),
-                            batch["mlm_targets"])
-        total, t = sweep.run()
-        return total, t, None
+                            batch["mlm_targets"], shares=(share.get("recon_loss", 1.0), share.get("mlm_loss", 1.0)))
+        return sweep.run()
 
     def pair_step(self, batch, pair_alpha: float):
         """PAIR: (1 - alpha) L_Q + alpha L_P on the queries and their positive-first passages -> (loss, terms)."""
@@ -685,7 +726,11 @@ class XPRTModel(nn.Module):
         pids, pam = batch["passage_input_ids"], batch["passage_attention_mask"]  # (B, 1 + n, Lp)
         b, k, lp = pids.shape
         _, pv = self.encode(pids.view(b * k, lp), pam.view(b * k, lp))
-        pv = pv.view(b, k, -1)
+        return self.pair_terms(q, pv.view(b, k, -1), batch, pair_alpha)
+
+    def pair_terms(self, q, pv, batch, pair_alpha: float):
+        """PAIR's losses on the query vectors q (B, H) and passage vectors pv (B, 1 + n, H) -> (loss, terms)."""
+        k = pv.shape[1]
         ids = {"passage_ids": batch.get("passage_ids"), "relevant_ids": batch.get("relevant_ids")}  # None: no mask
         lq = pair_q_loss(q, pv, self.tau, **ids)
         terms = {"pair_q_loss": lq}
@@ -726,6 +771,145 @@ class XPRTModel(nn.Module):
             hidden = teacher(input_ids=ids.reshape(g * 2, lr), attention_mask=mask.reshape(g * 2, lr)).last_hidden_state
             t = self.pool(hidden, mask.reshape(g * 2, lr)).view(g, 2, -1)
         return retention_loss(student[:, 0], student[:, 1], t[:, 0], t[:, 1], self.tau)
+
+    # -- the gradient cache (train.py / finetune.py --gradient_cache_chunk) ----------------------------
+    def cached_step(self, batch, chunk: int, backward, teacher=None, retention_weight: float = 0.0,
+                    pair_alpha: float = 0.0) -> dict:
+        """forward + backward of one step, `chunk` groups (PAIR: rows) at a time, so that activations of only one chunk
+        are held: the gradient cache of GradCache / sentence-transformers' CachedMultipleNegativesRankingLoss, extended
+        to the terms that need a group's own token states. The batch-wide terms (L_xp, L_unif, the retention KL;
+        the random-span InfoNCE; PAIR's L_Q and L_P) couple the groups only through their vectors, so:
+          1. every chunk is encoded without gradient, its random state kept: its vectors;
+          2. the batch-wide terms run on those vectors (gathered across processes as usual), and their gradient with
+             respect to the vectors is kept (backward);
+          3. every chunk is encoded again with the same random state (the same dropout), its own terms computed
+             (the decoder and vocabulary terms, each weighted by its share of the batch's rows), and backward runs on
+             them plus the kept vector gradients.
+        The gradients are those of the plain step on the same dropout; the cost is the encoder passes' forward once
+        more. `backward`: accelerator.backward. Returns what forward returns, every value detached."""
+        device = next(self.parameters()).device
+        parts, key = (self._pair_chunks(batch, chunk), "query_input_ids") if self.objective == "pair" else \
+            (self._group_chunks(batch, chunk), "input_ids")
+        states, vecs = [], []
+        with torch.no_grad():  # 1.
+            for _, part in parts:
+                states.append(_rng_state(device))
+                vecs.append(self._chunk_vectors(part))
+        leaves = torch.cat(vecs).requires_grad_()
+        retain = teacher is not None and retention_weight > 0 and self.objective != "pair"
+        clean = None
+        if retain and (self.objective != "xprt" or self.retention_student == "clean"):
+            with torch.no_grad():
+                clean = torch.cat([self._clean_vectors(part) for _, part in parts]).requires_grad_()
+        loss, terms = self._batch_terms(leaves, batch, pair_alpha)  # 2.
+        if retain:
+            student = clean if clean is not None else leaves[:, :2]
+            with torch.no_grad():
+                t = torch.cat([self._teacher_vectors(part, teacher) for _, part in parts])
+            terms["retention_loss"] = r = retention_loss(student[:, 0], student[:, 1], t[:, 0], t[:, 1], self.tau)
+            loss = loss + retention_weight * r
+        if loss.requires_grad:
+            backward(loss)
+        total = loss.detach()
+        for ((a, b), part), state in zip(parts, states):  # 3.
+            _set_rng_state(state, device)
+            local, local_terms, vec = self._chunk_terms(part, batch)
+            surrogate = local + (vec * leaves.grad[a:b]).sum() if leaves.grad is not None else local
+            if clean is not None and clean.grad is not None:
+                surrogate = surrogate + (self._clean_vectors(part) * clean.grad[a:b]).sum()
+            backward(surrogate)
+            total = total + local.detach()
+            for k, v in local_terms.items():  # already weighted by the chunk's share of the batch's rows
+                terms[k] = terms.get(k, 0.0) + v
+        return {"loss": total, **{k: v.detach() if torch.is_tensor(v) else v for k, v in terms.items()}}
+
+    def _group_chunks(self, batch, chunk):
+        """[((a, b), the batch's groups a..b-1 as a batch of their own)]: per-group tensors sliced, the flat index
+        tensors cut at the groups' bounds (they are sorted: XPRTCollator._loss_positions) and shifted."""
+        g = batch["input_ids"].shape[0]
+        per_group = {k for k, v in batch.items() if torch.is_tensor(v) and k not in _INDEX_KEYS and
+                     k not in ("dec_source", "dec_target")}
+        width = {}
+        if "mlm_index" in batch:
+            p, l = batch["input_ids"].shape[1:]
+            rows = batch["dec_input_ids"].shape[1] * (l + self.num_condition_vectors)
+            width = {"mlm_index": p * l, "cross_rows": rows, "self_rows": rows, "dec_rows": rows}
+        out = []
+        for a in range(0, g, chunk):
+            b = min(a + chunk, g)
+            part = {k: (batch[k][a:b] if k in per_group else batch[k]) for k in batch if k not in _INDEX_KEYS}
+            for key, w in width.items():
+                if key not in batch:
+                    continue
+                # a host sync per index tensor and chunk: the gradient cache's price for data-dependent bounds
+                lo, hi = torch.searchsorted(batch[key], torch.tensor([a * w, b * w], device=batch[key].device)).tolist()
+                part[key] = batch[key][lo:hi] - a * w
+                companion = {"mlm_index": "mlm_targets", "cross_rows": "cross_targets", "self_rows": "self_enc_index",
+                             "dec_rows": "dec_targets"}[key]
+                part[companion] = batch[companion][lo:hi] - (a * width["mlm_index"] if key == "self_rows" else 0)
+            out.append(((a, b), part))
+        return out
+
+    def _pair_chunks(self, batch, chunk):
+        b_all = batch["query_input_ids"].shape[0]
+        return [((a, min(a + chunk, b_all)), {k: v[a:a + chunk] for k, v in batch.items() if torch.is_tensor(v)})
+                for a in range(0, b_all, chunk)]
+
+    def _chunk_vectors(self, part):
+        """The vectors a chunk hands to the batch-wide terms."""
+        if self.objective == "xprt":
+            return self.encode_groups(part)[1]  # (g, P, H)
+        if self.objective == "contrastive_random_span":
+            return torch.stack([self.encode(part["input_ids"], part["attention_mask"])[1],
+                                self.encode(part["short_input_ids"], part["short_attention_mask"])[1]], dim=1)
+        if self.objective == "pair":
+            b, k, lp = part["passage_input_ids"].shape
+            q = self.encode(part["query_input_ids"], part["query_attention_mask"])[1]
+            pv = self.encode(part["passage_input_ids"].view(b * k, lp), part["passage_attention_mask"].view(b * k, lp))
+            return torch.cat([q.unsqueeze(1), pv[1].view(b, k, -1)], dim=1)  # (b, 1 + k, H): the query first
+        return torch.zeros(part["input_ids"].shape[0], 0, device=part["input_ids"].device)  # self-reconstruction: none
+
+    def _batch_terms(self, leaves, batch, pair_alpha):
+        """The terms that couple a batch's chunks, on their vectors -> (weighted sum, terms)."""
+        if self.objective == "xprt":
+            return self.xprt_batch_terms(leaves, batch)
+        if self.objective == "contrastive_random_span":
+            c = contrastive_random_span(leaves[:, 0], leaves[:, 1], self.tau)
+            return c, {"contrastive_loss": c}
+        if self.objective == "pair":
+            return self.pair_terms(leaves[:, 0], leaves[:, 1:], batch, pair_alpha)
+        return leaves.new_zeros(()), {}
+
+    def _chunk_terms(self, part, batch):
+        """A chunk's pass with gradient -> (its own terms' weighted sum, the terms x their share, its vectors)."""
+        if self.objective == "xprt":
+            enc_flat, vec = self.encode_groups(part)
+            share = {"mlm_loss": part["mlm_index"].numel() / max(1, batch["mlm_index"].numel()),
+                     "self_fill_loss": part["self_rows"].numel() / max(1, batch["self_rows"].numel())}
+            if self.fill_in:
+                share["cross_fill_loss"] = part["cross_rows"].numel() / max(1, batch["cross_rows"].numel())
+            local, terms = self.xprt_group_terms(enc_flat, vec, part, share)
+            return local, {k: v * share[k] for k, v in terms.items()}, vec
+        if self.objective == "self_reconstruction":
+            share = {"recon_loss": part["dec_rows"].numel() / max(1, batch["dec_rows"].numel()),
+                     "mlm_loss": part["mlm_index"].numel() / max(1, batch["mlm_index"].numel())}
+            local, terms = self.self_reconstruction_terms(part, share)
+            return local, {k: v * share[k] for k, v in terms.items()}, None
+        vec = self._chunk_vectors(part)
+        return vec.new_zeros(()), {}, vec
+
+    def _clean_vectors(self, part):
+        """The clean anchor and s1 of a chunk, without dropout (the retention student): (g, 2, H)."""
+        ids, mask = part["retain_input_ids"], part["retain_attention_mask"]
+        g, _, lr = ids.shape
+        with dropout_off(self.base):
+            return self.encode(ids.reshape(g * 2, lr), mask.reshape(g * 2, lr))[1].view(g, 2, -1)
+
+    def _teacher_vectors(self, part, teacher):
+        ids, mask = part["retain_input_ids"], part["retain_attention_mask"]
+        g, _, lr = ids.shape
+        hidden = teacher(input_ids=ids.reshape(g * 2, lr), attention_mask=mask.reshape(g * 2, lr)).last_hidden_state
+        return self.pool(hidden, mask.reshape(g * 2, lr)).view(g, 2, -1)
 
     # -- saving and loading ----------------------------------------------------------------------
     def head_parameters(self) -> list:
