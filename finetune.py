@@ -33,9 +33,9 @@ import torch
 
 from modeling_xprt import PairCollator, XPRTModel, embed_texts, pair_false_negatives, pair_text_ids
 from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args, atomic_write,
-                     batch_to_device, check_common_args, epoch_batches, iter_jsonl, iter_parquet, load_beir, load_model,
-                     make_accelerator, optimizer_groups, prepare_output_dir, rank_and_world, resume, save_checkpoint,
-                     save_run, whole_weights, write_log_record)
+                     batch_to_device, check_common_args, epoch_batches, gradient_cache_step, iter_jsonl, iter_parquet,
+                     load_beir, load_model, make_accelerator, optimizer_groups, prepare_output_dir, rank_and_world,
+                     resume, save_checkpoint, save_run, whole_weights, write_log_record)
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 
@@ -905,9 +905,14 @@ def main(argv=None):
             batch = batch_to_device(batch, accelerator.device)
             alpha = pair_alpha_at(state.completed_steps, max_steps, args.pair_alpha, args.pair_alpha_schedule)
             with accelerator.accumulate(model):
-                outputs = model(batch, pair_alpha=alpha)
+                if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
+                    outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk,
+                                                  pair_alpha=alpha)
+                else:
+                    outputs = model(batch, pair_alpha=alpha)
                 if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
-                    accelerator.backward(outputs["loss"])
+                    if not args.gradient_cache_chunk:
+                        accelerator.backward(outputs["loss"])
                     if accelerator.sync_gradients and args.max_grad_norm > 0:
                         accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     optimizer.step()

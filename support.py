@@ -873,6 +873,11 @@ def add_common_args(p, default_lr: float):
                    help="override accelerate's config (bf16 on Ampere+ GPUs)")
     g.add_argument("--gradient_checkpointing", action="store_true",
                    help="trade compute for memory (use_reentrant=False)")
+    g.add_argument("--gradient_cache_chunk", type=int, default=None,
+                   help="the gradient cache: forward and backward K groups (fine-tuning: queries) at a time, the "
+                        "batch-wide terms on all of the batch's vectors (XPRTModel.cached_step), so the batch, and "
+                        "with it the in-batch negatives, is no longer bound by the activations' memory; one more "
+                        "forward of the encoder passes. Off by default; not under DeepSpeed"),
     g.add_argument("--seed", type=int, default=42, help="seed of everything (data order, masks, init, dropout)")
     g.add_argument("--on_nonfinite", choices=["stop", "skip"], default="stop",
                    help="a NaN/inf loss stops the run naming step and term, or skips that step")
@@ -924,6 +929,8 @@ def check_common_args(args):
     folders with evaluate.check_task_specs)."""
     if args.warmup_ratio is not None and not 0.0 <= args.warmup_ratio < 1.0:
         raise SystemExit("--warmup_ratio must be in [0, 1)")
+    if args.gradient_cache_chunk is not None and args.gradient_cache_chunk < 1:
+        raise SystemExit("--gradient_cache_chunk must be >= 1")
     if args.eval_steps is not None and (args.eval_steps < 1 or not args.eval_tasks):
         raise SystemExit("--eval_steps needs a value >= 1 and --eval_tasks")
     if args.eval_limit < 0 or args.eval_batch_size < 1:
@@ -950,6 +957,10 @@ def make_accelerator(args, find_unused_parameters: bool):
         project_dir=str(Path(args.output_dir) / "logs"),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)],
     )
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None and args.gradient_cache_chunk:
+        raise SystemExit("--gradient_cache_chunk runs several backward passes per step (one per chunk, and one for the "
+                         "batch-wide terms); DeepSpeed's engine expects one backward per forward of its module and "
+                         "owns the gradient reduction: use the plain (DDP) launcher, or drop the flag")
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
         # our DataLoader has a batch_sampler (no batch_size attribute), so DeepSpeed's "auto" cannot infer it
         ds_cfg = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -1174,6 +1185,22 @@ def load_model(accelerator, args, model_class, **kw):
     if args.gradient_checkpointing:
         model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer
+
+
+def gradient_cache_step(accelerator, model, batch, chunk: int, **kw) -> dict:
+    """--gradient_cache_chunk: XPRTModel.cached_step under Accelerate (it runs its own backward passes, chunk by
+    chunk). They run without DDP's reduction per backward (no_sync), and the step's gradients are all-reduced once,
+    on its last micro-batch, as DDP averages them; mixed precision through accelerator.autocast, as prepared
+    forwards get it."""
+    unwrapped = accelerator.unwrap_model(model)
+    with accelerator.no_sync(model), accelerator.autocast():
+        outputs = unwrapped.cached_step(batch, chunk, accelerator.backward, **kw)
+    if accelerator.sync_gradients and accelerator.num_processes > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(accelerator.num_processes)
+    return outputs
 
 
 def register_tied_projection(accelerator, model):

@@ -28,9 +28,9 @@ import torch
 
 from modeling_xprt import PRETRAIN_OBJECTIVES, LossWeights, XPRTCollator, XPRTModel, crop_spans, load_teacher
 from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args, batch_to_device,
-                     check_common_args, engine_dtype, epoch_batches, load_model, make_accelerator, optimizer_groups,
-                     prepare_output_dir, read_json, resolve_model_path, resume, save_checkpoint, save_run,
-                     whole_weights, write_log_record)
+                     check_common_args, engine_dtype, epoch_batches, gradient_cache_step, load_model, make_accelerator,
+                     optimizer_groups, prepare_output_dir, read_json, resolve_model_path, resume, save_checkpoint,
+                     save_run, whole_weights, write_log_record)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -448,9 +448,14 @@ def main(argv=None):
             batch = batch_to_device(batch, accelerator.device)  # on the CPU tensors above: no device sync
             w = retention.value() if teacher is not None else 0.0
             with accelerator.accumulate(model):
-                outputs = model(batch, teacher=teacher, retention_weight=w)
+                if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
+                    outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk,
+                                                  teacher=teacher, retention_weight=w)
+                else:
+                    outputs = model(batch, teacher=teacher, retention_weight=w)
                 if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
-                    accelerator.backward(outputs["loss"])
+                    if not args.gradient_cache_chunk:
+                        accelerator.backward(outputs["loss"])
                     if accelerator.sync_gradients and args.max_grad_norm > 0:
                         accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                     optimizer.step()

@@ -105,3 +105,112 @@ def test_each_chunk_replays_its_dropout(tiny_bert, tok, monkeypatch):
     first.clear()
     model.cached_step(_batch(tok, "xprt"), 2, lambda loss: loss.backward())
     assert not torch.equal(before[0], first[0])
+
+
+# ---- the loops: train.py and finetune.py with --gradient_cache_chunk, 1 and 2 processes -------------------------
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import finetune  # noqa: E402
+import train  # noqa: E402
+from test_finetune import make_beir  # noqa: E402
+from test_train import base_args, groups, read_log, run  # noqa: E402,F401  (groups: a fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def no_dropout_bert(tiny_bert, tmp_path_factory):
+    """The tiny BERT without dropout: a run with the cache and one without draw the same (no) masks."""
+    folder = tmp_path_factory.mktemp("nodrop") / "bert"
+    shutil.copytree(tiny_bert, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "hidden_dropout_prob": 0.0,
+                                                    "attention_probs_dropout_prob": 0.0}))
+    return folder
+
+
+@pytest.mark.parametrize("objective", ["xprt", "contrastive_random_span"])
+def test_train_with_the_cache_logs_the_plain_runs_losses(no_dropout_bert, groups, tmp_path, objective):
+    """3 steps of 5 groups, chunks of 2, gradient accumulation 2: every logged loss term of step 1 equals the plain
+    run's; later steps agree to 1e-3: the chunks sum the weight gradients in another order (last bits), and Adam's
+    first update, nearly the sign of each gradient, moves a parameter whose gradient is near zero either way by the
+    full learning rate: small terms that measure drift (retention, L_self) then differ by a few %, so after step 1
+    only the total is compared (the gradients themselves are compared exactly in test_cached_step_equals_the_plain_step
+    and, for 2 processes, in test_two_processes_cached_step_equals_the_plain_step)."""
+    kw = {"--max_train_steps": 3, "--max_groups": 40, "--per_device_train_batch_size": 5, "--learning_rate": 1e-3,
+          "--gradient_accumulation_steps": 2, "--objective": objective, "--no_save_model": True}
+    run(base_args(no_dropout_bert, groups, tmp_path / "p", **kw))
+    run(base_args(no_dropout_bert, groups, tmp_path / "c", **{**kw, "--gradient_cache_chunk": 2}))
+    plain, cached = read_log(tmp_path / "p"), read_log(tmp_path / "c")
+    for k in plain[1]:
+        if k.endswith("loss"):
+            assert cached[1][k] == pytest.approx(plain[1][k], rel=1e-5, abs=1e-7), k
+    for s in (2, 3):  # see the docstring
+        assert cached[s]["loss"] == pytest.approx(plain[s]["loss"], rel=1e-3), s
+
+
+def test_finetune_with_the_cache_logs_the_plain_runs_losses(no_dropout_bert, tmp_path):
+    beir = make_beir(tmp_path / "beir")
+    args = ["--model_name_or_path", no_dropout_bert, "--beir_dir", beir, "--per_device_train_batch_size", 6,
+            "--max_train_steps", 3, "--report_to", "none", "--no_save_model", "--pair_alpha", 0.1,
+            "--negatives_rank_min", 1, "--negatives_rank_max", 5, "--logging_steps", 1, "--learning_rate", 1e-3]
+    run(args + ["--output_dir", tmp_path / "p"], main=finetune.main)
+    run(args + ["--output_dir", tmp_path / "c", "--gradient_cache_chunk", 4], main=finetune.main)
+    plain, cached = read_log(tmp_path / "p"), read_log(tmp_path / "c")
+    for k in ("loss", "pair_q_loss", "pair_p_loss"):
+        assert cached[1][k] == pytest.approx(plain[1][k], rel=1e-5), k
+    for s in (2, 3):
+        assert cached[s]["loss"] == pytest.approx(plain[s]["loss"], rel=1e-3), s
+
+
+@pytest.mark.slow
+def test_two_processes_cached_step_equals_the_plain_step(tiny_bert, tmp_path):
+    """torchrun, 2 CPU processes, each with half of the batch: the batch-wide terms on the gathered vectors, the
+    chunks' backward passes, then DDP's averaging: every averaged gradient equals the plain 2-process step's
+    (tests/dist_cache_check.py)."""
+    out = tmp_path / "dist.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "dist_cache_check.py"), str(out), str(tiny_bert)]
+    import os
+
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["same_keys"] and d["loss"] < 1e-6 and d["grad"] <= 1e-6 + 1e-4 * d["grad_scale"], d
+
+
+@pytest.mark.slow
+def test_two_process_train_run_with_the_cache(no_dropout_bert, groups, tmp_path):
+    """train.py under torchrun (2 processes) with --gradient_cache_chunk: step 1's logged losses (before any update)
+    equal the plain run's; the run completes through the all-reduce, the optimiser and the schedule."""
+    def launch(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "train.py")]
+        cmd += [str(a) for a in base_args(no_dropout_bert, groups, out, **{
+            "--max_train_steps": 2, "--max_groups": 40, "--per_device_train_batch_size": 5, "--learning_rate": 1e-3,
+            "--no_save_model": True})]
+        proc = subprocess.run(cmd + list(extra), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        assert "MULTI_CPU x 2" in proc.stdout + proc.stderr
+        return read_log(out)
+
+    plain, cached = launch(tmp_path / "p"), launch(tmp_path / "c", "--gradient_cache_chunk", "2")
+    for k in ("loss", "xp_loss", "cross_fill_loss", "mlm_loss", "retention_loss"):
+        assert cached[1][k] == pytest.approx(plain[1][k], rel=1e-5, abs=1e-7), k
+    assert set(cached) == {1, 2}
+
+
+def test_deepspeed_refuses_the_cache(tiny_bert, groups, tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate_cpu_deepspeed_zero2.yaml"), str(ROOT / "train.py")]
+    cmd += [str(a) for a in base_args(tiny_bert, groups, tmp_path / "ds", **{"--max_train_steps": 1,
+                                                                           "--gradient_cache_chunk": 2})]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "--gradient_cache_chunk runs several backward passes per step" in proc.stdout + proc.stderr

@@ -1,0 +1,97 @@
+"""
+The gradient cache (--gradient_cache_chunk) against the plain step: peak memory of one xPRT step at 16, 64 and 256
+groups with chunks of 8, and the step time with and without the cache at the same batch. all-MiniLM-L6-v2's
+weights, CPU fp32, retention on (the clean student and the teacher), random word passages filling --max_length.
+
+    python -m bench.bench_gradient_cache                      # MiniLM, 32 tokens per passage, batches 16 64 256
+    python -m bench.bench_gradient_cache --max_length 128 --groups 16 64
+
+Each (batch, cache or not) runs in a fresh process (its peak resident memory, ru_maxrss, is the step's, plus the
+weights and Python, the same for every run): a warm-up step, then --repeats timed steps, the fastest kept. A plain
+step that does not fit (out of memory) is reported as such. Last line `ratio: <cached / plain step time>` at the
+largest batch both ran.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+from bench import ROOT  # noqa: F401  (the repository on sys.path; offline defaults)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--groups", type=int, nargs="+", default=[16, 64, 256], help="groups per step")
+    p.add_argument("--chunk", type=int, default=8, help="--gradient_cache_chunk")
+    p.add_argument("--max_length", type=int, default=32, help="tokens per passage")
+    p.add_argument("--repeats", type=int, default=2, help="timed steps per run (the fastest is kept)")
+    p.add_argument("--one", nargs=2, metavar=("GROUPS", "CHUNK"), help=argparse.SUPPRESS)  # a child run
+    return p.parse_args(argv)
+
+
+def child(groups: int, chunk: int, args):
+    import resource
+
+    import torch
+
+    import modeling_xprt as mx
+    from bench.bench_step import make_rows
+    from support import resolve_model_path
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path("all-MiniLM-L6-v2")
+    tok = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)
+    model = mx.XPRTModel(mx.load_mlm_encoder(path)[0]).train()
+    teacher = mx.load_teacher(path)
+    batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(make_rows(tok, groups, args.max_length))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        if chunk:
+            model.cached_step(batch, chunk, lambda loss: loss.backward(), teacher=teacher, retention_weight=40.0)
+        else:
+            model(batch, teacher=teacher, retention_weight=40.0)["loss"].backward()
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB: the weights, the batch, Python
+    step()
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"groups": groups, "chunk": chunk, "peak_mb": peak, "before_step_mb": before,
+                      "step_s": min(times)}))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.one:
+        return child(int(args.one[0]), int(args.one[1]), args)
+    rows = {}
+    for g in args.groups:
+        for chunk in (0, args.chunk):
+            cmd = [sys.executable, "-m", "bench.bench_gradient_cache", "--one", str(g), str(chunk),
+                   "--max_length", str(args.max_length), "--repeats", str(args.repeats)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            rows[g, chunk] = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+            r = rows[g, chunk]
+            print(f"{g:4d} groups, {'cache ' + str(chunk) if chunk else 'plain':8s}: "
+                  + (f"peak {r['peak_mb']:8.0f} MB (before the step {r['before_step_mb']:.0f}), "
+                     f"step {r['step_s']:7.2f} s" if r else f"did not run (rc {proc.returncode}: out of memory?)"),
+                  flush=True)
+    cached = [rows[g, args.chunk] for g in args.groups if rows[g, args.chunk]]
+    if len(cached) > 1:
+        print(f"cache peak growth {args.groups[0]} -> {cached[-1]['groups']} groups: "
+              f"{cached[-1]['peak_mb'] / cached[0]['peak_mb']:.2f}x")
+    both = [g for g in args.groups if rows[g, 0] and rows[g, args.chunk]]
+    g = both[-1]
+    print(f"ratio: {rows[g, args.chunk]['step_s'] / rows[g, 0]['step_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
