@@ -154,7 +154,8 @@ PAIR_SCHEMAS = {
     "sentence-transformers": "sentence-transformers columns anchor | query, positive | answer[, negative | "
                              "negative_1, ...] (mine_hard_negatives' triplet and n-tuple)",
     "labeled-pair": "sentence-transformers labeled-pair columns anchor | query, positive | answer, label (1 / 0)",
-    "labeled-list": "sentence-transformers labeled-list columns anchor | query, positive | answer: [...], labels: [...]",
+    "labeled-list": "sentence-transformers labeled-list columns anchor | query, positive | answer: [...], "
+                    "labels: [...]",
     "triples": "triples {query, positive, negatives | negative}, or TSV query<TAB>positive[<TAB>negative...]",
 }
 PAIR_FORMATS = (".jsonl / .jsonl.gz, .json (JSON lines, or one JSON array of objects), .csv / .tsv with a header, "

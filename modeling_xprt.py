@@ -690,7 +690,8 @@ class XPRTModel(nn.Module):
             cross_fill_loss(sweep, dec_flat.index_select(0, batch["cross_rows"]), batch["cross_targets"],
                             w.cross * share.get("cross_fill_loss", 1.0))
         self_fill_loss(sweep, dec_flat.index_select(0, batch["self_rows"]),
-                       enc_flat.index_select(0, batch["self_enc_index"]), w.self_fill * share.get("self_fill_loss", 1.0))
+                       enc_flat.index_select(0, batch["self_enc_index"]),
+                       w.self_fill * share.get("self_fill_loss", 1.0))
         return sweep.run()
 
     def random_span_step(self, batch):

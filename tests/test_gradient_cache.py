@@ -116,7 +116,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import finetune  # noqa: E402
-import train  # noqa: E402
+
 from test_finetune import make_beir  # noqa: E402
 from test_train import base_args, groups, read_log, run  # noqa: E402,F401  (groups: a fixture)
 
@@ -214,3 +214,21 @@ def test_deepspeed_refuses_the_cache(tiny_bert, groups, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     assert "--gradient_cache_chunk runs several backward passes per step" in proc.stdout + proc.stderr
+
+
+def test_a_cached_run_resumes_exactly_and_runs_in_bf16(tiny_bert, groups, tmp_path):
+    """With real dropout: a cached run stopped at step 2 and resumed logs the uninterrupted cached run's losses (the
+    replay draws from the restored random state), and the cache runs under --mixed_precision bf16 (autocast)."""
+    kw = {"--max_train_steps": 4, "--max_groups": 40, "--per_device_train_batch_size": 5, "--learning_rate": 1e-3,
+          "--gradient_cache_chunk": 2, "--checkpointing_steps": 2, "--no_save_model": True}
+    run(base_args(tiny_bert, groups, tmp_path / "a", **kw))
+    run(base_args(tiny_bert, groups, tmp_path / "b", **{**kw, "--stop_after_steps": 2}))
+    run(base_args(tiny_bert, groups, tmp_path / "b", **{**kw, "--resume_from_checkpoint": "latest"}))
+    a, b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
+    for s in (3, 4):
+        for k in ("loss", "xp_loss", "cross_fill_loss", "retention_loss"):
+            assert a[s][k] == pytest.approx(b[s][k], rel=1e-5), (s, k)
+    run(base_args(tiny_bert, groups, tmp_path / "bf16", **{**kw, "--max_train_steps": 2, "--mixed_precision": "bf16",
+                                                           "--checkpointing_steps": None}))
+    logged = read_log(tmp_path / "bf16")
+    assert all(math.isfinite(logged[s]["loss"]) for s in (1, 2))
