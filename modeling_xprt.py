@@ -751,26 +751,17 @@ class XPRTModel(nn.Module):
         clean anchor and s1 here, an extra pass with gradient and WITHOUT dropout: the teacher runs without it, so
         the term measures the model's drift only and is 0 at step 0 (with dropout in this pass it is not: a
         dropout-consistency term under the weight 40 that nobody chose; README, Choices of ours)."""
-        ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]  # (G, 2, L')
-        g, _, lr = ids.shape
         if student is None or self.retention_student == "clean":
-            def clean_pass(flat_ids, flat_mask):
-                with dropout_off(self.base):
-                    return self.encode(flat_ids, flat_mask)[1]
-
-            flat = (ids.reshape(g * 2, lr), mask.reshape(g * 2, lr))
             if self.encoder.is_gradient_checkpointing and torch.is_grad_enabled():
                 # eval mode (no dropout) makes transformers skip its per-layer checkpointing, so under
                 # --gradient_checkpointing the pass is checkpointed whole; its recomputation runs in eval mode too
                 from torch.utils.checkpoint import checkpoint
 
-                v = checkpoint(clean_pass, *flat, use_reentrant=False)
+                student = checkpoint(self._clean_vectors, batch, use_reentrant=False)
             else:
-                v = clean_pass(*flat)
-            student = v.view(g, 2, -1)
+                student = self._clean_vectors(batch)
         with torch.no_grad():
-            hidden = teacher(input_ids=ids.reshape(g * 2, lr), attention_mask=mask.reshape(g * 2, lr)).last_hidden_state
-            t = self.pool(hidden, mask.reshape(g * 2, lr)).view(g, 2, -1)
+            t = self._teacher_vectors(batch, teacher)
         return retention_loss(student[:, 0], student[:, 1], t[:, 0], t[:, 1], self.tau)
 
     # -- the gradient cache (train.py / finetune.py --gradient_cache_chunk) ----------------------------
@@ -789,8 +780,7 @@ class XPRTModel(nn.Module):
         The gradients are those of the plain step on the same dropout; the cost is the encoder passes' forward once
         more. `backward`: accelerator.backward. Returns what forward returns, every value detached."""
         device = next(self.parameters()).device
-        parts, key = (self._pair_chunks(batch, chunk), "query_input_ids") if self.objective == "pair" else \
-            (self._group_chunks(batch, chunk), "input_ids")
+        parts = self._pair_chunks(batch, chunk) if self.objective == "pair" else self._group_chunks(batch, chunk)
         states, vecs = [], []
         with torch.no_grad():  # 1.
             for _, part in parts:
@@ -900,7 +890,7 @@ class XPRTModel(nn.Module):
         return vec.new_zeros(()), {}, vec
 
     def _clean_vectors(self, part):
-        """The clean anchor and s1 of a chunk, without dropout (the retention student): (g, 2, H)."""
+        """The clean anchor and s1 of a batch or chunk, without dropout (the retention student): (g, 2, H)."""
         ids, mask = part["retain_input_ids"], part["retain_attention_mask"]
         g, _, lr = ids.shape
         with dropout_off(self.base):
