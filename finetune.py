@@ -1006,8 +1006,8 @@ def main(argv=None):
     accelerator.print(
         f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {len(rows)} "
         f"(query, positive) rows of {len(set(keys))} queries, {max_steps} steps x {args.per_device_train_batch_size} "
-        f"per device x {world} processes x {args.gradient_accumulation_steps} accumulation; in-batch negatives per step = "
-        f"{args.per_device_train_batch_size * world} (accumulation adds none); lr {args.learning_rate}")
+        f"per device x {world} processes x {args.gradient_accumulation_steps} accumulation; in-batch negatives per "
+        f"step = {args.per_device_train_batch_size * world} (accumulation adds none); lr {args.learning_rate}")
     if accelerator.is_main_process:
         accelerator.init_trackers("xprt", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
                                                   for k, v in vars(args).items()})

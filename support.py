@@ -1023,6 +1023,16 @@ def make_accelerator(args, find_unused_parameters: bool):
         project_dir=str(Path(args.output_dir) / "logs"),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)],
     )
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if deepspeed_on and world != accelerator.num_processes:
+        # accelerate 1.15 on CPU under DeepSpeed: the process group holds every process, but each one's accelerator
+        # says 1 process, rank 0; every process would read all the data, write every output, and DeepSpeed would
+        # stop at prepare on train_batch_size (micro x accumulation x 1 != micro x accumulation x world)
+        raise SystemExit(f"DeepSpeed with {world} processes, but accelerate sees {accelerator.num_processes} "
+                         f"({accelerator.device.type}): accelerate forms no multi-process state for DeepSpeed on "
+                         "CPU. The CPU DeepSpeed configs are one-process smoke tests (num_processes: 1); for several "
+                         "CPU processes use torchrun without DeepSpeed, for DeepSpeed use GPUs "
+                         "(configs/accelerate_deepspeed_zero2.yaml)")
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None and args.gradient_cache_chunk:
         raise SystemExit("--gradient_cache_chunk runs several backward passes per step (one per chunk, and one for the "
                          "batch-wide terms); DeepSpeed's engine expects one backward per forward of its module and "
