@@ -418,8 +418,9 @@ def parse_record(index, where, obj, *, id_field, text_field, url_field, max_doc_
 def with_title(title, text: str) -> str:
     """'title\ntext': the title as the document's first line (a paragraph of its own to split_passages, packed with
     what follows when it fits), as E5 and BEIR read a titled document; the text alone when there is no title or the
-    text already starts with it (WikiExtractor output that kept its title line)."""
-    if not isinstance(title, str) or not title.strip() or text.lstrip().startswith(title.strip()):
+    text's first line is the title (WikiExtractor output that kept its title line). A text whose first sentence
+    begins with the title's words ("Anarchism is a ...") still gets it."""
+    if not isinstance(title, str) or not title.strip() or text.lstrip().split("\n", 1)[0].strip() == title.strip():
         return text
     return f"{title.strip()}\n{text}"
 
