@@ -35,6 +35,12 @@ sentence-transformers prompts (train.py and finetune.py write them), else E5's p
 by the start model a folder records), else none. `--prefixes e5` / `none` force them; `--query_prefix` /
 `--passage_prefix` set either string outright.
 
+A comparison compares one thing: what besides the weights decides a model's scores (pooling, normalisation,
+similarity function, prefixes, length limit: CONTRACT_KEYS) is printed for every model and tabled beside the scores,
+and where the models differ in any of it the report says so above the table (a dot-product start against a
+cosine-saved continuation compares two similarities, not two trainings). `--score_as MODEL` scores every model with
+MODEL's settings, so that the differences are the weights' alone (filed as an mteb experiment, kept off the cards).
+
 Plumbing (names, prefixes, files, devices, the model card) comes from support.py; modeling_xprt.py gives only the
 hand-written embedder of the scores during training (section 4b).
 """

@@ -13,6 +13,10 @@ One group = (anchor, 4 related passages) = one parquet row; its columns and type
 in this file. Every setting of steps 1-4 is a field of `Selection`, the one object the selecting
 functions read and the key of the resume check.
 
+Input: JSON Lines (plain, .gz, .zst: C4's .json.gz shards too), parquet, datasets save_to_disk folders (read
+with datasets.load_from_disk), or a Hub dataset streamed; a title field is joined to the text as its first line
+(--title_field), and the fields no flag reads are named in the log and stats.json.
+
 Scale: documents are streamed in chunks of --chunk_docs input records; chunk c goes to process
 c % world_size (torchrun / accelerate launch), is written as its own parquet file, and a finished
 chunk is reused when the same command is rerun after a crash. The TF-IDF IDF is corpus-level: a
