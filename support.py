@@ -455,40 +455,60 @@ def read_max_seq_length(path: str) -> Optional[int]:
     return stated
 
 
+def model_file(name_or_path: str, filename: str) -> Optional[Path]:
+    """A file a model states its use in (modules.json, config_sentence_transformers.json, 1_Pooling/config.json):
+    from its local folder, else from its Hub repository (huggingface_hub's cache, or the Hub when it can be reached,
+    as from_pretrained loads the weights), else None. A Hub id such as a dot-product model is then read as the
+    folder it is, not as a folder without sentence-transformers files."""
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        f = Path(path) / filename
+        return f if f.is_file() else None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(path, filename))
+    except Exception:  # noqa: BLE001 - not on the Hub, no such file, or no Hub (offline): the model states none
+        return None
+
+
 def read_pooling(path: str) -> str:
-    """The sentence vector a folder's sentence-transformers Pooling module makes: "mean" or "cls" (either config
-    layout: sentence-transformers 6's pooling_mode, or the older pooling_mode_*_tokens flags); "mean" for a folder
-    without modules.json (E5 and MiniLM are mean-pooled; sentence-transformers' own default). Other modes are
-    refused: the losses would train one vector and the saved folder make another."""
-    folder = Path(resolve_model_path(path))
-    modules = read_json(folder / "modules.json") if (folder / "modules.json").is_file() else []
+    """The sentence vector a model's sentence-transformers Pooling module makes (model_file: its folder or its Hub
+    repository): "mean" or "cls" (either config layout: sentence-transformers 6's pooling_mode, or the older
+    pooling_mode_*_tokens flags); "mean" for a model without modules.json (E5 and MiniLM are mean-pooled;
+    sentence-transformers' own default). Other modes are refused: the losses would train one vector and the saved
+    folder make another."""
+    f = model_file(path, "modules.json")
+    modules = read_json(f) if f else []
     for m in modules if isinstance(modules, list) else []:
         if m.get("type", "").endswith("Pooling"):
-            cfg = read_json(folder / m.get("path", "") / "config.json")
+            cfg_file = model_file(path, f"{m.get('path') or ''}/config.json".lstrip("/"))
+            cfg = read_json(cfg_file) if cfg_file else {}
             mode = cfg.get("pooling_mode") or next((k[len("pooling_mode_"):] for k, v in cfg.items()
                                                     if k.startswith("pooling_mode_") and v is True), "mean")
             mode = {"cls_token": "cls", "mean_tokens": "mean"}.get(mode, mode)
             if mode not in ("mean", "cls"):
-                raise ValueError(f"{folder}: sentence-transformers pooling {mode!r}; xprt trains and saves mean or "
+                raise ValueError(f"{path}: sentence-transformers pooling {mode!r}; xprt trains and saves mean or "
                                  "cls pooling only")
             return mode
     return "mean"
 
 
 def read_scoring(path: str) -> dict:
-    """How a start model's vectors are made and compared, as its folder states it, for ModelInfo: {"pooling"
-    (read_pooling), "normalize" (a sentence-transformers Normalize module in modules.json), "similarity_fn_name"
-    (config_sentence_transformers.json's: cosine, dot, euclidean, manhattan; sentence-transformers' default, cosine,
-    when it names none)}. A folder without modules.json states no scoring: it gets the method's own, mean pooling,
-    Normalize and cosine (E5 and the papers score so). A dot-product model (TAS-B, the msmarco "-dot-" models: no
-    Normalize, similarity "dot") keeps its scoring in the saved folder: changing it changes every score, so a
-    comparison with the start would measure the change of similarity, not the training (save_model_folder, the card,
-    evaluate.py's note)."""
-    folder = Path(resolve_model_path(path))
-    modules = read_json(folder / "modules.json") if (folder / "modules.json").is_file() else None
+    """How a start model's vectors are made and compared, as its folder or Hub repository states it (model_file), for
+    ModelInfo: {"pooling" (read_pooling), "normalize" (a sentence-transformers Normalize module in modules.json),
+    "similarity_fn_name" (config_sentence_transformers.json's: cosine, dot, euclidean, manhattan;
+    sentence-transformers' default, cosine, when it names none)}. A model without modules.json states no scoring: it
+    gets the method's own, mean pooling, Normalize and cosine (E5 and the papers score so). A dot-product model
+    (TAS-B, the msmarco "-dot-" models: no Normalize, similarity "dot") keeps its scoring in the saved folder:
+    changing it changes every score, so a comparison with the start would measure the change of similarity, not the
+    training (save_model_folder, the card, evaluate.py's note)."""
+    f = model_file(path, "modules.json")
+    modules = read_json(f) if f else None
     if not isinstance(modules, list):
         return {"pooling": read_pooling(path), "normalize": True, "similarity_fn_name": "cosine"}
-    sim = read_json(folder / "config_sentence_transformers.json").get("similarity_fn_name") or "cosine"
+    st_config = model_file(path, "config_sentence_transformers.json")
+    sim = (read_json(st_config) if st_config else {}).get("similarity_fn_name") or "cosine"
     sim = {"cos_sim": "cosine", "dot_score": "dot", "dot_product": "dot"}.get(sim, sim)
     return {"pooling": read_pooling(path), "similarity_fn_name": sim,
             "normalize": any(str(m.get("type", "")).endswith("Normalize") for m in modules)}

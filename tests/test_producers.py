@@ -232,6 +232,18 @@ def test_a_dot_product_start_is_saved_as_a_dot_product_model(tiny_bert, tmp_path
     assert support.read_scoring(str(start)) == {"pooling": "mean", "normalize": False, "similarity_fn_name": "dot"}
     assert support.read_scoring(str(tiny_bert)) == {"pooling": "mean", "normalize": True,
                                                     "similarity_fn_name": "cosine"}  # no modules: the method's
+    # the same folder as a Hub repository (huggingface_hub's download stands in for the Hub): read alike
+    import huggingface_hub
+
+    def from_hub(repo_id, filename):
+        assert repo_id == "someone/tas-b-like"
+        if not (start / filename).is_file():
+            raise huggingface_hub.errors.EntryNotFoundError(filename)
+        return str(start / filename)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(huggingface_hub, "hf_hub_download", from_hub)
+        assert support.read_scoring("someone/tas-b-like") == support.read_scoring(str(start))
     model = mx.XPRTModel.from_pretrained(str(start))
     tok = AutoTokenizer.from_pretrained(str(start))
     model.save_pretrained(str(tmp_path / "saved"), tok)
