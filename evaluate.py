@@ -35,6 +35,12 @@ sentence-transformers prompts (train.py and finetune.py write them), else E5's p
 by the start model a folder records), else none. `--prefixes e5` / `none` force them; `--query_prefix` /
 `--passage_prefix` set either string outright.
 
+A comparison compares one thing: what besides the weights decides a model's scores (pooling, normalisation,
+similarity function, prefixes, length limit: CONTRACT_KEYS) is printed for every model and tabled beside the scores,
+and where the models differ in any of it the report says so above the table (a dot-product start against a
+cosine-saved continuation compares two similarities, not two trainings). `--score_as MODEL` scores every model with
+MODEL's settings, so that the differences are the weights' alone (filed as an mteb experiment, kept off the cards).
+
 Plumbing (names, prefixes, files, devices, the model card) comes from support.py; modeling_xprt.py gives only the
 hand-written embedder of the scores during training (section 4b).
 """
@@ -174,6 +180,26 @@ def describe_pooling(st_model) -> str:
     return " + ".join(parts) or "none"
 
 
+# What besides the weights decides a model's scores: a change of any of them moves every score, so two models that
+# differ in one are not compared on their training alone (contract_differences; --score_as).
+CONTRACT_KEYS = ("pooling", "normalize", "similarity", "query_prefix", "passage_prefix", "max_length")
+
+
+def st_scoring(st_model) -> tuple:
+    """(pooling mode, normalize) of a SentenceTransformer: its Pooling module's mode ("mean", "cls", ...; "+"-joined
+    when several) and whether a Normalize module follows."""
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+
+    mode, normalize = "none", False
+    for module in st_model:
+        if isinstance(module, Pooling):
+            m = module.pooling_mode
+            mode = m if isinstance(m, str) else "+".join(map(str, m))
+        elif isinstance(module, Normalize):
+            normalize = True
+    return mode, normalize
+
+
 class XPRTEncoder(AbsEncoder):
     """mteb wrapper: `sentence_transformers.SentenceTransformer(folder).encode`, with the repository's prefixes.
 
@@ -195,12 +221,16 @@ class XPRTEncoder(AbsEncoder):
 
     The length limit (support.max_seq_length): `max_length` when given, else the one the model states, at most its
     position table.
+
+    `contract` holds what besides the weights decides the scores (CONTRACT_KEYS); `score_as`, another model's
+    contract, replaces this model's pooling, normalisation, similarity, prefixes and length limit by that model's
+    (--score_as: the start scored as the trained model is, so that a difference between them is the training's).
     """
 
     def __init__(self, name_or_path: str, prefixes: str = "auto", batch_size: int = 64,
                  max_length: Optional[int] = None, device: Optional[str] = None, dtype: Optional[str] = None,
                  query_prefix: Optional[str] = None, passage_prefix: Optional[str] = None,
-                 trust_remote_code: bool = False, show_progress: bool = False):
+                 trust_remote_code: bool = False, show_progress: bool = False, score_as: Optional[dict] = None):
         from sentence_transformers import SentenceTransformer
 
         if prefixes not in ("auto", "e5", "none"):
@@ -240,6 +270,13 @@ class XPRTEncoder(AbsEncoder):
             self.settings.update(query_prefix=self.query_prefix, passage_prefix=self.passage_prefix)
         if max_length:
             self.settings["max_length"] = self.max_length
+        if score_as:
+            self.score_as(score_as)
+        mode, normalize = st_scoring(self.model)
+        self.contract = {"pooling": mode, "normalize": normalize,
+                         "similarity": str(self.model.similarity_fn_name or "cosine"),
+                         "query_prefix": self.query_prefix, "passage_prefix": self.passage_prefix,
+                         "max_length": self.max_length}
         name, revision = model_name_and_revision(name_or_path)
         sim = {"cosine": ScoringFunction.COSINE, "dot": ScoringFunction.DOT_PRODUCT,
                "euclidean": ScoringFunction.EUCLIDEAN, "manhattan": ScoringFunction.MANHATTAN}
@@ -253,6 +290,33 @@ class XPRTEncoder(AbsEncoder):
             use_instructions=e5, training_datasets=None, reference=None if os.path.isdir(path) else
             f"https://huggingface.co/{name}",
         )
+
+    def score_as(self, contract: dict):
+        """Score with another model's contract (its CONTRACT_KEYS): the Pooling module rebuilt with its mode, a
+        Normalize module added or removed, its similarity, prefixes and length limit. The run becomes an mteb
+        experiment ("scored_as": that model), never filed as this model's standard scores."""
+        from sentence_transformers import SentenceTransformer
+        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+
+        modules = []
+        for module in self.model:
+            if isinstance(module, Pooling):
+                cfg = module.get_config_dict()
+                modes = contract["pooling"].split("+")
+                modules.append(Pooling(cfg["embedding_dimension"], modes[0] if len(modes) == 1 else modes,
+                                       include_prompt=cfg.get("include_prompt", True)))
+            elif not isinstance(module, Normalize):
+                modules.append(module)
+        if contract["normalize"]:
+            modules.append(Normalize())
+        self.model = SentenceTransformer(modules=modules, device=str(self.device),
+                                         similarity_fn_name=contract["similarity"]).eval()
+        self.query_prefix, self.passage_prefix = contract["query_prefix"], contract["passage_prefix"]
+        self.max_length = self.model.max_seq_length = int(contract["max_length"])
+        self.pooling = describe_pooling(self.model)
+        prompts = json.dumps([contract["query_prefix"], contract["passage_prefix"]])
+        self.settings = {"scored_as": {k: contract[k] for k in ("pooling", "normalize", "similarity", "max_length")},
+                         "prompts": hashlib.sha256(prompts.encode()).hexdigest()[:8]}
 
     def prefix_for(self, prompt_type: Optional[PromptType]) -> str:
         return self.passage_prefix if prompt_type == PromptType.document else self.query_prefix
@@ -628,6 +692,23 @@ def update_model_card(model_name: str, results: dict, source: str) -> bool:
     return True
 
 
+def describe_contract(c: dict) -> str:
+    """One phrase of a scoring contract (CONTRACT_KEYS) for the log and the report."""
+    return (f"{c['pooling']} pooling, {'normalised' if c['normalize'] else 'not normalised'}, {c['similarity']} "
+            f"similarity, prefixes {c['query_prefix']!r} / {c['passage_prefix']!r}, at most {c['max_length']} tokens")
+
+
+def contract_differences(out: dict) -> dict:
+    """{key: {model: value}} for each CONTRACT_KEYS entry on which the compared models differ: a difference between
+    their scores then mixes the change of that setting with what training did (a dot-product start scored against
+    its cosine-saved continuation compares two similarities). Empty when they are scored alike."""
+    contracts = out.get("contracts") or {}
+    if len(contracts) < 2:
+        return {}
+    return {k: {m: c[k] for m, c in contracts.items()} for k in CONTRACT_KEYS
+            if len({json.dumps(c[k]) for c in contracts.values()}) > 1}
+
+
 def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks: Sequence[str] = (),
                    benchmark: Optional[str] = None, limit: Optional[int] = None,
                    corpus_limit: Optional[int] = None, seed: int = 0, prefixes: str = "auto",
@@ -635,7 +716,7 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
                    dtype: Optional[str] = None, query_prefix: Optional[str] = None,
                    passage_prefix: Optional[str] = None, results_dir: Optional[str] = None, rerun: bool = False,
                    trust_remote_code: bool = False, show_progress: bool = True, encoder_factory=None,
-                   update_cards: bool = False) -> dict:
+                   update_cards: bool = False, score_as: Optional[str] = None) -> dict:
     """Evaluate every model on every task; the function the CLI wraps (and the demo, through the CLI).
 
     results_dir: mteb's results folder (mteb.ResultCache(results_dir)); every task result is written there by mteb
@@ -645,6 +726,9 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     `encoder_factory(name) -> AbsEncoder` replaces XPRTEncoder (tests use it).
     update_cards: write the scores into a local xprt folder's model card (full standard tasks into its model-index,
     local data and --limit samples into a section of their own).
+    score_as: a model whose scoring contract (pooling, normalisation, similarity, prefixes, length) every model is
+    scored with (XPRTEncoder.score_as), so that the differences between them are their weights'. Without it, models
+    whose contracts differ are compared as each is used, and the report says how they differ (contract_differences).
     """
     from tqdm.auto import tqdm
 
@@ -673,11 +757,24 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
                              "data": "local copy" if local else "mteb", "sample": bool(limit)})
     # once per task, not per model: the fingerprint reads every file of the folder
     task_settings = {name: run_settings(local, limit, corpus_limit, seed) for name, local, _ in specs}
+    def make_encoder(n, contract=None):
+        return XPRTEncoder(n, prefixes=prefixes, batch_size=batch_size, max_length=max_length, device=device,
+                           dtype=dtype, query_prefix=query_prefix, passage_prefix=passage_prefix,
+                           trust_remote_code=trust_remote_code, show_progress=show_progress, score_as=contract)
+
+    reference = None
+    if score_as:  # the contract every model is scored with: the one its own folder gives it
+        ref = (encoder_factory or make_encoder)(score_as)
+        reference = {**ref.contract, "model": score_as}
+        out["score_as"] = reference
+        print(f"every model scored as {score_as} is: {describe_contract(reference)} (--score_as)", flush=True)
+        del ref
+    out["contracts"] = {}
     for model_name in models:
-        encoder = (encoder_factory or (lambda n: XPRTEncoder(
-            n, prefixes=prefixes, batch_size=batch_size, max_length=max_length, device=device,
-            dtype=dtype, query_prefix=query_prefix, passage_prefix=passage_prefix,
-            trust_remote_code=trust_remote_code, show_progress=show_progress)))(model_name)
+        encoder = (encoder_factory or make_encoder)(model_name, *([reference] if reference else []))
+        if getattr(encoder, "contract", None):
+            out["contracts"][model_name] = dict(encoder.contract)
+            print(f"model {model_name}: scored with {describe_contract(encoder.contract)}", flush=True)
         lengths = out.setdefault("max_length", {})
         lengths[model_name] = getattr(encoder, "max_length", None)
         if len(set(lengths.values())) > 1:  # e.g. MiniLM's folder says 256, a train.py save says 512
@@ -935,6 +1032,18 @@ def to_markdown(out: dict, summ: dict, overlaps: Sequence[dict] = ()) -> str:
                   f"(`--limit {s['limit']}`, seed {s['seed']}"
                   + (f", corpus at most {s['corpus_limit']}" if s.get("corpus_limit") else "")
                   + "): these scores do not compare with full-task scores such as the MTEB leaderboard's.", ""]
+    diffs, ref = contract_differences(out), out.get("score_as")
+    if ref:
+        lines += [f"**Every model is scored as {short(ref['model'])} is** (`--score_as`): {describe_contract(ref)}; "
+                  "a Δ is the difference of the weights alone.", ""]
+    elif diffs:
+        said = "; ".join(f"{k}: " + ", ".join(f"{short(m)} {v!r}" for m, v in per.items()) for k, per in diffs.items())
+        lines += [f"**The models are scored differently, not only trained differently** ({said}): a Δ mixes the "
+                  "change of scoring with what training did. `--score_as MODEL` scores every model as MODEL is "
+                  "scored, so that the Δ isolates training.", ""]
+    if out.get("contracts"):
+        lines += ["| model | scored with |", "|---|---|"] + [
+            f"| {short(m)} | {describe_contract(c)} |" for m, c in out["contracts"].items()] + [""]
     local = [t["name"] for t in out["tasks"] if t.get("data") == "local copy"]
     if local:
         lines += [f"Local task folders (`--local_tasks`): {', '.join(local)}, scored by the stock mteb tasks on the "
@@ -1016,7 +1125,8 @@ def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (),
     atomic_write(output_dir / "results.json", json.dumps(
         {"models": out["models"], "tasks": out["tasks"], "summary": summ, "overlap_analysis": overlaps,
          "results_dir": out.get("results_dir"), "model_meta": out.get("model_meta", {}), "sample": out.get("sample"),
-         "results": slim}, indent=1))
+         "contracts": out.get("contracts", {}), "contract_differences": contract_differences(out),
+         "score_as": out.get("score_as"), "results": slim}, indent=1))
     plot_bars(summ, out["models"], output_dir / "results.png")
     return {"summary": summ, "overlap_analysis": overlaps}
 
@@ -1064,6 +1174,11 @@ def parse_args(argv=None):
     p.add_argument("--max_length", type=int, default=None,
                    help="token limit; default: the one the model states (sentence-transformers' "
                         "max_seq_length), else 512, at most its position table (support.max_seq_length)")
+    p.add_argument("--score_as", default=None, metavar="MODEL",
+                   help="score every model with MODEL's pooling, normalisation, similarity function, prefixes and "
+                        "length limit (e.g. the trained model, so that its start is scored the same way and the Δ is "
+                        "training's alone); filed as an mteb experiment. Without it each model is scored as it is "
+                        "used, and the report says where their scoring differs")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="auto: bf16 (fp16 before Ampere) on GPU, fp32 on CPU")
@@ -1092,7 +1207,8 @@ def main(argv=None):
                          device=args.device, dtype=args.dtype, query_prefix=args.query_prefix,
                          passage_prefix=args.passage_prefix,
                          results_dir=args.results_dir or str(mteb.ResultCache().cache_path), rerun=args.rerun,
-                         trust_remote_code=args.trust_remote_code, update_cards=True)
+                         trust_remote_code=args.trust_remote_code, update_cards=not args.score_as,
+                         score_as=args.score_as)
     retrieval = [t["name"] for t in out["tasks"] if t["type"] == "Retrieval"]
     overlap = [] if args.overlap_analysis is None else (args.overlap_analysis or retrieval)
     bad = [t for t in overlap if t not in retrieval]

@@ -6,8 +6,8 @@ Read it beside the PAIR paper. In the xPRT project it answers "does the pre-trai
 fine-tune the start model and the xPRT model the same way and compare. The steps, in the order of this file:
   1. flags
   2. PAIR's alpha schedule (constant, as the official code; or linear decay, as the paper describes)
-  3. the data: labelled pairs (a BEIR folder's train qrels, or --train_data in FlagEmbedding, sentence-transformers,
-     tevatron or triples format: read_pairs), or PAIR's stage 1 - pseudo-queries
+  3. the data: labelled pairs (a BEIR folder's train qrels, MS MARCO's, or --train_data in FlagEmbedding,
+     sentence-transformers, tevatron or triples format: read_pairs), or PAIR's stage 1 - pseudo-queries
      generated for corpus passages and kept when a cross-encoder agrees; hard negatives mined with the start model
   4. batches without a repeated query
   5. main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
@@ -48,16 +48,22 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("fine-tuning data")
     g.add_argument("--beir_dir", default=None,
-                   help="BEIR-layout folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)")
+                   help="BEIR-layout folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv): trained on its qrels; "
+                        "with --train_data, only the corpus that data's rows without enough negatives are mined from "
+                        "(one source is trained on)")
     g.add_argument("--qrels_split", default="train", help="qrels file used for training (never the test split)")
     g.add_argument("--train_data", "--triples_file", dest="train_data", default=None,
                    help="(query, positive[, negatives]) pairs: a file or a Hub dataset, in FlagEmbedding ({query, "
                         "pos, neg}), sentence-transformers (anchor, positive[, negative...]), tevatron ({query, "
                         "positive_passages, negative_passages}) or triples (TSV query<TAB>positive[<TAB>negative...], "
                         "JSONL {query, positive, negatives}) format, detected from the first record: .jsonl, .csv, "
-                        ".tsv, .parquet or a dataset name. Negatives in the data are used as they are; rows with "
-                        "fewer than --num_negatives are mined (from --beir_dir's corpus, else the data's own "
-                        "passages)")
+                        ".tsv, .parquet or a dataset name; or MS MARCO passage ranking (the folder holding "
+                        "collection.tsv, queries.<split>.tsv and qrels.<split>.tsv, or that qrels file: pairs from "
+                        "the qrels, negatives mined from the collection). A headerless TSV is read by position only "
+                        "when its first row holds texts (a file of ids is refused, naming its layout). Negatives in "
+                        "the data are used as they are; rows with fewer than --num_negatives are mined (from "
+                        "--beir_dir's corpus, else the data's own passages). A repeated (query, positive) pair trains "
+                        "once")
     g.add_argument("--train_split", default="train", help="split of a --train_data Hub dataset or save_to_disk folder")
     g.add_argument("--train_config", default=None, help="config (subset) of a multi-config --train_data Hub dataset")
     g.add_argument("--train_format", default="auto", choices=["auto", *PAIR_SCHEMAS],
@@ -121,8 +127,10 @@ def parse_args(argv=None):
         raise SystemExit("need 1 <= --negatives_rank_min <= --negatives_rank_max")
     if args.num_negatives < 0:
         raise SystemExit("--num_negatives must be >= 0")
-    if args.mine_only and (args.mined_negatives or not (args.beir_dir or args.generate_pseudo_queries)):
-        raise SystemExit("--mine_only needs a corpus to mine (--beir_dir) and no --mined_negatives")
+    if args.mine_only and (args.mined_negatives or not (args.beir_dir or args.generate_pseudo_queries or (
+            args.train_data and msmarco_files(args.train_data, args.train_split)))):
+        raise SystemExit("--mine_only needs a corpus to mine (--beir_dir, or MS MARCO as --train_data) and no "
+                         "--mined_negatives")
     if args.mining_batch_size < 1 or args.mining_chunk_size < 1:
         raise SystemExit("--mining_batch_size and --mining_chunk_size must be >= 1")
     return args
@@ -238,11 +246,29 @@ def _as_pairs(schema: str, r: dict, where: str):
     return r.get("query"), [r.get("positive")], negs
 
 
-def _pair_records(source: str, split: str, config=None):
+def id_columns(parts) -> str | None:
+    """What a headerless TSV row is when its first two columns are not both texts, in words naming the producer's
+    layout (MS MARCO's, BEIR's), or None when they are texts (a triples row: query, positive[, negatives])."""
+    ids = [p.strip().isdigit() for p in parts]
+    if len(parts) == 4 and all(ids):
+        return "a TREC qrels row (query id, 0, passage id, relevance): MS MARCO's qrels.<split>.tsv"
+    if len(parts) == 3 and all(ids):
+        return ("three ids: a BEIR qrels row without its header (query id, corpus id, score), or MS MARCO's "
+                "qidpidtriples (query id, positive id, negative id)")
+    if len(parts) == 2 and ids[0] and not ids[1]:
+        return "an id and a text: MS MARCO's collection.tsv (pid, passage) or queries.<split>.tsv (qid, query)"
+    if any(ids[:2]):
+        return f"an id where a text is expected (column {ids.index(True) + 1})"
+    return None
+
+
+def _pair_records(source: str, split: str, config=None, by_position: bool = False):
     """(where, record) pairs of a pairs source, read lazily: JSONL one line at a time, CSV / TSV one row at a time,
     parquet one 1,024-row batch at a time, a JSON array whole, a save_to_disk folder or a Hub dataset through
     datasets (memory-mapped Arrow). A headerless TSV gives records {query, positive, negatives} by position (the
-    triples format)."""
+    triples format) when its first row holds texts where texts are expected, or `by_position` (--train_format
+    triples) says so; a row of ids (MS MARCO's qrels, collection or queries file) is refused naming its layout
+    (id_columns)."""
     import csv
 
     p = Path(source)
@@ -281,6 +307,13 @@ def _pair_records(source: str, split: str, config=None):
                             raise ValueError(f"{source}:{line_no}: CSV header {parts} matches no accepted schema "
                                              f"(accepted: {'; '.join(PAIR_SCHEMAS.values())})")
                         continue
+                    layout = None if by_position else id_columns(parts)
+                    if layout:
+                        raise ValueError(
+                            f"{source}:{line_no}: a headerless TSV is read as triples (query, positive[, negatives] "
+                            f"as texts), but its first row {parts[:4]} is {layout}. MS MARCO: pass the folder holding "
+                            "collection.tsv, queries.train.tsv and qrels.train.tsv, or its qrels.train.tsv, as "
+                            "--train_data (read_msmarco); --train_format triples reads the columns by position anyway")
                 if header:
                     yield f"{source}:{line_no}", dict(zip(header, parts))
                 else:
@@ -314,7 +347,7 @@ def read_pairs(source: str, split: str = "train", config=None, schema: str | Non
     lines are skipped. FlagEmbedding's per-record prompt / type fields are counted and said (the model's own
     prefixes are used)."""
     n, unused, unused_fields, grouped = 0, 0, set(), {}
-    for where, r in _pair_records(source, split, config):
+    for where, r in _pair_records(source, split, config, by_position=schema == "triples"):
         if schema is None:
             schema = pair_schema(r)
             if schema is None:
@@ -361,6 +394,65 @@ load_triples = read_pairs  # the triples reader's name in scripts that read TSV 
 def passage_text(title: str, text: str) -> str:
     """A BEIR document as the encoder reads it: 'title text'."""
     return (title + " " + text).strip()
+
+
+def msmarco_files(source: str, split: str = "train") -> dict | None:
+    """MS MARCO passage ranking's files behind a --train_data path, or None when it is not that layout: the folder
+    holding collection.tsv (pid, passage), queries.<split>.tsv (qid, query) and qrels.<split>.tsv (qid, 0, pid, 1),
+    or that folder's qrels.<split>.tsv itself (the split from its name). A path with some of them missing is refused
+    naming what is missing."""
+    p = Path(source)
+    if p.is_file() and p.name.startswith("qrels.") and p.name.endswith(".tsv"):
+        p, split = p.parent, p.name[len("qrels."):-len(".tsv")]
+    elif not (p.is_dir() and (p / "collection.tsv").is_file()):
+        return None
+    files = {"collection": p / "collection.tsv", "queries": p / f"queries.{split}.tsv",
+             "qrels": p / f"qrels.{split}.tsv"}
+    missing = [f.name for f in files.values() if not f.is_file()]
+    if missing:
+        raise ValueError(f"{source}: MS MARCO's layout needs {missing} in {p} (collection.tsv, queries.{split}.tsv, "
+                         f"qrels.{split}.tsv; --train_split names the split)")
+    return files
+
+
+def read_id_text_tsv(path: Path, what: str, keep=None) -> dict:
+    """{id: text} of an MS MARCO id<TAB>text file (collection.tsv, queries.<split>.tsv); keep: the ids to keep (None:
+    all). A line that is not an id and a text, or an id given twice, is refused naming the file and line."""
+    out = {}
+    with open(path, encoding="utf-8-sig") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rid, sep, text = line.rstrip("\n").partition("\t")
+            if not sep or not rid.strip() or not text.strip():
+                raise ValueError(f"{path}:{line_no}: expected {what} id<TAB>text, found {line.strip()[:80]!r}")
+            if keep is not None and rid not in keep:
+                continue
+            if rid in out:
+                raise ValueError(f"{path}:{line_no}: {what} id {rid!r} appears twice")
+            out[rid] = text
+    return out
+
+
+def read_msmarco(files: dict) -> dict:
+    """MS MARCO passage ranking (msmarco_files) -> load_beir's {"corpus": {pid: ("", passage)}, "queries": {qid:
+    query}, "qrels": {qid: {pid: relevance}}}: PAIR's own fine-tuning data, the pairs from its qrels, their texts
+    from the queries and the collection. The whole collection is read (it is the corpus the negatives are mined
+    from, as a BEIR folder's corpus.jsonl is: 8.8M passages, about 3 GB of text); qrels whose query or passage is
+    absent are refused naming the id."""
+    from support import read_qrels
+
+    qrels = {q: {d: s for d, s in ds.items() if s > 0} for q, ds in read_qrels(files["qrels"]).items()}
+    qrels = {q: ds for q, ds in qrels.items() if ds}
+    queries = read_id_text_tsv(files["queries"], "query", keep=set(qrels))
+    corpus = {pid: ("", t) for pid, t in read_id_text_tsv(files["collection"], "passage").items()}
+    for q, ds in qrels.items():
+        if q not in queries:
+            raise ValueError(f"{files['qrels']}: query {q!r} is absent from {files['queries']}")
+        bad = next((d for d in ds if d not in corpus), None)
+        if bad is not None:
+            raise ValueError(f"{files['qrels']}: passage {bad!r} (query {q!r}) is absent from {files['collection']}")
+    return {"corpus": corpus, "queries": queries, "qrels": qrels}
 
 
 @torch.no_grad()
@@ -619,24 +711,63 @@ def negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, queri
     return pools
 
 
+def labelled_source(args):
+    """The labelled corpus of the run, in load_beir's layout, or None: --beir_dir's qrels/<split>.tsv, or MS MARCO
+    given as --train_data (msmarco_files, read_msmarco); and whether its qrels are the pairs trained on (True) or it
+    is only the corpus --train_data's rows are mined from (False: --train_data with --beir_dir trains on one source,
+    the data's rows, as the README says)."""
+    ms = msmarco_files(args.train_data, args.train_split) if args.train_data else None
+    if ms and args.beir_dir:
+        raise SystemExit(f"--train_data {args.train_data} is MS MARCO, which brings its own corpus (collection.tsv): "
+                         "drop --beir_dir")
+    if ms:
+        return read_msmarco(ms), True, f"MS MARCO {ms['qrels'].name}"
+    if args.beir_dir:
+        return load_beir(args.beir_dir, args.qrels_split), not args.train_data, f"qrels/{args.qrels_split}.tsv"
+    return None, False, ""
+
+
+def drop_repeated_pairs(rows, accelerator) -> list:
+    """The rows with each (query, positive) pair once, the first kept: a pair given twice (a file that repeats
+    one, FlagEmbedding's pos holding a passage twice) would be trained twice as often as the others. The dropped
+    rows are counted and said."""
+    seen, kept = set(), []
+    for r in rows:
+        key = (r["query"], r["positive"])
+        if key not in seen:
+            seen.add(key)
+            kept.append(r)
+    if len(kept) < len(rows):
+        accelerator.print(f"{len(rows) - len(kept)} repeated (query, positive) rows dropped: each pair trains once")
+    return kept
+
+
 def build_finetune_rows(args, accelerator, encoder, tokenizer, prompts, pooling="mean"):
-    """Rows {query, positive, negative_pool | negatives}: the --train_data rows that bring enough negatives, then one
-    row per (query, relevant passage) of the BEIR qrels, then the kept pseudo-queries, then the --train_data rows
-    without enough negatives; all but the first get mined pools (mine_data_rows)."""
+    """Rows {query, positive, negative_pool | negatives} of one labelled source: --train_data's pairs (their own
+    negatives, or pools mined from --beir_dir's corpus, else from the data's own passages), or the labelled
+    corpus's qrels (--beir_dir, MS MARCO as --train_data: one row per (query, relevant passage), pools mined from
+    its corpus), then the kept pseudo-queries; each (query, positive) pair once (drop_repeated_pairs)."""
+    beir, train_on_qrels, qrels_name = labelled_source(args)
+    from_data = args.train_data and not train_on_qrels
     rows = list(read_pairs(args.train_data, args.train_split, args.train_config,
-                           None if args.train_format == "auto" else args.train_format)) if args.train_data else []
+                           None if args.train_format == "auto" else args.train_format)) if from_data else []
+    rows = drop_repeated_pairs(rows, accelerator)
     needy = [r for r in rows if len(r["negatives"]) < args.num_negatives]
     rows = [r for r in rows if len(r["negatives"]) >= args.num_negatives]
-    corpus = {}
+    corpus = {d: passage_text(*tt) for d, tt in beir["corpus"].items()} if beir else {}
     mined = []  # (row, query text, set of positive ids): rows that still need negatives
-    if args.beir_dir:
-        beir = load_beir(args.beir_dir, args.qrels_split)
-        corpus = {d: passage_text(*tt) for d, tt in beir["corpus"].items()}
+    if from_data and args.beir_dir:
+        accelerator.print(f"--beir_dir {args.beir_dir}: the corpus the --train_data rows without enough negatives "
+                          f"({len(needy)}) are mined from; its {qrels_name} is not trained on (one source: "
+                          "--train_data)")
+    if beir and train_on_qrels:
         qrels = {q: {d for d, s in ds.items() if s > 0} for q, ds in beir["qrels"].items()}
         for qid in sorted(qrels):
             for did in sorted(qrels[qid]):
                 mined.append(({"query": beir["queries"][qid], "positive": corpus[did]}, beir["queries"][qid],
                               qrels[qid]))
+        accelerator.print(f"{qrels_name}: {len(mined)} (query, relevant passage) pairs of {len(qrels)} queries; "
+                          f"corpus {len(corpus):,} passages")
     if args.generate_pseudo_queries:
         if not corpus:
             raise SystemExit("--generate_pseudo_queries needs a corpus: pass --beir_dir")
@@ -652,7 +783,7 @@ def build_finetune_rows(args, accelerator, encoder, tokenizer, prompts, pooling=
         for (r, _, _), pool in zip(mined, pools):
             r["negative_pool"] = [corpus[d] for d in pool]
         rows += [r for r, _, _ in mined]
-    return add_relevant(rows)
+    return add_relevant(drop_repeated_pairs(rows, accelerator))
 
 
 def data_corpus(rows) -> dict:
@@ -874,9 +1005,9 @@ def main(argv=None):
         resume(accelerator, args, collator, state)
     accelerator.print(
         f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {len(rows)} "
-        f"queries, {max_steps} steps x {args.per_device_train_batch_size} per device x {world} processes x "
-        f"{args.gradient_accumulation_steps} accumulation; in-batch negatives per step = "
-        f"{args.per_device_train_batch_size * world} (accumulation adds none); lr {args.learning_rate}")
+        f"(query, positive) rows of {len(set(keys))} queries, {max_steps} steps x {args.per_device_train_batch_size} "
+        f"per device x {world} processes x {args.gradient_accumulation_steps} accumulation; in-batch negatives per "
+        f"step = {args.per_device_train_batch_size * world} (accumulation adds none); lr {args.learning_rate}")
     if accelerator.is_main_process:
         accelerator.init_trackers("xprt", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
                                                   for k, v in vars(args).items()})
@@ -943,7 +1074,8 @@ def main(argv=None):
     title = f"xprt finetune (PAIR loss, alpha {args.pair_alpha} {args.pair_alpha_schedule})"
     save_run(accelerator, args, model, tokenizer, state.completed_steps >= max_steps,
              {"title": title, "script": "finetune.py", "argv": argv, "datasets": hub_data,
-              "summary": {"steps": state.completed_steps, "processes": world, "rows": len(rows), "unit": "queries"}})
+              "summary": {"steps": state.completed_steps, "processes": world, "rows": len(rows),
+                                      "unit": f"(query, positive) rows of {len(set(keys))} queries"}})
     return {"completed_steps": state.completed_steps, "max_steps": max_steps, "output_dir": args.output_dir,
             "trainable_parameters": trainable}
 

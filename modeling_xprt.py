@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from support import (ModelInfo, checkpoint_tensors, dist_on, hub_base_model, max_seq_length,
-                     model_prompts, quiet_load_report, rank_and_world, read_max_seq_length, read_pooling,
+                     model_prompts, quiet_load_report, rank_and_world, read_max_seq_length, read_scoring,
                      resolve_model_path, save_model_folder, stable_doc_hash)
 
 logger = logging.getLogger("xprt")
@@ -954,7 +954,7 @@ class XPRTModel(nn.Module):
         args["info"] = ModelInfo(start_model=saved.get("start_model") or name, prompts=model_prompts(name, prefixes),
                                  max_seq_length=max_seq_length(mlm.config, read_max_seq_length(path)),
                                  base_model=hub_base_model(name), hub_model_id=hub_model_id, lineage=lineage,
-                                 pooling=read_pooling(path))
+                                 **read_scoring(path))
         model = cls(mlm, objective=objective, **args)
         model.load_message = message
         if has_heads:

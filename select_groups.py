@@ -13,6 +13,10 @@ One group = (anchor, 4 related passages) = one parquet row; its columns and type
 in this file. Every setting of steps 1-4 is a field of `Selection`, the one object the selecting
 functions read and the key of the resume check.
 
+Input: JSON Lines (plain, .gz, .zst: C4's .json.gz shards too), parquet, datasets save_to_disk folders (read
+with datasets.load_from_disk), or a Hub dataset streamed; a title field is joined to the text as its first line
+(--title_field), and the fields no flag reads are named in the log and stats.json.
+
 Scale: documents are streamed in chunks of --chunk_docs input records; chunk c goes to process
 c % world_size (torchrun / accelerate launch), is written as its own parquet file, and a finished
 chunk is reused when the same command is rerun after a crash. The TF-IDF IDF is corpus-level: a
@@ -105,26 +109,33 @@ PAPER = Selection()
 # The flags that decide which records are read and where chunks begin: keyed beside Selection by the resume check.
 # (--url_field is not among them: it feeds the --inspect report only.)
 RECORD_FLAGS = ("input", "dataset", "dataset_config", "dataset_split", "max_docs", "id_field", "text_field",
-                "skip_bad_lines", "max_doc_chars", "chunk_docs")
+                "title_field", "skip_bad_lines", "max_doc_chars", "chunk_docs")
 
 
 def _input_flags(g):
     g.add_argument("--input", nargs="*", default=[],
-                   help="Local .jsonl / .jsonl.gz / .jsonl.zst / .parquet files, folders or globs, read in the "
-                        "order given; a folder gives every such file under it (and .json files, read as JSON "
-                        "Lines), sorted.")
+                   help="Local files, folders or globs, read in the order given: JSON Lines (.jsonl, .json, "
+                        "plain or .gz / .zst: C4's c4-train.*.json.gz shards), .parquet, and datasets save_to_disk "
+                        "folders (datasets.load_from_disk; --dataset_split picks a DatasetDict's split). A folder "
+                        "gives every such file and saved dataset under it, sorted.")
     g.add_argument("--dataset", default=None,
                    help="A Hugging Face dataset name, streamed (e.g. HuggingFaceFW/fineweb). Every process "
                         "streams it in full twice (IDF pass, then selection); --anchor_share and --inspect read "
                         "its first documents once more.")
     g.add_argument("--dataset_config", default=None, help="Config of --dataset (e.g. sample-10BT).")
-    g.add_argument("--dataset_split", default="train", help="Split of --dataset.")
+    g.add_argument("--dataset_split", default="train",
+                   help="Split of --dataset, or of a save_to_disk DatasetDict given to --input.")
     g.add_argument("--max_docs", type=int, default=0, help="Read at most this many input records (0 = all).")
     g.add_argument("--id_field", default="id",
                    help="Field holding the document id. A corpus whose first record has no such field (text only: "
                         "the RetroMAE / FlagEmbedding pre-training format, many Hub corpora) gets row numbers as ids "
                         "(the record's 0-based index in the input), as stats.json states; '' forces row numbers.")
     g.add_argument("--text_field", default="text", help="Field holding the document text.")
+    g.add_argument("--title_field", default="title",
+                   help="Field holding the document's title (Wikipedia's, BEIR's), joined to the text as its first "
+                        "line, so the first passage reads 'title\\ntext...' as E5 and BEIR join title and text; a "
+                        "record without it is read as its text alone. '' leaves titles out. stats.json and the log "
+                        "say which fields were used and which were not.")
     g.add_argument("--url_field", default="url", help="Optional field shown in the --inspect report only.")
     g.add_argument("--skip_bad_lines", action="store_true",
                    help="Count and skip bad records (per reason in stats.json) instead of stopping with file:line.")
@@ -234,17 +245,42 @@ class BadInput(ValueError):
     """A bad input record when --skip_bad_lines is off."""
 
 
+# What a folder given to --input is searched for: JSON Lines (plain, gzip, zstd; C4 ships *.json.gz) and parquet.
+INPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".json.gz", ".json.zst", ".parquet")
+
+
+def is_saved_dataset(path) -> bool:
+    """Whether `path` is a folder written by datasets' save_to_disk (a Dataset: state.json + dataset_info.json beside
+    its .arrow files; a DatasetDict: dataset_dict.json): read with datasets.load_from_disk, never as JSON Lines."""
+    return os.path.isdir(path) and (os.path.isfile(os.path.join(path, "dataset_dict.json")) or (
+        os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(os.path.join(path, "dataset_info.json"))))
+
+
 def input_files(patterns):
+    """The inputs of --input in order: files, and save_to_disk folders (is_saved_dataset) as one input each. A
+    folder gives, sorted, every INPUT_SUFFIXES file and every saved dataset under it (a saved dataset's own .json
+    files are its metadata, not records)."""
     files = []
     for pat in patterns:
-        if os.path.isdir(pat):
-            exts = ("*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.json", "*.parquet")
-            found = sorted(f for ext in exts for f in glob.glob(os.path.join(pat, "**", ext), recursive=True))
+        found = []
+        if is_saved_dataset(pat):
+            found = [pat]
+        elif os.path.isdir(pat):
+            for root, dirs, names in os.walk(pat):
+                dirs.sort()
+                if is_saved_dataset(root):
+                    found.append(root)
+                    dirs.clear()
+                    continue
+                dirs[:] = [d for d in dirs if not d.startswith(".")]
+                found += [os.path.join(root, n) for n in names if n.endswith(INPUT_SUFFIXES)
+                          and not n.startswith(".")]
+            found.sort()
         else:
             found = sorted(glob.glob(pat)) or ([pat] if os.path.exists(pat) else [])
         if not found:
-            raise FileNotFoundError(f"--input {pat!r}: no such file (or no .jsonl/.jsonl.gz/.jsonl.zst/.json/"
-                                    ".parquet in that folder)")
+            raise FileNotFoundError(f"--input {pat!r}: no such file (or no {'/'.join(INPUT_SUFFIXES)} file or "
+                                    "datasets save_to_disk folder in that folder)")
         files += found
     return files
 
@@ -257,12 +293,33 @@ def _iter_hf_dataset(name, config, split):
         yield f"{name}:row {i}", row, None, ""
 
 
-def _iter_local_files(patterns, columns):
+def _iter_saved_dataset(path, split, columns):
+    """(where, row) of a save_to_disk folder (datasets.load_from_disk, memory-mapped Arrow); a DatasetDict's `split`
+    (--dataset_split); columns: the ones to read (those it lacks are left out; None: all)."""
+    import datasets
+
+    ds = datasets.load_from_disk(path)
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise BadInput(f"{path}: a saved DatasetDict without split {split!r} (it has {list(ds)}): pass "
+                           "--dataset_split")
+        ds = ds[split]
+    if columns is not None:
+        ds = ds.select_columns([c for c in columns if c in ds.column_names])
+    for i, row in enumerate(ds, 1):
+        yield f"{path}:row {i}", row
+
+
+def _iter_local_files(patterns, columns, split="train"):
     """support's readers in select_groups' (where, obj, skip, detail) form: a JSONL line that is not UTF-8 JSON
-    comes back as a SKIP_REASONS entry ("invalid_utf8" / "malformed_json") to count or refuse, not an error."""
+    comes back as a SKIP_REASONS entry ("invalid_utf8" / "malformed_json") to count or refuse, not an error.
+    columns: the fields parquet and saved datasets read (None: all); split: a saved DatasetDict's."""
     for path in input_files(patterns):
-        if path.endswith(".parquet"):
-            for where, rec in iter_parquet(path, columns):  # only the three fields: bounded memory
+        if is_saved_dataset(path):
+            for where, rec in _iter_saved_dataset(path, split, columns):
+                yield where, rec, None, ""
+        elif path.endswith(".parquet"):
+            for where, rec in iter_parquet(path, columns):  # only the fields used: bounded memory
                 yield where, rec, None, ""
         else:
             for where, rec, problem in iter_jsonl(path):
@@ -279,8 +336,24 @@ def iter_raw_records(args):
     if args.dataset:
         records = _iter_hf_dataset(args.dataset, args.dataset_config, args.dataset_split)
     else:
-        records = _iter_local_files(args.input, (args.id_field, args.text_field, args.url_field))
+        records = _iter_local_files(args.input, record_fields(args), args.dataset_split)
     return itertools.islice(records, args.max_docs if args.max_docs > 0 else None)
+
+
+def record_fields(args) -> list:
+    """The fields a record is read for: id, text, title (when --title_field names one) and url (--inspect)."""
+    return [f for f in (args.id_field, args.text_field, args.title_field, args.url_field) if f]
+
+
+def unused_fields(args) -> list:
+    """The fields of the input's first record that no flag reads (said in the log and stats.json, so a column left
+    out, such as a title under --title_field '', is left out knowingly)."""
+    if args.dataset:
+        raw = _iter_hf_dataset(args.dataset, args.dataset_config, args.dataset_split)
+    else:
+        raw = _iter_local_files(args.input, None, args.dataset_split)
+    first = next((obj for _, obj, skip, _ in itertools.islice(raw, 100) if not skip and isinstance(obj, dict)), {})
+    return [k for k in first if k not in record_fields(args)]
 
 
 @dataclass
@@ -313,9 +386,10 @@ def doc_id_source(args) -> str:
     return f"the {args.id_field!r} field"
 
 
-def parse_record(index, where, obj, *, id_field, text_field, url_field, max_doc_chars):
+def parse_record(index, where, obj, *, id_field, text_field, url_field, max_doc_chars, title_field=""):
     """One decoded input record -> a Doc with doc_id/text/url, or with .skip and .detail set. id_field None: the
-    id is the record's index (row_number_ids).
+    id is the record's index (row_number_ids). A non-empty title (title_field) becomes the text's first line, unless
+    the text already starts with it (with_title).
 
     The duplicate-id check needs the records before this one: iter_records does it.
     """
@@ -335,7 +409,7 @@ def parse_record(index, where, obj, *, id_field, text_field, url_field, max_doc_
     elif len(text) > max_doc_chars:
         d.skip, d.detail = "huge_document", f"{len(text):,} chars > --max_doc_chars {max_doc_chars:,}"
     else:
-        d.doc_id, d.text = str(doc_id), text
+        d.doc_id, d.text = str(doc_id), with_title(obj.get(title_field) if title_field else None, text)
         try:  # JSON escapes can smuggle lone surrogates in, which no tokenizer or parquet file accepts
             text.encode("utf-8")
         except UnicodeEncodeError as err:
@@ -343,6 +417,16 @@ def parse_record(index, where, obj, *, id_field, text_field, url_field, max_doc_
         url = obj.get(url_field)
         d.url = url if isinstance(url, str) else ""
     return d
+
+
+def with_title(title, text: str) -> str:
+    """'title\ntext': the title as the document's first line (a paragraph of its own to split_passages, packed with
+    what follows when it fits), as E5 and BEIR read a titled document; the text alone when there is no title or the
+    text's first line is the title (WikiExtractor output that kept its title line). A text whose first sentence
+    begins with the title's words ("Anarchism is a ...") still gets it."""
+    if not isinstance(title, str) or not title.strip() or text.lstrip().split("\n", 1)[0].strip() == title.strip():
+        return text
+    return f"{title.strip()}\n{text}"
 
 
 def iter_records(args):
@@ -360,7 +444,7 @@ def iter_records(args):
             d = Doc(index=i, where=where, skip=skip, detail=detail)
         else:
             d = parse_record(i, where, obj, id_field=id_field, text_field=args.text_field,
-                             url_field=args.url_field, max_doc_chars=args.max_doc_chars)
+                             title_field=args.title_field, url_field=args.url_field, max_doc_chars=args.max_doc_chars)
         if not d.skip:
             h = stable_doc_hash(d.doc_id)
             if h in seen:
@@ -535,15 +619,17 @@ def rrf_score(rank_e5, rank_tfidf, k=10.0, w_e5=2.0, w_tfidf=1.0):
 
 
 def rank_related(anchor, cos_row, tfidf_row, *, ranking, num_related, rrf_k, rrf_weight_e5, rrf_weight_tfidf,
-                 rng=None):
+                 rng=None, candidates=None):
     """Order the document's other passages for `anchor`; return (indices, cos, tfidf, rrf) of the top
-    `num_related`.
+    `num_related`. candidates: the passage indices that may be related (default: every passage but the anchor;
+    document_groups leaves out the anchor's exact repeats).
 
     `ranking`: "rrf" (paper; RRF with constant `rrf_k` and the two weights), "e5" (cosine only:
     -2.3 points in Table 3), "tfidf" (level with rrf), "random" (a permutation drawn from `rng`).
     Ties are broken by cosine, then by passage order, so the result is deterministic.
     """
-    cand = np.array([j for j in range(len(cos_row)) if j != anchor])
+    cand = np.array([j for j in range(len(cos_row)) if j != anchor] if candidates is None else candidates,
+                    dtype=np.int64)
     cs, ts = np.asarray(cos_row)[cand], np.asarray(tfidf_row)[cand]
     rrf = rrf_score(ranks_descending(cs), ranks_descending(ts), rrf_k, rrf_weight_e5, rrf_weight_tfidf)
     if ranking == "random":
@@ -637,34 +723,45 @@ class DocResult:
     centrality: np.ndarray = None
     groups: list = field(default_factory=list)
     status: str = ""  # "groups", "too_few_passages", "no_anchor"
+    repeats: dict = field(default_factory=dict)  # document_groups' repeat counters
 
 
 def document_groups(doc_id, passages, vectors, cent, tfidf, threshold, sel: Selection):
-    """(status, groups) of one document: one group row (group_schema()) per anchor.
+    """(status, groups, repeats) of one document: one group row (group_schema()) per anchor.
 
     vectors (P, H) unit-length passage vectors, cent (P,) their centralities; threshold the centrality an anchor
     needs (sel.centrality_threshold, or the one --anchor_share calibrated); status is "groups", "too_few_passages"
-    (fewer than num_related + 1 passages) or "no_anchor".
+    (fewer than num_related + 1 passages, or no anchor with num_related passages other than its repeats) or
+    "no_anchor". A passage with the anchor's exact text (whitespace aside: a page that repeats a block) is never
+    its related or random passage: the pair would teach nothing (cosine 1.0) and the fill-in would be a copy.
+    repeats: {"repeat_pairs_excluded": such (anchor, passage) pairs, "anchors_without_distinct_related": anchors
+    left with fewer than num_related other passages, so without a group}.
     """
+    repeats = {"repeat_pairs_excluded": 0, "anchors_without_distinct_related": 0}
     if len(passages) < sel.num_related + 1:
-        return "too_few_passages", []
+        return "too_few_passages", [], repeats
     anchors = np.flatnonzero(cent >= threshold)
     if len(anchors) == 0:
-        return "no_anchor", []
+        return "no_anchor", [], repeats
     cos = vectors @ vectors.T  # (P, P) cosines: vectors are unit length
     tf = tfidf.cosines(passages)  # (P, P)
     rank_rng = derived_rng(sel.seed, doc_id, "ranking")
     pick_rng = derived_rng(sel.seed, doc_id, "random_passage")
+    norm = [" ".join(p.split()) for p in passages]
     groups = []
-    for gi, a in enumerate(anchors):
+    for a in anchors:
+        cand = [j for j in range(len(passages)) if j != a and norm[j] != norm[a]]
+        repeats["repeat_pairs_excluded"] += len(passages) - 1 - len(cand)
+        if len(cand) < sel.num_related:
+            repeats["anchors_without_distinct_related"] += 1
+            continue
         idx, cs, ts, rrf = rank_related(a, cos[a], tf[a], ranking=sel.ranking, num_related=sel.num_related,
                                         rrf_k=sel.rrf_k, rrf_weight_e5=sel.rrf_weight_e5,
-                                        rrf_weight_tfidf=sel.rrf_weight_tfidf, rng=rank_rng)
-        j = int(pick_rng.integers(len(passages) - 1))  # uniform over the passages other than the anchor
-        j += j >= a
+                                        rrf_weight_tfidf=sel.rrf_weight_tfidf, rng=rank_rng, candidates=cand)
+        j = cand[int(pick_rng.integers(len(cand)))]  # uniform over the passages that may be related
         groups.append({
             "doc_id": doc_id,
-            "group_index": gi,
+            "group_index": len(groups),
             "anchor_index": int(a),
             "anchor": passages[a],
             "anchor_centrality": float(cent[a]),
@@ -676,7 +773,7 @@ def document_groups(doc_id, passages, vectors, cent, tfidf, threshold, sel: Sele
             "random_passage": passages[j],
             "num_passages": len(passages),
         })
-    return "groups", groups
+    return ("groups" if groups else "too_few_passages"), groups, repeats
 
 
 @dataclass
@@ -707,7 +804,7 @@ def select_documents(docs, encoder: Encoder, tfidf, threshold, sel: Selection, *
         v = vecs[pos : pos + len(ps)].astype(np.float64)  # (P, H)
         pos += len(ps)
         r = DocResult(d, ps, centrality(v) if len(ps) else np.zeros(0))
-        r.status, r.groups = document_groups(d.doc_id, ps, v, r.centrality, tfidf, threshold, sel)
+        r.status, r.groups, r.repeats = document_groups(d.doc_id, ps, v, r.centrality, tfidf, threshold, sel)
         results.append(r)
     return results
 
@@ -719,7 +816,20 @@ STATUS_KEY = {"groups": "with_groups", "too_few_passages": "too_few_passages", "
 def empty_counts():
     return {"records": 0, "valid": 0, "skipped": {}, "with_groups": 0, "too_few_passages": 0, "no_anchor": 0,
             "groups": 0, "passages": 0, "covered": 0, "anchors": 0, "above_threshold": 0,
-            "centrality_hist": [0] * HIST_BINS}
+            "centrality_hist": [0] * HIST_BINS, "repeat_pairs_excluded": 0, "anchors_without_distinct_related": 0,
+            "html_documents": 0}
+
+
+# Markup a web page's raw HTML holds and extracted text does not: a document with several such tags was not
+# converted to text, and its passages would carry the tags into the encoder.
+_HTML_TAG = re.compile(r"</?(?:html|head|body|div|span|p|a|br|li|ul|ol|table|tr|td|script|style|h[1-6])\b"
+                       r"[^<>]{0,500}>", re.IGNORECASE)
+
+
+def looks_like_html(text: str, min_tags: int = 3) -> bool:
+    """Whether a document holds raw HTML (at least `min_tags` tags of _HTML_TAG): counted in stats.json and said in
+    the log; such a corpus wants its text extracted first (e.g. trafilatura, as FineWeb did)."""
+    return sum(1 for _ in itertools.islice(_HTML_TAG.finditer(text), min_tags)) >= min_tags
 
 
 def count_results(counts, results, threshold):
@@ -732,6 +842,9 @@ def count_results(counts, results, threshold):
         counts["anchors"] += len(r.groups)
         covered = {g["anchor_index"] for g in r.groups} | {i for g in r.groups for i in g["related_index"]}
         counts["covered"] += len(covered)
+        for k, v in r.repeats.items():
+            counts[k] += v
+        counts["html_documents"] += looks_like_html(r.doc.text)
         h = np.histogram(np.clip(r.centrality, 0, 1), bins=HIST_BINS, range=(0, 1))[0]
         counts["centrality_hist"] = [a + int(b) for a, b in zip(counts["centrality_hist"], h)]
 
@@ -784,6 +897,10 @@ def summary_stats(total, threshold, source):
         "groups_per_document_with_groups": _ratio(total["groups"], total["with_groups"]),
         "passages": total["passages"],
         "passages_per_document": _ratio(total["passages"], total["valid"]),
+        # a page that repeats a block: its copies are never an anchor's related passages (document_groups)
+        "repeat_pairs_excluded": total.get("repeat_pairs_excluded", 0),
+        "anchors_without_distinct_related": total.get("anchors_without_distinct_related", 0),
+        "documents_with_html": total.get("html_documents", 0),
         "passages_covered": total["covered"],
         "passages_covered_pct": _pct(total["covered"], total["passages"]),
         "anchor_share_pct": _pct(total["anchors"], total["passages"]),
@@ -813,6 +930,12 @@ def format_stats(s):
         f"no group: {s['documents_too_few_passages']:,} docs with < {s['num_related'] + 1} passages, "
         f"{s['documents_no_anchor']:,} with no anchor",
     ]
+    if s.get("repeat_pairs_excluded"):
+        lines.append(f"repeated blocks: {s['repeat_pairs_excluded']:,} (anchor, exact copy) pairs kept out of the "
+                     f"groups; {s['anchors_without_distinct_related']:,} anchors had too few other passages")
+    if s.get("documents_with_html"):
+        lines.append(f"warning: {s['documents_with_html']:,} documents hold raw HTML tags, which went into their "
+                     "passages as text: extract the text first (e.g. trafilatura)")
     return "\n".join(lines)
 
 
@@ -986,6 +1109,9 @@ def merge_stats(args, sel: Selection, threshold, source, state, wall):
         "paper_fineweb_100k": PAPER_FINEWEB_100K,
         "dataset": args.dataset,  # the Hub dataset read (None: local files); train.py's model card names it
         "doc_ids": doc_id_source(args),
+        "text_field": args.text_field,
+        "title_field": args.title_field or None,  # joined as the first line of the text (with_title)
+        "fields_not_used": unused_fields(args),
         "model_name_or_path": sel.model_name_or_path,
         "passage_prefix": sel.passage_prefix,  # the prefix itself, whichever --prefixes mode gave it
         "ranking": sel.ranking,
@@ -1056,7 +1182,13 @@ def main(argv=None):
     state = PartialState(cpu=not torch.cuda.is_available() or (args.device or "").startswith("cpu"))
     prepare_selection_dir(args, sel, state)
     encoder = load_selection_encoder(args, sel, state)
-    state.print(f"document ids: {doc_id_source(args)}")
+    state.print(f"document ids: {doc_id_source(args)}; text: {args.text_field!r}"
+                + (f"; title: {args.title_field!r}, joined as the first line where a record has one" if args.title_field
+                   else "; no title (--title_field '')"))
+    unused = unused_fields(args)
+    if unused:
+        state.print(f"input fields not used: {unused} (--id_field, --text_field, --title_field and --url_field "
+                    "name the fields read)")
 
     tfidf = document_frequency_pass(args, state, CorpusTfidf(sel.tfidf_features))
     threshold, source = calibrate_threshold(args, sel, state, encoder, tfidf)

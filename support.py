@@ -455,24 +455,69 @@ def read_max_seq_length(path: str) -> Optional[int]:
     return stated
 
 
+def model_file(name_or_path: str, filename: str) -> Optional[Path]:
+    """A file a model states its use in (modules.json, config_sentence_transformers.json, 1_Pooling/config.json):
+    from its local folder, else from its Hub repository (huggingface_hub's cache, or the Hub when it can be reached,
+    as from_pretrained loads the weights), else None. A Hub id such as a dot-product model is then read as the
+    folder it is, not as a folder without sentence-transformers files."""
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        f = Path(path) / filename
+        return f if f.is_file() else None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(path, filename))
+    except Exception:  # noqa: BLE001 - not on the Hub, no such file, or no Hub (offline): the model states none
+        return None
+
+
 def read_pooling(path: str) -> str:
-    """The sentence vector a folder's sentence-transformers Pooling module makes: "mean" or "cls" (either config
-    layout: sentence-transformers 6's pooling_mode, or the older pooling_mode_*_tokens flags); "mean" for a folder
-    without modules.json (E5 and MiniLM are mean-pooled; sentence-transformers' own default). Other modes are
-    refused: the losses would train one vector and the saved folder make another."""
-    folder = Path(resolve_model_path(path))
-    modules = read_json(folder / "modules.json") if (folder / "modules.json").is_file() else []
+    """The sentence vector a model's sentence-transformers Pooling module makes (model_file: its folder or its Hub
+    repository): "mean" or "cls" (either config layout: sentence-transformers 6's pooling_mode, or the older
+    pooling_mode_*_tokens flags); "mean" for a model without modules.json (E5 and MiniLM are mean-pooled;
+    sentence-transformers' own default). Other modes are refused: the losses would train one vector and the saved
+    folder make another."""
+    f = model_file(path, "modules.json")
+    modules = read_json(f) if f else []
     for m in modules if isinstance(modules, list) else []:
         if m.get("type", "").endswith("Pooling"):
-            cfg = read_json(folder / m.get("path", "") / "config.json")
+            cfg_file = model_file(path, f"{m.get('path') or ''}/config.json".lstrip("/"))
+            cfg = read_json(cfg_file) if cfg_file else {}
             mode = cfg.get("pooling_mode") or next((k[len("pooling_mode_"):] for k, v in cfg.items()
                                                     if k.startswith("pooling_mode_") and v is True), "mean")
             mode = {"cls_token": "cls", "mean_tokens": "mean"}.get(mode, mode)
             if mode not in ("mean", "cls"):
-                raise ValueError(f"{folder}: sentence-transformers pooling {mode!r}; xprt trains and saves mean or "
+                raise ValueError(f"{path}: sentence-transformers pooling {mode!r}; xprt trains and saves mean or "
                                  "cls pooling only")
             return mode
     return "mean"
+
+
+def read_scoring(path: str) -> dict:
+    """How a start model's vectors are made and compared, as its folder or Hub repository states it (model_file), for
+    ModelInfo: {"pooling" (read_pooling), "normalize" (a sentence-transformers Normalize module in modules.json),
+    "similarity_fn_name" (config_sentence_transformers.json's: cosine, dot, euclidean, manhattan;
+    sentence-transformers' default, cosine, when it names none)}. A model without modules.json states no scoring: it
+    gets the method's own, mean pooling, Normalize and cosine (E5 and the papers score so). A dot-product model
+    (TAS-B, the msmarco "-dot-" models: no Normalize, similarity "dot") keeps its scoring in the saved folder:
+    changing it changes every score, so a comparison with the start would measure the change of similarity, not the
+    training (save_model_folder, the card, evaluate.py's note)."""
+    f = model_file(path, "modules.json")
+    modules = read_json(f) if f else None
+    if not isinstance(modules, list):
+        return {"pooling": read_pooling(path), "normalize": True, "similarity_fn_name": "cosine"}
+    st_config = model_file(path, "config_sentence_transformers.json")
+    sim = (read_json(st_config) if st_config else {}).get("similarity_fn_name") or "cosine"
+    sim = {"cos_sim": "cosine", "dot_score": "dot", "dot_product": "dot"}.get(sim, sim)
+    return {"pooling": read_pooling(path), "similarity_fn_name": sim,
+            "normalize": any(str(m.get("type", "")).endswith("Normalize") for m in modules)}
+
+
+def describe_scoring(info) -> str:
+    """One phrase for the log and the card: "mean pooling, L2-normalised, cosine similarity"."""
+    return (f"{info.pooling} pooling, {'L2-normalised' if info.normalize else 'not normalised'}, "
+            f"{info.similarity_fn_name} similarity")
 
 
 def check_tokenizer_fits(tokenizer, config, where: str):
@@ -528,15 +573,19 @@ class ModelInfo:
     hub_model_id: Optional[str] = None
     lineage: list = field(default_factory=list)
     pooling: str = "mean"  # the sentence vector: the mean of the token vectors (E5's, the paper's), or [CLS]'s
+    # how the saved folder compares vectors (read_scoring: the start's; the losses always train cosines)
+    normalize: bool = True
+    similarity_fn_name: str = "cosine"
 
 
 def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, xprt_config: dict, info: ModelInfo,
                       model_card: Optional[str] = None):
     """A complete sentence-transformers model folder, written to a temporary sibling and renamed into place (an
     existing out_dir is replaced; refusing it unless --overwrite is the script's job): the encoder `base` with
-    `state_dict` as safetensors (loadable by transformers.AutoModel), the tokenizer, modules.json (Transformer, mean
-    Pooling, Normalize: like all-MiniLM-L6-v2), config_sentence_transformers.json (the prompts, which
-    encode_query / encode_document apply and evaluate.py reads, and cosine similarity), sentence_bert_config.json
+    `state_dict` as safetensors (loadable by transformers.AutoModel), the tokenizer, modules.json (Transformer,
+    Pooling, and Normalize when info.normalize: like all-MiniLM-L6-v2, or like the dot-product start it came from),
+    config_sentence_transformers.json (the prompts, which encode_query / encode_document apply and evaluate.py
+    reads, and info.similarity_fn_name), sentence_bert_config.json
     (the length limit), xprt_heads.safetensors (heads: the decoder and MLM head, so training can continue),
     xprt_config.json (xprt_config plus `info`) and the card README.md."""
     from safetensors.torch import save_file
@@ -545,19 +594,21 @@ def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, x
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
         {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ]
+    ][:3 if info.normalize else 2]
     pooling = {"word_embedding_dimension": base.config.hidden_size,
                "pooling_mode_cls_token": info.pooling == "cls", "pooling_mode_mean_tokens": info.pooling == "mean",
                "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}
     xprt_config = {**xprt_config, "start_model": info.start_model, "prompts": info.prompts,
                    "base_model": info.base_model, "hub_model_id": info.hub_model_id, "lineage": info.lineage,
-                   "pooling": info.pooling}
-    st_config = {"prompts": info.prompts, "default_prompt_name": None, "similarity_fn_name": "cosine"}
+                   "pooling": info.pooling, "normalize": info.normalize,
+                   "similarity_fn_name": info.similarity_fn_name}
+    st_config = {"prompts": info.prompts, "default_prompt_name": None,
+                 "similarity_fn_name": info.similarity_fn_name}
     with atomic_path(os.path.abspath(out_dir)) as tmp:
         base.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
-        (tmp / "1_Pooling").mkdir()
-        (tmp / "2_Normalize").mkdir()
+        for m in modules[1:]:
+            (tmp / m["path"]).mkdir()
         for name, obj in [("modules.json", modules), ("1_Pooling/config.json", pooling),
                           ("sentence_bert_config.json", {"max_seq_length": info.max_seq_length,
                                                          "do_lower_case": False}),
@@ -597,6 +648,22 @@ def card_license(name_or_path: Optional[str]) -> Optional[str]:
     except Exception:  # noqa: BLE001 - no card, or no Hub (offline): the licence is unknown
         return None
     return card.data.license
+
+
+def card_language(name_or_path: Optional[str]):
+    """The language(s) in a model's card metadata (as card_license reads it: a local folder's README.md, the bundled
+    MiniLM's, or a Hub card when the Hub can be reached), or None when no card says: a derived model works in its
+    start's languages, and a card should not claim one it was never told (a multilingual start is not "en")."""
+    from huggingface_hub import ModelCard
+
+    if not name_or_path:
+        return None
+    path = resolve_model_path(name_or_path)
+    try:
+        card = ModelCard.load(os.path.join(path, "README.md") if os.path.isdir(path) else path)
+    except Exception:  # noqa: BLE001 - no card, or no Hub (offline): the language is unknown
+        return None
+    return card.data.language or None
 
 
 def _task_type(metric: str) -> str:
@@ -729,8 +796,9 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
     # the start folder's own card first (local, and it carries an xprt start's licence on), then the Hub's
     license_ = args.license or card_license(args.model_name_or_path) or card_license(base_model)
     model_id = hub_id or f"path/to/{Path(args.output_dir).name}/model"
+    language = card_language(args.model_name_or_path) or card_language(base_model)
     data = ModelCardData(base_model=base_model, datasets=datasets or None,
-                         language="en", license=license_, library_name="sentence-transformers",
+                         language=language, license=license_, library_name="sentence-transformers",
                          pipeline_tag="sentence-similarity",
                          tags=["sentence-transformers", "sentence-similarity", "feature-extraction", "xprt",
                                "retrieval"])
@@ -739,13 +807,27 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
     start = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local checkpoint"
     lineage = " -> ".join(f"{s['stage']} ({s['model'] or 'local'})" for s in info.lineage)
     if info.pooling == "cls":
-        pool_code = "embeddings = F.normalize(hidden[:, 0], dim=-1)  # [CLS] pooling, then L2"
+        pool_code = "embeddings = hidden[:, 0]  # [CLS] pooling"
         flag_note = ""
     else:
         pool_code = ('mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)\n'
-                     "embeddings = F.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)  # mean pooling, then L2")
+                     "embeddings = (hidden * mask).sum(1) / mask.sum(1)  # mean pooling")
         flag_note = ("\nFlagEmbedding's `FlagModel` pools [CLS] unless told otherwise: load this model with "
                      f'`FlagModel("{model_id}", pooling_method="mean")`.\n')
+    if info.normalize:
+        pool_code += "\nembeddings = F.normalize(embeddings, dim=-1)  # L2, as the Normalize module does"
+    score_code = {"cosine": "F.cosine_similarity(embeddings[0], embeddings[1], dim=0)",
+                  "dot": "embeddings[0] @ embeddings[1]",
+                  "euclidean": "-torch.dist(embeddings[0], embeddings[1])",
+                  "manhattan": "-torch.dist(embeddings[0], embeddings[1], p=1)"}.get(info.similarity_fn_name,
+                                                                                   "embeddings[0] @ embeddings[1]")
+    scoring = describe_scoring(info)
+    if info.normalize and info.similarity_fn_name == "cosine":
+        trained_note = ""
+    else:  # the losses compare L2-normalised vectors (cosines) whatever the start's scoring
+        trained_note = (f" Trained with cosine similarity (the losses compare L2-normalised vectors); saved with its "
+                        f"start model's scoring ({scoring}), so it is used and scored as its start was; "
+                        "`--saved_similarity cosine` saves cosine scoring instead.")
     prefixes = (f"Prefixes: queries `{json.dumps(q)}`, documents `{json.dumps(d)}`, saved as the `query` / "
                 "`document` prompts, so "
                 "`encode_query` / `encode_document` add them; with plain transformers, add them yourself."
@@ -758,8 +840,8 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
 # {hub_id or Path(args.output_dir).name}
 
 {title}, trained from {start} with this repository's `{script}`. Lineage: {lineage}.
-A sentence-transformers model: {info.pooling} pooling,
-L2-normalised vectors, cosine similarity (`config_sentence_transformers.json`), at most {max_len} tokens. {prefixes}
+A sentence-transformers model: {scoring} (`modules.json`, `config_sentence_transformers.json`), at most
+{max_len} tokens.{trained_note} {prefixes}
 
 ## Usage (sentence-transformers)
 
@@ -789,7 +871,7 @@ batch = tokenizer(texts, padding=True, truncation=True, max_length={max_len}, re
 with torch.no_grad():
     hidden = model(**batch).last_hidden_state
 {pool_code}
-print(embeddings[0] @ embeddings[1])
+print({score_code})  # {info.similarity_fn_name} similarity
 ```
 {flag_note}
 
@@ -853,6 +935,10 @@ def add_common_args(p, default_lr: float):
                         "e5 / none force them. Pre-training reads passages only (the 'passage: ' prefix). Saved "
                         "with the model"),
     g.add_argument("--tau", type=float, default=None, help="InfoNCE temperature (paper: 0.05)")
+    g.add_argument("--saved_similarity", choices=["start", "cosine"], default="start",
+                   help="the scoring the saved folder states: start = the start model's (its Normalize module and "
+                        "similarity function: a dot-product start stays dot-product, so it is scored as it was); "
+                        "cosine = Normalize + cosine. The losses train cosines either way (the paper's)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--per_device_train_batch_size", type=int, default=32,
@@ -957,6 +1043,16 @@ def make_accelerator(args, find_unused_parameters: bool):
         project_dir=str(Path(args.output_dir) / "logs"),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)],
     )
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if deepspeed_on and world != accelerator.num_processes:
+        # accelerate 1.15 on CPU under DeepSpeed: the process group holds every process, but each one's accelerator
+        # says 1 process, rank 0; every process would read all the data, write every output, and DeepSpeed would
+        # stop at prepare on train_batch_size (micro x accumulation x 1 != micro x accumulation x world)
+        raise SystemExit(f"DeepSpeed with {world} processes, but accelerate sees {accelerator.num_processes} "
+                         f"({accelerator.device.type}): accelerate forms no multi-process state for DeepSpeed on "
+                         "CPU. The CPU DeepSpeed configs are one-process smoke tests (num_processes: 1); for several "
+                         "CPU processes use torchrun without DeepSpeed, for DeepSpeed use GPUs "
+                         "(configs/accelerate_deepspeed_zero2.yaml)")
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None and args.gradient_cache_chunk:
         raise SystemExit("--gradient_cache_chunk runs several backward passes per step (one per chunk, and one for the "
                          "batch-wide terms); DeepSpeed's engine expects one backward per forward of its module and "
@@ -1181,6 +1277,16 @@ def load_model(accelerator, args, model_class, **kw):
     accelerator.print(f"model: {model.load_message}")
     accelerator.print(f"{describe_prompts(model.prompts)} (--prefixes {args.prefixes}; start model "
                       f"{model.info.start_model})")
+    start_scoring = describe_scoring(model.info)
+    saved_similarity = getattr(args, "saved_similarity", "start")
+    if saved_similarity == "cosine":
+        model.info.normalize, model.info.similarity_fn_name = True, "cosine"
+    accelerator.print(f"scoring: the start model's is {start_scoring}, at most {model.info.max_seq_length} tokens; "
+                      "the losses train cosines (L2-normalised vectors, the paper's); the saved folder states "
+                      f"{describe_scoring(model.info)} (--saved_similarity {saved_similarity})"
+                      + ("" if model.info.normalize and model.info.similarity_fn_name == "cosine" else
+                         "; scores during training (--eval_tasks) are cosines: compare them with evaluate.py "
+                         "--score_as a cosine model, not with the saved folder's own scoring"))
     register_tied_projection(accelerator, model)
     if args.gradient_checkpointing:
         model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
