@@ -468,8 +468,8 @@ def test_head_learning_rate_groups_every_parameter_once(tiny_bert):
     assert where[id(named["encoder.bert.embeddings.word_embeddings.weight"])] == (1e-6, 0.01)
     assert model.encoder.get_output_embeddings().weight is named["encoder.bert.embeddings.word_embeddings.weight"]
     assert where[id(named["encoder.bert.encoder.layer.0.attention.self.query.bias"])] == (1e-6, 0.0)
-    assert where[id(named["decoder.condition.weight"])] == (1e-4, 0.01)
-    assert where[id(named["decoder.layers.0.output.LayerNorm.weight"])] == (1e-4, 0.0)
+    assert where[id(named["method.decoder.condition.weight"])] == (1e-4, 0.01)
+    assert where[id(named["method.decoder.layers.0.output.LayerNorm.weight"])] == (1e-4, 0.0)
     assert where[id(named["encoder.cls.predictions.transform.dense.weight"])] == (1e-4, 0.01)
     assert where[id(named["encoder.cls.predictions.bias"])] == (1e-4, 0.0)
     # default: one lr for all, as in the paper
@@ -629,7 +629,10 @@ def test_no_host_reads_outside_logging_steps(tiny_bert, groups, tmp_path, monkey
     res = run(base_args(tiny_bert, groups, tmp_path / "h", **{"--max_train_steps": 6, "--max_groups": 8,
                                                                "--logging_steps": 3, "--no_save_model": True}))
     assert res["completed_steps"] == 6
-    assert calls["outside"] == [], calls["outside"][:3]
+    # the collator's reads are of the CPU tensors it builds before batch_to_device (where each group's rows start in
+    # the flat index tensors, Layout): no device sync
+    collating = {f"{ROOT / 'modeling_xprt.py'}:group_bounds"}
+    assert [c for c in calls["outside"] if c not in collating] == [], calls["outside"][:3]
     assert calls["inside"] == 2 * 2  # two logging steps, one read-back each in check_finite and record
 
 
