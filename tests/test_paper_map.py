@@ -18,7 +18,7 @@ from test_select_groups import _docs, _write_jsonl
 from test_train import base_args
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("modeling_xprt.py", "baselines.py", "train.py", "finetune.py", "select_groups.py")
+SCRIPTS = ("modeling_xprt.py", "baselines.py", "fused_vocab.py", "train.py", "finetune.py", "select_groups.py")
 
 # What one step of each objective must run (qualified names), beyond what every step runs.
 EVERY_PRETRAIN_STEP = {"XPRTModel.encode", "mean_pool", "retention_loss",
@@ -33,6 +33,7 @@ EXPECTED = {
     "positive_random": {"XPRTObjective.batch_terms", "xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss"},
     "contrastive_random_span": {"contrastive_random_span", "info_nce", "gather_with_grad"},
     "self_reconstruction": {"self_reconstruction", "mlm_loss", "ConditionedDecoder.forward", "VocabSweep.run"},
+    "gradient_cache": {"XPRTModel.cached_step", "Layout.chunks", "XPRTObjective.row_terms", "xp_loss"},
     "pair": {"pair_q_loss", "pair_p_loss", "pair_loss", "pair_false_negatives", "info_nce", "pair_alpha_at",
              "mine_hard_negatives", "XPRTModel.encode", "mean_pool"},
 }
@@ -80,7 +81,11 @@ def runs(tiny_bert, tmp_path_factory):
     out = {"select": profiled(lambda: select_groups.main(sel))}
     flags = {"xprt": {}, "no_fill_in": {"--no_fill_in": True}, "positive_random": {"--positive": "random"},
              "contrastive_random_span": {"--objective": "contrastive_random_span"},
-             "self_reconstruction": {"--objective": "self_reconstruction"}}
+             "self_reconstruction": {"--objective": "self_reconstruction"},
+             "gradient_cache": {"--gradient_cache_chunk": 2}}
+    from modeling_xprt import pretraining_objectives
+
+    flags.update({name: {"--objective": name} for name in pretraining_objectives() if name not in flags | {"xprt": 0}})
     for name, extra in flags.items():
         argv = base_args(tiny_bert, groups, tmp / name, **{"--max_train_steps": 1, "--max_groups": 8,
                                                             "--no_save_model": True, **extra})
@@ -92,6 +97,12 @@ def runs(tiny_bert, tmp_path_factory):
                    "--report_to": "none", "--no_save_model": True})
     out["pair"] = profiled(lambda: finetune.main(ft))
     return out
+
+
+def test_every_objective_has_its_paper_map_run():
+    from modeling_xprt import pretraining_objectives
+
+    assert set(pretraining_objectives()) <= set(EXPECTED)
 
 
 @pytest.mark.parametrize("objective", sorted(EXPECTED))
@@ -108,9 +119,10 @@ def test_every_function_the_map_names_exists_and_runs(runs):
     import modeling_xprt
 
     import baselines
+    import fused_vocab
 
-    modules = {"modeling_xprt.py": modeling_xprt, "baselines.py": baselines, "train.py": train, "finetune.py": finetune,
-               "select_groups.py": select_groups}
+    modules = {"modeling_xprt.py": modeling_xprt, "baselines.py": baselines, "fused_vocab.py": fused_vocab,
+               "train.py": train, "finetune.py": finetune, "select_groups.py": select_groups}
     ran = set().union(*runs.values())
     # run by fine-tuning's stage 1 only, which needs real generator and cross-encoder weights (tests/test_finetune.py
     # runs them on tiny random models)

@@ -1,0 +1,178 @@
+"""
+How the vocabulary terms compute (not in the paper): modeling_xprt.VocabSweep hands L_MLM's, L_cross's and L_self's
+rows to vocab_sweep, which projects them onto the vocabulary chunk by chunk in one fused pass (_FusedLinearCE),
+never holding the (rows x V) logits. The math is that of plain F.linear + cross-entropy / KL per term
+(tests/test_modeling.py compares them with allclose).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def vocab_sweep(weight, bias, ce=(), kl=(), fused: bool = True, chunk_size: int = 1024) -> tuple:
+    """Several vocabulary terms that share one projection (W, b), in one sweep -> (sum_k w_k * term_k, [term_k]).
+
+    ce: [(hidden (N_k, H), targets (N_k,), w_k)] hard-target terms (L_MLM and L_cross: the same MLM head);
+    kl: [(hidden (N_k, H), teacher_hidden (N_k, H), w_k)] soft-target terms (L_self). Each term is the mean over
+    its own rows; the first output carries the gradient, the list holds the terms' values
+    (detached when fused). Why one sweep: one (V, H) weight gradient accumulated for all terms instead of one per
+    term (each 94 MB for BERT-base, summed by autograd afterwards), one set of (chunk, V) buffers, and the
+    hard-target terms chunked together (fewer partial chunks). The math is that of one sweep per term: each
+    row's loss and gradient are scaled by w_k / N_k (tests: test_vocab_sweep_equals_separate_plain_terms).
+    """
+    terms = [(h, t, w, None) for h, t, w in ce] + [(h, None, w, th) for h, th, w in kl]
+    if not terms:
+        raise ValueError("vocab_sweep needs at least one term")
+    h0 = terms[0][0]
+    if not fused:
+        vals = []
+        for h, t, _, th in terms:
+            if h.shape[0] == 0:
+                vals.append(h.sum() * 0.0)
+                continue
+            logits = F.linear(h, weight, bias).float()
+            if th is None:
+                vals.append(F.cross_entropy(logits, t))
+                continue
+            with torch.no_grad():
+                t_logp = F.log_softmax(F.linear(th.detach(), weight, bias).float(), dim=-1)
+            vals.append(F.kl_div(F.log_softmax(logits, -1), t_logp, log_target=True, reduction="batchmean"))
+        return sum(w * v for (_, _, w, _), v in zip(terms, vals)), vals
+    # Rows in one tensor: the hard-target rows first, then the soft ones; row_scale = d total / d row loss.
+    sizes = [h.shape[0] for h, *_ in terms]
+    hidden = torch.cat([h for h, *_ in terms]) if len(terms) > 1 else h0
+    targets = torch.cat([t for _, t, _, _ in terms if t is not None]) if ce else None
+    teacher = torch.cat([th for *_, th in terms if th is not None]).detach() if kl else None
+    row_scale = torch.cat([hidden.new_full((n,), w / max(n, 1), dtype=torch.float32)
+                           for n, (_, _, w, _) in zip(sizes, terms)])
+    total, row_loss = _FusedLinearCE.apply(hidden, weight, bias, targets, teacher, row_scale, chunk_size,
+                                           torch.is_grad_enabled())
+    vals, s = [], 0
+    for n in sizes:  # each term's mean over its rows (0 for an empty term)
+        vals.append(row_loss[s : s + n].sum() / max(n, 1))
+        s += n
+    return total, vals
+
+
+# Scratch (chunk, V) fp32 buffers kept across calls and steps, per device and slot: on CPU a fresh 125 MB tensor costs
+# its page faults on every touch (glibc maps and unmaps blocks this large each time). Only the forward of
+# _FusedLinearCE writes them, and nothing that outlives the call points into them. On a GPU the caching allocator
+# reuses memory anyway; this only keeps the peak from being handed back between steps.
+_SCRATCH: dict = {}
+
+
+def _scratch(slot: str, rows: int, cols: int, device) -> torch.Tensor:
+    key = (slot, str(device))
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < rows * cols:
+        _SCRATCH[key] = buf = None  # free the old one before the bigger one is made
+        _SCRATCH[key] = buf = torch.empty(rows * cols, dtype=torch.float32, device=device)
+    return buf[: rows * cols].view(rows, cols)
+
+
+def _logits_into(out, h, weight, bias):
+    """out (r, V) fp32 <- h W^T + b. The bias is added in place after the matmul writes straight into the reused
+    buffer (addmm(bias, ..., out=buf) first copies the broadcast bias into the buffer, an extra pass over it); in low
+    precision (or under autocast) the matmul runs in its own dtype and is copied up, as .float() would."""
+    if h.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled(h.device.type):
+        return torch.mm(h, weight.t(), out=out).add_(bias)
+    return out.copy_(torch.addmm(bias, h, weight.t()))
+
+
+def _softmax_(z):
+    """z (r, V) <- softmax(z) IN PLACE; returns log-sum-exp (r,) of the input rows."""
+    m = z.amax(dim=-1, keepdim=True)
+    z.sub_(m).exp_()
+    s = z.sum(dim=-1, keepdim=True)
+    z.div_(s)
+    return (m + s.log()).squeeze(1)
+
+
+def _row_dot(a, b):
+    """(r, V) x (r, V) -> (r,) row-wise dot products, through a batched matmul (no (r, V) temporary)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    """Vocabulary projection + cross-entropy (hard targets) and/or KL (soft targets), chunk by chunk.
+
+    Never holds the (N, V) logits: each chunk's logits give its loss and, at once, its gradients
+    w.r.t. hidden, weight and bias (the "fused linear cross-entropy" of Liger-Kernel); backward
+    only scales them by the incoming scalar. Same matmul count as plain forward + backward, much
+    less memory traffic on (tokens x 30,522) tensors: every chunk reuses one fp32 (chunk, V) buffer
+    (two for KL, kept across calls: _scratch) and the softmax runs in place in it.
+    Rows: hidden[:len(targets)] have hard targets, the rest soft ones (teacher_hidden); row_scale (N,) is each row's
+    weight in the total (w_k / N_k: vocab_sweep). Returns (total, per-row losses (N,), no gradient).
+
+    Why our own and not torch's chunked F.linear_cross_entropy: it has no KL form (L_self), and on CPU ours measured
+    faster on the step's own rows (`python -m bench.bench_step --vocab`; figures in bench/README.md).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, teacher_hidden, row_scale, chunk_size, compute_grad):
+        n = hidden.shape[0]
+        n_ce = 0 if targets is None else targets.shape[0]
+        # no gradient work at all under torch.no_grad (evaluation)
+        need = [compute_grad and x for x in ctx.needs_input_grad[:3]]
+        row_loss = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        if n == 0:
+            ctx.grads = (torch.zeros_like(hidden) if need[0] else None, None, None)
+            ctx.mark_non_differentiable(row_loss)
+            return hidden.new_zeros((), dtype=torch.float32), row_loss
+        v = weight.shape[0]
+        grad_h = torch.empty_like(hidden) if need[0] else None
+        grad_w = torch.empty((v, weight.shape[1]), dtype=torch.float32, device=hidden.device) if need[1] else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need[2] else None
+        rows = min(chunk_size, n)
+        buf = _scratch("logits", rows, v, hidden.device)
+        tbuf = _scratch("teacher", rows, v, hidden.device) if teacher_hidden is not None else None
+        first = True
+        # chunks never straddle the hard/soft boundary
+        starts = [(s, min(s + chunk_size, n_ce)) for s in range(0, n_ce, chunk_size)]
+        starts += [(s, min(s + chunk_size, n)) for s in range(n_ce, n, chunk_size)]
+        for s, e in starts:
+            h = hidden[s:e]
+            r = e - s
+            scale = row_scale[s:e]
+            if s < n_ce:  # hard targets: CE = lse - logit[target]
+                tgt = targets[s:e]
+                z = _logits_into(buf[:r], h, weight, bias)
+                z_tgt = z.gather(1, tgt.unsqueeze(1)).squeeze(1)
+                row_loss[s:e] = _softmax_(z) - z_tgt
+                g = z  # softmax - one_hot(target)
+                g[torch.arange(r, device=g.device), tgt] -= 1.0
+            else:  # soft targets p = softmax(teacher logits): KL(p || q) = sum p z_t - lse_t - (sum p z - lse)
+                zt = _logits_into(tbuf[:r], teacher_hidden[s - n_ce : e - n_ce], weight, bias)
+                p = buf[:r].copy_(zt)
+                lse_t = _softmax_(p)
+                kl = _row_dot(p, zt) - lse_t  # sum p log p, before tbuf is reused for the student
+                z = _logits_into(tbuf[:r], h, weight, bias)
+                kl -= _row_dot(p, z) - _softmax_(z)  # - sum p log q
+                row_loss[s:e] = kl
+                g = z.sub_(p)  # softmax(student) - p
+            if grad_h is not None:
+                gh = g.to(weight.dtype) @ weight  # (r, H): small
+                grad_h[s:e] = gh * scale.unsqueeze(1).to(gh.dtype)
+            if grad_w is not None:  # the rows' scales go on the small (r, H) side, never on the (r, V) one
+                grad_w.addmm_(g.t(), h.float() * scale.unsqueeze(1), beta=0.0 if first else 1.0)  # beta 0: garbage
+            if grad_b is not None:
+                grad_b.addmv_(g.t(), scale)
+            first = False
+        total = (row_loss * row_scale).sum()
+        gw = None if grad_w is None else grad_w.to(weight.dtype)
+        gb = None if grad_b is None else grad_b.to(bias.dtype)
+        # The gradients are intermediates (neither inputs nor outputs), so they may live on ctx; backward hands
+        # them over (scaled in place) instead of allocating a scaled copy of the (V, H) weight gradient.
+        ctx.grads = (grad_h, gw, gb)
+        ctx.mark_non_differentiable(row_loss)
+        return total, row_loss
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_rows):
+        if ctx.grads is None:
+            raise RuntimeError("backward ran twice through the fused vocabulary loss (retain_graph=True): "
+                               "its gradients were handed over the first time; use fused=False for that")
+        grads, ctx.grads = ctx.grads, None
+        return (*(None if g is None else g.mul_(grad_out) for g in grads), None, None, None, None, None)
