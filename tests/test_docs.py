@@ -2,11 +2,12 @@
 one of the repository's Python scripts or bench / experiments modules passes only flags that script's parser has;
 every file such a command runs exists; every `file : function` of the README's paper map exists; every relative link
 points at a file. The parsers are caught at their first parse call (main(["--help"]) with argparse's parse stopped),
-so no script runs. tests/test_paper_map.py checks that the paper map's functions run."""
+so no script runs (a main() without an argv parameter gets sys.argv patched). tests/test_paper_map.py checks that the paper map's functions run."""
 
 import argparse
 import importlib
 import importlib.util
+import inspect
 import re
 import shlex
 import sys
@@ -29,7 +30,7 @@ def code_of(text: str) -> list:
     for block in re.findall(r"^```[\w-]*\n(.*?)^```", text, flags=re.S | re.M):
         out += [re.sub(r"(^|\s)#.*$", "", line) for line in block.replace("\\\n", " ").splitlines()]
     prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
-    return out + re.findall(r"`([^`\n]+)`", prose)
+    return out + [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", prose)]
 
 
 def is_script(token: str) -> bool:
@@ -79,9 +80,11 @@ def options_of(target: str) -> frozenset:
     def stop(self, *a, **k):
         raise _Parsed(self)
 
-    with mock.patch.object(argparse.ArgumentParser, "parse_known_args", stop):
+    takes_argv = bool(inspect.signature(module.main).parameters)
+    with mock.patch.object(argparse.ArgumentParser, "parse_known_args", stop), \
+            mock.patch.object(sys, "argv", [target, "--help"]):
         try:
-            module.main(["--help"])
+            module.main(["--help"]) if takes_argv else module.main()
         except _Parsed as p:
             return frozenset(p.parser._option_string_actions)
     raise AssertionError(f"{target}: main() never parsed its flags")
