@@ -1,7 +1,8 @@
 """
 The gradient cache (--gradient_cache_chunk) against the plain step: peak memory of one xPRT step at 16, 64 and 256
 groups with chunks of 8, and the step time with and without the cache at the same batch. all-MiniLM-L6-v2's
-weights (--model), CPU fp32, retention on (the clean student and the teacher), random word passages filling --max_length.
+weights (--model), CPU fp32, retention on (the clean student and the teacher), random word passages filling
+--max_length.
 
     python -m bench.bench_gradient_cache                      # MiniLM, 32 tokens per passage, batches 16 64 256
     python -m bench.bench_gradient_cache --max_length 128 --groups 16 64

@@ -1,6 +1,6 @@
 """How close is one xPRT training step to its floor, the 5 encoder passes alone?
 
-The FLOP count in README, Notes puts a full xPRT step (5 encoder passes, 10 one-layer decoder passes with
+The FLOP count in docs/notes.md puts a full xPRT step (5 encoder passes, 10 one-layer decoder passes with
 vocabulary logits only at the masked positions, the frozen teacher pass) at about 1.70x the
 forward + backward of the 5 encoder passes for BERT-base; the goal is <= 1.8x measured. This script
 times, in the same run and on the same batch (8 groups x 128 tokens by default, CPU fp32):
@@ -253,7 +253,7 @@ def bench_model(name, args, device):
     for fused in ([True] if args.no_plain else [True, False]):
         model.fused_vocab_loss = fused
         tag = "fused" if fused else "plain"
-        # The paper's step (and the 1.70x estimate in README, Notes) reuses the masked vectors in the retention term:
+        # The paper's step (and the 1.70x estimate in docs/notes.md) reuses the masked vectors in the retention term:
         # 5 encoder passes + the teacher. Our default (--retention_student clean) adds 2 passes (anchor, s1 on
         # clean text): timed separately, so the breakdown below is the paper's step.
         model.retention_student = "masked"
@@ -333,7 +333,8 @@ def bench_vocab(name, args, device):
     ref_loss, ref_grad = values["plain"]
     for k in ways:
         loss, grad = values[k]
-        print(f"  {k:14s} {min(times[k]):7.3f} s  loss {float(loss):.6f}  |loss - plain| {abs(float(loss - ref_loss)):.1e}"
+        print(f"  {k:14s} {min(times[k]):7.3f} s  loss {float(loss):.6f}  "
+              f"|loss - plain| {abs(float(loss - ref_loss)):.1e}"
               f"  max |grad - plain| {float((grad - ref_grad).abs().max()):.1e}", flush=True)
     return {k: min(times[k]) / min(times["ours fused"]) for k in ways}
 

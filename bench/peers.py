@@ -195,7 +195,8 @@ def bench_mlm(args, texts, path):
         mine = sweep.run()[0]
         stock = mlm(input_ids=ids, attention_mask=am, labels=labels).loss
         model.train()
-    print(f"MLM: {args.batches} batches x {g * p} passages (15% masked); loss on the last batch ours {float(mine):.5f}, "
+    print(f"MLM: {args.batches} batches x {g * p} passages (15% masked); loss on the last batch ours "
+          f"{float(mine):.5f}, "
           f"stock {float(stock):.5f} (eval mode)", flush=True)
     ratios, ta, tb = interleaved(pairs, args.rounds)
     return report("MLM loss path (fwd + bwd)", ratios, ta, tb, "ours", "BertForMaskedLM")

@@ -2,7 +2,8 @@
 one of the repository's Python scripts or bench / experiments modules passes only flags that script's parser has;
 every file such a command runs exists; every `file : function` of the README's paper map exists; every relative link
 points at a file. The parsers are caught at their first parse call (main(["--help"]) with argparse's parse stopped),
-so no script runs (a main() without an argv parameter gets sys.argv patched). tests/test_paper_map.py checks that the paper map's functions run."""
+so no script runs (a main() without an argv parameter gets sys.argv patched). tests/test_paper_map.py checks that
+the paper map's functions run."""
 
 import argparse
 import importlib
