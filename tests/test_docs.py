@@ -1,7 +1,7 @@
 """The documentation cannot drift from the code: every command the READMEs show (code blocks and inline code) that calls
-one of the repository's Python scripts or bench / experiments modules passes only flags that script's parser has;
-every file such a command runs exists; every `file : function` of the README's paper map exists; every relative link
-points at a file. The parsers are caught at their first parse call (main(["--help"]) with argparse's parse stopped),
+one of the repository's Python scripts or bench / experiments modules passes only flags that script's parser has, and
+only values among a flag's choices; every file such a command runs exists; every `file : function` of the README's
+paper map exists; every relative link points at a file. The parsers are caught at their first parse call (main(["--help"]) with argparse's parse stopped),
 so no script runs (a main() without an argv parameter gets sys.argv patched). tests/test_paper_map.py checks that
 the paper map's functions run."""
 
@@ -41,8 +41,9 @@ def is_script(token: str) -> bool:
 
 
 def commands(text: str) -> list:
-    """[(target, [flags])]: target is a script path ('train.py', 'experiments/false_negatives.py') or a module
-    ('bench.peers') the command runs, flags the --options it passes to it."""
+    """[(target, [(flag, value)])]: target is a script path ('train.py', 'experiments/false_negatives.py') or a module
+    ('bench.peers') the command runs, flags the --options it passes to it with the word that follows (None if
+    another flag, a separator or nothing follows)."""
     found = []
     for line in code_of(text):
         try:
@@ -57,7 +58,11 @@ def commands(text: str) -> list:
                 target = None
             elif target is not None:
                 if t.startswith("--"):
-                    found[-1][1].append(t.split("=", 1)[0])
+                    flag, _, value = t.partition("=")
+                    after = tokens[i + 1] if i + 1 < len(tokens) else None
+                    if not value and after is not None and not after.startswith("-") and after not in SEPARATORS:
+                        value = after
+                    found[-1][1].append((flag, value or None))
             elif is_script(t) and (i == 0 or not tokens[i - 1].startswith("-")):
                 target = t
                 found.append((t, []))
@@ -73,8 +78,8 @@ class _Parsed(Exception):
 
 
 @lru_cache(maxsize=None)
-def options_of(target: str) -> frozenset:
-    """The option strings of a script's (or module's) parser, caught at its first parse call."""
+def options_of(target: str) -> dict:
+    """{option string: argparse action} of a script's (or module's) parser, caught at its first parse call."""
     name = target[:-3].replace("/", ".") if target.endswith(".py") else target
     module = importlib.import_module(name)
 
@@ -87,7 +92,7 @@ def options_of(target: str) -> frozenset:
         try:
             module.main(["--help"]) if takes_argv else module.main()
         except _Parsed as p:
-            return frozenset(p.parser._option_string_actions)
+            return dict(p.parser._option_string_actions)
     raise AssertionError(f"{target}: main() never parsed its flags")
 
 
@@ -109,10 +114,15 @@ def test_every_flag_a_readme_passes_exists(doc):
             continue  # a script named, not called with flags
         if target.endswith(".py") or importlib.util.find_spec(target) is not None:
             options = options_of(target)
-            unknown += [f"{target} {f}" for f in flags if f not in options]
+            for flag, value in flags:
+                action = options.get(flag)
+                if action is None:
+                    unknown.append(f"{target} {flag}")
+                elif action.choices and value and value.isidentifier() and value not in action.choices:
+                    unknown.append(f"{target} {flag} {value} (choices: {sorted(action.choices)})")
         else:
             unknown.append(f"python -m {target}: no such module")
-    assert not unknown, f"{doc.relative_to(ROOT)}: flags the scripts do not have: {sorted(set(unknown))}"
+    assert not unknown, f"{doc.relative_to(ROOT)}: flags (or choices) the scripts do not have: {sorted(set(unknown))}"
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -152,6 +162,7 @@ python train.py --model_name_or_path m \\
 accelerate launch --config_file c.yaml finetune.py ... --beir_dir b && python -m bench.peers --toy
 ```
 and inline `python evaluate.py --models A B [--rerun]`, `select_groups.py --ranking e5 / tfidf`."""
-    assert commands(text) == [("train.py", ["--model_name_or_path", "--groups_dir"]),
-                              ("finetune.py", ["--beir_dir"]), ("bench.peers", ["--toy"]),
-                              ("evaluate.py", ["--models", "--rerun"]), ("select_groups.py", ["--ranking"])]
+    assert commands(text) == [("train.py", [("--model_name_or_path", "m"), ("--groups_dir", "g")]),
+                              ("finetune.py", [("--beir_dir", "b")]), ("bench.peers", [("--toy", None)]),
+                              ("evaluate.py", [("--models", "A"), ("--rerun", None)]),
+                              ("select_groups.py", [("--ranking", "e5")])]
