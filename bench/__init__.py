@@ -23,3 +23,18 @@ def build_tiny(path):
                          intermediate_size=64)).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def add_toy_flag(parser, sizes: str):
+    """--toy: the same code end to end at toy size, in seconds on a CPU, so that tests/test_bench_smoke.py keeps every
+    benchmark running (a renamed function breaks a test, not a user). Its figures mean nothing."""
+    parser.add_argument("--toy", action="store_true",
+                        help=f"toy size ({sizes}): the whole script in seconds on a CPU, figures meaningless; "
+                             "tests/test_bench_smoke.py runs it")
+
+
+def toy_sized(args, **sizes):
+    """With --toy, these sizes replace the flags' values."""
+    if args.toy:
+        vars(args).update(sizes)
+    return args

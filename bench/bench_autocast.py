@@ -8,6 +8,7 @@ Inputs (the start of continued pre-training, where rounding matters most): 32 an
 
     python -m bench.bench_autocast                                   # this tree's modeling_xprt.py
     python -m bench.bench_autocast --module /tmp/old/modeling_xprt.py # another tree's, e.g. before a change
+    python -m bench.bench_autocast --toy                             # 8 vectors of 64
 
 Last line `ratio: <largest relative gradient error>`.
 """
@@ -19,7 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench import ROOT  # noqa: F401  (the repository on sys.path)
+from bench import ROOT, add_toy_flag, toy_sized  # noqa: F401  (the repository on sys.path)
 
 
 def inputs(h: int = 384, n: int = 32, seed: int = 0) -> dict:
@@ -52,13 +53,13 @@ def terms(mx):
     ]
 
 
-def errors(mx, seed: int = 0) -> list:
+def errors(mx, seed: int = 0, n: int = 32, h: int = 384) -> list:
     """[(term, fp32 loss, |loss error| / |loss|, |grad error| / |grad|)] of each term under CPU bf16 autocast."""
     out = []
     for name, fn in terms(mx):
         results = []
         for autocast in (False, True):
-            x = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in inputs(seed=seed).items()}
+            x = {k: v.clone().requires_grad_(v.is_floating_point()) for k, v in inputs(h, n, seed).items()}
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = fn(x)
             grads = torch.autograd.grad(loss.float(), [v for v in x.values() if v.requires_grad], allow_unused=True)
@@ -78,16 +79,20 @@ def load(path):
     return mod
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--module", default=None, help="a modeling_xprt.py to test (default: this tree's)")
-    args = p.parse_args()
+    p.add_argument("--vectors", type=int, default=32, help="anchors (and queries) per batch")
+    p.add_argument("--hidden", type=int, default=384, help="vector width (MiniLM's 384)")
+    add_toy_flag(p, "8 vectors of 64")
+    args = toy_sized(p.parse_args(argv), vectors=8, hidden=64)
     if args.module:
         mx = load(args.module)
     else:
         import modeling_xprt as mx
-    rows = errors(mx)
-    print(f"{args.module or 'modeling_xprt.py'}: bf16 autocast (CPU) vs fp32, same fp32 inputs")
+    rows = errors(mx, n=args.vectors, h=args.hidden)
+    print(f"{args.module or 'modeling_xprt.py'}: bf16 autocast (CPU) vs fp32, same fp32 inputs, {args.vectors} "
+          f"vectors of {args.hidden}")
     print(f"{'term':26s} {'fp32 loss':>12s} {'loss rel. err.':>15s} {'grad rel. err.':>15s}")
     for name, loss, le, ge in rows:
         print(f"{name:26s} {loss:12.6g} {le:15.2e} {ge:15.2e}")

@@ -4,6 +4,7 @@ document with another row of the batch, how many in-batch negatives the same-doc
 padding efficiency; and for the random-span baseline, whether the crops' lengths tell a row's partner apart.
 
     python -m bench.bench_batches --groups_dir outputs/demo/groups          # the demo's groups (300 documents)
+    python -m bench.bench_batches --toy     # seconds: groups of 20 bundled documents, selected with a tiny encoder
 
 The random-span cue: for each row's query crop, the candidates are every key crop of the batch; a scorer that sees
 only lengths ranks the candidates by |length(key) - length(query)|, the most different first (a partner is the other
@@ -15,20 +16,39 @@ Last line `ratio: <same-document share with spreading / without>`.
 """
 
 import argparse
+import json
+import os
+import tempfile
 
 import numpy as np
 
-from bench import ROOT  # noqa: F401  (the repository on sys.path; offline defaults)
+from bench import ROOT, add_toy_flag, build_tiny, toy_sized  # the repository on sys.path; offline defaults
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups_dir", default="outputs/demo/groups", help="a select_groups.py output folder")
     p.add_argument("--batch_size", type=int, default=16, help="groups per batch")
     p.add_argument("--max_length", type=int, default=128, help="passage tokens, as train.py --max_length")
     p.add_argument("--spread", type=int, nargs="+", default=[1, 4, 8, 16], help="--spread_documents values to compare")
     p.add_argument("--epochs", type=int, default=5, help="epochs (seeds of the order) averaged")
-    return p.parse_args()
+    add_toy_flag(p, "select_groups.py's groups of the first 20 bundled documents with a tiny random encoder, batch 4, "
+                    "1 epoch")
+    return toy_sized(p.parse_args(argv), groups_dir=None, batch_size=4, spread=[1, 8], epochs=1)
+
+
+def toy_groups() -> str:
+    """select_groups.py's output for the first 20 documents of data/docs.jsonl, encoded by a tiny random BERT (half
+    of the passages anchors): real groups, made in seconds."""
+    import select_groups
+
+    tmp = tempfile.mkdtemp(prefix="bench-batches-")
+    with open(os.path.join(ROOT, "data", "docs.jsonl"), encoding="utf-8") as fh, \
+            open(os.path.join(tmp, "docs.jsonl"), "w", encoding="utf-8") as out:
+        out.writelines(json.dumps(json.loads(line)) + "\n" for _, line in zip(range(20), fh))
+    select_groups.main(["--input", os.path.join(tmp, "docs.jsonl"), "--output_dir", os.path.join(tmp, "groups"),
+                        "--model_name_or_path", build_tiny(os.path.join(tmp, "tiny")), "--anchor_share", "0.5"])
+    return os.path.join(tmp, "groups")
 
 
 def composition(batches, doc, tokens):
@@ -64,14 +84,16 @@ def length_cue(batches, spans, view1_is_long: bool) -> float:
     return float(np.mean(pct))
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     from transformers import AutoTokenizer
 
     import support
     import train
     from modeling_xprt import XPRTCollator
 
+    if args.toy:
+        args.groups_dir = toy_groups()
     groups = train.load_groups(args.groups_dir)
     tok = AutoTokenizer.from_pretrained(support.resolve_model_path("all-MiniLM-L6-v2"))
     doc = np.asarray(groups["doc_id"])

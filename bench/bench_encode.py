@@ -13,6 +13,7 @@ From the repository root (it imports modeling_xprt.py and support.py from there)
 
     python -m bench.bench_encode                          # bundled data/eval texts, all-MiniLM-L6-v2
     python -m bench.bench_encode --data ../shared/data --num_texts 2000 --batch_size 64
+    python -m bench.bench_encode --toy                    # seconds: 16 texts
 
 Where the speed comes from (modeling_xprt.embed_texts' docstring): one tokenizer call for the whole list,
 batches sorted by token count (sentence-transformers sorts by character count), no attention mask
@@ -70,7 +71,9 @@ def load_texts(data: Path, n: int, seed: int) -> list[str]:
     return rng.sample(texts, min(n, len(texts)))
 
 
-def main():
+def main(argv=None):
+    from bench import add_toy_flag, toy_sized
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="all-MiniLM-L6-v2", help="model folder, hub id or 'all-MiniLM-L6-v2'")
     p.add_argument("--data", default=str(ROOT / "data" / "eval"),
@@ -84,7 +87,8 @@ def main():
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="auto: bf16/fp16 on GPU, fp32 on CPU; the same for both")
     p.add_argument("--seed", type=int, default=0, help="seed of the text sample")
-    args = p.parse_args()
+    add_toy_flag(p, "16 texts of at most 32 tokens, batches of 8, 1 repeat")
+    args = toy_sized(p.parse_args(argv), num_texts=16, max_length=32, batch_size=8, repeats=1)
     if args.threads:
         torch.set_num_threads(args.threads)
 

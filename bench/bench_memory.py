@@ -25,6 +25,7 @@ From the repository root:
 
     python -m bench.bench_memory               # 100K / 1M groups, 100K / 1M passages x 1,000 queries
     python -m bench.bench_memory --scale 0.1   # 10K / 100K of each: about a minute
+    python -m bench.bench_memory --toy         # seconds: 20 / 40 of each, 4 queries
 
 Printed: each run's peaks and time, `train_rss_growth: <x>` and `mining_rss_growth: <x>` (growth of the peak
 private memory, the goal's measure; the VmHWM growth is printed beside it), and last `ratio: <the larger>`.
@@ -43,10 +44,10 @@ import tempfile
 import threading
 import time
 
-from bench import ROOT, build_tiny  # importing bench also sets the offline defaults
+from bench import ROOT, add_toy_flag, build_tiny, toy_sized  # importing bench also sets the offline defaults
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiplies --groups and --passages (0.1: a quick run at 10K / 100K)")
@@ -60,8 +61,10 @@ def parse_args():
     p.add_argument("--mining_chunk_size", type=int, default=16384, help="passages encoded and scored at a time")
     p.add_argument("--only", choices=["train", "mining"], default=None, help="run one of the two parts only")
     p.add_argument("--workdir", default=None, help="folder for the synthetic data (default: a temp dir, removed)")
+    add_toy_flag(p, "20 -> 40 groups and passages, 4 queries, batches of 4")
     p.add_argument("--_child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    return p.parse_args()
+    return toy_sized(p.parse_args(argv), scale=1.0, groups=20, passages=20, factor=2, queries=4, train_batches=1,
+                     batch_size=4, mining_batch_size=8, mining_chunk_size=16)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -260,8 +263,8 @@ def measure(argv, env):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     if args._child is not None:
         return child(args._child)
     work = args.workdir or tempfile.mkdtemp(prefix="bench-memory-")

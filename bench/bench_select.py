@@ -13,7 +13,7 @@ Benchmark of select_groups.py, measured in one run:
 From the repository root (it imports select_groups.py, modeling_xprt.py and support.py from there):
 
     python -m bench.bench_select       # defaults: bundled data/docs.jsonl, all-MiniLM-L6-v2
-    python -m bench.bench_select --num_docs 2 --repeats 1 --memory_docs 4 --memory_scale 2 --chunk_docs 2  # smoke
+    python -m bench.bench_select --toy  # seconds: 2 documents, tiny encoder, 4 -> 8 documents for memory
 
 Last line: `ratio: <selection CPU time / embedding CPU time>` (wall-time ratio printed above it).
 """
@@ -28,16 +28,17 @@ import sys
 import tempfile
 import time
 
-from bench import ROOT, build_tiny  # importing bench also sets the offline defaults
+from bench import ROOT, add_toy_flag, build_tiny, toy_sized  # importing bench also sets the offline defaults
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", default=os.path.join(ROOT, "data", "docs.jsonl"),
                    help="JSONL documents (id, text).")
     p.add_argument("--num_docs", type=int, default=10, help="Documents for the timing part.")
     p.add_argument("--repeats", type=int, default=3, help="Timed runs of each kind (alternating).")
-    p.add_argument("--model_name_or_path", default="all-MiniLM-L6-v2", help="Selection encoder for the timing part.")
+    p.add_argument("--model_name_or_path", default="all-MiniLM-L6-v2",
+                   help="Selection encoder for the timing part ('tiny': as --memory_model).")
     p.add_argument("--batch_size", type=int, default=64, help="Embedding batch size (both sides).")
     p.add_argument("--memory_docs", type=int, default=100,
                    help="Documents of the 1x memory run (the input is repeated with new ids if needed).")
@@ -47,8 +48,10 @@ def parse_args():
                    help="'tiny' (random 2-layer BERT, MiniLM tokenizer) or a model name / folder.")
     p.add_argument("--chunk_docs", type=int, default=25,
                    help="select_groups.py --chunk_docs in the memory runs: 4 chunks at 1x, 40 at 10x.")
+    add_toy_flag(p, "2 documents, 1 repeat, the tiny encoder, memory at 4 and 8 documents")
     p.add_argument("--_child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    return p.parse_args()
+    return toy_sized(p.parse_args(argv), num_docs=2, repeats=1, model_name_or_path="tiny", memory_docs=4,
+                     memory_scale=2, chunk_docs=2)
 
 
 def read_docs(path, n):
@@ -78,8 +81,8 @@ def child(argv):
     print(json.dumps({"peak_rss_mb": peak_mb}))
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     if args._child is not None:
         return child(args._child)
     import torch
@@ -91,6 +94,11 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="bench-select-")
     # ---- 1. time: selection vs the embedding pass alone, same documents, same process ----
+    tiny = None
+    if "tiny" in (args.model_name_or_path, args.memory_model):
+        tiny = build_tiny(os.path.join(tmp, "tiny"))
+    if args.model_name_or_path == "tiny":
+        args.model_name_or_path = tiny
     docs = read_docs(args.input, args.num_docs)
     inp = write_jsonl(os.path.join(tmp, "time.jsonl"), docs)
     path = resolve_model_path(args.model_name_or_path)
@@ -126,19 +134,19 @@ def main():
     warm = write_jsonl(os.path.join(tmp, "warm.jsonl"), docs[:2])
     sg.main(["--input", warm, "--output_dir", os.path.join(tmp, "warm"),
              "--model_name_or_path", args.model_name_or_path])
-    emb, sel = [], []
+    emb, whole = [], []
     for i in range(args.repeats):
         emb.append(timed(embedding_only))
-        sel.append(timed(lambda: selection(i)))
+        whole.append(timed(lambda: selection(i)))
     emb.append(timed(embedding_only))
     med = lambda xs, k: statistics.median(x[k] for x in xs)
-    for name, xs in (("embedding pass alone", emb), ("whole selection", sel)):
+    for name, xs in (("embedding pass alone", emb), ("whole selection", whole)):
         print(f"{name:21s} wall {', '.join(f'{x[0]:.1f}' for x in xs)} s (median {med(xs, 0):.1f}); "
               f"CPU {', '.join(f'{x[1]:.1f}' for x in xs)} s (median {med(xs, 1):.1f})")
-    wall_ratio, ratio = med(sel, 0) / med(emb, 0), med(sel, 1) / med(emb, 1)
+    wall_ratio, ratio = med(whole, 0) / med(emb, 0), med(whole, 1) / med(emb, 1)
 
     # ---- 2. memory at 1x and 10x the documents, each in a fresh process ----
-    mem_model = build_tiny(os.path.join(tmp, "tiny")) if args.memory_model == "tiny" else args.memory_model
+    mem_model = tiny if args.memory_model == "tiny" else args.memory_model
     peaks = {}
     for scale in (1, args.memory_scale):
         n = args.memory_docs * scale

@@ -1,6 +1,6 @@
 """How close is one xPRT training step to its floor, the 5 encoder passes alone?
 
-The FLOP count in README, Notes puts a full xPRT step (5 encoder passes, 10 one-layer decoder passes with
+The FLOP count in docs/notes.md puts a full xPRT step (5 encoder passes, 10 one-layer decoder passes with
 vocabulary logits only at the masked positions, the frozen teacher pass) at about 1.70x the
 forward + backward of the 5 encoder passes for BERT-base; the goal is <= 1.8x measured. This script
 times, in the same run and on the same batch (8 groups x 128 tokens by default, CPU fp32):
@@ -21,6 +21,7 @@ From the repository root (it imports modeling_xprt.py from there):
     python -m bench.bench_step                    # both encoders, ~5-10 min on 2 CPU cores
     python -m bench.bench_step --models minilm    # quick
     python -m bench.bench_step --baseline ../main/modeling_xprt.py --repeats 3   # before / after a change
+    python -m bench.bench_step --toy              # seconds: a tiny random BERT, 2 groups x 16 tokens
 """
 
 import argparse
@@ -30,12 +31,14 @@ import torch
 
 import modeling_xprt as mx
 import support as sp
+from bench import add_toy_flag, toy_sized
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["bert-base", "minilm"], choices=["bert-base", "minilm"],
-                   help="encoders to time: a random-weight BERT-base config and/or the bundled all-MiniLM-L6-v2")
+    p.add_argument("--models", nargs="+", default=["bert-base", "minilm"], choices=["bert-base", "minilm", "tiny"],
+                   help="encoders to time: a random-weight BERT-base config and/or the bundled all-MiniLM-L6-v2 "
+                        "(tiny: a random 2-layer, 32-wide BERT, for --toy)")
     p.add_argument("--groups", type=int, default=8, help="groups per batch (each = anchor + 4 related passages)")
     p.add_argument("--max_length", type=int, default=128, help="tokens per passage (every passage is filled to it)")
     p.add_argument("--repeats", type=int, default=2, help="timed repetitions per measurement (the fastest is reported)")
@@ -49,7 +52,8 @@ def parse_args():
                    help="another tree's modeling_xprt.py (e.g. main's before a change): its step is timed interleaved "
                         "with this one's and the floor, same weights and batch, paper's (masked) retention student; "
                         "prints before/after ratios and skips the rest")
-    return p.parse_args()
+    add_toy_flag(p, "the tiny model, 2 groups x 16 tokens, 1 repeat")
+    return toy_sized(p.parse_args(argv), models=["tiny"], groups=2, max_length=16, repeats=1)
 
 
 def sync(device):
@@ -107,12 +111,13 @@ def build(name):
     if name == "minilm":
         mlm, msg = mx.load_mlm_encoder(path)
         teacher = mx.load_teacher(path)
-    else:  # BERT-base sized, random weights (no download needed)
-        cfg = BertConfig(vocab_size=tok.vocab_size, attn_implementation="sdpa")
+    else:  # BERT-base sized (or tiny), random weights (no download needed)
+        small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+        cfg = BertConfig(vocab_size=tok.vocab_size, attn_implementation="sdpa", **(small if name == "tiny" else {}))
         torch.manual_seed(0)
         mlm = BertForMaskedLM(cfg)
         teacher = BertForMaskedLM(cfg).bert.eval().requires_grad_(False)
-        msg = "random BERT-base config"
+        msg = f"random {name} config"
     return tok, mlm, teacher, msg
 
 
@@ -248,7 +253,7 @@ def bench_model(name, args, device):
     for fused in ([True] if args.no_plain else [True, False]):
         model.fused_vocab_loss = fused
         tag = "fused" if fused else "plain"
-        # The paper's step (and the 1.70x estimate in README, Notes) reuses the masked vectors in the retention term:
+        # The paper's step (and the 1.70x estimate in docs/notes.md) reuses the masked vectors in the retention term:
         # 5 encoder passes + the teacher. Our default (--retention_student clean) adds 2 passes (anchor, s1 on
         # clean text): timed separately, so the breakdown below is the paper's step.
         model.retention_student = "masked"
@@ -328,13 +333,14 @@ def bench_vocab(name, args, device):
     ref_loss, ref_grad = values["plain"]
     for k in ways:
         loss, grad = values[k]
-        print(f"  {k:14s} {min(times[k]):7.3f} s  loss {float(loss):.6f}  |loss - plain| {abs(float(loss - ref_loss)):.1e}"
+        print(f"  {k:14s} {min(times[k]):7.3f} s  loss {float(loss):.6f}  "
+              f"|loss - plain| {abs(float(loss - ref_loss)):.1e}"
               f"  max |grad - plain| {float((grad - ref_grad).abs().max()):.1e}", flush=True)
     return {k: min(times[k]) / min(times["ours fused"]) for k in ways}
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     if args.vocab:
         if args.threads:
             torch.set_num_threads(args.threads)

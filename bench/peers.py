@@ -16,6 +16,7 @@ The last line is `ratio: <contrastive step / MNRL step>`.
 
     python -m bench.peers                 # ~5 min on 2 CPU cores
     python -m bench.peers --rounds 2      # quick
+    python -m bench.peers --toy           # seconds: the same code on 1 batch of 5 short texts
 """
 
 import argparse
@@ -27,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from bench import ROOT  # noqa: F401  (offline defaults)
+from bench import ROOT, add_toy_flag, toy_sized  # importing bench sets the offline defaults
 
 import modeling_xprt as mx
 import support as sp
@@ -35,7 +36,7 @@ import support as sp
 DEFAULT_CORPUS = os.path.join(os.path.dirname(ROOT), "shared", "data", "scifact", "corpus.jsonl")
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default=DEFAULT_CORPUS,
                    help="BEIR corpus.jsonl of real text (title + text); falls back to the repo's data/docs.jsonl")
@@ -45,7 +46,8 @@ def parse_args():
     p.add_argument("--max_length", type=int, default=128, help="passage tokens (crops are cut from these)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--skip_mlm", action="store_true", help="time the contrastive comparison only")
-    return p.parse_args()
+    add_toy_flag(p, "1 batch of 5 texts cut to 16 tokens, 1 round")
+    return toy_sized(p.parse_args(argv), batch_size=5, batches=1, rounds=1, max_length=16)
 
 
 def read_texts(path, n):
@@ -108,7 +110,7 @@ def bench_contrastive(args, texts, path):
     if res.missing_keys or set(res.unexpected_keys) - {"pooler.dense.weight", "pooler.dense.bias"}:
         raise RuntimeError(f"the two encoders differ: {res}")
     st.train()
-    mnrl = MultipleNegativesRankingLoss(st, scale=1.0 / ours.weights.tau)  # scale 20 = tau 0.05
+    mnrl = MultipleNegativesRankingLoss(st, scale=1.0 / ours.tau)  # scale 20 = tau 0.05
     opt_ours = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-5)
     opt_st = torch.optim.AdamW(st.parameters(), lr=1e-5)
     collator = mx.XPRTCollator(st.tokenizer, objective="contrastive_random_span", max_length=args.max_length, seed=0)
@@ -193,14 +195,15 @@ def bench_mlm(args, texts, path):
         mine = sweep.run()[0]
         stock = mlm(input_ids=ids, attention_mask=am, labels=labels).loss
         model.train()
-    print(f"MLM: {args.batches} batches x {g * p} passages (15% masked); loss on the last batch ours {float(mine):.5f}, "
+    print(f"MLM: {args.batches} batches x {g * p} passages (15% masked); loss on the last batch ours "
+          f"{float(mine):.5f}, "
           f"stock {float(stock):.5f} (eval mode)", flush=True)
     ratios, ta, tb = interleaved(pairs, args.rounds)
     return report("MLM loss path (fwd + bwd)", ratios, ta, tb, "ours", "BertForMaskedLM")
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     path = sp.resolve_model_path("all-MiniLM-L6-v2")

@@ -1,0 +1,50 @@
+"""Every benchmark in bench/ runs end to end at toy size (--toy) and ends with the line bench/README.md promises,
+`ratio: <number>`: a renamed function or attribute breaks this test, not the next person who runs the benchmark.
+The toy figures mean nothing; only that the code runs and reports is checked. bench.device_check has its own test
+(tests/test_device_check.py, the same --toy mechanism)."""
+
+import argparse
+import importlib
+import re
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
+OWN_TEST = {"device_check": "tests/test_device_check.py"}
+RATIO = re.compile(r"ratio: (-?\d+\.\d+|nan|inf)")
+
+
+class _Parsed(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def parser_of(main):
+    """The argparse parser `main` builds, caught at its first parse call: nothing past the flags runs."""
+    def stop(self, *a, **k):
+        raise _Parsed(self)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_known_args", stop):
+        try:
+            main(["--help"])
+        except _Parsed as p:
+            return p.parser
+    raise AssertionError(f"{main.__module__}.main never parsed its flags")
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_every_bench_has_a_toy_size(name):
+    module = importlib.import_module(f"bench.{name}")
+    assert "--toy" in parser_of(module.main)._option_string_actions, f"bench/{name}.py has no --toy"
+
+
+@pytest.mark.parametrize("name", [b for b in BENCHES if b not in OWN_TEST])
+def test_bench_runs_at_toy_size_and_reports_its_ratio(name, capsys):
+    module = importlib.import_module(f"bench.{name}")
+    module.main(["--toy"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines, f"bench.{name} printed nothing"
+    assert RATIO.fullmatch(lines[-1]), f"bench.{name}'s last line is {lines[-1]!r}, not 'ratio: <number>'"
