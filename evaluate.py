@@ -16,7 +16,7 @@ Three ways to pick tasks, one scoring path (mteb's own evaluators, so the number
 (train.py and finetune.py save the model to `<run>/model`; the run folder beside it holds logs and checkpoints.)
 
 A local folder is loaded into the *stock* mteb task (its class, metadata and metric), only `load_data`
-is replaced (README, Notes: "mteb 2.26 offline"). Formats are auto-detected: BEIR retrieval (corpus.jsonl,
+is replaced (docs/notes.md: "mteb 2.26 offline"). Formats are auto-detected: BEIR retrieval (corpus.jsonl,
 queries.jsonl, qrels/test.tsv), the original STS-B / SICK / SemEval STS12-16 / BIOSSES files, and
 Banking77's train/test csv.
 
@@ -28,7 +28,7 @@ from what is read back from that folder: results.md, results.json and results.pn
 encoded by sentence-transformers with their own modules (pooling, normalisation, max length); a local xprt
 folder scored on full tasks gets the scores in its model card.
 
-Prefixes: E5 models were trained with "query: " / "passage: " and lose a lot without them (README, Notes);
+Prefixes: E5 models were trained with "query: " / "passage: " and lose a lot without them (docs/notes.md);
 models trained without them (all-MiniLM-L6-v2) lose with them. `--prefixes auto` (default; the flag train.py and
 finetune.py take) applies the repository's one rule (support.model_prompts): a model folder's own
 sentence-transformers prompts (train.py and finetune.py write them), else E5's prefixes for an E5 model (by name, or
@@ -69,7 +69,7 @@ from support import (E5_PROMPTS, EVAL_PREFIX, MINILM_ALIASES, NO_PROMPTS, add_ev
                      atomic_write, check_tokenizer_fits, gathered_params, load_beir, max_seq_length, model_prompts,
                      pick_device_and_dtype, read_json, resolve_model_path)
 
-# Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (README, Notes); keep it inside the repo.
+# Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (docs/notes.md); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))
 import mteb  # noqa: E402
 from mteb.models.abs_encoder import AbsEncoder  # noqa: E402
@@ -112,7 +112,7 @@ def model_name_and_revision(name_or_path: str) -> tuple[str, str]:
     - the bundled MiniLM alias: its hub name and the revision mteb's registry gives it (the package ships those
       weights), so its results sit beside the public leaderboard's;
     - a hub id: the id, and the commit of the local hub snapshot when there is one;
-    - a local folder: named after its run (README, Step 4): the `hub_model_id` its xprt_config.json records, else
+    - a local folder: named after its run (docs/steps.md, Step 4): the `hub_model_id` its xprt_config.json records, else
       "local/<run>" for train.py's `<run>/model` folders, else "local/<folder name>"; the revision is a hash of the
       weights' and configs' *content* (not the card, which evaluate.py rewrites), so a retrained folder gets a new
       revision and a copied one keeps it.
@@ -210,7 +210,7 @@ class XPRTEncoder(AbsEncoder):
     older than Ampere), on CPU in fp32 (support.pick_device_and_dtype). Why not modeling_xprt.embed_texts, the
     hand-written embedder that scores during training: it is mean pooling only, and bench/bench_encode.py measured
     it at 1.04-1.07x (best of 5 interleaved repeats; its token-sorted batches save 8% of the padded tokens), under
-    the 1.10x that would justify a second encoder (README, Benchmarks).
+    the 1.10x that would justify a second encoder (bench/README.md).
 
     Prefixes (`prefixes`: auto, e5 or none, the rule support.model_prompts applies; `query_prefix` /
     `passage_prefix` override either string): mteb tells the encoder whether it is encoding queries or documents

@@ -62,7 +62,7 @@ def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     InfoNCE, L_unif, the retention KL, PAIR's L_Q and L_P). Computed in fp32 with autocast off: under bf16 autocast a
     matmul recasts its inputs to bf16 whatever .float() came before it, and at tau = 0.05 the logits are 16-20, where
     bf16 steps by 0.125; while the student is within 1e-3 cosine of its teacher, the retention KL is then mostly
-    rounding (README, Notes)."""
+    rounding (docs/notes.md)."""
     with torch.autocast(a.device.type, enabled=False):
         return F.normalize(a.float(), dim=-1) @ F.normalize(b.float(), dim=-1).t()
 
@@ -600,7 +600,7 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
     E5 and MiniLM are saved as plain BertModel: transformers then reports the head
     (cls.predictions.*) as missing keys and initialises it fresh - transform N(0, 0.02), bias 0 -
     with the vocabulary projection tied to the word embeddings (tie_word_embeddings). That is our
-    default; `mlm_head_from` (e.g. bert-base-uncased, README, Notes) copies another checkpoint's trained
+    default; `mlm_head_from` (e.g. bert-base-uncased, docs/notes.md) copies another checkpoint's trained
     head instead (the projection stays tied to OUR word embeddings). The message says which happened.
     """
     from transformers import AutoModelForMaskedLM
@@ -793,7 +793,7 @@ class XPRTModel(nn.Module):
     def clean_student(self, batch):
         """The retention term's student: the clean anchor and s1 encoded WITHOUT dropout (the teacher runs without
         it, so the term is the model's drift only, 0 at step 0; with dropout it would be a dropout-consistency term
-        under the weight 40 that nobody chose: README, Choices of ours) -> (G, 2, H)."""
+        under the weight 40 that nobody chose: docs/steps.md, retention at step 0) -> (G, 2, H)."""
         if self.encoder.is_gradient_checkpointing and torch.is_grad_enabled():
             # eval mode (no dropout) makes transformers skip its per-layer checkpointing, so under
             # --gradient_checkpointing the pass is checkpointed whole; its recomputation runs in eval mode too

@@ -43,7 +43,7 @@ logger = logging.getLogger("xprt")
 
 PAPER_MODEL = "intfloat/e5-base-unsupervised"  # the papers' starting checkpoint (needs the hub or a local copy)
 
-# The E5 family was trained with these prefixes; dropping them costs a lot (README, Notes: TREC-COVID
+# The E5 family was trained with these prefixes; dropping them costs a lot (docs/notes.md: TREC-COVID
 # 51.0 vs 79.6 in one report). Models trained without them (MiniLM) take an empty prefix.
 E5_QUERY_PREFIX = "query: "
 
@@ -105,7 +105,7 @@ def model_prompts(name_or_path: str, mode: str = "auto", _depth: int = 0) -> dic
       2. the folder's xprt_config.json "start_model" (written by save_pretrained): that model's prompts, so a model
          continued from E5 keeps E5's prefixes;
       3. the name: an E5 model ("e5" a word of the name as given, of the resolved path, or of config.json's
-         _name_or_path) gets E5's prefixes (README, Notes: wrong prefixes cost E5 a lot);
+         _name_or_path) gets E5's prefixes (docs/notes.md: wrong prefixes cost E5 a lot);
       4. otherwise none (all-MiniLM-L6-v2 was trained without prefixes).
     """
     if mode == "e5":

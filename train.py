@@ -71,11 +71,9 @@ def parse_args(argv=None):
     g.add_argument("--max_groups", type=int, default=None, help="use only the first N groups (debugging)")
     g.add_argument("--spread_documents", type=int, default=16,
                    help="deal each run of N length-sorted batches round-robin, so that the groups of one document "
-                        "(nearly equal lengths: they share its passages) land in different batches; 1 = off. Demo "
-                        "groups, batch 16: rows with a same-document partner 0.43 -> 0.11 (random batches 0.08), "
-                        "negatives the same-document mask removes 4.7%% -> 0.9%%, padding unchanged "
-                        "(bench/bench_batches.py). Not for the random-span baseline, whose crop-length grouping it "
-                        "would undo")
+                        "(nearly equal lengths: they share its passages) land in different batches, where they would "
+                        "be masked out of each other's negatives; 1 = off (figures: bench/README.md). Objectives whose "
+                        "collator groups by other lengths (random spans: the crops') ignore it")
 
     g = p.add_argument_group("loss weights (modeling_xprt.LossWeights; None = its defaults)")
     g.add_argument("--xp_weight", type=float, default=None, help="weight of L_xp")
@@ -194,7 +192,7 @@ def load_groups(groups_dir: str, max_groups=None):
         raise ValueError(f"{groups_dir}: its shards hold {len(ds):,} groups, its stats.json {expected:,}: shards were "
                          "added or removed after the selection finished")
     # The first load converts the shards into the Arrow cache; pyarrow's allocator keeps the freed conversion
-    # buffers (about 0.3 GB per 1M groups here) unless asked to hand them back. Later loads convert nothing.
+    # buffers unless asked to hand them back. Later loads convert nothing.
     import pyarrow
 
     pyarrow.default_memory_pool().release_unused()
@@ -207,7 +205,7 @@ def load_groups(groups_dir: str, max_groups=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The FLOP count behind the logged MFU (README, Notes: BERT-base at 128 tokens is about 87M multiply-adds per token
+# The FLOP count behind the logged MFU (docs/notes.md: BERT-base at 128 tokens is about 87M multiply-adds per token
 # in the encoder and 24M in the MLM head; 2 FLOPs per multiply-add; a backward costs twice its forward)
 # ----------------------------------------------------------------------------------------------------------------
 def step_flops(model, batch, retention: bool) -> float:
