@@ -18,7 +18,7 @@ from test_select_groups import _docs, _write_jsonl
 from test_train import base_args
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("modeling_xprt.py", "train.py", "finetune.py", "select_groups.py")
+SCRIPTS = ("modeling_xprt.py", "architectures.py", "train.py", "finetune.py", "select_groups.py")
 
 # What one step of each objective must run (qualified names), beyond what every step runs.
 EVERY_PRETRAIN_STEP = {"XPRTModel.encode", "mean_pool", "retention_loss", "RetentionSchedule.value",
