@@ -350,11 +350,14 @@ def head_multiply_adds(encoder) -> int:
 # ==============================================================================================================
 
 
-def _attention_kwargs(loader, path: str, trust_remote_code: bool) -> tuple:
-    """({"attn_implementation": ...}, note): SDPA where the architecture has it, else its own default, said in the
-    note (transformers raises for sdpa on an architecture without it, e.g. MPNet)."""
-    from transformers import AutoConfig
+def attention_kwargs(path: str, loader=None, trust_remote_code: bool = False) -> tuple:
+    """({"attn_implementation": ...}, note) for loading `path` with `loader` (an Auto class; AutoModel by default):
+    SDPA where the architecture has it, else the architecture's own default, said in the note (transformers raises
+    for sdpa on an architecture without it: MPNet, DeBERTa-v2 in 5.24). A config transformers does not map (remote
+    code) gets sdpa, and transformers says whether it has it."""
+    from transformers import AutoConfig, AutoModel
 
+    loader = loader or AutoModel
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     cls = loader._model_mapping[type(config)] if type(config) in loader._model_mapping else None
     if cls is None or getattr(cls, "_supports_sdpa", False):
@@ -377,7 +380,7 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
     from transformers import AutoModelForMaskedLM
 
     path = resolve_model_path(name_or_path)
-    attn, attn_note = _attention_kwargs(AutoModelForMaskedLM, path, trust_remote_code)
+    attn, attn_note = attention_kwargs(path, AutoModelForMaskedLM, trust_remote_code)
     # transformers' LOAD REPORT for this call lists the head as MISSING and the pooler as UNEXPECTED, which reads like
     # an error; the message below states the same facts (and a missing encoder weight still raises)
     with quiet_load_report():
@@ -436,7 +439,7 @@ def load_teacher(name_or_path: str, trust_remote_code: bool = False):
     from transformers import AutoModel
 
     path = resolve_model_path(name_or_path)
-    attn, attn_note = _attention_kwargs(AutoModel, path, trust_remote_code)
+    attn, attn_note = attention_kwargs(path, AutoModel, trust_remote_code)
     with quiet_load_report():
         teacher, info = AutoModel.from_pretrained(path, output_loading_info=True, trust_remote_code=trust_remote_code,
                                                   **attn)

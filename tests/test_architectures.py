@@ -5,6 +5,7 @@ transformers configs, with the MiniLM tokenizer (vocab_size matching it): no oth
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -168,11 +169,17 @@ def test_pooler_message_says_what_it_is_kept_for(tiny_bert, tmp_path):
 def test_an_encoder_that_reads_its_embeddings_outside_its_layers_is_refused(tmp_path):
     """DeBERTa-v2 with a convolution (conv_kernel_size > 0: deberta-v2-xlarge) adds a convolution of its embedding
     output after its first layer: a decoder layer run on the decoder's input cannot be run as the encoder runs its
-    own, so loading refuses, naming the architecture and what fails."""
+    own, so loading refuses, naming the architecture and what fails; train.py refuses before it reads any data (its
+    groups folder does not even exist here)."""
+    import train
+    from test_train import base_args
+
     path = build_tiny("deberta-v2", tmp_path / "conv", conv_kernel_size=3)
-    with pytest.raises(ValueError, match=r"DebertaV2Model does not run its layers on what it hands its first layer "
-                                         r"alone .*cannot be built for it"):
+    refusal = r"DebertaV2Model does not run its layers on what it hands its first layer alone .*cannot be built for it"
+    with pytest.raises(ValueError, match=refusal):
         A.load_mlm_encoder(str(path))
+    with pytest.raises(ValueError, match=refusal):
+        train.main(base_args(str(path), tmp_path / "no_groups_here", tmp_path / "out"))
 
 
 def test_non_legacy_deberta_head_projects_with_a_bare_matmul(tmp_path):
@@ -226,11 +233,16 @@ def test_every_objective_trains_and_the_folder_round_trips(tiny, groups, kind, t
                           atol=1e-5)
 
 
+# the suite runs one non-BERT architecture end to end; XPRT_E2E_ALL_ARCHS=1 runs every one (the README's matrix)
+E2E = ARCHS if os.environ.get("XPRT_E2E_ALL_ARCHS") else ("modernbert",)
+
+
 @pytest.mark.slow
-def test_modernbert_end_to_end(tiny, tmp_path):
-    """A non-BERT start (ModernBERT: pre-norm, rotary, sliding-window layers, a gated MLP) through every script:
-    select_groups.py with it, train.py (xprt), finetune.py from the trained folder, evaluate.py on the bundled
-    SciFact sample; every stage's model folder loads in sentence-transformers."""
+@pytest.mark.parametrize("kind", E2E)
+def test_end_to_end(tiny, tmp_path, kind):
+    """A start of the architecture (by default ModernBERT: pre-norm, rotary, sliding-window layers, a gated MLP)
+    through every script: select_groups.py with it, train.py (xprt), finetune.py from the trained folder,
+    evaluate.py on the bundled SciFact sample; every stage's model folder loads in sentence-transformers."""
     import evaluate
     import finetune
     import select_groups
@@ -240,7 +252,7 @@ def test_modernbert_end_to_end(tiny, tmp_path):
     from test_select_groups import _docs, _write_jsonl
     from test_train import base_args
 
-    start = tiny["modernbert"]
+    start = tiny[kind]
     docs = _write_jsonl(tmp_path / "docs.jsonl", _docs(12))
     select_groups.main(["--input", str(docs), "--model_name_or_path", start, "--output_dir", str(tmp_path / "groups"),
                         "--centrality_threshold", "-1"])
@@ -254,7 +266,8 @@ def test_modernbert_end_to_end(tiny, tmp_path):
                             "--negatives_rank_max": 5, "--report_to": "none"}))
     tuned = tmp_path / "ft" / "model"
     for folder in (pre, tuned):
-        assert SentenceTransformer(str(folder), device="cpu").encode(TEXTS).shape == (3, 32)
+        hidden = json.loads((folder / "config.json").read_text()).get("hidden_size", 32)
+        assert SentenceTransformer(str(folder), device="cpu").encode(TEXTS).shape == (3, hidden)
     evaluate.main(["--models", str(tuned), "--local_tasks", str(ROOT / "data" / "eval" / "scifact"), "--output_dir",
                    str(tmp_path / "eval"), "--device", "cpu", "--batch_size", "64"])
     result = json.loads((tmp_path / "eval" / "results.json").read_text())
