@@ -60,7 +60,7 @@ def layer_stack(base: nn.Module) -> tuple:
                 continue
             if len({type(m) for m in child}) != 1:
                 continue
-            n = sum(p.numel() for p in child.parameters())
+            n = sum(_numel(p) for p in child.parameters())
             if n > best_n:
                 best, best_n = (owner, name, child), n
     if best is None:
@@ -232,13 +232,22 @@ class _ProjectionInput(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _shape(p) -> tuple:
+    """A parameter's full shape, also under DeepSpeed ZeRO-3, where each process holds a flat shard of it."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def _numel(p) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
 def _vocab_matrix(mlm) -> torch.Tensor:
     """The (V, D) matrix the logits come from: the output embeddings when they have V rows, else the word embeddings
     (DeBERTa-v2's non-legacy head multiplies by them directly; its get_output_embeddings names a (H, H) layer)."""
     v = mlm.config.vocab_size
     out = mlm.get_output_embeddings()
     for w in (getattr(out, "weight", None), mlm.get_input_embeddings().weight):
-        if w is not None and w.dim() == 2 and w.shape[0] == v:
+        if w is not None and len(_shape(w)) == 2 and _shape(w)[0] == v:
             return w
     raise ValueError(f"{type(mlm).__name__}: no (vocabulary x dim) matrix among its output or input embeddings")
 
@@ -249,15 +258,15 @@ def _vocab_bias(mlm, weight) -> torch.Tensor:
     v = mlm.config.vocab_size
     out = mlm.get_output_embeddings()
     b = getattr(out, "bias", None)
-    if isinstance(b, torch.Tensor) and b.shape == (v,) and getattr(out, "weight", None) is weight:
+    if isinstance(b, torch.Tensor) and _shape(b) == (v,) and getattr(out, "weight", None) is weight:
         return b
-    cands = [p for p in _head_params(mlm).values() if p.shape == (v,)]
+    cands = [p for p in _head_params(mlm).values() if _shape(p) == (v,)]
     if len(cands) == 1:
         return cands[0]
     if cands:
         raise ValueError(f"{type(mlm).__name__}: {len(cands)} vocabulary-sized vectors in its MLM head; which is the "
                          "logits' bias is ambiguous")
-    return weight.new_zeros(v)
+    return torch.zeros(v, dtype=weight.dtype, device=weight.device)
 
 
 def mlm_head(mlm) -> MLMHead:
@@ -334,15 +343,15 @@ def layer_multiply_adds(encoder) -> tuple:
     weights of one layer's Linear modules."""
     base = getattr(encoder, "base_model", encoder)
     _, _, stack = layer_stack(base)
-    per_token = sum(m.weight.numel() for m in stack[0].modules() if isinstance(m, nn.Linear))
+    per_token = sum(_numel(m.weight) for m in stack[0].modules() if isinstance(m, nn.Linear))
     return len(stack), per_token, base.config.hidden_size
 
 
 def head_multiply_adds(encoder) -> int:
     """Multiply-adds per row of the MLM head: its own Linear weights and the vocabulary projection."""
     weight = _vocab_matrix(encoder)
-    own = sum(p.numel() for p in _head_params(encoder).values() if p.dim() == 2)
-    return own + weight.numel()
+    own = sum(_numel(p) for p in _head_params(encoder).values() if len(_shape(p)) == 2)
+    return own + _numel(weight)
 
 
 # ==============================================================================================================
