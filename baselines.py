@@ -214,7 +214,7 @@ class SelfReconstructionObjective(Objective):
 
     def row_terms(self, model, batch, states, vec):
         ids, am = batch["dec_input_ids"], batch["attention_mask"]  # (G, L)
-        emb = model.token_embeddings(ids)
+        emb = model.token_embeddings(ids, am)
         dec_flat = self.decoder(vec[:, 0].to(emb.dtype), emb, am).reshape(-1, emb.shape[-1])
         layout, sweep = batch["layout"], VocabSweep(model)
         self_reconstruction(sweep, dec_flat.index_select(0, batch["dec_rows"]), batch["dec_targets"],

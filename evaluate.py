@@ -64,6 +64,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from architectures import attention_kwargs
 from modeling_xprt import embed_texts
 from support import (E5_PROMPTS, EVAL_PREFIX, MINILM_ALIASES, NO_PROMPTS, add_eval_results_to_card, atomic_path,
                      atomic_write, check_tokenizer_fits, gathered_params, load_beir, max_seq_length, model_prompts,
@@ -242,7 +243,8 @@ class XPRTEncoder(AbsEncoder):
         has_st_config = os.path.isdir(path) and (Path(path) / "modules.json").is_file()
         try:
             self.model = SentenceTransformer(path, device=str(self.device), trust_remote_code=trust_remote_code,
-                                             model_kwargs={"dtype": self.dtype, "attn_implementation": "sdpa"})
+                                             model_kwargs={"dtype": self.dtype,
+                                                           **attention_kwargs(path, None, trust_remote_code)[0]})
         except (OSError, ValueError) as err:
             raise ValueError(f"could not load a model from {name_or_path!r} ({path}): {err}") from err
         self.model.eval()

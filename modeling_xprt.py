@@ -32,10 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from architectures import (_head_params, decoder_layers, load_mlm_encoder, load_teacher, mlm_head, run_layers,
+                           token_embeddings)
 from fused_vocab import vocab_sweep
-from support import (ModelInfo, checkpoint_tensors, dist_on, hub_base_model, max_seq_length,
-                     model_prompts, quiet_load_report, rank_and_world, read_max_seq_length, read_scoring,
-                     resolve_model_path, save_model_folder, stable_doc_hash)
+from support import (ModelInfo, dist_on, hub_base_model, max_seq_length, model_prompts, rank_and_world,
+                     read_max_seq_length, read_scoring, resolve_model_path, save_model_folder, stable_doc_hash)
 
 logger = logging.getLogger("xprt")
 
@@ -345,19 +346,20 @@ def decoder_pass_plan(num_related: int, fill_in: bool = True):
 class ConditionedDecoder(nn.Module):
     """xPRT's fill-in decoder: vector -> one linear map -> C conditioning vectors, inserted right
     after [CLS] of a masked passage embedded by the ENCODER's own embedding layer, then one
-    Transformer layer (a BertLayer with SDPA). Predictions go through the encoder's MLM head, so
-    the decoder owns only `condition` and `layers`."""
+    Transformer layer of the encoder's own kind, run as the encoder runs its layers (architectures.decoder_layers,
+    run_layers). Predictions go through the encoder's MLM head, so the decoder owns only `condition` and `layers`."""
 
     def __init__(self, encoder, num_condition_vectors: int = 4, num_layers: int = 1):
         """encoder: the AutoModelForMaskedLM whose architecture the layers take (its config and weight init)."""
         super().__init__()
-        from transformers.models.bert.modeling_bert import BertLayer
-
         config = encoder.config
         self.config = config
         self.num_condition_vectors = num_condition_vectors
         self.condition = nn.Linear(config.hidden_size, num_condition_vectors * config.hidden_size)
-        self.layers = nn.ModuleList([BertLayer(config) for _ in range(num_layers)])
+        self.layers = decoder_layers(encoder, num_layers)
+        # the encoder runs the layers (its masks and positions); held outside the module tree: its weights are not
+        # the decoder's
+        object.__setattr__(self, "encoder_base", encoder.base_model)
         # The encoder's init (BERT: N(0, 0.02) linear weights, LayerNorm 1/0) for the fresh decoder, as RetroMAE does.
         self.apply(encoder._init_weights)
         # Our choice: start the linear map as C stacked identities (+ the N(0, 0.02) noise above, so the C vectors
@@ -372,17 +374,12 @@ class ConditionedDecoder(nn.Module):
 
         Output position 0 is [CLS], 1..C the conditioning slots, C+1.. the passage's tokens 1..L-1
         (output_rows maps input positions to these rows)."""
-        from transformers.masking_utils import create_bidirectional_mask
-
         n, _, h = token_embeddings.shape
         c = self.num_condition_vectors
         cond = self.condition(vectors).view(n, c, h)  # (N, C, H)
         x = torch.cat([token_embeddings[:, :1], cond, token_embeddings[:, 1:]], dim=1)  # (N, L + C, H)
         mask = torch.cat([attention_mask[:, :1], attention_mask.new_ones(n, c), attention_mask[:, 1:]], dim=1)
-        mask4d = create_bidirectional_mask(config=self.config, inputs_embeds=x, attention_mask=mask)
-        for layer in self.layers:
-            x = layer(x, mask4d)
-        return x
+        return run_layers(self.encoder_base, self.layers, x, mask)
 
     @staticmethod
     def output_rows(index: torch.Tensor, length: int, num_condition_vectors: int) -> torch.Tensor:
@@ -534,10 +531,10 @@ class XPRTObjective(Objective):
         ids = batch["dec_input_ids"]  # (G, D, L)
         g, d, l = ids.shape
         h = vectors.shape[-1]
-        emb = model.token_embeddings(ids.reshape(g * d, l))  # the encoder's own embedding layer
+        mask = attention_mask[:, batch["dec_target"]].reshape(g * d, l)
+        emb = model.token_embeddings(ids.reshape(g * d, l), mask)  # the encoder's own embedding layer
         # (G*D, H); mean_pool's fp32 vectors in the weights' dtype (bf16 under DeepSpeed's bf16)
         cond = vectors[:, batch["dec_source"]].reshape(g * d, h).to(emb.dtype)
-        mask = attention_mask[:, batch["dec_target"]].reshape(g * d, l)
         return self.decoder(cond, emb, mask).reshape(-1, h)
 
     def masked_student(self, vec):
@@ -585,82 +582,6 @@ class PairObjective(Objective):
 # ==============================================================================================================
 
 
-def _head_params(mlm_model) -> dict:
-    """The MLM head's own parameters (not the base model's, not the projection tied to the word
-    embeddings), by name: what xprt_heads.safetensors stores and what mlm_head_from copies."""
-    prefix = mlm_model.base_model_prefix + "."
-    # named_parameters() drops duplicates, so the tied projection (= word embeddings, seen first
-    # in the base model) and BERT's decoder.bias (= predictions.bias) appear once.
-    return {k: p for k, p in mlm_model.named_parameters() if not k.startswith(prefix)}
-
-
-def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, trust_remote_code: bool = False):
-    """Any BERT-family checkpoint as an AutoModelForMaskedLM with SDPA attention -> (model, message).
-
-    E5 and MiniLM are saved as plain BertModel: transformers then reports the head
-    (cls.predictions.*) as missing keys and initialises it fresh - transform N(0, 0.02), bias 0 -
-    with the vocabulary projection tied to the word embeddings (tie_word_embeddings). That is our
-    default; `mlm_head_from` (e.g. bert-base-uncased, docs/notes.md) copies another checkpoint's trained
-    head instead (the projection stays tied to OUR word embeddings). The message says which happened.
-    """
-    from transformers import AutoModelForMaskedLM
-
-    path = resolve_model_path(name_or_path)
-    # transformers' LOAD REPORT for this call lists the head as MISSING and the pooler as UNEXPECTED, which reads like
-    # an error; the message below states the same facts (and a missing encoder weight still raises)
-    with quiet_load_report():
-        model, info = AutoModelForMaskedLM.from_pretrained(
-            path, attn_implementation="sdpa", output_loading_info=True, trust_remote_code=trust_remote_code
-        )
-    prefix = model.base_model_prefix + "."
-    # the base model's tensors the MLM model has no module for (BERT's pooler): kept as they are, and written back by
-    # XPRTModel.save_pretrained so the saved folder is a complete AutoModel checkpoint
-    model.xprt_base_extras = checkpoint_tensors(path, [k for k in info["unexpected_keys"]], prefix)
-    missing_head = sorted(k for k in info["missing_keys"] if not k.startswith(prefix))
-    missing_base = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and "position_ids" not in k)
-    if missing_base:
-        raise ValueError(f"{name_or_path}: encoder weights missing from the checkpoint: {missing_base[:5]}")
-    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = out_emb is not None and out_emb.weight is in_emb.weight
-    if mlm_head_from:
-        donor, dinfo = AutoModelForMaskedLM.from_pretrained(
-            resolve_model_path(mlm_head_from), output_loading_info=True, trust_remote_code=trust_remote_code
-        )
-        donor_missing = [k for k in dinfo["missing_keys"] if not k.startswith(donor.base_model_prefix + ".")]
-        if donor_missing:
-            raise ValueError(f"--mlm_head_from {mlm_head_from} has no trained MLM head either "
-                             f"(missing {donor_missing[:3]})")
-        ours, theirs = _head_params(model), _head_params(donor)
-        if set(ours) != set(theirs) or any(ours[k].shape != theirs[k].shape for k in ours):
-            raise ValueError(f"MLM head of {mlm_head_from} does not fit {name_or_path} "
-                             "(different architecture or vocabulary)")
-        with torch.no_grad():
-            for k in ours:
-                ours[k].copy_(theirs[k])
-        message = (f"MLM head copied from {mlm_head_from} ({len(ours)} tensors); vocabulary projection "
-                   f"{'tied to' if tied else 'NOT tied to'} {name_or_path}'s word embeddings")
-    elif missing_head:
-        message = (f"{name_or_path} has no MLM head ({len(missing_head)} missing keys, e.g. {missing_head[0]}): "
-                   f"initialised fresh, projection {'tied to the word embeddings' if tied else 'NOT tied'}")
-    else:
-        message = f"MLM head loaded from {name_or_path}"
-    if model.xprt_base_extras:
-        message += f"; kept {', '.join(sorted(model.xprt_base_extras))} (not used by mean pooling) for saving"
-    logger.info(message)
-    return model, message
-
-
-def load_teacher(name_or_path: str, trust_remote_code: bool = False):
-    """The frozen starting model for the retention term: AutoModel, eval mode, no gradients."""
-    from transformers import AutoModel
-
-    teacher = AutoModel.from_pretrained(resolve_model_path(name_or_path), attn_implementation="sdpa",
-                                        trust_remote_code=trust_remote_code)
-    teacher.eval()
-    teacher.requires_grad_(False)
-    return teacher
-
-
 @contextlib.contextmanager
 def dropout_off(module: nn.Module):
     """Run `module` in eval mode (no dropout) inside the block, then restore its mode. In eval mode transformers
@@ -706,8 +627,6 @@ class XPRTModel(nn.Module):
         self.encoder = mlm_model
         self.objective, self.tau, self.retention_student = objective, tau, retention_student
         self.fused_vocab_loss = fused_vocab_loss
-        if getattr(mlm_model.config, "_attn_implementation", None) != "sdpa":
-            logger.warning("encoder attention is %s, not sdpa", getattr(mlm_model.config, "_attn_implementation", None))
         method_class = objective_class(objective)
         unknown = set(options) - set(inspect.signature(method_class.__init__).parameters)
         if unknown:
@@ -738,23 +657,18 @@ class XPRTModel(nn.Module):
         return self.info.max_seq_length
 
     def head_transform(self, h):
-        """The MLM head up to (not including) the vocabulary projection."""
-        enc = self.encoder
-        if hasattr(enc, "cls") and hasattr(enc.cls, "predictions"):  # BERT family
-            return enc.cls.predictions.transform(h)
-        if hasattr(enc, "lm_head") and hasattr(enc.lm_head, "dense"):  # RoBERTa family
-            return enc.lm_head.layer_norm(F.gelu(enc.lm_head.dense(h)))
-        raise ValueError(f"unsupported MLM head on {type(enc).__name__}")
+        """The MLM head up to (not including) the vocabulary projection (architectures.mlm_head)."""
+        return mlm_head(self.encoder).transform(h)
 
     def projection(self):
-        """(weight (V, H), bias (V,)): the vocabulary projection, weight = the word embeddings."""
-        out = self.encoder.get_output_embeddings()
-        bias = out.bias if out.bias is not None else self.encoder.cls.predictions.bias
-        return out.weight, bias
+        """(weight (V, D), bias (V,)): the vocabulary projection, weight = the word embeddings when tied."""
+        head = mlm_head(self.encoder)
+        return head.weight, head.bias
 
-    def token_embeddings(self, input_ids):
-        """(N, L) -> (N, L, H): the encoder's own embedding layer (decoders embed their inputs with it)."""
-        return self.base.embeddings(input_ids=input_ids)
+    def token_embeddings(self, input_ids, attention_mask):
+        """(N, L) -> (N, L, H): what the encoder hands its first layer (its embedding layer, and any projection up
+        to the hidden size: architectures.token_embeddings); the decoders embed their inputs with it."""
+        return token_embeddings(self.base, input_ids, attention_mask)
 
     def encode(self, input_ids, attention_mask):
         """(N, L) -> hidden (N, L, H), sentence vectors (N, H)."""
@@ -944,8 +858,9 @@ class XPRTModel(nn.Module):
         saved = json.loads(Path(cfg_file).read_text()) if os.path.isfile(cfg_file) else {}
         heads_file = os.path.join(path, "xprt_heads.safetensors")
         has_heads = os.path.isfile(heads_file)
+        scoring = read_scoring(path)
         mlm, message = load_mlm_encoder(path, mlm_head_from=None if has_heads else mlm_head_from,
-                                        trust_remote_code=trust_remote_code)
+                                        trust_remote_code=trust_remote_code, pooling=scoring["pooling"])
         objective = objective or saved.get("objective", "xprt")
         heads_cfg = dict(saved.get("heads") or {})
         own_heads = heads_cfg.pop("objective", None) == objective
@@ -955,7 +870,7 @@ class XPRTModel(nn.Module):
         args["info"] = ModelInfo(start_model=saved.get("start_model") or name, prompts=model_prompts(name, prefixes),
                                  max_seq_length=max_seq_length(mlm.config, read_max_seq_length(path)),
                                  base_model=hub_base_model(name), hub_model_id=hub_model_id, lineage=lineage,
-                                 **read_scoring(path))
+                                 **scoring)
         model = cls(mlm, objective=objective, **args)
         model.load_message = message
         if has_heads:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from architectures import head_multiply_adds, layer_multiply_adds
 from modeling_xprt import LossWeights, XPRTModel, load_teacher, objective_class, pretraining_objectives
 from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args, batch_to_device,
                      check_common_args, engine_dtype, epoch_batches, gradient_cache_step, load_model, make_accelerator,
@@ -212,22 +213,23 @@ def step_flops(model, batch, retention: bool) -> float:
     """Model FLOPs of one collated micro-batch: every trained pass forward and backward (3x its forward), the frozen
     teacher and L_self's teacher rows forward only. Padded tokens count (the device computes them); embedding
     lookups, norms and softmaxes do not."""
-    cfg = model.encoder.config
-    h, inner, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    # one layer's weight matrices read off its modules (BERT: QKV + output 4 h^2, FFN 2 h inner), whatever the
+    # config calls them (DistilBERT: n_layers, hidden_dim)
+    n_enc, per_token, h = layer_multiply_adds(model.encoder)
 
     def layers(ids, n, extra=0):  # multiply-adds of n Transformer layers over an (..., L) tensor (L + extra wide)
         length = ids.shape[-1] + extra
         tokens = ids.numel() // ids.shape[-1] * length
-        return n * tokens * (4 * h * h + 2 * h * inner + 2 * length * h)  # QKV + output, FFN, attention
+        return n * tokens * (per_token + 2 * length * h)  # weight matrices, attention scores and sums
 
-    n_enc, trained, forward = cfg.num_hidden_layers, 0, 0
+    trained, forward = 0, 0
     for key in ("input_ids", "short_input_ids", "query_input_ids", "passage_input_ids"):
         if key in batch:
             trained += layers(batch[key], n_enc)
     if "dec_input_ids" in batch:  # a conditioned decoder (xPRT, the self-reconstruction ablation)
         dec = model.method.decoder
         trained += layers(batch["dec_input_ids"], len(dec.layers), dec.num_condition_vectors)
-    head = h * h + h * v  # the MLM head's transform and vocabulary projection, per row
+    head = head_multiply_adds(model.encoder)  # the MLM head's transform and vocabulary projection, per row
     trained += head * sum(batch[k].numel() for k in ("mlm_index", "cross_rows", "self_rows", "dec_rows") if k in batch)
     forward += head * batch["self_enc_index"].numel() if "self_enc_index" in batch else 0
     if retention:

@@ -18,7 +18,8 @@ from test_select_groups import _docs, _write_jsonl
 from test_train import base_args
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("modeling_xprt.py", "baselines.py", "fused_vocab.py", "train.py", "finetune.py", "select_groups.py")
+SCRIPTS = ("modeling_xprt.py", "baselines.py", "fused_vocab.py", "architectures.py", "train.py", "finetune.py",
+           "select_groups.py")
 
 # What one step of each objective must run (qualified names), beyond what every step runs.
 EVERY_PRETRAIN_STEP = {"XPRTModel.encode", "mean_pool", "retention_loss",
@@ -118,10 +119,12 @@ def test_each_objective_runs_its_paper_map_functions(runs, objective):
 def test_every_function_the_map_names_exists_and_runs(runs):
     import modeling_xprt
 
+    import architectures
     import baselines
     import fused_vocab
 
     modules = {"modeling_xprt.py": modeling_xprt, "baselines.py": baselines, "fused_vocab.py": fused_vocab,
+               "architectures.py": architectures,
                "train.py": train, "finetune.py": finetune, "select_groups.py": select_groups}
     ran = set().union(*runs.values())
     # run by fine-tuning's stage 1 only, which needs real generator and cross-encoder weights (tests/test_finetune.py

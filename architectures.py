@@ -1,0 +1,468 @@
+"""
+Any encoder AutoModelForMaskedLM loads, taken apart the way xPRT needs it (plumbing below the paper scripts: it imports
+support only).
+
+xPRT reuses three parts of its start model besides the encoder pass itself: the token embeddings (the decoder reads
+the encoder's own), the Transformer layer (the one-layer decoder is one more layer of the encoder's own kind) and the
+MLM head (split into its transform and the vocabulary projection, which the vocabulary sweep computes chunk by chunk).
+Each architecture arranges these differently (ELECTRA projects its embeddings up to the hidden size, ModernBERT and
+DeBERTa-v2 hand their layers rotary or relative positions, DistilBERT keeps its MLM head in four loose modules,
+DeBERTa-v2 projects with a bare matmul), so each part is found by one general rule, measured against the encoder's
+own forward when the model loads, and a model the rule does not fit is refused there, naming what failed:
+  - token_embeddings: what the encoder hands its first layer (a forward stopped at that layer);
+  - run_layers: a stack of layers run the way the encoder runs its own (the encoder's forward with its layer list
+    swapped for them and the first layer's input replaced), so masks, rotary and relative positions, final norms
+    are the encoder's; decoder_layers (fresh copies of the encoder's first layer) and copy_last_layers (SimLM's
+    decoder) build such stacks;
+  - mlm_head: the transform is what the MLM model feeds into its vocabulary matrix (its own forward, started from
+    given hidden states, stopped at the first operation that reads that matrix);
+  - load_mlm_encoder / load_teacher: the loaders, with SDPA attention where the architecture has it and the
+    architecture's own attention where not (said in the load message).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from support import checkpoint_tensors, quiet_load_report, resolve_model_path
+
+logger = logging.getLogger("xprt")
+
+
+class _Stop(Exception):
+    """Raised from inside a forward to stop it once the tensor we came for exists (its autograd graph stays)."""
+
+    def __init__(self, value):
+        super().__init__("stopped")
+        self.value = value
+
+
+# ==============================================================================================================
+# The layer stack: found, copied, run as the encoder runs it
+# ==============================================================================================================
+
+
+def layer_stack(base: nn.Module) -> tuple:
+    """(owner, attribute name, nn.ModuleList) of the encoder's Transformer layers: the ModuleList of `base` holding
+    the most parameters whose members are all of one class (BERT's encoder.layer, DistilBERT's transformer.layer,
+    ModernBERT's layers, ...)."""
+    best, best_n = None, -1
+    for owner_name, owner in base.named_modules():
+        for name, child in owner.named_children():
+            if not isinstance(child, nn.ModuleList) or len(child) == 0:
+                continue
+            if len({type(m) for m in child}) != 1:
+                continue
+            n = sum(_numel(p) for p in child.parameters())
+            if n > best_n:
+                best, best_n = (owner, name, child), n
+    if best is None:
+        raise ValueError(f"{type(base).__name__}: no list of Transformer layers found (xprt's decoder is built from "
+                         "the encoder's own layers)")
+    return best
+
+
+@contextlib.contextmanager
+def _swapped(owner: nn.Module, name: str, module: nn.Module):
+    old = owner._modules[name]
+    owner._modules[name] = module
+    try:
+        yield
+    finally:
+        owner._modules[name] = old
+
+
+def _hidden_arg(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def token_embeddings(base: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
+    """(N, L) ids -> (N, L, H) the vectors the encoder hands its first layer: its embedding layer and whatever follows
+    it before the layers (ELECTRA's embeddings_project from its embedding size up to the hidden size). The encoder's
+    forward, stopped at its first layer."""
+    _, _, stack = layer_stack(base)
+
+    def stop(_module, args, kwargs):
+        raise _Stop(_hidden_arg(args, kwargs))
+
+    handle = stack[0].register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        base(input_ids=input_ids, attention_mask=attention_mask)
+    except _Stop as s:
+        return s.value
+    finally:
+        handle.remove()
+    raise RuntimeError(f"{type(base).__name__} never called its first layer")
+
+
+def run_layers(base: nn.Module, layers: nn.ModuleList, hidden: torch.Tensor, attention_mask: torch.Tensor):
+    """Run `layers` on hidden (N, L, H) with attention_mask (N, L) exactly as `base` runs its own layers -> (N, L, H).
+
+    The encoder's forward runs with its layer list swapped for `layers` and the first layer's input replaced by
+    `hidden` (the embedding layer runs on zeros of the right shape and its output is dropped), so everything the
+    encoder hands its layers besides the hidden states (the attention mask in its prepared form, rotary position
+    embeddings for ModernBERT, relative positions for DeBERTa-v2 and MPNet) and everything after them (ModernBERT's
+    final norm) is the encoder's own. check_layers measures that this reproduces the encoder."""
+    owner, name, _ = layer_stack(base)
+
+    def replace(_module, args, kwargs):
+        if args:
+            return (hidden,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+    embed_dim = base.get_input_embeddings().embedding_dim
+    dummy = hidden.new_zeros(*hidden.shape[:2], embed_dim)
+    with _swapped(owner, name, layers):
+        handle = layers[0].register_forward_pre_hook(replace, with_kwargs=True)
+        try:
+            out = base(inputs_embeds=dummy, attention_mask=attention_mask)
+        finally:
+            handle.remove()
+    return out[0]
+
+
+def _copy_layer(layer: nn.Module, config) -> nn.Module:
+    # the copy shares the encoder's config object, so an attention setting made on the encoder holds for it too
+    return copy.deepcopy(layer, memo={id(config): config})
+
+
+def decoder_layers(encoder, n: int) -> nn.ModuleList:
+    """n fresh layers of the encoder's own kind: copies of its first layer (the one that reads the embeddings, as the
+    decoder's layer does: ModernBERT's first layer has no input norm because its embeddings are normed), every
+    parameter re-initialised by the architecture's own _init_weights."""
+    base = getattr(encoder, "base_model", encoder)
+    _, _, stack = layer_stack(base)
+    layers = nn.ModuleList([_copy_layer(stack[0], base.config) for _ in range(n)])
+    for m in layers.modules():  # transformers 5 skips modules it marked initialised when it loaded the checkpoint
+        if hasattr(m, "_is_hf_initialized"):
+            m._is_hf_initialized = False
+    layers.apply(encoder._init_weights)
+    return layers
+
+
+def copy_last_layers(encoder, n: int) -> nn.ModuleList:
+    """SimLM's decoder: a copy of the encoder's last n layers, weights and all (they train apart from the encoder)."""
+    base = getattr(encoder, "base_model", encoder)
+    _, _, stack = layer_stack(base)
+    if not 1 <= n <= len(stack):
+        raise ValueError(f"{type(base).__name__} has {len(stack)} layers; cannot copy the last {n}")
+    return nn.ModuleList([_copy_layer(layer, base.config) for layer in stack[len(stack) - n:]])
+
+
+def check_layers(encoder, name: str = ""):
+    """Refuse an encoder whose layers run_layers cannot run as the encoder does: the encoder's own layers, run on the
+    vectors token_embeddings gives, must reproduce its output (a tiny input, eval mode). An encoder that reads its
+    embedding output elsewhere than through its first layer (DeBERTa-v2 with conv_kernel_size > 0 adds a
+    convolution of it after the first layer) fails here, before any work starts."""
+    base = getattr(encoder, "base_model", encoder)
+    arch = type(base).__name__
+    _, _, stack = layer_stack(base)
+    ids, mask = _probe_ids(base)
+    was_training = base.training
+    base.eval()
+    try:
+        with torch.no_grad():
+            want = base(input_ids=ids, attention_mask=mask)[0]
+            got = run_layers(base, stack, token_embeddings(base, ids, mask), mask)
+    finally:
+        base.train(was_training)
+    gap = (got.float() - want.float()).abs().max().item()
+    if not torch.allclose(got.float(), want.float(), atol=1e-4, rtol=1e-3):
+        raise ValueError(f"{name or arch}: {arch} does not run its layers on what it hands its first layer alone "
+                         f"(re-running its own layers differs from its output by {gap:.2g}); xprt's decoder, a layer "
+                         "of the encoder's own kind run on the decoder's input, cannot be built for it")
+
+
+def _probe_ids(base):
+    """A tiny batch (2 x 6 ids, the second row padded) for the load-time checks."""
+    cfg = base.config
+    device = next(base.parameters()).device
+    v = cfg.vocab_size
+    ids = torch.tensor([[5, 7, 11, 13, 17, 19], [23, 29, 31, 37, 0, 0]], device=device) % max(v, 1)
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0, 0]], device=device)
+    pad = getattr(cfg, "pad_token_id", None)
+    if pad is not None and 0 <= pad < v:
+        ids = ids.masked_fill(mask == 0, pad)
+        ids = torch.where((mask == 1) & (ids == pad), (ids + 1) % v, ids)
+    return ids, mask
+
+
+# ==============================================================================================================
+# The MLM head: transform, vocabulary matrix, bias
+# ==============================================================================================================
+
+
+class MLMHead(NamedTuple):
+    """The MLM head split where the vocabulary sweep needs it: logits = transform(h) @ weight.T + bias.
+    transform: (M, H) -> (M, D); weight (V, D), the vocabulary matrix (D = H, or ELECTRA's embedding size); bias (V,)."""
+
+    transform: Callable
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+
+class _ProjectionInput(torch.overrides.TorchFunctionMode):
+    """Stops a forward at the first operation that reads the vocabulary matrix (a Linear, or a matmul with its
+    transpose as DeBERTa-v2 does) together with another tensor, and hands that other tensor over: the transform's
+    output. Operations on the matrix alone (.t(), a dtype cast) are followed, since their results are the matrix too."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+        self.views = [weight]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if any(any(a is w for w in self.views) for a in tensors):
+            others = [a for a in tensors if not any(a is w for w in self.views) and a.dim() >= 2]
+            if others:
+                raise _Stop(others[0])
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                self.views.append(out)
+            return out
+        return func(*args, **kwargs)
+
+
+def _shape(p) -> tuple:
+    """A parameter's full shape, also under DeepSpeed ZeRO-3, where each process holds a flat shard of it."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+def _numel(p) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+def _vocab_matrix(mlm) -> torch.Tensor:
+    """The (V, D) matrix the logits come from: the output embeddings when they have V rows, else the word embeddings
+    (DeBERTa-v2's non-legacy head multiplies by them directly; its get_output_embeddings names a (H, H) layer)."""
+    v = mlm.config.vocab_size
+    out = mlm.get_output_embeddings()
+    for w in (getattr(out, "weight", None), mlm.get_input_embeddings().weight):
+        if w is not None and len(_shape(w)) == 2 and _shape(w)[0] == v:
+            return w
+    raise ValueError(f"{type(mlm).__name__}: no (vocabulary x dim) matrix among its output or input embeddings")
+
+
+def _vocab_bias(mlm, weight) -> torch.Tensor:
+    """The logits' (V,) bias: the output embedding's, else the head's own (V,) parameter (BERT's cls.predictions.bias,
+    DeBERTa-v2's lm_head.bias), else zeros (a head without one)."""
+    v = mlm.config.vocab_size
+    out = mlm.get_output_embeddings()
+    b = getattr(out, "bias", None)
+    if isinstance(b, torch.Tensor) and _shape(b) == (v,) and getattr(out, "weight", None) is weight:
+        return b
+    cands = [p for p in _head_params(mlm).values() if _shape(p) == (v,)]
+    if len(cands) == 1:
+        return cands[0]
+    if cands:
+        raise ValueError(f"{type(mlm).__name__}: {len(cands)} vocabulary-sized vectors in its MLM head; which is the "
+                         "logits' bias is ambiguous")
+    return torch.zeros(v, dtype=weight.dtype, device=weight.device)
+
+
+def mlm_head(mlm) -> MLMHead:
+    """The MLM head of any *ForMaskedLM model as (transform, weight, bias), logits = transform(h) @ weight.T + bias.
+
+    transform(h) is the model's own forward started from the hidden states h (its base model answers with h instead
+    of running) and stopped where it first reads the vocabulary matrix (_ProjectionInput): BERT's
+    cls.predictions.transform, RoBERTa's and MPNet's lm_head up to its decoder, DistilBERT's vocab_transform /
+    activation / vocab_layer_norm, ELECTRA's generator_predictions (down to the embedding size), ModernBERT's head,
+    DeBERTa-v2's cls or lm_predictions, all by the one rule. check_mlm_head measures it against the model's logits."""
+    weight = _vocab_matrix(mlm)
+    bias = _vocab_bias(mlm, weight)
+    base = mlm.base_model
+
+    def transform(h: torch.Tensor) -> torch.Tensor:
+        from transformers.modeling_outputs import BaseModelOutput
+
+        squeeze = h.dim() == 2
+        h3 = h.unsqueeze(0) if squeeze else h
+        # the base model answers with h: an instance attribute shadows its class's forward for this call only
+        base.forward = lambda *a, **k: BaseModelOutput(last_hidden_state=h3)
+        try:
+            with _ProjectionInput(weight):
+                mlm(input_ids=torch.zeros(h3.shape[:2], dtype=torch.long, device=h3.device))
+        except _Stop as s:
+            t = s.value
+            return t.reshape(h.shape[:-1] + t.shape[-1:])
+        finally:
+            del base.forward
+        raise ValueError(f"{type(mlm).__name__}: its forward never read its vocabulary matrix")
+
+    return MLMHead(transform, weight, bias)
+
+
+def check_mlm_head(mlm, name: str = ""):
+    """Refuse a model whose mlm_head split does not reproduce its own logits (a tiny input, eval mode)."""
+    arch = type(mlm).__name__
+    ids, mask = _probe_ids(mlm.base_model)
+    was_training = mlm.training
+    mlm.eval()
+    try:
+        with torch.no_grad():
+            want = mlm(input_ids=ids, attention_mask=mask).logits
+            hidden = mlm.base_model(input_ids=ids, attention_mask=mask)[0]
+            head = mlm_head(mlm)
+            got = F.linear(head.transform(hidden), head.weight, head.bias)
+    except _Stop:
+        raise
+    finally:
+        mlm.train(was_training)
+    if got.shape != want.shape or not torch.allclose(got.float(), want.float(), atol=1e-4, rtol=1e-3):
+        gap = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else float("nan")
+        raise ValueError(f"{name or arch}: {arch}'s MLM head is not a transform followed by one vocabulary projection "
+                         f"(the split differs from its logits by {gap:.2g}); xprt's vocabulary terms need that form")
+
+
+def _head_params(mlm_model) -> dict:
+    """The MLM head's own parameters (not the base model's, not the projection tied to the word
+    embeddings), by name: what xprt_heads.safetensors stores and what mlm_head_from copies."""
+    prefix = mlm_model.base_model_prefix + "."
+    # named_parameters() drops duplicates, so the tied projection (= word embeddings, seen first
+    # in the base model) and BERT's decoder.bias (= predictions.bias) appear once.
+    return {k: p for k, p in mlm_model.named_parameters() if not k.startswith(prefix)}
+
+
+# ==============================================================================================================
+# Shapes the FLOP count needs
+# ==============================================================================================================
+
+
+def layer_multiply_adds(encoder) -> tuple:
+    """(number of layers, multiply-adds per token of one layer's weight matrices, hidden size), read off the modules
+    (every config names them differently: DistilBERT's n_layers / hidden_dim, ModernBERT's gated MLP): the 2-D
+    weights of one layer's Linear modules."""
+    base = getattr(encoder, "base_model", encoder)
+    _, _, stack = layer_stack(base)
+    per_token = sum(_numel(m.weight) for m in stack[0].modules() if isinstance(m, nn.Linear))
+    return len(stack), per_token, base.config.hidden_size
+
+
+def head_multiply_adds(encoder) -> int:
+    """Multiply-adds per row of the MLM head: its own Linear weights and the vocabulary projection."""
+    weight = _vocab_matrix(encoder)
+    own = sum(_numel(p) for p in _head_params(encoder).values() if len(_shape(p)) == 2)
+    return own + _numel(weight)
+
+
+# ==============================================================================================================
+# Loading
+# ==============================================================================================================
+
+
+def attention_kwargs(path: str, loader=None, trust_remote_code: bool = False) -> tuple:
+    """({"attn_implementation": ...}, note) for loading `path` with `loader` (an Auto class; AutoModel by default):
+    SDPA where the architecture has it, else the architecture's own default, said in the note (transformers raises
+    for sdpa on an architecture without it: MPNet, DeBERTa-v2 in 5.24). A config transformers does not map (remote
+    code) gets sdpa, and transformers says whether it has it."""
+    from transformers import AutoConfig, AutoModel
+
+    loader = loader or AutoModel
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    cls = loader._model_mapping[type(config)] if type(config) in loader._model_mapping else None
+    if cls is None or getattr(cls, "_supports_sdpa", False):
+        return {"attn_implementation": "sdpa"}, ""
+    return {}, f"{cls.__name__} has no SDPA attention: using its own ({config._attn_implementation or 'eager'})"
+
+
+def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, trust_remote_code: bool = False,
+                     pooling: str = "mean"):
+    """Any checkpoint AutoModelForMaskedLM loads, with SDPA attention where its architecture has it -> (model,
+    message); refused here, before any work starts, when xprt cannot take it apart (check_layers, check_mlm_head).
+
+    E5 and MiniLM are saved as plain BertModel: transformers then reports the head
+    (cls.predictions.*) as missing keys and initialises it fresh - transform N(0, 0.02), bias 0 -
+    with the vocabulary projection tied to the word embeddings (tie_word_embeddings). That is our
+    default; `mlm_head_from` (e.g. bert-base-uncased, README, Notes) copies another checkpoint's trained
+    head instead (the projection stays tied to OUR word embeddings). The message says which happened, and which
+    attention runs. pooling: the sentence vector the model is used with ("mean" or "cls"), for the message.
+    """
+    from transformers import AutoModelForMaskedLM
+
+    path = resolve_model_path(name_or_path)
+    attn, attn_note = attention_kwargs(path, AutoModelForMaskedLM, trust_remote_code)
+    # transformers' LOAD REPORT for this call lists the head as MISSING and the pooler as UNEXPECTED, which reads like
+    # an error; the message below states the same facts (and a missing encoder weight still raises)
+    with quiet_load_report():
+        model, info = AutoModelForMaskedLM.from_pretrained(
+            path, output_loading_info=True, trust_remote_code=trust_remote_code, **attn
+        )
+    prefix = model.base_model_prefix + "."
+    # the base model's tensors the MLM model has no module for (BERT's pooler): kept as they are, and written back by
+    # XPRTModel.save_pretrained so the saved folder is a complete AutoModel checkpoint
+    model.xprt_base_extras = checkpoint_tensors(path, [k for k in info["unexpected_keys"]], prefix)
+    missing_head = sorted(k for k in info["missing_keys"] if not k.startswith(prefix))
+    missing_base = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and "position_ids" not in k)
+    if missing_base:
+        raise ValueError(f"{name_or_path}: encoder weights missing from the checkpoint: {missing_base[:5]}")
+    check_layers(model, name_or_path)
+    check_mlm_head(model, name_or_path)
+    weight = _vocab_matrix(model)
+    tied = weight is model.get_input_embeddings().weight
+    if mlm_head_from:
+        donor, dinfo = AutoModelForMaskedLM.from_pretrained(
+            resolve_model_path(mlm_head_from), output_loading_info=True, trust_remote_code=trust_remote_code
+        )
+        donor_missing = [k for k in dinfo["missing_keys"] if not k.startswith(donor.base_model_prefix + ".")]
+        if donor_missing:
+            raise ValueError(f"--mlm_head_from {mlm_head_from} has no trained MLM head either "
+                             f"(missing {donor_missing[:3]})")
+        ours, theirs = _head_params(model), _head_params(donor)
+        if set(ours) != set(theirs) or any(ours[k].shape != theirs[k].shape for k in ours):
+            raise ValueError(f"MLM head of {mlm_head_from} does not fit {name_or_path} "
+                             "(different architecture or vocabulary)")
+        with torch.no_grad():
+            for k in ours:
+                ours[k].copy_(theirs[k])
+        message = (f"MLM head copied from {mlm_head_from} ({len(ours)} tensors); vocabulary projection "
+                   f"{'tied to' if tied else 'NOT tied to'} {name_or_path}'s word embeddings")
+    elif missing_head:
+        message = (f"{name_or_path} has no MLM head ({len(missing_head)} missing keys, e.g. {missing_head[0]}): "
+                   f"initialised fresh, projection {'tied to the word embeddings' if tied else 'NOT tied'}")
+    else:
+        message = f"MLM head loaded from {name_or_path}"
+    if model.xprt_base_extras:
+        vector = "the [CLS] token's last hidden state" if pooling == "cls" else "the mean of the token vectors"
+        message += (f"; kept {', '.join(sorted(model.xprt_base_extras))} unchanged so the saved folder is a complete "
+                    f"{type(model.base_model).__name__} checkpoint (the sentence vector is {vector}, not this "
+                    "pooler's output)")
+    if attn_note:
+        message += f"; {attn_note}"
+    logger.info(message)
+    return model, message
+
+
+def load_teacher(name_or_path: str, trust_remote_code: bool = False):
+    """The frozen starting model for the retention term: AutoModel, eval mode, no gradients, SDPA attention where the
+    architecture has it. A start saved with an MLM head (a *ForMaskedLM checkpoint) has tensors AutoModel has no
+    module for: transformers' LOAD REPORT is silenced and the facts logged (the teacher's message)."""
+    from transformers import AutoModel
+
+    path = resolve_model_path(name_or_path)
+    attn, attn_note = attention_kwargs(path, AutoModel, trust_remote_code)
+    with quiet_load_report():
+        teacher, info = AutoModel.from_pretrained(path, output_loading_info=True, trust_remote_code=trust_remote_code,
+                                                  **attn)
+    missing = sorted(k for k in info["missing_keys"] if "position_ids" not in k)
+    unused = sorted(info["unexpected_keys"])
+    message = f"teacher {name_or_path}: {type(teacher).__name__}, frozen"
+    if unused:
+        message += f"; {len(unused)} checkpoint tensors it has no module for (e.g. {unused[0]}: an MLM head) left out"
+    if missing:
+        message += f"; {len(missing)} weights not in the checkpoint, initialised fresh (e.g. {missing[0]})"
+    if attn_note:
+        message += f"; {attn_note}"
+    logger.info(message)
+    teacher.xprt_load_message = message
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return teacher
