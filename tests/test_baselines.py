@@ -419,3 +419,37 @@ def test_collators_emit_the_retention_fields(tok, tiny_generator):
         assert b["doc_ids"].shape == (5,) and b["retain_input_ids"].shape[:2] == (5, 2)
         assert torch.equal(b["retain_input_ids"], ref["retain_input_ids"])
         assert torch.equal(b["retain_attention_mask"], ref["retain_attention_mask"])
+
+
+@pytest.mark.parametrize("name", ["retromae", "simlm"])
+def test_row_terms_of_chunks_add_up_to_the_batch(name, tok, model, tiny_generator):
+    """row_terms on two chunks of a batch (each carrying the batch's totals) sum to row_terms on the whole batch, loss,
+    logged terms and gradients: each term is a mean over the whole batch's tokens (the gradient cache's contract)."""
+    obj = B.RetroMAE(model.encoder) if name == "retromae" else B.SimLM(model.encoder,
+                                                                         generator_name_or_path=tiny_generator)
+    obj.eval()
+    torch.manual_seed(0)
+    batch = obj.prepare(model, obj.collator_class(tok, max_length=24)(rows_from_docs(5)))
+    params = list(model.parameters()) + list(obj.parameters())
+
+    def run(part):
+        states, vec = obj.encode(model, part)
+        loss, terms = obj.row_terms(model, part, states, vec)
+        loss.backward()
+        return loss.detach(), terms
+
+    whole, whole_terms = run(batch)
+    want = grads(params)
+    for p in params:
+        p.grad = None
+    total, summed = 0, {}
+    for a, b in ((0, 2), (2, 5)):
+        part = {k: v[a:b] if torch.is_tensor(v) and v.dim() and v.shape[0] == 5 else v for k, v in batch.items()}
+        loss, terms = run(part)
+        total = total + loss
+        for k, v in terms.items():
+            summed[k] = summed.get(k, 0) + v
+    torch.testing.assert_close(total, whole, atol=1e-5, rtol=1e-5)
+    for k in whole_terms:
+        torch.testing.assert_close(summed[k], whole_terms[k], atol=1e-5, rtol=1e-5)
+    assert_same_grads(grads(params), want, atol=1e-5)
