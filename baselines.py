@@ -10,24 +10,30 @@ written from its authors' code (read, not copied), one function per equation, wi
                                       training command
 The Table 3 ablation "self-reconstruction" (xPRT's own decoder rebuilding the passage) stays in modeling_xprt.py.
 
-What the paper's setting changes, for every arm:
-  - The text an arm trains on is the anchor passage of each group (select_groups.py), as the paper gives every
-    method the same groups, steps and batch; the official runs read their own corpora (RetroMAE: Wikipedia +
-    BookCorpus at 512 tokens; SimLM: MS MARCO passages at 144; Contriever: 256-token chunks of a token stream).
+What the paper's setting changes, for every arm (choices the official code does not make are marked "ours"):
+  - The text an arm trains on is the anchor passage of each group (select_groups.py, 128 tokens), as the paper gives
+    every method the same groups, steps and batch; the official runs read their own corpora (RetroMAE: Wikipedia +
+    BookCorpus at 512 tokens; SimLM: MS MARCO passages at 144; Contriever: 256-token chunks of a token stream that
+    runs across documents). Contriever's crops are therefore 10-50% of a passage, not of a 256-token chunk.
   - Every arm pools as the start model does (XPRTModel.pool: mean pooling for E5): RetroMAE and SimLM condition their
-    decoders on that vector instead of the [CLS] state; Contriever's "average" pooling is the same mean.
+    decoders on that vector (fp32 mean, cast to the weights' dtype) in place of the [CLS] state; Contriever's
+    "average" pooling is the same mean.
   - Every arm gets the same retention term (XPRTModel's, on the clean anchor and s1: the collators emit its fields).
-  - The passage prefix E5 reads ("passage: ") is kept in every input, and is never masked, replaced, cropped or a
-    prediction target: it is the same in every passage (our choice; the official code has no prefix).
-  - The masking budget counts the tokens the official code counts: [CLS] + the passage + [SEP], not the prefix.
+  - ours: the passage prefix E5 reads ("passage: ") is kept in every input and is never masked, replaced, cropped or
+    a prediction target (it is the same in every passage; the official code has no prefix). The masking budget counts
+    what the official code counts: [CLS] + the passage + [SEP], not the prefix.
+  - SimLM's generator must share the start model's vocabulary (google/electra-base-generator has bert-base-uncased's
+    30,522 words, as E5 and MiniLM do); it is checked at start.
 
 Departures from the official code (each named where it is made):
-  - RetroMAE: the decoder's per-row attention masks are drawn on the device, in the training step, from the same
-    rule (enhanced_decoding_masks), instead of in the data loader with Python lists.
-  - SimLM: the frozen generator is run in eval mode (no dropout). In the official code it is a registered submodule
+  - RetroMAE: the decoder's per-row attention masks are drawn on the device, in the training step, by the same rule
+    (enhanced_decoding_masks), instead of in the data loader with Python lists; the same distribution, other draws.
+  - SimLM: the frozen generator runs in eval mode (no dropout). In the official code it is a registered submodule
     of the trained model, so the Trainer's model.train() turns its dropout back on after `generator.eval()`.
-  - Contriever: in-batch negatives (the official --contrastive_mode inbatch), not the MoCo queue (131,072 keys of a
-    momentum encoder, the official default and the README's run): the paper's setting gives every arm the same batch.
+  - Contriever: in-batch negatives (the official --contrastive_mode inbatch, src/inbatch.py), not the MoCo queue of
+    the README's run (the default mode: 131,072 keys from a momentum encoder, momentum 0.9995, no gradient through
+    the keys): the paper's setting gives every arm the same batch. Its scores stay the official dot products of
+    unnormalised vectors (--norm_query / --norm_doc off); Contriever(normalize=True) makes them cosines.
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -506,9 +511,10 @@ class ContrieverCollator(AnchorCollator):
                 views[v].append([first] + self.prefix_ids + crop + [last])
         for name, vs in zip("qk", views):
             ids = torch.full((len(vs), max(map(len, vs))), tok.pad_token_id, dtype=torch.long)
+            am = torch.zeros_like(ids)
             for j, v in enumerate(vs):
-                ids[j, :len(v)] = torch.tensor(v)
-            batch[f"{name}_input_ids"], batch[f"{name}_attention_mask"] = ids, (ids != tok.pad_token_id).long()
+                ids[j, :len(v)], am[j, :len(v)] = torch.tensor(v), 1
+            batch[f"{name}_input_ids"], batch[f"{name}_attention_mask"] = ids, am
         return batch
 
 
