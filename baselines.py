@@ -1,14 +1,20 @@
 """
 The baselines of the xPRT paper, as their authors run them: RetroMAE, SimLM and Contriever's random spans.
 
-The paper compares xPRT with established objectives "with their official implementations". Each objective here is
-written from its authors' code (read, not copied), one function per equation, with the official numbers:
+The paper compares xPRT with established objectives ("Experiments": "the five baselines use their official
+implementations"). Each is one class over modeling_xprt.Objective, registered as an --objective of train.py, run under
+the same flags, data, steps, batch, schedule and retention term as xPRT; each is written from its authors' code (read,
+not copied), one function per equation, with the official numbers:
   RetroMAE  staoxiao/RetroMAE         src/pretrain/{modeling,enhancedDecoder,data,arguments}.py, examples/pretrain
   SimLM     microsoft/unilm           simlm/src/{models/rlm.py, collators/rlm_collator.py, collators/collator_utils.py,
                                       config.py}, simlm/scripts/train_rlm.sh
   Contriever facebookresearch/contriever  src/{data.py, inbatch.py, moco.py, contriever.py, options.py}, README's
                                       training command
-The Table 3 ablation "self-reconstruction" (xPRT's own decoder rebuilding the passage) stays in modeling_xprt.py.
+  --objective retromae | simlm | contriever; and, kept from before:
+  contrastive_random_span  the earlier Contriever-style approximation (rounded crops of >= 1 token, no word deletion,
+                           cosine scores, the longer crop as the query): how it differs is listed at section 6
+  self_reconstruction      the paper's Table 3 ablation: xPRT's own conditioned decoder rebuilds a passage from that
+                           passage's own vector (no related passages)
 
 What the paper's setting changes, for every arm (choices the official code does not make are marked "ours"):
   - The text an arm trains on is the anchor passage of each group (select_groups.py, 128 tokens), as the paper gives
@@ -41,11 +47,13 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modeling_xprt import VocabSweep, XPRTCollator, gather_with_grad
+from modeling_xprt import (ConditionedDecoder, GroupCollator, Layout, Objective, VocabSweep, gather_with_grad,
+                           group_bounds, group_lengths, info_nce, mlm_loss, register_objective)
 from support import rank_and_world, resolve_model_path
 
 # ==============================================================================================================
@@ -119,42 +127,46 @@ def bert_corruption(ids: torch.Tensor, masked: torch.Tensor, mask_token_id: int,
 # ==============================================================================================================
 
 
-class AnchorCollator(XPRTCollator):
-    """The shared part: the anchor of each group (the text every arm trains on), tokenized as XPRTCollator does
-    (the passage prefix, max_length counting the passage's own tokens), its masking candidates (word_ids: the
-    prefix, [CLS], [SEP] and padding are none), and the retention fields (doc_ids, retain_input_ids /
-    retain_attention_mask: the clean anchor and s1). Seeded generator, checkpointed by state_dict for exact resume."""
+class AnchorCollator(GroupCollator):
+    """What the three baselines' collators share: the anchor of each group (the text every arm trains on), tokenised
+    as every collator does (GroupCollator: the passage prefix, max_length counting the passage's own tokens), its
+    masking candidates as words (word_ids: the prefix, [CLS], [SEP] and padding are none), the retention fields, and
+    a sampler that sorts the groups by their anchors' lengths (the only text these arms read)."""
 
-    def __init__(self, tokenizer, max_length: int = 128, passage_prefix: str = "", seed: int = 0, **_):
-        super().__init__(tokenizer, objective="self_reconstruction", num_related=1, max_length=max_length,
-                         passage_prefix=passage_prefix, seed=seed)
+    def __init__(self, tokenizer, **kw):
+        super().__init__(tokenizer, **kw)
         if not getattr(tokenizer, "is_fast", False):
-            raise ValueError("the baselines' whole-word masking needs a fast tokenizer (its word_ids)")
+            raise ValueError("the baselines' whole-word masking needs a fast tokenizer (BatchEncoding.word_ids)")
+
+    def sort_lengths(self, groups, seed: int):
+        return group_lengths(groups, 0), None  # the anchor's characters only
 
     def anchors(self, rows: list) -> dict:
-        """-> input_ids, attention_mask (G, L) clean anchors, word_ids (G, L), num_tokens (G,) the tokens the official
-        masking budget counts ([CLS] + passage + [SEP]), targets (G, L) the original token where a loss predicts one
-        (every candidate position, -100 elsewhere), and the retention fields."""
-        if not rows:
-            raise ValueError("empty batch")
-        g = len(rows)
-        clean = self._tokenize([t for r in rows for t in (r["anchor"], r["related"][0])])
-        lr = clean["input_ids"].shape[1]
+        """-> the retention fields, and input_ids, attention_mask (G, L) the clean anchors, word_ids (G, L),
+        num_tokens (G,) the tokens the official masking budget counts ([CLS] + passage + [SEP]), targets (G, L) the
+        original token at every maskable position (-100 elsewhere)."""
+        batch = self.retention_fields(rows)
         enc = self._tokenize([r["anchor"] for r in rows])
-        word_ids = word_ids_of(enc, g, skip=len(self.prefix_ids))
+        word_ids = word_ids_of(enc, len(rows), skip=len(self.prefix_ids))
         am = enc["attention_mask"]
-        return {"input_ids": enc["input_ids"], "attention_mask": am, "word_ids": word_ids,
-                "num_tokens": am.sum(1) - len(self.prefix_ids),
-                "targets": enc["input_ids"].masked_fill(word_ids < 0, -100),
-                "doc_ids": torch.tensor([_doc_hash(r["doc_id"]) for r in rows], dtype=torch.long),
-                "retain_input_ids": clean["input_ids"].view(g, 2, lr),
-                "retain_attention_mask": clean["attention_mask"].view(g, 2, lr)}
+        batch.update(input_ids=enc["input_ids"], attention_mask=am, word_ids=word_ids,
+                     num_tokens=am.sum(1) - len(self.prefix_ids),
+                     targets=enc["input_ids"].masked_fill(word_ids < 0, -100))
+        return batch
 
-
-def _doc_hash(doc_id):
-    from support import stable_doc_hash
-
-    return stable_doc_hash(doc_id)
+    @staticmethod
+    def token_rows(batch: dict, **targets) -> Layout:
+        """The flat index of each named target tensor's positions (<name>_index over the flat G * L token states, and
+        <name>_targets), added to `batch`, and the Layout that cuts them into chunks of groups: index tensors built
+        here on the CPU, so that the step gathers rows without a host sync."""
+        g, l = batch["input_ids"].shape
+        flat, bounds = {}, {}
+        for name, t in targets.items():
+            index = (t.reshape(-1) >= 0).nonzero().squeeze(1)
+            batch[f"{name}_index"], batch[f"{name}_targets"] = index, t.reshape(-1)[index]
+            flat.update({f"{name}_index": (name, l), f"{name}_targets": (name, 0)})
+            bounds[name] = group_bounds(index, l, g)
+        return Layout(g, flat, bounds)
 
 
 # ==============================================================================================================
@@ -217,25 +229,25 @@ def enhanced_decoding(layer: nn.Module, query: torch.Tensor, content: torch.Tens
     return layer.output(layer.intermediate(att), att)
 
 
-def retromae_decoder_loss(sweep: VocabSweep, hidden: torch.Tensor, targets: torch.Tensor, weight: float) -> None:
+def retromae_decoder_loss(sweep: VocabSweep, hidden: torch.Tensor, targets: torch.Tensor, weight: float,
+                          share: float = 1.0) -> None:
     """RetroMAE's reconstruction term: the enhanced decoder predicts EVERY token of the passage ([CLS] and [SEP]
     excepted, data.py's decoder_labels) through the encoder's MLM head,
 
         L_dec = mean over the batch's tokens i of -log softmax(head(h_i))[x_i]
 
-    and RetroMAE's loss is L_dec + L_MLM (weights 1 and 1, modeling.py). One cross-entropy of the step's VocabSweep."""
-    sweep.cross_entropy("decoder_loss", hidden, targets, weight)
+    and RetroMAE's loss is L_dec + L_MLM (weights 1 and 1, modeling.py). One cross-entropy of the step's VocabSweep
+    (share: the rows' part of the batch's, Layout.share)."""
+    sweep.cross_entropy("decoder_loss", hidden, targets, weight, share)
 
 
 class RetroMAECollator(AnchorCollator):
     """Rows -> RetroMAE's batch: input_ids the anchor whole-word-masked at 30% with BERT's 80/10/10 (the encoder's
-    input; data.py: DataCollatorForWholeWordMask + torch_mask_tokens), mlm_labels (G, L) its targets, clean_ids the
-    clean anchor (the decoder's content stream), word_ids / num_tokens (the decoder's masks are drawn from them in the
-    step: enhanced_decoding_masks), targets (G, L) the decoder's targets, totals the batch's rows per term."""
+    input; data.py: DataCollatorForWholeWordMask + torch_mask_tokens), mlm_* its targets, clean_ids the clean anchor
+    (the decoder's content stream), dec_* the decoder's targets (every token but [CLS] and [SEP]), word_ids /
+    num_tokens / decoder_mask_rate from which the step draws the decoder's masks (enhanced_decoding_masks)."""
 
-    def __init__(self, tokenizer, encoder_mask_rate: float = 0.3, **kw):
-        super().__init__(tokenizer, **kw)
-        self.encoder_mask_rate = encoder_mask_rate
+    DEFAULT_RATES = (0.30, 0.50)  # arguments.py's encoder_mlm_probability / decoder_mlm_probability
 
     def __call__(self, rows: list) -> dict:
         batch = self.anchors(rows)
@@ -244,66 +256,55 @@ class RetroMAECollator(AnchorCollator):
         batch["clean_ids"] = ids
         batch["input_ids"] = bert_corruption(ids, masked, self.tokenizer.mask_token_id, len(self.tokenizer),
                                              self.generator)
-        batch["mlm_labels"] = ids.masked_fill(~masked, -100)
-        batch["totals"] = {"mlm_loss": int(masked.sum()), "decoder_loss": int((batch["targets"] >= 0).sum())}
+        batch["decoder_mask_rate"] = self.decoder_mask_rate
+        batch["layout"] = self.token_rows(batch, mlm=ids.masked_fill(~masked, -100), dec=batch.pop("targets"))
         return batch
 
 
-class RetroMAE(nn.Module):
-    """RetroMAE: loss = L_dec (enhanced decoding, 50%) + L_MLM (encoder, 30%). Owns its one fresh decoder layer
-    (BERT's initialisation, as modeling.py's c_head.apply(lm._init_weights)); the embeddings and the MLM head are the
-    encoder's own."""
+@register_objective
+class RetroMAE(Objective):
+    """RetroMAE: loss = L_dec (enhanced decoding, 50%) + L_MLM (encoder, 30%), weights 1 and 1. Owns its one fresh
+    decoder layer, of the encoder's own layer class, with the encoder's initialisation (modeling.py's
+    c_head.apply(lm._init_weights)); the embeddings and the MLM head are the encoder's."""
 
     name = "retromae"
-    collator_class = RetroMAECollator
+    trains_every_head = True  # the decoder layer and the MLM head (both terms)
 
-    def __init__(self, encoder, decoder_mask_rate: float = 0.5, **_):
-        super().__init__()
-        layers = _encoder_layers(encoder.base_model)
-        self.decoder = type(layers[0])(encoder.config)
+    def __init__(self, encoder):
+        super().__init__(encoder)
+        self.decoder = type(_encoder_layers(encoder.base_model)[0])(encoder.config)
         self.decoder.apply(encoder._init_weights)
-        self.decoder_mask_rate = decoder_mask_rate
+
+    def make_collator(self, tokenizer, **kw):
+        return RetroMAECollator(tokenizer, **kw)
 
     def prepare(self, model, batch: dict) -> dict:
-        """The decoder's per-row masks, on the batch's device (no gradient)."""
+        """The decoder's per-row masks, drawn on the batch's device (no gradient): visible (G, L, L)."""
         with torch.no_grad():
             visible = enhanced_decoding_masks(batch["word_ids"], batch["num_tokens"], batch["attention_mask"],
-                                              self.decoder_mask_rate)
+                                              batch["decoder_mask_rate"])
         return {**batch, "visible": visible}
 
     def encode(self, model, batch: dict):
-        hidden, vec = model.encode(batch["input_ids"], batch["attention_mask"])  # (G, L, H), (G, H)
-        return (hidden, vec), vec.new_zeros(vec.shape[0], 0, vec.shape[1])  # no term couples the rows
-
-    def batch_terms(self, model, vec, batch: dict):
-        return vec.new_zeros(()), {}
+        """-> ((token states (G, L, H), pooled vectors (G, H)) of the 30%-masked anchor, (G, 0, H): no batch term)."""
+        hidden, vec = model.encode(batch["input_ids"], batch["attention_mask"])
+        return (hidden, vec), vec.new_zeros(vec.shape[0], 0, vec.shape[1])
 
     def row_terms(self, model, batch: dict, states, vec):
         hidden, sent = states
         emb = model.base.embeddings
-        ids = batch["clean_ids"]
-        g, l = ids.shape
-        v = sent.to(hidden.dtype).unsqueeze(1)  # (G, 1, H) the pooled vector in place of [CLS]
-        content = torch.cat([v, emb(input_ids=ids)[:, 1:]], dim=1)  # (G, L, H)
+        l = batch["clean_ids"].shape[1]
+        v = sent.to(hidden.dtype).unsqueeze(1)  # (G, 1, H): the pooled vector, in place of the [CLS] state
+        content = torch.cat([v, model.token_embeddings(batch["clean_ids"])[:, 1:]], dim=1)  # (G, L, H)
         query = emb.position_embeddings(emb.position_ids[:, :l]) + v  # (G, L, H)
         dec = enhanced_decoding(self.decoder, query, content, batch["visible"])
-        return vocab_terms(model, batch, [("mlm_loss", hidden, batch["mlm_labels"]),
-                                          ("decoder_loss", dec, batch["targets"])])
-
-
-def vocab_terms(model, batch: dict, terms: list):
-    """[(name, states (G, L, H), targets (G, L) with -100 where no loss)] -> VocabSweep.run()'s (weighted sum, terms):
-    each term the mean over the WHOLE batch's target tokens (batch["totals"][name]), also when `batch` is a chunk."""
-    sweep, shares = VocabSweep(model), []
-    for name, states, targets in terms:
-        index = (targets.reshape(-1) >= 0).nonzero().squeeze(1)  # a host sync per term and step
-        share = index.numel() / max(1, batch["totals"][name])
-        shares.append(share)
-        sweep.cross_entropy(name, states.reshape(-1, states.shape[-1]).index_select(0, index),
-                            targets.reshape(-1).index_select(0, index), share)
-    total, values = sweep.run()
-    # each value weighted by its share, so that the chunks' values add up to the batch's means
-    return total, {name: v * (index_share) for (name, v), index_share in zip(values.items(), shares)}
+        layout, sweep = batch["layout"], VocabSweep(model)
+        h = hidden.shape[-1]
+        mlm_loss(sweep, hidden.reshape(-1, h).index_select(0, batch["mlm_index"]), batch["mlm_targets"], 1.0,
+                 layout.share("mlm"))
+        retromae_decoder_loss(sweep, dec.reshape(-1, h).index_select(0, batch["dec_index"]), batch["dec_targets"],
+                              1.0, layout.share("dec"))
+        return sweep.run()
 
 
 def _encoder_layers(base) -> nn.ModuleList:
@@ -351,7 +352,7 @@ def replace_tokens(generator: nn.Module, input_ids: torch.Tensor, attention_mask
 
 
 def simlm_replaced_lm_loss(sweep: VocabSweep, name: str, hidden: torch.Tensor, targets: torch.Tensor,
-                           weight: float) -> None:
+                           weight: float, share: float = 1.0) -> None:
     """SimLM's replaced language modelling: the encoder (on its 30%-replaced text) and the decoder (on its 50%-replaced
     text, after the sentence vector) each predict the ORIGINAL token at every position, replaced or not, through the
     shared MLM head (every special token excepted, rlm_collator.py's labels):
@@ -359,20 +360,22 @@ def simlm_replaced_lm_loss(sweep: VocabSweep, name: str, hidden: torch.Tensor, t
         L_enc = mean_i -log softmax(head(h^enc_i))[x_i],   L_dec = mean_i -log softmax(head(h^dec_i))[x_i]
         L = L_dec + L_enc        (rlm.py; its generator MLM term has weight 0.2 but is 0: the generator is frozen)
 
-    One cross-entropy of the step's VocabSweep per call (name: encoder_rlm_loss or decoder_rlm_loss)."""
-    sweep.cross_entropy(name, hidden, targets, weight)
+    One cross-entropy of the step's VocabSweep per call (name: encoder_rlm_loss or decoder_rlm_loss; share: the rows'
+    part of the batch's, Layout.share)."""
+    sweep.cross_entropy(name, hidden, targets, weight, share)
 
 
 class SimLMCollator(AnchorCollator):
     """Rows -> SimLM's batch: enc_input_ids / dec_input_ids (G, L) the anchor masked by simlm_masks (every masked
-    token [MASK]: train_rlm.sh's --all_use_mask_token True), enc_masked / dec_masked (G, L) the positions the
-    generator fills (prepare), targets (G, L) the original token at every non-special position, totals."""
+    token [MASK]: train_rlm.sh's --all_use_mask_token True; False: BERT's 80/10/10, config.py's default),
+    enc_masked / dec_masked (G, L) the positions the generator fills (prepare), tok_* the targets: the original token
+    at every non-special position."""
 
-    def __init__(self, tokenizer, encoder_mask_rate: float = 0.3, decoder_mask_rate: float = 0.5,
-                 all_mask_token: bool = True, **kw):
+    DEFAULT_RATES = (0.30, 0.50)  # config.py's rlm_encoder_mask_prob / rlm_decoder_mask_prob
+
+    def __init__(self, tokenizer, all_mask_token: bool = True, **kw):
         super().__init__(tokenizer, **kw)
-        self.encoder_mask_rate, self.decoder_mask_rate, self.all_mask_token = (encoder_mask_rate, decoder_mask_rate,
-                                                                               all_mask_token)
+        self.all_mask_token = all_mask_token
 
     def __call__(self, rows: list) -> dict:
         batch = self.anchors(rows)
@@ -383,30 +386,31 @@ class SimLMCollator(AnchorCollator):
         corrupt = [bert_corruption(ids, m, tok.mask_token_id, len(tok), self.generator, self.all_mask_token)
                    for m in (enc, dec)]
         # every special token is no target, [UNK] included (rlm_collator.py: labels[labels == special_id] = -100)
-        special = torch.isin(ids, torch.tensor(tok.all_special_ids))
-        batch["targets"] = batch["targets"].masked_fill(special, -100)
-        n = int((batch["targets"] >= 0).sum())
-        batch.update(enc_input_ids=corrupt[0], dec_input_ids=corrupt[1], enc_masked=enc, dec_masked=dec,
-                     totals={"encoder_rlm_loss": n, "decoder_rlm_loss": n})
+        targets = batch.pop("targets").masked_fill(torch.isin(ids, torch.tensor(tok.all_special_ids)), -100)
+        batch.update(enc_input_ids=corrupt[0], dec_input_ids=corrupt[1], enc_masked=enc, dec_masked=dec)
+        batch["layout"] = self.token_rows(batch, tok=targets)
         return batch
 
 
-class SimLM(nn.Module):
+@register_objective
+class SimLM(Objective):
     """SimLM: loss = L_dec + L_enc (simlm_replaced_lm_loss). Owns its decoder, a copy of the encoder's last two layers
-    (rlm.py: copy.deepcopy(encoder.layer[-2:])), reading the sentence vector followed by the encoder's embeddings of
-    the decoder's replaced text. The frozen generator (--generator_name_or_path, official default
-    google/electra-base-generator) is kept OUT of the module tree: not trained, not saved, not in the optimiser."""
+    taken at the start (rlm.py: copy.deepcopy(encoder.layer[-2:])), reading the sentence vector followed by the
+    encoder's embeddings of the decoder's replaced text. The frozen generator (--generator_name_or_path, official
+    default google/electra-base-generator) is kept OUT of the module tree: not trained, not saved, not in the
+    optimiser, not wrapped by DDP; prepare moves it to the batch's device."""
 
     name = "simlm"
-    collator_class = SimLMCollator
+    trains_every_head = True  # the decoder and the MLM head (both terms)
 
     def __init__(self, encoder, generator_name_or_path: str = "google/electra-base-generator",
-                 decoder_layers: int = 2, **_):
-        super().__init__()
+                 decoder_layers: int = 2):
+        super().__init__(encoder)
         from transformers import AutoModelForMaskedLM
 
+        self.generator_name_or_path, self.decoder_layers = generator_name_or_path, decoder_layers
         self.decoder = copy.deepcopy(_encoder_layers(encoder.base_model)[-decoder_layers:])
-        self.config = encoder.config
+        self.encoder_config = encoder.config
         gen = AutoModelForMaskedLM.from_pretrained(resolve_model_path(generator_name_or_path))
         if gen.config.vocab_size != encoder.config.vocab_size:
             raise ValueError(f"generator {generator_name_or_path} has {gen.config.vocab_size} words, the encoder "
@@ -419,6 +423,12 @@ class SimLM(nn.Module):
     def generator(self) -> nn.Module:
         return self._generator[0]
 
+    def config(self) -> dict:
+        return {"generator_name_or_path": self.generator_name_or_path, "decoder_layers": self.decoder_layers}
+
+    def make_collator(self, tokenizer, **kw):
+        return SimLMCollator(tokenizer, **kw)
+
     def prepare(self, model, batch: dict) -> dict:
         """The generator's replacements, for the encoder's and the decoder's text (no gradient)."""
         gen = self.generator
@@ -430,23 +440,26 @@ class SimLM(nn.Module):
                 "dec_input_ids": replace_tokens(gen, batch["dec_input_ids"], am, batch["dec_masked"])}
 
     def encode(self, model, batch: dict):
+        """-> ((token states (G, L, H), pooled vectors (G, H)) of the replaced anchor, (G, 0, H): no batch term)."""
         hidden, vec = model.encode(batch["enc_input_ids"], batch["attention_mask"])
         return (hidden, vec), vec.new_zeros(vec.shape[0], 0, vec.shape[1])
-
-    def batch_terms(self, model, vec, batch: dict):
-        return vec.new_zeros(()), {}
 
     def row_terms(self, model, batch: dict, states, vec):
         from transformers.masking_utils import create_bidirectional_mask
 
         hidden, sent = states
-        emb = model.base.embeddings(input_ids=batch["dec_input_ids"])  # (G, L, H)
+        emb = model.token_embeddings(batch["dec_input_ids"])  # (G, L, H)
         x = torch.cat([sent.to(emb.dtype).unsqueeze(1), emb[:, 1:]], dim=1)  # the vector in place of [CLS]
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=x, attention_mask=batch["attention_mask"])
+        mask = create_bidirectional_mask(config=self.encoder_config, inputs_embeds=x,
+                                         attention_mask=batch["attention_mask"])
         for layer in self.decoder:
             x = layer(x, mask)
-        return vocab_terms(model, batch, [("encoder_rlm_loss", hidden, batch["targets"]),
-                                          ("decoder_rlm_loss", x, batch["targets"])])
+        layout, sweep, h = batch["layout"], VocabSweep(model), hidden.shape[-1]
+        index, targets, share = batch["tok_index"], batch["tok_targets"], layout.share("tok")
+        simlm_replaced_lm_loss(sweep, "encoder_rlm_loss", hidden.reshape(-1, h).index_select(0, index), targets, 1.0,
+                               share)
+        simlm_replaced_lm_loss(sweep, "decoder_rlm_loss", x.reshape(-1, h).index_select(0, index), targets, 1.0, share)
+        return sweep.run()
 
 
 # ==============================================================================================================
@@ -491,20 +504,22 @@ class ContrieverCollator(AnchorCollator):
     """Rows -> two views of each anchor: q_input_ids / q_attention_mask and k_input_ids / k_attention_mask (G, L_v),
     each an independent random_crop of the anchor's own tokens (ratio U[0.1, 0.5]), then delete_words (p 0.1), then
     [CLS] prefix ... [SEP] around it (data.py's add_bos_eos; the prefix is never cropped), in drawn order (q: the first
-    crop, as data.py's q_tokens)."""
+    crop, as data.py's q_tokens), each view padded to its own longest."""
+
+    DEFAULT_RATES = (0.0, 0.0)
 
     def __init__(self, tokenizer, crop_ratio: tuple = (0.1, 0.5), delete_prob: float = 0.1, **kw):
         super().__init__(tokenizer, **kw)
         self.crop_ratio, self.delete_prob = tuple(crop_ratio), delete_prob
 
     def __call__(self, rows: list) -> dict:
-        batch = {k: v for k, v in self.anchors(rows).items() if k in ("doc_ids", "retain_input_ids",
-                                                                      "retain_attention_mask")}
+        batch = self.retention_fields(rows)
         tok = self.tokenizer
         first = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
         last = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
         views = ([], [])
-        for toks in self.crop_token_ids([r["anchor"] for r in rows]):
+        texts = [r["anchor"] for r in rows]
+        for toks in tok(texts, add_special_tokens=False, truncation=True, max_length=self.max_length)["input_ids"]:
             for v in range(2):
                 start, length = random_crop(len(toks), self.crop_ratio, self.generator)
                 crop = delete_words(toks[start:start + length], self.delete_prob, self.generator)
@@ -515,30 +530,267 @@ class ContrieverCollator(AnchorCollator):
             for j, v in enumerate(vs):
                 ids[j, :len(v)], am[j, :len(v)] = torch.tensor(v), 1
             batch[f"{name}_input_ids"], batch[f"{name}_attention_mask"] = ids, am
+        batch["layout"] = Layout(len(rows))
         return batch
 
 
-class Contriever(nn.Module):
-    """Contriever's random spans with in-batch negatives: contriever_loss on the two crops' pooled vectors. No heads."""
+@register_objective
+class Contriever(Objective):
+    """Contriever's random spans with in-batch negatives: contriever_loss on the two crops' pooled vectors, a batch
+    term only. temperature: --temperature of the official run (0.05); normalize: --norm_query / --norm_doc (off)."""
 
     name = "contriever"
-    collator_class = ContrieverCollator
 
-    def __init__(self, encoder, tau: float = 0.05, normalize: bool = False, **_):
-        super().__init__()
-        self.tau, self.normalize = tau, normalize
+    def __init__(self, encoder, temperature: float = 0.05, normalize: bool = False):
+        super().__init__(encoder)
+        self.temperature, self.normalize = temperature, normalize
 
-    def prepare(self, model, batch: dict) -> dict:
-        return batch
+    def config(self) -> dict:
+        return {"temperature": self.temperature, "normalize": self.normalize}
+
+    def make_collator(self, tokenizer, **kw):
+        return ContrieverCollator(tokenizer, **kw)
 
     def encode(self, model, batch: dict):
+        """-> (None, (G, 2, H): the first crop's vector, the second's)."""
         q = model.encode(batch["q_input_ids"], batch["q_attention_mask"])[1]
         k = model.encode(batch["k_input_ids"], batch["k_attention_mask"])[1]
-        return None, torch.stack([q, k], dim=1)  # (G, 2, H)
+        return None, torch.stack([q, k], dim=1)
 
-    def batch_terms(self, model, vec, batch: dict):
-        c = contriever_loss(vec[:, 0], vec[:, 1], self.tau, self.normalize)
+    def batch_terms(self, model, vec, batch: dict, **step):
+        c = contriever_loss(vec[:, 0], vec[:, 1], self.temperature, self.normalize)
         return c, {"contrastive_loss": c}
 
-    def row_terms(self, model, batch: dict, states, vec):
-        return vec.new_zeros(()), {}
+
+# ==============================================================================================================
+# 6. Random spans, the earlier approximation of Contriever (contrastive_random_span)
+# ==============================================================================================================
+
+
+def contrastive_random_span(view1: torch.Tensor, view2: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
+    """Contriever-style baseline: two independent random crops of one passage (length ratio
+    uniform in [0.1, 0.5], RandomSpanCollator) form the positive pair; InfoNCE, tau = 0.05, with the
+    (gathered) in-batch crops as negatives, one direction (view1 -> view2) as in Contriever.
+
+    The longer crop is view1: batches are grouped by the crops' lengths, and with the views in drawn order a query's
+    partner would be the candidate of the other length class, a cue a length-only scorer uses
+    (bench/bench_batches.py). The crops are exchangeable, so which one is the query is the labelling only."""
+    all_v2 = gather_with_grad(view2)
+    n = view1.shape[0]
+    labels = torch.arange(n, device=view1.device) + rank_and_world()[0] * n
+    return info_nce(view1, all_v2, labels, tau)
+
+
+@register_objective
+class RandomSpanObjective(Objective):
+    """contrastive_random_span on the two crops of each group's anchor: a batch term only."""
+
+    name = "contrastive_random_span"
+
+    def make_collator(self, tokenizer, **kw):
+        return RandomSpanCollator(tokenizer, **kw)
+
+    def encode(self, model, batch):
+        """-> (None, (G, 2, H): the longer crop, the shorter), each crop padded to its own length."""
+        _, v_long = model.encode(batch["input_ids"], batch["attention_mask"])  # (G, H)
+        _, v_short = model.encode(batch["short_input_ids"], batch["short_attention_mask"])
+        return None, torch.stack([v_long, v_short], dim=1)
+
+    def batch_terms(self, model, vec, batch, **step):
+        c = contrastive_random_span(vec[:, 0], vec[:, 1], model.tau)  # the longer crop is the query
+        return c, {"contrastive_loss": c}
+
+
+class RandomSpanCollator(GroupCollator):
+    """Contriever's random cropping of each group's anchor (ratio uniform in [0.1, 0.5]), plus the retention fields.
+    Its batches are grouped by the crops' lengths (sort_lengths), which dealing one document's groups apart would
+    undo."""
+
+    DEFAULT_RATES = (0.0, 0.0)
+    spread_documents = False
+
+    def __init__(self, tokenizer, crop_ratio: tuple = (0.1, 0.5), **kw):
+        super().__init__(tokenizer, **kw)
+        self.crop_ratio = crop_ratio
+
+    def __call__(self, rows: list) -> dict:
+        batch = self.retention_fields(rows)
+        spans = [r["crop_spans"] for r in rows] if "crop_spans" in rows[0] else None
+        batch.update(self._crops([r["anchor"] for r in rows], spans))
+        batch["layout"] = Layout(len(rows))
+        return batch
+
+    def sort_lengths(self, groups, seed: int, batch_size: int = 8192):
+        """The random-span baseline's batching: (epoch -> lengths for the sampler, (epoch, row) -> its crop spans).
+
+        Its views are two random crops of each anchor (XPRTCollator._crops), not the texts: grouping rows by text length
+        left about half of each batch padding (padding efficiency 0.49-0.53). So the crops are drawn before batching,
+        per (seed, epoch) for every row at once (modeling_xprt.crop_spans, from each anchor's token count, counted
+        here once: one tokenizer pass over the anchors, an int32 per row), the sampler sorts by the crops' lengths
+        (longer, shorter: two tensors, LengthGroupedBatchSampler._longest_first), and the loop hands each row its
+        spans. One epoch's spans are kept at a time (16 bytes per row)."""
+        num_tokens = np.empty(len(groups), dtype=np.int32)
+        pos = 0
+        for batch in groups.select_columns(["anchor"]).iter(batch_size=batch_size):
+            ids = self.crop_token_ids(batch["anchor"])
+            num_tokens[pos:pos + len(ids)] = [len(x) for x in ids]
+            pos += len(ids)
+        cache = {}
+
+        def spans_for(epoch):
+            if epoch not in cache:
+                cache.clear()
+                cache[epoch] = crop_spans(num_tokens, seed, epoch, self.crop_ratio)
+            return cache[epoch]
+
+        def lengths_for(epoch):  # (N, 2): the longer and the shorter crop
+            k = spans_for(epoch)[:, :, 1]
+            return np.stack([k.max(1), k.min(1)], axis=1)
+
+        return lengths_for, lambda epoch, i: {"crop_spans": spans_for(epoch)[i]}
+
+    def _crops(self, texts, spans=None):
+        """Contriever's random cropping: two independent spans of each text, each of length
+        ratio ~ U[crop_ratio] of its tokens (at least one token), re-wrapped in [CLS] prefix ... [SEP]
+        (the prefix is not cropped: every view is a passage as E5 reads it).
+
+        spans (G, 2, 2) [start, length] per view: drawn before batching (crop_spans, sort_lengths: so that batches can
+        be grouped by the crops' lengths); None draws them here from the collator's generator.
+        Layout: the longer crop of each row in input_ids / attention_mask (G, L), the shorter in short_input_ids /
+        short_attention_mask (G, L_short), each padded to its own longest, and view1_is_long (G,) to put them back
+        in view order: padding both views to one length would pad every short crop to the longest long one."""
+        tok = self.tokenizer
+        body = self.crop_token_ids(texts)
+        lo, hi = self.crop_ratio
+        # BERT's [CLS]/[SEP]; RoBERTa-style tokenizers have <s>/</s> as bos/eos
+        first = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
+        last = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
+        views = []
+        for i, toks in enumerate(body):
+            for v in range(2):
+                n = len(toks)
+                if spans is None:
+                    ratio = lo + (hi - lo) * torch.rand((), generator=self.generator).item()
+                    k = max(1, int(round(ratio * n)))
+                    start = int(torch.randint(0, max(1, n - k + 1), (), generator=self.generator))
+                else:
+                    start, k = int(spans[i][v][0]), int(spans[i][v][1])
+                views.append([first] + self.prefix_ids + toks[start : start + k] + [last])
+        g = len(texts)
+        view1_is_long = torch.tensor([len(views[2 * i]) >= len(views[2 * i + 1]) for i in range(g)])
+        long = [views[2 * i + (0 if view1_is_long[i] else 1)] for i in range(g)]
+        short = [views[2 * i + (1 if view1_is_long[i] else 0)] for i in range(g)]
+
+        def pad(vs):
+            ids = torch.full((len(vs), max(len(v) for v in vs)), tok.pad_token_id, dtype=torch.long)
+            am = torch.zeros_like(ids)
+            for j, v in enumerate(vs):
+                ids[j, : len(v)] = torch.tensor(v)
+                am[j, : len(v)] = 1
+            return ids, am
+
+        (ids, am), (sids, sam) = pad(long), pad(short)
+        return {"input_ids": ids, "attention_mask": am, "short_input_ids": sids, "short_attention_mask": sam,
+                "view1_is_long": view1_is_long}
+
+    def crop_token_ids(self, texts) -> list:
+        """The tokens random cropping draws from: each text's own tokens, cut to max_length (no specials)."""
+        return self.tokenizer(list(texts), add_special_tokens=False, truncation=True,
+                              max_length=self.max_length)["input_ids"]
+
+
+def crop_spans(num_tokens, seed: int, epoch: int, crop_ratio: tuple = (0.1, 0.5)):
+    """Both random crops of every row, drawn at once for an epoch: (N, 2, 2) int64 [start, length] per view, from
+    num_tokens (N,) (RandomSpanCollator.crop_token_ids' lengths). A function of (seed, epoch) only, so the batch sampler
+    can group rows by their crops' lengths before any batch is collated, and a resumed run draws the same crops.
+    The draws of RandomSpanCollator._crops: length = max(1, round(ratio * n)), ratio ~ U[crop_ratio], start uniform over
+    the places the span fits."""
+    n = np.asarray(num_tokens, dtype=np.int64)[:, None]  # (N, 1)
+    rng = np.random.default_rng([seed, epoch])
+    lo, hi = crop_ratio
+    ratio = lo + (hi - lo) * rng.random((len(n), 2))
+    k = np.maximum(1, np.round(ratio * n).astype(np.int64))
+    start = np.floor(rng.random((len(n), 2)) * np.maximum(1, n - k + 1)).astype(np.int64)
+    return np.stack([start, k], axis=-1)
+
+
+# ==============================================================================================================
+# 7. Self-reconstruction (the paper's Table 3 ablation)
+# ==============================================================================================================
+
+
+def self_reconstruction(sweep: VocabSweep, dec_hidden: torch.Tensor, dec_targets: torch.Tensor,
+                        enc_hidden: torch.Tensor, enc_targets: torch.Tensor, shares=(1.0, 1.0)) -> None:
+    """The paper's self-reconstruction ablation: L = L_recon + L_MLM, weights 1 and 1. The encoder reads the passage
+    30%-masked (L_MLM, mlm_loss); xPRT's one-layer conditioned decoder rebuilds the passage, 50%-masked, from the
+    passage's own vector (L_recon: cross-entropy at the decoder's masked positions). Both terms go to the step's
+    VocabSweep, whose weighted sum is this loss. shares: (L_recon's, L_MLM's) share of the batch's rows when the rows
+    are a chunk of it (Layout.share). RetroMAE proper (two-stream decoding) is its own objective."""
+    sweep.cross_entropy("recon_loss", dec_hidden, dec_targets, 1.0, shares[0])
+    mlm_loss(sweep, enc_hidden, enc_targets, 1.0, shares[1])
+
+
+@register_objective
+class SelfReconstructionObjective(Objective):
+    """self_reconstruction on each group's anchor: row terms only (the decoder reads the anchor's own vector)."""
+
+    name = "self_reconstruction"
+    trains_every_head = True
+
+    def __init__(self, encoder, num_condition_vectors: int = 4, decoder_layers: int = 1):
+        super().__init__(encoder)
+        self.num_condition_vectors, self.decoder_layers = num_condition_vectors, decoder_layers
+        self.decoder = ConditionedDecoder(encoder, num_condition_vectors, decoder_layers)
+
+    def config(self) -> dict:
+        return {"num_condition_vectors": self.num_condition_vectors, "decoder_layers": self.decoder_layers}
+
+    def make_collator(self, tokenizer, **kw):
+        return SelfReconstructionCollator(tokenizer, num_condition_vectors=self.num_condition_vectors, **kw)
+
+    def encode(self, model, batch):
+        ids, am = batch["input_ids"], batch["attention_mask"]  # (G, L)
+        hidden, vec = model.encode(ids, am)
+        return hidden.reshape(-1, hidden.shape[-1]), vec.unsqueeze(1)  # (G * L, H), (G, 1, H)
+
+    def row_terms(self, model, batch, states, vec):
+        ids, am = batch["dec_input_ids"], batch["attention_mask"]  # (G, L)
+        emb = model.token_embeddings(ids)
+        dec_flat = self.decoder(vec[:, 0].to(emb.dtype), emb, am).reshape(-1, emb.shape[-1])
+        layout, sweep = batch["layout"], VocabSweep(model)
+        self_reconstruction(sweep, dec_flat.index_select(0, batch["dec_rows"]), batch["dec_targets"],
+                            states.index_select(0, batch["mlm_index"]), batch["mlm_targets"],
+                            shares=(layout.share("dec"), layout.share("mlm")))
+        return sweep.run()
+
+
+class SelfReconstructionCollator(GroupCollator):
+    """Each group's anchor, 30%-masked for the encoder (BERT's 80/10/10) and, independently, 50%-masked (all [MASK])
+    for the decoder (RetroMAE's rates)."""
+
+    DEFAULT_RATES = (0.30, 0.50)
+
+    def __init__(self, tokenizer, num_condition_vectors: int = 4, **kw):
+        super().__init__(tokenizer, **kw)
+        self.num_condition_vectors = num_condition_vectors
+
+    def __call__(self, rows: list) -> dict:
+        batch = self.retention_fields(rows)
+        enc = self._tokenize([r["anchor"] for r in rows])
+        ids, am = enc["input_ids"], enc["attention_mask"]
+        g, l = ids.shape
+        cand = self._candidates(enc)
+        masked, labels = self._mask_bert(ids, cand, self.encoder_mask_rate)
+        dec_ids, dec_labels = self._mask_all(ids, cand, self.decoder_mask_rate)
+        mlm_index = (labels != -100).reshape(-1).nonzero().squeeze(1)
+        dec_index = (dec_labels != -100).reshape(-1).nonzero().squeeze(1)
+        c = self.num_condition_vectors
+        batch.update({"input_ids": masked, "attention_mask": am, "mlm_labels": labels, "dec_input_ids": dec_ids,
+                      "dec_labels": dec_labels,
+                      "mlm_index": mlm_index, "mlm_targets": labels.reshape(-1)[mlm_index],
+                      "dec_rows": ConditionedDecoder.output_rows(dec_index, l, c),
+                      "dec_targets": dec_labels.reshape(-1)[dec_index]})
+        batch["layout"] = Layout(g, {"mlm_index": ("mlm", l), "mlm_targets": ("mlm", 0), "dec_rows": ("dec", l + c),
+                                     "dec_targets": ("dec", 0)},
+                                 {"mlm": group_bounds(mlm_index, l, g), "dec": group_bounds(dec_index, l, g)})
+        return batch

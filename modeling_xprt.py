@@ -4,17 +4,21 @@ xPRT's model and its equations (the xPRT paper, "The objective"; the PAIR paper 
 Read it top to bottom beside the paper:
   1. pooling and gathers: the sentence vector, and vectors gathered across processes (in-batch negatives)
   2. the equations, one function each, in the paper's order: L_xp, L_cross, L_self, L_MLM, L_unif, the retention KL;
-     the two baselines (random-span contrastive, self-reconstruction); PAIR's L_Q, L_P and their mix
+     PAIR's L_Q, L_P and their mix
   3. the decoder: the 10 passes of a group, the one-layer conditioned decoder
-  4. the model: the encoder with its MLM head, XPRTModel (one method per objective), the batch embedder
-  5. the collators: rows -> one batch of tensors (all masking, cropping and index building)
-  6. the vocabulary sweep: how L_MLM, L_cross and L_self compute, together, chunk by chunk
-The plumbing (names and prefixes, files, the model folder and its card) is in support.py, which this file imports.
+  4. the objectives: one class each (xPRT, PAIR), the few methods the step and the gradient cache need
+  5. the model: the encoder with its MLM head, XPRTModel (the step and the gradient cache, written once), the batch
+     embedder
+  6. the collators: rows -> one batch of tensors (all masking and index building) and its Layout
+  7. the vocabulary sweep: how L_MLM, L_cross and L_self compute, together, chunk by chunk
+The comparison objectives (random spans, RetroMAE, SimLM, the self-reconstruction ablation) are in baselines.py; the
+plumbing (names and prefixes, files, the model folder and its card) is in support.py, which this file imports.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -97,9 +101,9 @@ def gather_no_grad(t: torch.Tensor) -> torch.Tensor:
 
 # ==============================================================================================================
 # 2. The equations, in the paper's order
-# L_xp (the main term), L_cross (fill-in), L_self, L_MLM, L_unif, the retention KL; then the two baselines the
-# paper compares with, then PAIR's L_Q, L_P and their mix. L_cross, L_self and L_MLM hand their rows to the step's
-# VocabSweep (section 6), which computes all three in one pass over the vocabulary.
+# L_xp (the main term), L_cross (fill-in), L_self, L_MLM, L_unif, the retention KL; then PAIR's L_Q, L_P and their
+# mix. L_cross, L_self and L_MLM hand their rows to the step's VocabSweep (section 7), which computes all three in one
+# pass over the vocabulary.
 # ==============================================================================================================
 
 
@@ -140,7 +144,8 @@ def xp_loss(anchors: torch.Tensor, s1: torch.Tensor, doc_ids: torch.Tensor, tau:
     return 0.5 * (a_to_s + s_to_a)
 
 
-def cross_fill_loss(sweep: "VocabSweep", hidden: torch.Tensor, targets: torch.Tensor, weight: float) -> None:
+def cross_fill_loss(sweep: "VocabSweep", hidden: torch.Tensor, targets: torch.Tensor, weight: float,
+                    share: float = 1.0) -> None:
     """L_cross (weight 0.1): masked-token cross-entropy of the conditioned one-layer decoder.
 
         L_cross = mean over masked positions m of -log softmax(head(h_dec[m]))[x_m]
@@ -150,22 +155,25 @@ def cross_fill_loss(sweep: "VocabSweep", hidden: torch.Tensor, targets: torch.Te
     directions: the anchor fills each of the 4 related passages, each related passage fills the anchor (8 of the
     10 passes of decoder_pass_plan). hidden: (M, H) decoder states at the masked positions of all cross passes of
     all groups (before the MLM head), targets (M,) the original tokens. The term is one cross-entropy of the
-    step's VocabSweep: its value and gradient come out of sweep.run(), with L_MLM's and L_self's."""
-    sweep.cross_entropy("cross_fill_loss", hidden, targets, weight)
+    step's VocabSweep: its value and gradient come out of sweep.run(), with L_MLM's and L_self's. share: the rows'
+    part of the batch's rows when they are a chunk of it (the gradient cache: Layout.share), 1 otherwise."""
+    sweep.cross_entropy("cross_fill_loss", hidden, targets, weight, share)
 
 
-def self_fill_loss(sweep: "VocabSweep", hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: float) -> None:
+def self_fill_loss(sweep: "VocabSweep", hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: float,
+                   share: float = 1.0) -> None:
     """L_self: the decoder fills a passage's own masked words from that passage's own vector; the target is the
     encoder's word distribution at the same positions of its 15%-masked pass (detached: a teacher):
 
         L_self = mean over masked positions m of KL( softmax(head(h_enc[m])) || softmax(head(h_dec[m])) )
 
     Anchor and s1 only (the 2 self passes of decoder_pass_plan). hidden: (M, H) decoder states, teacher_hidden:
-    (M, H) encoder states at the same tokens (both before the MLM head). One KL term of the step's VocabSweep."""
-    sweep.kl_to_teacher("self_fill_loss", hidden, teacher_hidden, weight)
+    (M, H) encoder states at the same tokens (both before the MLM head). One KL term of the step's VocabSweep
+    (share: as in cross_fill_loss)."""
+    sweep.kl_to_teacher("self_fill_loss", hidden, teacher_hidden, weight, share)
 
 
-def mlm_loss(sweep: "VocabSweep", hidden: torch.Tensor, targets: torch.Tensor, weight: float,
+def mlm_loss(sweep: "VocabSweep", hidden: torch.Tensor, targets: torch.Tensor, weight: float, share: float = 1.0,
              name: str = "mlm_loss") -> None:
     """L_MLM: the encoder's masked-LM cross-entropy on the 15%-masked passes that also give the sentence vectors
     (BERT's 80/10/10 masking, XPRTCollator); it keeps the teacher of L_self from drifting.
@@ -173,8 +181,8 @@ def mlm_loss(sweep: "VocabSweep", hidden: torch.Tensor, targets: torch.Tensor, w
         L_MLM = mean over masked positions m of -log softmax(head(h_enc[m]))[x_m]
 
     hidden: (M, H) encoder states at the masked positions (before the MLM head), targets (M,) the original tokens.
-    One cross-entropy of the step's VocabSweep."""
-    sweep.cross_entropy(name, hidden, targets, weight)
+    One cross-entropy of the step's VocabSweep (share: as in cross_fill_loss)."""
+    sweep.cross_entropy(name, hidden, targets, weight, share)
 
 
 def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
@@ -213,31 +221,6 @@ def retention_loss(student_anchors, student_related, teacher_anchors, teacher_re
 
     return 0.5 * (kl(t, s) + kl(t.t(), s.t()))
 
-
-def contrastive_random_span(view1: torch.Tensor, view2: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
-    """Contriever-style baseline: two independent random crops of one passage (length ratio
-    uniform in [0.1, 0.5], XPRTCollator) form the positive pair; InfoNCE, tau = 0.05, with the
-    (gathered) in-batch crops as negatives, one direction (view1 -> view2) as in Contriever.
-
-    train.py passes the longer crop as view1: its batches are grouped by the crops' lengths, and with the views in
-    drawn order a query's partner would be the candidate of the other length class, a cue a length-only scorer
-    uses (partner percentile 0.30 instead of 0.5 on the demo's groups at batch 16; 0.51 with the longer crop as the
-    query: bench/bench_batches.py). The crops are exchangeable, so which one is the query is the labelling only."""
-    all_v2 = gather_with_grad(view2)
-    n = view1.shape[0]
-    labels = torch.arange(n, device=view1.device) + rank_and_world()[0] * n
-    return info_nce(view1, all_v2, labels, tau)
-
-
-def self_reconstruction(sweep: "VocabSweep", dec_hidden: torch.Tensor, dec_targets: torch.Tensor,
-                        enc_hidden: torch.Tensor, enc_targets: torch.Tensor, shares=(1.0, 1.0)) -> None:
-    """RetroMAE-style baseline: L = L_recon + L_MLM, weights 1 and 1 as in RetroMAE. The encoder reads the passage
-    30%-masked (L_MLM, mlm_loss); the same one-layer decoder rebuilds the passage, 50%-masked, from the passage's
-    own vector (L_recon: cross-entropy at the decoder's masked positions). Both terms go to the step's VocabSweep,
-    whose weighted sum is this loss. shares: (L_recon's, L_MLM's) share of the batch's rows when the rows are a
-    chunk of the batch (the gradient cache: the chunks' weighted terms add up to the batch's)."""
-    sweep.cross_entropy("recon_loss", dec_hidden, dec_targets, 1.0 * shares[0])
-    mlm_loss(sweep, enc_hidden, enc_targets, 1.0 * shares[1])
 
 
 def pair_false_negatives(candidate_ids: torch.Tensor, relevant_ids: torch.Tensor,
@@ -364,14 +347,24 @@ class ConditionedDecoder(nn.Module):
     Transformer layer (a BertLayer with SDPA). Predictions go through the encoder's MLM head, so
     the decoder owns only `condition` and `layers`."""
 
-    def __init__(self, config, num_condition_vectors: int = 4, num_layers: int = 1):
+    def __init__(self, encoder, num_condition_vectors: int = 4, num_layers: int = 1):
+        """encoder: the AutoModelForMaskedLM whose architecture the layers take (its config and weight init)."""
         super().__init__()
         from transformers.models.bert.modeling_bert import BertLayer
 
+        config = encoder.config
         self.config = config
         self.num_condition_vectors = num_condition_vectors
         self.condition = nn.Linear(config.hidden_size, num_condition_vectors * config.hidden_size)
         self.layers = nn.ModuleList([BertLayer(config) for _ in range(num_layers)])
+        # The encoder's init (BERT: N(0, 0.02) linear weights, LayerNorm 1/0) for the fresh decoder, as RetroMAE does.
+        self.apply(encoder._init_weights)
+        # Our choice: start the linear map as C stacked identities (+ the N(0, 0.02) noise above, so the C vectors
+        # differ). The mean-pooled vector then enters the decoder at the scale of the (LayerNorm-ed) token
+        # embeddings; with N(0, 0.02) alone it would be ~0.02 sqrt(H) times smaller and the decoder would start out
+        # ignoring it.
+        with torch.no_grad():
+            self.condition.weight += torch.eye(config.hidden_size).repeat(num_condition_vectors, 1)
 
     def forward(self, vectors, token_embeddings, attention_mask):
         """vectors (N, H), token_embeddings (N, L, H), attention_mask (N, L) -> (N, L + C, H).
@@ -399,33 +392,196 @@ class ConditionedDecoder(nn.Module):
 
 
 # ==============================================================================================================
-# 4. The model
-# Batch layout (the collators of section 5 build it; one tensor per field, no per-group Python in the model):
-# G groups, P = 1 + num_related passages per group (index 0 = anchor a, 1 = s1, ...), L tokens, D decoder passes per
-# group (2 * num_related + 2; 2 without fill-in), C conditioning vectors, V the vocabulary.
-#   xprt and self_reconstruction (P = 1, D = 1):
-#     input_ids, attention_mask, mlm_labels   (G, P, L)   masked encoder input, its MLM targets (-100 elsewhere)
-#     dec_input_ids, dec_labels               (G, D, L)   masked decoder inputs, their targets
-#     dec_source, dec_target                  (D,)        passage whose vector conditions each pass / passage it fills
-#     mlm_index, mlm_targets                  (M,)        masked encoder positions in the flat (G * P * L) states
-#     xprt: cross_rows, cross_targets         (M_c,)      L_cross's rows of the flat (G * D * (L + C)) decoder output
-#     xprt: self_rows, self_enc_index         (M_s,)      L_self's decoder rows, the same tokens in the encoder states
-#     self_reconstruction: dec_rows, dec_targets          L_recon's decoder rows and targets
-#   contrastive_random_span:
-#     input_ids, attention_mask               (G, L)      the longer crop of each row
-#     short_input_ids, short_attention_mask   (G, L')     the shorter crop
-#     view1_is_long                           (G,)        which crop was drawn first (checks; the query is the longer)
-#   every pre-training objective:
-#     retain_input_ids, retain_attention_mask (G, 2, L")  clean anchor and s1 (teacher and clean student)
-#     doc_ids                                 (G,)        stable int64 hash of the document id
-#   pair (PairCollator): query_input_ids / query_attention_mask (B, Lq), passage_input_ids /
-#     passage_attention_mask (B, 1 + n, Lp), passage_ids (B, 1 + n), relevant_ids (B, R)
+# 4. The objectives
+# One class per objective (train.py / finetune.py --objective), each with the same few methods; XPRTModel.forward and
+# the gradient cache (XPRTModel.cached_step) are written once over them, so an objective added here (or in
+# baselines.py: random spans, RetroMAE, SimLM, the self-reconstruction ablation) is cached and tested without code of
+# its own. The batch layout (section 6) is the collator's: it builds every index tensor and says how a batch is cut
+# into chunks (Layout).
 # ==============================================================================================================
 
+OBJECTIVES: dict = {}  # --objective name -> Objective class (register_objective)
 
-# The pre-training objectives (train.py --objective) and PAIR's fine-tuning objective (finetune.py).
-PRETRAIN_OBJECTIVES = ("xprt", "contrastive_random_span", "self_reconstruction")
-OBJECTIVES = PRETRAIN_OBJECTIVES + ("pair",)
+
+def register_objective(cls):
+    """Class decorator: make `cls` an --objective choice under cls.name."""
+    OBJECTIVES[cls.name] = cls
+    return cls
+
+
+def objective_class(name: str):
+    """The Objective class registered under `name` (the baselines register when baselines.py is imported)."""
+    import baselines  # noqa: F401  (registers the comparison objectives; it imports this module)
+
+    if name not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, got {name!r}")
+    return OBJECTIVES[name]
+
+
+def pretraining_objectives() -> list:
+    """The train.py --objective choices: every registered objective that pre-trains on groups."""
+    objective_class("xprt")  # imports the baselines
+    return [n for n, c in OBJECTIVES.items() if c.pretraining]
+
+
+class Objective(nn.Module):
+    """An objective: what one training step computes, split the way the gradient cache needs it.
+
+      prepare(model, batch)              once per step, before any chunking, without gradient (e.g. SimLM's generator)
+      encode(model, batch)               the encoder passes -> (states, vec): vec (G, K, H) the sentence vectors the
+                                         batch-wide terms read; states what the row terms need (token states)
+      batch_terms(model, vec, batch)     the terms that couple rows only through their vectors (InfoNCE, L_unif)
+      row_terms(model, batch, states, vec)  the terms each row computes from its own states (decoders, vocabulary
+                                         terms): each a mean over the WHOLE batch's rows, also when `batch` is a
+                                         chunk of it (Layout.share)
+      masked_student(vec)                the anchor and s1 vectors the retention term may reuse (G, 2, H), or None
+
+    Each returns (weighted sum, {term name: value}). The objective owns the trainable heads it adds (submodules:
+    saved in xprt_heads.safetensors); the encoder and its MLM head are the model's. `config()` is what
+    xprt_config.json records to rebuild it."""
+
+    name = ""
+    pretraining = True  # trains on select_groups.py's groups (train.py) and gets the retention term
+    trains_every_head = False  # every head parameter (its own, the MLM head's) gets a gradient: DDP needs no search
+
+    def __init__(self, encoder):
+        super().__init__()
+
+    def config(self) -> dict:
+        return {}
+
+    def prepare(self, model, batch: dict) -> dict:
+        return batch
+
+    def encode(self, model, batch: dict):
+        raise NotImplementedError
+
+    def batch_terms(self, model, vec, batch: dict, **step):
+        return vec.new_zeros(()), {}
+
+    def row_terms(self, model, batch: dict, states, vec):
+        return vec.new_zeros(()), {}
+
+    def masked_student(self, vec):
+        return None
+
+    def make_collator(self, tokenizer, **kw):
+        """The objective's collator (section 6, or baselines.py), with the settings of the objective it needs."""
+        raise NotImplementedError
+
+
+@register_objective
+class XPRTObjective(Objective):
+    """xPRT (the paper's "The objective"):
+        L = w_xp L_xp + w_unif L_unif  (batch terms: the groups meet only through their vectors)
+          + w_mlm L_MLM + w_cross L_cross + w_self L_self  (row terms: one decoder call, one vocabulary sweep)
+    One encoder call on all G x (1 + num_related) passages, one ConditionedDecoder call on all G x D passes.
+    fill_in=False is the paper's "without the fill-in loss" ablation (L_cross off, L_self stays)."""
+
+    name = "xprt"
+    trains_every_head = True  # the decoder (its self passes at least) and the MLM head (L_MLM)
+
+    def __init__(self, encoder, weights=None, fill_in: bool = True, num_condition_vectors: int = 4,
+                 decoder_layers: int = 1):
+        super().__init__(encoder)
+        self.weights = weights if isinstance(weights, LossWeights) else LossWeights(**(weights or {}))
+        self.fill_in, self.num_condition_vectors, self.decoder_layers = fill_in, num_condition_vectors, decoder_layers
+        self.decoder = ConditionedDecoder(encoder, num_condition_vectors, decoder_layers)
+
+    def config(self) -> dict:
+        return {"weights": asdict(self.weights), "fill_in": self.fill_in,
+                "num_condition_vectors": self.num_condition_vectors, "decoder_layers": self.decoder_layers}
+
+    def make_collator(self, tokenizer, **kw):
+        return XPRTCollator(tokenizer, num_condition_vectors=self.num_condition_vectors, fill_in=self.fill_in, **kw)
+
+    def encode(self, model, batch):
+        """All P passages of all G groups in one encoder call -> (flat (G * P * L, H) token states, (G, P, H)
+        vectors: 0 = anchor, 1 = s1, ...)."""
+        ids, am = batch["input_ids"], batch["attention_mask"]  # (G, P, L)
+        g, p, l = ids.shape
+        hidden, vec = model.encode(ids.view(g * p, l), am.view(g * p, l))  # (G*P, L, H), (G*P, H)
+        return hidden.reshape(g * p * l, -1), vec.view(g, p, -1)
+
+    def batch_terms(self, model, vec, batch, **step):
+        w = self.weights
+        anchors, s1 = vec[:, 0], vec[:, 1]
+        terms = {"xp_loss": xp_loss(anchors, s1, batch["doc_ids"], model.tau),
+                 "uniformity_loss": uniformity_loss(anchors)}
+        return w.xp * terms["xp_loss"] + w.unif * terms["uniformity_loss"], terms
+
+    def row_terms(self, model, batch, states, vec):
+        w, layout = self.weights, batch["layout"]
+        g, p, l = batch["input_ids"].shape
+        dec_flat = self.decode(model, vec, batch, batch["attention_mask"])  # every pass: one decoder call
+        # The vocabulary terms read the rows the collator picked (index tensors: no data-dependent shapes, so no
+        # device-to-host sync) and hand them to one sweep over the vocabulary.
+        sweep = VocabSweep(model)
+        mlm_loss(sweep, states.index_select(0, batch["mlm_index"]), batch["mlm_targets"], w.mlm, layout.share("mlm"))
+        if self.fill_in:
+            cross_fill_loss(sweep, dec_flat.index_select(0, batch["cross_rows"]), batch["cross_targets"], w.cross,
+                            layout.share("cross"))
+        self_fill_loss(sweep, dec_flat.index_select(0, batch["self_rows"]),
+                       states.index_select(0, batch["self_enc_index"]), w.self_fill, layout.share("self"))
+        return sweep.run()
+
+    def decode(self, model, vectors, batch, attention_mask):
+        """Every decoder pass of the batch in one call -> the flat (G * D * (L + C), H) output rows.
+
+        vectors (G, P, H) and attention_mask (G, P, L) of the encoder passes: pass d of group g is conditioned on
+        vectors[g, dec_source[d]] and fills passage dec_target[d], with that passage's attention mask."""
+        ids = batch["dec_input_ids"]  # (G, D, L)
+        g, d, l = ids.shape
+        h = vectors.shape[-1]
+        emb = model.token_embeddings(ids.reshape(g * d, l))  # the encoder's own embedding layer
+        # (G*D, H); mean_pool's fp32 vectors in the weights' dtype (bf16 under DeepSpeed's bf16)
+        cond = vectors[:, batch["dec_source"]].reshape(g * d, h).to(emb.dtype)
+        mask = attention_mask[:, batch["dec_target"]].reshape(g * d, l)
+        return self.decoder(cond, emb, mask).reshape(-1, h)
+
+    def masked_student(self, vec):
+        return vec[:, :2]  # the 15%-masked anchor and s1 (--retention_student masked)
+
+
+@register_objective
+class PairObjective(Objective):
+    """PAIR (finetune.py): (1 - alpha) L_Q + alpha L_P on the queries and their positive-first passages. Only batch
+    terms: every term reads the pooled vectors, so the gradient cache covers all of it."""
+
+    name = "pair"
+    pretraining = False
+
+    def make_collator(self, tokenizer, **kw):
+        return PairCollator(tokenizer, **kw)
+
+    def encode(self, model, batch):
+        """-> (None, (B, 1 + k, H): the query, then its positive and negatives)."""
+        _, q = model.encode(batch["query_input_ids"], batch["query_attention_mask"])  # (B, H)
+        pids, pam = batch["passage_input_ids"], batch["passage_attention_mask"]  # (B, k, Lp)
+        b, k, lp = pids.shape
+        _, pv = model.encode(pids.view(b * k, lp), pam.view(b * k, lp))
+        return None, torch.cat([q.unsqueeze(1), pv.view(b, k, -1)], dim=1)
+
+    def batch_terms(self, model, vec, batch, pair_alpha: float = 0.0, **step):
+        q, pv = vec[:, 0], vec[:, 1:]  # (B, H), (B, 1 + n, H)
+        ids = {"passage_ids": batch.get("passage_ids"), "relevant_ids": batch.get("relevant_ids")}  # None: no mask
+        lq = pair_q_loss(q, pv, model.tau, **ids)
+        terms = {"pair_q_loss": lq}
+        if pv.shape[1] > 1:
+            terms["pair_p_loss"] = lp_ = pair_p_loss(q, pv, model.tau, **ids)
+        elif pair_alpha > 0:
+            raise ValueError("pair_alpha > 0 needs hard negatives (PairCollator num_negatives >= 1)")
+        else:
+            lp_ = lq.new_zeros(())
+        return pair_loss(lq, lp_, pair_alpha), terms
+
+
+# ==============================================================================================================
+# 5. The model
+# The encoder (an AutoModelForMaskedLM: its base model gives the token states, its MLM head the vocabulary terms), the
+# objective (section 4) with its heads, and the step written once over the objective: forward (plain) and cached_step
+# (the gradient cache). The batch layouts are the collators' (section 6, and baselines.py).
+# ==============================================================================================================
 
 
 def _head_params(mlm_model) -> dict:
@@ -516,11 +672,6 @@ def dropout_off(module: nn.Module):
         module.train(was_training)
 
 
-# The flat index tensors of a batch (XPRTCollator._loss_positions): the gradient cache cuts them at chunk bounds.
-_INDEX_KEYS = ("mlm_index", "mlm_targets", "cross_rows", "cross_targets", "self_rows", "self_enc_index", "dec_rows",
-               "dec_targets")
-
-
 def _rng_state(device):
     """The random state dropout draws from (CPU, and the device's on CUDA): kept for a chunk's replay."""
     return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
@@ -533,51 +684,41 @@ def _set_rng_state(state, device):
 
 
 class XPRTModel(nn.Module):
-    """Encoder (AutoModelForMaskedLM, mean pooling) + conditioned decoder + every loss term.
+    """The encoder (AutoModelForMaskedLM; the start model's pooling) + one objective (section 4) with its heads.
 
-    forward(batch) runs, for objective "xprt": ONE encoder call on all (G x 5) passages, ONE
-    decoder call on all (G x 10) passes, vocabulary logits only at the positions a loss uses
-    (one VocabSweep for L_MLM, L_cross and L_self), optionally ONE teacher call on the clean anchors and s1.
-    """
+    forward(batch) and cached_step(batch, ...) are the training step, written once over the objective's methods:
+    its encoder passes, its batch-wide terms on the vectors, its row terms, and the retention term every
+    pre-training objective gets the same way (the paper gives every method the same term)."""
 
-    def __init__(self, mlm_model, objective: str = "xprt", weights: LossWeights = LossWeights(), tau: float = 0.05,
-                 fill_in: bool = True, num_condition_vectors: int = 4, decoder_layers: int = 1,
-                 retention_student: str = "clean", fused_vocab_loss: bool = True, info: Optional[ModelInfo] = None):
-        """tau: the temperature of every cosine softmax (paper: 0.05). info: what the saved folder records beyond
-        the weights (start model, prefixes, length limit, Hub ids: support.ModelInfo; from_pretrained fills it in).
-        fused_vocab_loss=False computes the vocabulary terms the plain way (the reference the tests compare with)."""
+    def __init__(self, mlm_model, objective: str = "xprt", tau: float = 0.05, retention_student: str = "clean",
+                 fused_vocab_loss: bool = True, info: Optional[ModelInfo] = None, **options):
+        """objective: an --objective name (objective_class); options go to its class (xPRT: weights, fill_in,
+        num_condition_vectors, decoder_layers). tau: the temperature of every cosine softmax (paper: 0.05).
+        retention_student: "clean" (our default: the student encodes the clean anchor and s1 in one extra pass
+        without dropout, so the term measures the model's drift only and is exactly 0 at step 0) or "masked" (the
+        paper's 5-pass cost: the objective's masked vectors, whose masking noise alone gives a non-zero start).
+        info: what the saved folder records beyond the weights (support.ModelInfo). fused_vocab_loss=False computes
+        the vocabulary terms the plain way (the reference the tests compare with)."""
         super().__init__()
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         if retention_student not in ("clean", "masked"):
             raise ValueError(f"retention_student must be 'clean' or 'masked', got {retention_student!r}")
-        # Which student vectors the retention term compares with the teacher's (clean text):
-        #   "clean"  (our default): the student encodes the same clean anchor and s1 in one extra pass,
-        #            so the term measures drift of the model only: exactly 0 at step 0. Costs 2 more
-        #            encoder passes per group (7 instead of the paper's 5).
-        #   "masked" (the paper's cost accounting: 5 passes + 1 teacher pass): reuse the 15%-masked
-        #            vectors; the masking noise alone then gives KL ~0.5 at step 0 (MiniLM), which under
-        #            the weight 40 dominates the early loss.
-        self.retention_student = retention_student
         self.encoder = mlm_model
-        self.objective, self.weights, self.tau, self.fill_in = objective, weights, tau, fill_in
+        self.objective, self.tau, self.retention_student = objective, tau, retention_student
         self.fused_vocab_loss = fused_vocab_loss
-        cfg = mlm_model.config
-        if getattr(cfg, "_attn_implementation", None) != "sdpa":
-            logger.warning("encoder attention is %s, not sdpa", getattr(cfg, "_attn_implementation", None))
-        self.decoder = ConditionedDecoder(cfg, num_condition_vectors, decoder_layers)
-        # BERT's init (N(0, 0.02) linear weights, LayerNorm 1/0) for the fresh decoder, as RetroMAE does.
-        self.decoder.apply(mlm_model._init_weights)
-        # Our choice: start the linear map as C stacked identities (+ the N(0, 0.02) noise above, so
-        # the C vectors differ). The mean-pooled vector then enters the decoder at the scale of the
-        # (LayerNorm-ed) token embeddings; with N(0, 0.02) alone it would be ~0.02 sqrt(H) times
-        # smaller and the decoder would start out ignoring it.
-        with torch.no_grad():
-            hsz = cfg.hidden_size
-            self.decoder.condition.weight += torch.eye(hsz).repeat(num_condition_vectors, 1)
-        self.num_condition_vectors = num_condition_vectors
-        self.decoder_layers = decoder_layers
-        self.info = info or ModelInfo(max_seq_length=max_seq_length(cfg))
+        if getattr(mlm_model.config, "_attn_implementation", None) != "sdpa":
+            logger.warning("encoder attention is %s, not sdpa", getattr(mlm_model.config, "_attn_implementation", None))
+        method_class = objective_class(objective)
+        unknown = set(options) - set(inspect.signature(method_class.__init__).parameters)
+        if unknown:
+            raise ValueError(f"objective {objective!r} takes no option {', '.join(sorted(unknown))} (flags of another "
+                             "objective)")
+        self.method = method_class(mlm_model, **options)
+        if retention_student == "masked" and type(self.method).masked_student is Objective.masked_student:
+            raise ValueError(f"--retention_student masked: objective {objective!r} has no masked anchor and s1 "
+                             "vectors to reuse; use the clean student")
+        self.info = info or ModelInfo(max_seq_length=max_seq_length(mlm_model.config))
+        self.carried_heads: dict = {}  # a folder's heads of another objective, written back unchanged (from_pretrained)
+        self.carried_config: dict = {}
         self.load_message = ""  # how the weights came to be: from_pretrained says
 
     # -- pieces ----------------------------------------------------------------------------------
@@ -610,6 +751,10 @@ class XPRTModel(nn.Module):
         bias = out.bias if out.bias is not None else self.encoder.cls.predictions.bias
         return out.weight, bias
 
+    def token_embeddings(self, input_ids):
+        """(N, L) -> (N, L, H): the encoder's own embedding layer (decoders embed their inputs with it)."""
+        return self.base.embeddings(input_ids=input_ids)
+
     def encode(self, input_ids, attention_mask):
         """(N, L) -> hidden (N, L, H), sentence vectors (N, H)."""
         hidden = self.base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -620,301 +765,136 @@ class XPRTModel(nn.Module):
         start (support.read_pooling), so fine-tuning a BGE-style folder trains and saves the vector it is used by."""
         return hidden[:, 0].float() if self.info.pooling == "cls" else mean_pool(hidden, attention_mask)
 
-    def decode(self, vectors, batch, attention_mask):
-        """Every decoder pass of the batch in one call -> the flat (G * D * (L + C), H) output rows.
-
-        vectors (G, P, H) and attention_mask (G, P, L) of the encoder passes: pass d of group g is conditioned on
-        vectors[g, dec_source[d]] and fills passage dec_target[d], with that passage's attention mask."""
-        ids = batch["dec_input_ids"]  # (G, D, L)
-        g, d, l = ids.shape
-        h = vectors.shape[-1]
-        emb = self.base.embeddings(input_ids=ids.reshape(g * d, l))  # the encoder's own embedding layer
-        # (G*D, H); mean_pool's fp32 vectors in the weights' dtype (bf16 under DeepSpeed's bf16)
-        cond = vectors[:, batch["dec_source"]].reshape(g * d, h).to(emb.dtype)
-        mask = attention_mask[:, batch["dec_target"]].reshape(g * d, l)
-        return self.decoder(cond, emb, mask).reshape(-1, h)
-
-    # -- forward ---------------------------------------------------------------------------------
-    def forward(self, batch: dict, teacher=None, retention_weight: float = 0.0, pair_alpha: float = 0.0) -> dict:
-        """The objective's loss -> {"loss": total (with gradient), "<term>_loss": detached value per term}."""
-        if self.objective == "pair":
-            loss, terms = self.pair_step(batch, pair_alpha)
-        else:
-            step = {"xprt": self.xprt_step, "contrastive_random_span": self.random_span_step,
-                    "self_reconstruction": self.self_reconstruction_step}[self.objective]
-            loss, terms, student = step(batch)
-            if teacher is not None and retention_weight > 0:
-                terms["retention_loss"] = r = self.retention(batch, teacher, student)
-                loss = loss + retention_weight * r
+    # -- the step ----------------------------------------------------------------------------------
+    def forward(self, batch: dict, teacher=None, retention_weight: float = 0.0, **step) -> dict:
+        """One step's loss -> {"loss": total (with gradient), "<term>_loss": detached value per term}. step: the
+        objective's per-step settings (PAIR's pair_alpha)."""
+        obj = self.method
+        batch = obj.prepare(self, batch)
+        states, vec = obj.encode(self, batch)
+        loss, terms = obj.batch_terms(self, vec, batch, **step)
+        local, local_terms = obj.row_terms(self, batch, states, vec)
+        loss, terms = loss + local, {**terms, **local_terms}
+        if self.retains(teacher, retention_weight):
+            student = obj.masked_student(vec) if self.retention_student == "masked" else self.clean_student(batch)
+            terms["retention_loss"] = r = self.retention(student, self.teacher_vectors(batch, teacher))
+            loss = loss + retention_weight * r
         return {"loss": loss, **{k: v.detach() for k, v in terms.items()}}
 
-    def xprt_step(self, batch):
-        """xPRT: w_xp L_xp + w_unif L_unif + w_mlm L_MLM + w_cross L_cross + w_self L_self -> (loss, terms, the
-        (G, 2, H) anchor and s1 vectors for a masked retention student)."""
-        enc_flat, vec = self.encode_groups(batch)  # one encoder call
-        loss, terms = self.xprt_batch_terms(vec, batch)  # the groups meet only here, through their vectors
-        local, local_terms = self.xprt_group_terms(enc_flat, vec, batch)  # one decoder call, one vocabulary sweep
-        terms.update(local_terms)
-        return loss + local, terms, torch.stack([vec[:, 0], vec[:, 1]], dim=1)
+    def retains(self, teacher, retention_weight: float) -> bool:
+        return teacher is not None and retention_weight > 0 and self.method.pretraining
 
-    def encode_groups(self, batch):
-        """All P passages of all G groups in one encoder call -> (flat (G * P * L, H) token states, (G, P, H)
-        vectors: 0 = anchor, 1 = s1, ...)."""
-        ids, am = batch["input_ids"], batch["attention_mask"]  # (G, P, L)
-        g, p, l = ids.shape
-        hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))  # (G*P, L, H), (G*P, H)
-        h = hidden.shape[-1]
-        return hidden.view(g * p * l, h), vec.view(g, p, h)
+    def retention(self, student, teacher_vecs):
+        """retention_loss on the same pairs for every objective, as the paper gives every method the same term:
+        anchors x top related passages (s1). student, teacher_vecs: (G, 2, H) anchor and s1 vectors."""
+        return retention_loss(student[:, 0], student[:, 1], teacher_vecs[:, 0], teacher_vecs[:, 1], self.tau)
 
-    def xprt_batch_terms(self, vec, batch):
-        """The terms that couple the groups of a batch, through their vectors only: w_xp L_xp + w_unif L_unif."""
-        w = self.weights
-        anchors, s1 = vec[:, 0], vec[:, 1]
-        terms = {"xp_loss": xp_loss(anchors, s1, batch["doc_ids"], self.tau),
-                 "uniformity_loss": uniformity_loss(anchors)}
-        return w.xp * terms["xp_loss"] + w.unif * terms["uniformity_loss"], terms
+    def clean_student(self, batch):
+        """The retention term's student: the clean anchor and s1 encoded WITHOUT dropout (the teacher runs without
+        it, so the term is the model's drift only, 0 at step 0; with dropout it would be a dropout-consistency term
+        under the weight 40 that nobody chose: README, Choices of ours) -> (G, 2, H)."""
+        if self.encoder.is_gradient_checkpointing and torch.is_grad_enabled():
+            # eval mode (no dropout) makes transformers skip its per-layer checkpointing, so under
+            # --gradient_checkpointing the pass is checkpointed whole; its recomputation runs in eval mode too
+            from torch.utils.checkpoint import checkpoint
 
-    def xprt_group_terms(self, enc_flat, vec, batch, share=None):
-        """The terms a group computes from its own token states and vectors: the decoder's passes and the vocabulary
-        terms (w_mlm L_MLM + w_cross L_cross + w_self L_self). share: each term's share of the batch's rows when
-        `batch` is a chunk of it (the gradient cache), so that the chunks' terms add up to the batch's means."""
-        w, share = self.weights, share or {}
-        g, p, l = batch["input_ids"].shape
-        dec_flat = self.decode(vec, batch, batch["attention_mask"].view(g, p, l))  # every pass: one decoder call
-        # The vocabulary terms read the rows the collator picked (index tensors: no data-dependent shapes here, so
-        # no device-to-host sync) and hand them to one sweep over the vocabulary.
-        sweep = VocabSweep(self)
-        mlm_loss(sweep, enc_flat.index_select(0, batch["mlm_index"]), batch["mlm_targets"],
-                 w.mlm * share.get("mlm_loss", 1.0))
-        if self.fill_in:
-            cross_fill_loss(sweep, dec_flat.index_select(0, batch["cross_rows"]), batch["cross_targets"],
-                            w.cross * share.get("cross_fill_loss", 1.0))
-        self_fill_loss(sweep, dec_flat.index_select(0, batch["self_rows"]),
-                       enc_flat.index_select(0, batch["self_enc_index"]),
-                       w.self_fill * share.get("self_fill_loss", 1.0))
-        return sweep.run()
+            return checkpoint(self._clean_vectors, batch, use_reentrant=False)
+        return self._clean_vectors(batch)
 
-    def random_span_step(self, batch):
-        """The Contriever-style baseline: contrastive_random_span on the two crops of each row."""
-        # the longer and the shorter crop of each row, each padded to its own length (XPRTCollator._crops)
-        _, v_long = self.encode(batch["input_ids"], batch["attention_mask"])  # (G, H)
-        _, v_short = self.encode(batch["short_input_ids"], batch["short_attention_mask"])
-        c = contrastive_random_span(v_long, v_short, self.tau)  # the longer crop is the query
-        return c, {"contrastive_loss": c}, None
-
-    def self_reconstruction_step(self, batch):
-        """The RetroMAE-style baseline: self_reconstruction on the anchor."""
-        total, t = self.self_reconstruction_terms(batch)
-        return total, t, None
-
-    def self_reconstruction_terms(self, batch, share=None):
-        """self_reconstruction of `batch` -> VocabSweep.run()'s (weighted sum, terms); share: the terms' shares of
-        the batch's rows when `batch` is a chunk of it (the gradient cache)."""
-        share = share or {}
-        ids, am = batch["input_ids"], batch["attention_mask"]  # (G, 1, L)
-        g, p, l = ids.shape
-        hidden, vec = self.encode(ids.view(g * p, l), am.view(g * p, l))
-        dec_flat = self.decode(vec.view(g, p, -1), batch, am)
-        sweep = VocabSweep(self)
-        self_reconstruction(sweep, dec_flat.index_select(0, batch["dec_rows"]), batch["dec_targets"],
-                            hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["mlm_index"]),
-                            batch["mlm_targets"], shares=(share.get("recon_loss", 1.0), share.get("mlm_loss", 1.0)))
-        return sweep.run()
-
-    def pair_step(self, batch, pair_alpha: float):
-        """PAIR: (1 - alpha) L_Q + alpha L_P on the queries and their positive-first passages -> (loss, terms)."""
-        _, q = self.encode(batch["query_input_ids"], batch["query_attention_mask"])  # (B, H)
-        pids, pam = batch["passage_input_ids"], batch["passage_attention_mask"]  # (B, 1 + n, Lp)
-        b, k, lp = pids.shape
-        _, pv = self.encode(pids.view(b * k, lp), pam.view(b * k, lp))
-        return self.pair_terms(q, pv.view(b, k, -1), batch, pair_alpha)
-
-    def pair_terms(self, q, pv, batch, pair_alpha: float):
-        """PAIR's losses on the query vectors q (B, H) and passage vectors pv (B, 1 + n, H) -> (loss, terms)."""
-        k = pv.shape[1]
-        ids = {"passage_ids": batch.get("passage_ids"), "relevant_ids": batch.get("relevant_ids")}  # None: no mask
-        lq = pair_q_loss(q, pv, self.tau, **ids)
-        terms = {"pair_q_loss": lq}
-        if k > 1:
-            lp_ = pair_p_loss(q, pv, self.tau, **ids)
-            terms["pair_p_loss"] = lp_
-        elif pair_alpha > 0:
-            raise ValueError("pair_alpha > 0 needs hard negatives (PairCollator num_negatives >= 1)")
-        else:
-            lp_ = lq.new_zeros(())
-        return pair_loss(lq, lp_, pair_alpha), terms
-
-    def retention(self, batch, teacher, student):
-        """retention_loss for every objective on the same pairs, as the paper gives every method the same term:
-        anchors x top related passages. With retention_student="masked" xPRT reuses its vectors of the main
-        (15%-masked) pass; otherwise (and always for the baselines, which do not encode s1) the student encodes the
-        clean anchor and s1 here, an extra pass with gradient and WITHOUT dropout: the teacher runs without it, so
-        the term measures the model's drift only and is 0 at step 0 (with dropout in this pass it is not: a
-        dropout-consistency term under the weight 40 that nobody chose; README, Choices of ours)."""
-        if student is None or self.retention_student == "clean":
-            if self.encoder.is_gradient_checkpointing and torch.is_grad_enabled():
-                # eval mode (no dropout) makes transformers skip its per-layer checkpointing, so under
-                # --gradient_checkpointing the pass is checkpointed whole; its recomputation runs in eval mode too
-                from torch.utils.checkpoint import checkpoint
-
-                student = checkpoint(self._clean_vectors, batch, use_reentrant=False)
-            else:
-                student = self._clean_vectors(batch)
-        with torch.no_grad():
-            t = self._teacher_vectors(batch, teacher)
-        return retention_loss(student[:, 0], student[:, 1], t[:, 0], t[:, 1], self.tau)
-
-    # -- the gradient cache (train.py / finetune.py --gradient_cache_chunk) ----------------------------
-    def cached_step(self, batch, chunk: int, backward, teacher=None, retention_weight: float = 0.0,
-                    pair_alpha: float = 0.0) -> dict:
-        """forward + backward of one step, `chunk` groups (PAIR: rows) at a time, so that activations of only one chunk
-        are held: the gradient cache of GradCache / sentence-transformers' CachedMultipleNegativesRankingLoss, extended
-        to the terms that need a group's own token states. The batch-wide terms (L_xp, L_unif, the retention KL;
-        the random-span InfoNCE; PAIR's L_Q and L_P) couple the groups only through their vectors, so:
-          1. every chunk is encoded without gradient, its random state kept: its vectors;
-          2. the batch-wide terms run on those vectors (gathered across processes as usual), and their gradient with
-             respect to the vectors is kept (backward);
-          3. every chunk is encoded again with the same random state (the same dropout), its own terms computed
-             (the decoder and vocabulary terms, each weighted by its share of the batch's rows), and backward runs on
-             them plus the kept vector gradients.
-        The gradients are those of the plain step on the same dropout; the cost is the encoder passes' forward once
-        more. `backward`: accelerator.backward. Returns what forward returns, every value detached."""
-        device = next(self.parameters()).device
-        parts = self._pair_chunks(batch, chunk) if self.objective == "pair" else self._group_chunks(batch, chunk)
-        states, vecs = [], []
-        with torch.no_grad():  # 1.
-            for _, part in parts:
-                states.append(_rng_state(device))
-                vecs.append(self._chunk_vectors(part))
-        leaves = torch.cat(vecs).requires_grad_()
-        retain = teacher is not None and retention_weight > 0 and self.objective != "pair"
-        clean = None
-        if retain and (self.objective != "xprt" or self.retention_student == "clean"):
-            with torch.no_grad():
-                clean = torch.cat([self._clean_vectors(part) for _, part in parts]).requires_grad_()
-        loss, terms = self._batch_terms(leaves, batch, pair_alpha)  # 2.
-        if retain:
-            student = clean if clean is not None else leaves[:, :2]
-            with torch.no_grad():
-                t = torch.cat([self._teacher_vectors(part, teacher) for _, part in parts])
-            terms["retention_loss"] = r = retention_loss(student[:, 0], student[:, 1], t[:, 0], t[:, 1], self.tau)
-            loss = loss + retention_weight * r
-        if loss.requires_grad:
-            backward(loss)
-        total = loss.detach()
-        for ((a, b), part), state in zip(parts, states):  # 3.
-            _set_rng_state(state, device)
-            local, local_terms, vec = self._chunk_terms(part, batch)
-            surrogate = local + (vec * leaves.grad[a:b]).sum() if leaves.grad is not None else local
-            if clean is not None and clean.grad is not None:
-                surrogate = surrogate + (self._clean_vectors(part) * clean.grad[a:b]).sum()
-            backward(surrogate)
-            total = total + local.detach()
-            for k, v in local_terms.items():  # already weighted by the chunk's share of the batch's rows
-                terms[k] = terms.get(k, 0.0) + v
-        return {"loss": total, **{k: v.detach() if torch.is_tensor(v) else v for k, v in terms.items()}}
-
-    def _group_chunks(self, batch, chunk):
-        """[((a, b), the batch's groups a..b-1 as a batch of their own)]: per-group tensors sliced, the flat index
-        tensors cut at the groups' bounds (they are sorted: XPRTCollator._loss_positions) and shifted."""
-        g = batch["input_ids"].shape[0]
-        per_group = {k for k, v in batch.items() if torch.is_tensor(v) and k not in _INDEX_KEYS and
-                     k not in ("dec_source", "dec_target")}
-        width = {}
-        if "mlm_index" in batch:
-            p, l = batch["input_ids"].shape[1:]
-            rows = batch["dec_input_ids"].shape[1] * (l + self.num_condition_vectors)
-            width = {"mlm_index": p * l, "cross_rows": rows, "self_rows": rows, "dec_rows": rows}
-        out = []
-        for a in range(0, g, chunk):
-            b = min(a + chunk, g)
-            part = {k: (batch[k][a:b] if k in per_group else batch[k]) for k in batch if k not in _INDEX_KEYS}
-            for key, w in width.items():
-                if key not in batch:
-                    continue
-                # a host sync per index tensor and chunk: the gradient cache's price for data-dependent bounds
-                lo, hi = torch.searchsorted(batch[key], torch.tensor([a * w, b * w], device=batch[key].device)).tolist()
-                part[key] = batch[key][lo:hi] - a * w
-                companion = {"mlm_index": "mlm_targets", "cross_rows": "cross_targets", "self_rows": "self_enc_index",
-                             "dec_rows": "dec_targets"}[key]
-                part[companion] = batch[companion][lo:hi] - (a * width["mlm_index"] if key == "self_rows" else 0)
-            out.append(((a, b), part))
-        return out
-
-    def _pair_chunks(self, batch, chunk):
-        b_all = batch["query_input_ids"].shape[0]
-        return [((a, min(a + chunk, b_all)), {k: v[a:a + chunk] for k, v in batch.items() if torch.is_tensor(v)})
-                for a in range(0, b_all, chunk)]
-
-    def _chunk_vectors(self, part):
-        """The vectors a chunk hands to the batch-wide terms."""
-        if self.objective == "xprt":
-            return self.encode_groups(part)[1]  # (g, P, H)
-        if self.objective == "contrastive_random_span":
-            return torch.stack([self.encode(part["input_ids"], part["attention_mask"])[1],
-                                self.encode(part["short_input_ids"], part["short_attention_mask"])[1]], dim=1)
-        if self.objective == "pair":
-            b, k, lp = part["passage_input_ids"].shape
-            q = self.encode(part["query_input_ids"], part["query_attention_mask"])[1]
-            pv = self.encode(part["passage_input_ids"].view(b * k, lp), part["passage_attention_mask"].view(b * k, lp))
-            return torch.cat([q.unsqueeze(1), pv[1].view(b, k, -1)], dim=1)  # (b, 1 + k, H): the query first
-        return torch.zeros(part["input_ids"].shape[0], 0, device=part["input_ids"].device)  # self-reconstruction: none
-
-    def _batch_terms(self, leaves, batch, pair_alpha):
-        """The terms that couple a batch's chunks, on their vectors -> (weighted sum, terms)."""
-        if self.objective == "xprt":
-            return self.xprt_batch_terms(leaves, batch)
-        if self.objective == "contrastive_random_span":
-            c = contrastive_random_span(leaves[:, 0], leaves[:, 1], self.tau)
-            return c, {"contrastive_loss": c}
-        if self.objective == "pair":
-            return self.pair_terms(leaves[:, 0], leaves[:, 1:], batch, pair_alpha)
-        return leaves.new_zeros(()), {}
-
-    def _chunk_terms(self, part, batch):
-        """A chunk's pass with gradient -> (its own terms' weighted sum, the terms x their share, its vectors)."""
-        if self.objective == "xprt":
-            enc_flat, vec = self.encode_groups(part)
-            share = {"mlm_loss": part["mlm_index"].numel() / max(1, batch["mlm_index"].numel()),
-                     "self_fill_loss": part["self_rows"].numel() / max(1, batch["self_rows"].numel())}
-            if self.fill_in:
-                share["cross_fill_loss"] = part["cross_rows"].numel() / max(1, batch["cross_rows"].numel())
-            local, terms = self.xprt_group_terms(enc_flat, vec, part, share)
-            return local, {k: v * share[k] for k, v in terms.items()}, vec
-        if self.objective == "self_reconstruction":
-            share = {"recon_loss": part["dec_rows"].numel() / max(1, batch["dec_rows"].numel()),
-                     "mlm_loss": part["mlm_index"].numel() / max(1, batch["mlm_index"].numel())}
-            local, terms = self.self_reconstruction_terms(part, share)
-            return local, {k: v * share[k] for k, v in terms.items()}, None
-        vec = self._chunk_vectors(part)
-        return vec.new_zeros(()), {}, vec
-
-    def _clean_vectors(self, part):
-        """The clean anchor and s1 of a batch or chunk, without dropout (the retention student): (g, 2, H)."""
-        ids, mask = part["retain_input_ids"], part["retain_attention_mask"]
+    def _clean_vectors(self, batch):
+        ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]
         g, _, lr = ids.shape
         with dropout_off(self.base):
             return self.encode(ids.reshape(g * 2, lr), mask.reshape(g * 2, lr))[1].view(g, 2, -1)
 
-    def _teacher_vectors(self, part, teacher):
-        ids, mask = part["retain_input_ids"], part["retain_attention_mask"]
+    @torch.no_grad()
+    def teacher_vectors(self, batch, teacher):
+        """The frozen start model's clean anchor and s1 vectors, pooled as the student pools -> (G, 2, H)."""
+        ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]
         g, _, lr = ids.shape
         hidden = teacher(input_ids=ids.reshape(g * 2, lr), attention_mask=mask.reshape(g * 2, lr)).last_hidden_state
         return self.pool(hidden, mask.reshape(g * 2, lr)).view(g, 2, -1)
 
+    # -- the gradient cache (train.py / finetune.py --gradient_cache_chunk) ----------------------------
+    def cached_step(self, batch, chunk: int, backward, teacher=None, retention_weight: float = 0.0, **step) -> dict:
+        """forward + backward of one step, `chunk` groups (PAIR: rows) at a time, so that the activations of one chunk
+        only are held: the gradient cache of GradCache / sentence-transformers' CachedMultipleNegativesRankingLoss,
+        extended to row terms (decoders, vocabulary terms) and to the retention term. The batch-wide terms couple the
+        rows only through their vectors, so:
+          1. every chunk is encoded without gradient, its random state kept: its vectors;
+          2. the batch-wide terms (and the retention term) run on those vectors, gathered across processes as usual,
+             and their gradient with respect to the vectors is taken with torch.autograd.grad: UNscaled (neither
+             divided by the accumulation count nor multiplied by a loss scale);
+          3. every chunk is encoded again with its kept random state (the same dropout), its row terms computed
+             (each a mean over the batch's rows: Layout.share) with the decoders drawing dropout from a stream of
+             their own, and `backward` (accelerator.backward: the one place the accumulation count and the fp16
+             loss scale apply) runs on them plus <vectors, their kept gradient>.
+        The gradients are those of the plain step on the same dropout; the cost is the encoder's forward once more.
+        Returns what forward returns, every value detached."""
+        obj, device = self.method, next(self.parameters()).device
+        batch = obj.prepare(self, batch)
+        parts = batch["layout"].chunks(batch, chunk)
+        retain = self.retains(teacher, retention_weight)
+        clean_student = retain and self.retention_student == "clean"
+        states, vecs, cleans = [], [], []
+        with torch.no_grad():  # 1.
+            for _, part in parts:
+                states.append(_rng_state(device))
+                vecs.append(obj.encode(self, part)[1])
+                if clean_student:
+                    cleans.append(self._clean_vectors(part))
+        leaves = torch.cat(vecs).requires_grad_()
+        clean = torch.cat(cleans).requires_grad_() if clean_student else None
+        loss, terms = obj.batch_terms(self, leaves, batch, **step)  # 2.
+        if retain:
+            student = clean if clean_student else obj.masked_student(leaves)
+            terms["retention_loss"] = r = self.retention(
+                student, torch.cat([self.teacher_vectors(part, teacher) for _, part in parts]))
+            loss = loss + retention_weight * r
+        wrt = [x for x in (leaves, clean) if x is not None]
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else [None] * len(wrt)
+        vec_grad, clean_grad = grads[0], (grads[1] if clean is not None else None)
+        total = loss.detach()
+        decoder_state = _rng_state(device)  # the row terms' own dropout stream, after every encoder draw of step 1
+        for ((a, b), part), state in zip(parts, states):  # 3.
+            _set_rng_state(state, device)
+            part_states, vec = obj.encode(self, part)
+            _set_rng_state(decoder_state, device)
+            local, local_terms = obj.row_terms(self, part, part_states, vec)
+            decoder_state = _rng_state(device)
+            surrogate = local
+            if vec_grad is not None:
+                surrogate = surrogate + (vec * vec_grad[a:b]).sum()
+            if clean_grad is not None:
+                surrogate = surrogate + (self._clean_vectors(part) * clean_grad[a:b]).sum()
+            if surrogate.requires_grad:
+                backward(surrogate)
+            total = total + local.detach()
+            for k, v in local_terms.items():  # each already its chunk's share of the batch's mean
+                terms[k] = terms.get(k, 0.0) + v
+        return {"loss": total, **{k: v.detach() if torch.is_tensor(v) else v for k, v in terms.items()}}
+
     # -- saving and loading ----------------------------------------------------------------------
     def head_parameters(self) -> list:
-        """The "heads": the parameters the start model never trained - the decoder and the MLM head's transform
-        and output bias. The tied vocabulary projection IS the word-embedding matrix, so it counts as the
-        encoder's. The one definition of heads: train.py gives them --head_learning_rate, finetune.py freezes
-        them, xprt_heads.safetensors stores them (heads_state_dict)."""
-        return list(self.decoder.parameters()) + list(_head_params(self.encoder).values())
+        """The "heads": the parameters the start model never trained - the objective's own (xPRT's decoder) and the
+        MLM head's transform and output bias. The tied vocabulary projection IS the word-embedding matrix, so it
+        counts as the encoder's. The one definition of heads: train.py gives them --head_learning_rate, finetune.py
+        freezes them, xprt_heads.safetensors stores them (heads_state_dict)."""
+        return list(self.method.parameters()) + list(_head_params(self.encoder).values())
 
     def heads_state_dict(self) -> dict:
-        """The head_parameters() by name (decoder.*, mlm_head.*); the projection is saved with the encoder."""
-        sd = {f"decoder.{k}": v for k, v in self.decoder.state_dict().items()}
+        """The head_parameters() by name (the objective's, e.g. decoder.*; mlm_head.*), or, for an objective without
+        heads of its own (PAIR), the heads of the folder it was loaded from, unchanged; the projection is saved with
+        the encoder."""
+        sd = dict(self.method.state_dict()) or dict(self.carried_heads)
         sd.update({f"mlm_head.{k}": v for k, v in _head_params(self.encoder).items()})
         return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+
+    def heads_config(self) -> dict:
+        """What rebuilds the saved heads: {"objective": whose heads, **its config()}."""
+        if not dict(self.method.state_dict()) and self.carried_heads:
+            return dict(self.carried_config)
+        return {"objective": self.objective, **self.method.config()}
 
     def complete_base_state_dict(self) -> dict:
         """The encoder's weights as the architecture's AutoModel class holds them: the MLM model's base has no pooler
@@ -936,12 +916,10 @@ class XPRTModel(nn.Module):
         return sd
 
     def save_pretrained(self, out_dir: str, tokenizer, model_card: Optional[str] = None):
-        """A folder loadable by transformers.AutoModel AND sentence_transformers.SentenceTransformer (mean pooling +
-        normalisation, like all-MiniLM-L6-v2), plus xprt_heads.safetensors and xprt_config.json so that training
-        can continue (support.save_model_folder: atomic; an existing out_dir is replaced)."""
-        config = {"objective": self.objective, "num_condition_vectors": self.num_condition_vectors,
-                  "decoder_layers": self.decoder_layers, "fill_in": self.fill_in, "weights": asdict(self.weights),
-                  "tau": self.tau}
+        """A folder loadable by transformers.AutoModel AND sentence_transformers.SentenceTransformer (the start's
+        pooling + normalisation), plus xprt_heads.safetensors and xprt_config.json so that training can continue
+        (support.save_model_folder: atomic; an existing out_dir is replaced)."""
+        config = {"objective": self.objective, "tau": self.tau, "heads": self.heads_config()}
         save_model_folder(out_dir, self.base, self.complete_base_state_dict(), tokenizer, self.heads_state_dict(),
                           config, self.info, model_card)
 
@@ -951,11 +929,13 @@ class XPRTModel(nn.Module):
                         **kw) -> "XPRTModel":
         """Any checkpoint (hub id, folder, the MiniLM alias) or a folder written by save_pretrained.
 
-        A save_pretrained folder gets its decoder and MLM head back (xprt_heads.safetensors) and its
-        xprt_config.json settings; any other checkpoint gets a fresh head tied to the word embeddings, or
-        `mlm_head_from`'s (load_mlm_encoder). kw go to XPRTModel.__init__ and override xprt_config.json.
-        The model's load_message says which happened. prefixes: "auto" (support.model_prompts' rule), "e5" or
-        "none". hub_model_id: the Hub repository the trained model will be pushed to (recorded in its folder)."""
+        A save_pretrained folder gets its MLM head back and, when `objective` is the one its heads were trained
+        with, the objective's heads and settings (xprt_config.json "heads"); the heads of another objective are
+        carried through unchanged (a PAIR fine-tuning of an xPRT folder keeps its decoder for later pre-training).
+        Any other checkpoint gets a fresh head tied to the word embeddings, or `mlm_head_from`'s (load_mlm_encoder).
+        kw go to XPRTModel.__init__ (and the objective) and override the folder's settings. The model's
+        load_message says which happened. prefixes: "auto" (support.model_prompts' rule), "e5" or "none".
+        hub_model_id: the Hub repository the trained model will be pushed to (recorded in its folder)."""
         from safetensors.torch import load_file
 
         name, path = path, resolve_model_path(path)
@@ -965,30 +945,20 @@ class XPRTModel(nn.Module):
         has_heads = os.path.isfile(heads_file)
         mlm, message = load_mlm_encoder(path, mlm_head_from=None if has_heads else mlm_head_from,
                                         trust_remote_code=trust_remote_code)
-        weights = dict(saved.get("weights") or {})
-        args = {"num_condition_vectors": saved.get("num_condition_vectors", 4),
-                "decoder_layers": saved.get("decoder_layers", 1), "fill_in": saved.get("fill_in", True),
-                "tau": saved.get("tau", weights.pop("tau", 0.05))}  # folders saved before tau left LossWeights
-        if weights:
-            args["weights"] = LossWeights(**weights)
-        args.update(kw)
-        # the stages so far: an xprt folder's own record (or, from folders saved before it kept one, its start and
-        # one unnamed stage), else the start checkpoint itself
-        lineage = saved.get("lineage") or ([{"stage": "start", "model": saved.get("base_model")},
-                                            {"stage": f"xprt {saved.get('objective', 'xprt')}",
-                                             "model": saved.get("hub_model_id")}] if saved
-                                           else [{"stage": "start", "model": hub_base_model(name)}])
+        objective = objective or saved.get("objective", "xprt")
+        heads_cfg = dict(saved.get("heads") or {})
+        own_heads = heads_cfg.pop("objective", None) == objective
+        args = {"tau": saved.get("tau", 0.05), **(heads_cfg if own_heads else {}), **kw}
+        # the stages so far: an xprt folder's own record, else the start checkpoint itself
+        lineage = saved.get("lineage") or [{"stage": "start", "model": hub_base_model(name)}]
         args["info"] = ModelInfo(start_model=saved.get("start_model") or name, prompts=model_prompts(name, prefixes),
                                  max_seq_length=max_seq_length(mlm.config, read_max_seq_length(path)),
                                  base_model=hub_base_model(name), hub_model_id=hub_model_id, lineage=lineage,
                                  pooling=read_pooling(path))
-        model = cls(mlm, objective=objective or saved.get("objective", "xprt"), **args)
-        model.load_message = f"xprt folder {path}: decoder and MLM head restored from {heads_file}" if has_heads \
-            else message
+        model = cls(mlm, objective=objective, **args)
+        model.load_message = message
         if has_heads:
             sd = load_file(heads_file)
-            decoder_sd = {k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")}
-            model.decoder.load_state_dict(decoder_sd, strict=True)
             head = _head_params(model.encoder)
             head_sd = {k[len("mlm_head."):]: v for k, v in sd.items() if k.startswith("mlm_head.")}
             if set(head_sd) != set(head):
@@ -997,9 +967,17 @@ class XPRTModel(nn.Module):
             with torch.no_grad():
                 for k, v in head_sd.items():
                     head[k].copy_(v)
+            own = {k: v for k, v in sd.items() if not k.startswith("mlm_head.")}
+            if own_heads:
+                model.method.load_state_dict(own, strict=True)
+            else:
+                model.carried_heads, model.carried_config = own, dict(saved.get("heads") or {})
+            model.load_message = (f"xprt folder {path}: MLM head restored from {heads_file}; " +
+                                  (f"{objective} heads restored" if own_heads and own else
+                                   f"{len(own)} tensors of {model.carried_config.get('objective')}'s heads carried "
+                                   "through unchanged" if own else "no objective heads saved"))
         logger.info(model.load_message)
         return model
-
 
 @torch.inference_mode()
 def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, max_length: int = 512,
@@ -1056,56 +1034,122 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
 
 
 # ==============================================================================================================
-# 5. Collators
-# Rows -> one batch dict of tensors (the layout table of section 4). All masking, cropping and index building happens
-# here, seeded by a torch.Generator whose state is checkpointed for exact resume.
+# 6. Collators
+# Rows -> one batch dict of tensors. All masking, cropping and index building happens here, seeded by a
+# torch.Generator whose state is checkpointed for exact resume; each batch carries its Layout (how it is cut into
+# chunks of groups for the gradient cache), so the model gathers and never computes an index.
+# Batch layout of xPRT (XPRTCollator): G groups, P = 1 + num_related passages per group (0 = anchor, 1 = s1, ...),
+# L tokens, D decoder passes per group (2 * num_related + 2; 2 without fill-in), C conditioning vectors:
+#   input_ids, attention_mask, mlm_labels   (G, P, L)   masked encoder input, its MLM targets (-100 elsewhere)
+#   dec_input_ids, dec_labels               (G, D, L)   masked decoder inputs, their targets
+#   dec_source, dec_target                  (D,)        passage whose vector conditions each pass / passage it fills
+#   mlm_index, mlm_targets                  (M,)        masked encoder positions in the flat (G * P * L) states
+#   cross_rows, cross_targets               (M_c,)      L_cross's rows of the flat (G * D * (L + C)) decoder output
+#   self_rows, self_enc_index               (M_s,)      L_self's decoder rows, the same tokens in the encoder states
+# and, for every pre-training objective (GroupCollator.retention_fields):
+#   retain_input_ids, retain_attention_mask (G, 2, L")  clean anchor and s1 (teacher and clean student)
+#   doc_ids                                 (G,)        stable int64 hash of the document id
+# PAIR (PairCollator): query_input_ids / query_attention_mask (B, Lq), passage_input_ids / passage_attention_mask
+# (B, 1 + n, Lp), passage_ids (B, 1 + n), relevant_ids (B, R).
 # ==============================================================================================================
 
 
-class XPRTCollator:
-    """Rows of the groups dataset (select_groups.py) -> the batch XPRTModel.forward expects.
+class Layout:
+    """How a collated batch is cut into chunks of groups (rows) for the gradient cache; the collator builds it.
 
-    objective "xprt": anchor + num_related related passages per group (with positive="random",
-    slot 1 - the L_xp positive and the second self fill-in - holds `random_passage` instead of s1,
-    the paper's ablation); 15% encoder masking (BERT's 80/10/10), and one independently 60%-masked
-    copy (all [MASK]) of the target passage for each of the 2R + 2 decoder passes.
-    "self_reconstruction": the anchor only, encoder 30% / decoder 50% (RetroMAE's defaults).
-    "contrastive_random_span": two random crops of the anchor, ratio uniform in [0.1, 0.5].
-    Every objective also gets the clean anchor and s1 (retain_*) for the retention term.
-    Mask rates left at None take the objective's defaults above. num_condition_vectors and fill_in are the model's
-    (XPRTModel): the collator lays out the decoder passes (decoder_pass_plan) and the decoder output rows each loss
-    reads (ConditionedDecoder.output_rows), so the model gathers and never computes an index.
-    max_length counts the passage's own tokens: select_groups.py packs passages to --passage_tokens (128) without
-    [CLS], [SEP] and the prefix, so the sequences are max_length + specials + prefix long and a selected passage
-    reaches the encoder whole. The prefix ("passage: " for E5) is never a masking candidate: it is the same in
-    every passage, and a masked prefix would both corrupt the input E5 was trained on and make "passage" and ":"
-    fill-in targets.
-    """
+    Every tensor of the batch whose key is not in `whole` or `flat` has the groups as its first dimension and is
+    sliced. `flat` holds the flat index tensors (sorted, row-major: _loss_positions): key -> (row set, width), where
+    width is the flat size of one group (a chunk's indices are shifted by it to become its own; 0 for targets).
+    bounds: row set -> G + 1 ints, where each group's rows start. totals: row set -> the WHOLE batch's row count,
+    which a chunk keeps, so that each chunk's mean term times its share adds up to the batch's mean. Python ints
+    only: cutting a batch that sits on a GPU needs no host sync."""
 
-    DEFAULT_RATES = {"xprt": (0.15, 0.60), "self_reconstruction": (0.30, 0.50), "contrastive_random_span": (0.0, 0.0)}
-    assert set(DEFAULT_RATES) == set(PRETRAIN_OBJECTIVES)
+    def __init__(self, groups: int, flat: Optional[dict] = None, bounds: Optional[dict] = None,
+                 whole: Sequence[str] = (), totals: Optional[dict] = None):
+        self.groups, self.flat, self.bounds, self.whole = groups, flat or {}, bounds or {}, set(whole)
+        self.rows = {k: b[-1] - b[0] for k, b in self.bounds.items()}
+        self.totals = dict(totals) if totals is not None else dict(self.rows)
 
-    def __init__(self, tokenizer, objective: str = "xprt", num_related: int = 4, max_length: int = 128,
+    def share(self, rows: str) -> float:
+        """This batch's (or chunk's) part of the whole batch's `rows`: 1 for a whole batch."""
+        return self.rows[rows] / max(1, self.totals[rows])
+
+    def chunks(self, batch: dict, size: int) -> list:
+        """[((a, b), the groups a..b-1 of `batch` as a batch of their own, with its Layout)]."""
+        out = []
+        for a in range(0, self.groups, size):
+            b = min(a + size, self.groups)
+            part = {}
+            for k, v in batch.items():
+                if k in self.flat:
+                    rows, width = self.flat[k]
+                    part[k] = v[self.bounds[rows][a]:self.bounds[rows][b]]
+                    part[k] = part[k] - a * width if width else part[k]
+                elif torch.is_tensor(v) and k not in self.whole:
+                    part[k] = v[a:b]
+                elif k != "layout":
+                    part[k] = v
+            part["layout"] = Layout(b - a, self.flat, {k: [x - bd[a] for x in bd[a:b + 1]] for k, bd in
+                                                      self.bounds.items()}, self.whole, self.totals)
+            out.append(((a, b), part))
+        return out
+
+
+def group_bounds(index: torch.Tensor, width: int, groups: int) -> list:
+    """Where each group's rows start in a sorted flat index over (groups * width) positions: G + 1 ints."""
+    return torch.searchsorted(index, torch.arange(groups + 1) * width).tolist()
+
+
+def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarray:
+    """Characters of each group's anchor plus its first num_related related passages (what length grouping
+    sorts by), as a numpy int64 array.
+
+    Computed with pyarrow compute on Arrow batches of the two columns (no Python dict per row, no cache file
+    written, so every process can run it at once); utf8_length counts code points like Python's len, so the
+    lengths, and hence the batches, are those Python's len gives."""
+    import pyarrow.compute as pc
+
+    out = np.empty(len(groups), dtype=np.int64)
+    pos = 0
+    for batch in groups.select_columns(["anchor", "related"]).with_format("arrow").iter(batch_size=batch_size):
+        anchor = batch["anchor"].combine_chunks()
+        related = pc.list_slice(batch["related"].combine_chunks(), 0, num_related)
+        flat = pc.utf8_length(pc.list_flatten(related)).to_numpy(zero_copy_only=False)
+        per_group = np.bincount(pc.list_parent_indices(related).to_numpy(zero_copy_only=False), weights=flat,
+                                minlength=len(anchor))  # float64: exact for sums below 2**53
+        anchor_len = pc.utf8_length(anchor).to_numpy(zero_copy_only=False)
+        out[pos:pos + len(anchor)] = anchor_len + per_group.astype(np.int64)
+        pos += len(anchor)
+    return out
+
+
+class GroupCollator:
+    """What every pre-training collator shares: tokenising with the passage prefix, BERT-style masking drawn from a
+    checkpointed generator, the retention fields (every objective gets the same term), and the batch sampler's
+    lengths. max_length counts the passage's own tokens: select_groups.py packs passages to --passage_tokens (128)
+    without [CLS], [SEP] and the prefix, so the sequences are max_length + specials + prefix long and a selected
+    passage reaches the encoder whole. The prefix ("passage: " for E5) is never a masking candidate: it is the same
+    in every passage, and a masked prefix would both corrupt the input E5 was trained on and make "passage" and ":"
+    fill-in targets. Mask rates left at None take the class's DEFAULT_RATES (encoder, decoder)."""
+
+    DEFAULT_RATES = (0.15, 0.0)
+    spread_documents = True  # the sampler may deal one document's groups into different batches (train.py)
+
+    def __init__(self, tokenizer, num_related: int = 4, max_length: int = 128,
                  encoder_mask_rate: Optional[float] = None, decoder_mask_rate: Optional[float] = None,
-                 passage_prefix: str = "", positive: str = "s1", seed: int = 0,
-                 crop_ratio: tuple = (0.1, 0.5), num_condition_vectors: int = 4, fill_in: bool = True):
-        if objective not in PRETRAIN_OBJECTIVES:
-            raise ValueError(f"XPRTCollator objective must be one of {PRETRAIN_OBJECTIVES} "
-                             "(pair uses PairCollator)")
+                 passage_prefix: str = "", positive: str = "s1", seed: int = 0):
         if positive not in ("s1", "random"):
             raise ValueError(f"positive must be 's1' or 'random', got {positive!r}")
         if num_related < 1:
             raise ValueError("num_related must be >= 1")
-        enc_d, dec_d = self.DEFAULT_RATES[objective]
-        self.tokenizer, self.objective = tokenizer, objective
-        self.num_related, self.max_length = num_related, max_length
+        self.tokenizer, self.num_related, self.max_length, self.positive = tokenizer, num_related, max_length, positive
+        enc_d, dec_d = self.DEFAULT_RATES
         self.encoder_mask_rate = enc_d if encoder_mask_rate is None else encoder_mask_rate
         self.decoder_mask_rate = dec_d if decoder_mask_rate is None else decoder_mask_rate
         for name, r in [("encoder_mask_rate", self.encoder_mask_rate), ("decoder_mask_rate", self.decoder_mask_rate)]:
             if not 0.0 <= r < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {r}")
-        self.passage_prefix, self.positive, self.crop_ratio = passage_prefix, positive, crop_ratio
-        self.num_condition_vectors, self.fill_in = num_condition_vectors, fill_in
+        self.passage_prefix = passage_prefix
         self.prefix_ids = tokenizer(passage_prefix, add_special_tokens=False)["input_ids"] if passage_prefix else []
         self.seq_length = max_length + len(self.prefix_ids) + tokenizer.num_special_tokens_to_add(pair=False)
         self.generator = torch.Generator().manual_seed(seed)
@@ -1116,11 +1160,22 @@ class XPRTCollator:
     def load_state_dict(self, state: dict):
         self.generator.set_state(state["generator"])
 
+    def sort_lengths(self, groups, seed: int):
+        """What the batch sampler sorts the groups by -> (lengths, or a function epoch -> lengths; a function
+        (epoch, row index) -> extra fields of the row, or None)."""
+        return group_lengths(groups, self.num_related), None
+
     # -- helpers -------------------------------------------------------------------------------
     def _tokenize(self, texts, max_length=None):
         return self.tokenizer([self.passage_prefix + t for t in texts], padding=True, truncation=True,
                               max_length=max_length or self.seq_length, return_tensors="pt",
                               return_special_tokens_mask=True)
+
+    def _candidates(self, enc):
+        """Maskable positions of tokenised passages: never [CLS], [SEP], padding or the prefix (right after [CLS])."""
+        cand = enc["attention_mask"].bool() & ~enc["special_tokens_mask"].bool()
+        cand[:, 1 : 1 + len(self.prefix_ids)] = False
+        return cand
 
     def _pick(self, candidates: torch.Tensor, rate: float) -> torch.Tensor:
         """Bernoulli(rate) over candidate positions (..., L), at least one per row that has any."""
@@ -1132,9 +1187,10 @@ class XPRTCollator:
             pick = pick | (one & empty.unsqueeze(-1))
         return pick
 
-    def _mask_bert(self, ids, candidates, rate):
-        """BERT's 80% [MASK] / 10% random / 10% unchanged -> (masked ids, labels with -100 elsewhere)."""
-        pick = self._pick(candidates, rate)
+    def _mask_bert(self, ids, candidates, rate, pick=None):
+        """BERT's 80% [MASK] / 10% random / 10% unchanged -> (masked ids, labels with -100 elsewhere). pick: the
+        positions to mask (default: Bernoulli(rate) over the candidates)."""
+        pick = self._pick(candidates, rate) if pick is None else pick
         labels = torch.where(pick, ids, torch.full_like(ids, -100))
         u = torch.rand(ids.shape, generator=self.generator)
         masked = ids.clone()
@@ -1148,52 +1204,57 @@ class XPRTCollator:
         pick = self._pick(candidates, rate)
         return ids.masked_fill(pick, self.tokenizer.mask_token_id), torch.where(pick, ids, torch.full_like(ids, -100))
 
-    # -- batch -----------------------------------------------------------------------------------
-    def __call__(self, rows: list) -> dict:
-        g = len(rows)
-        if g == 0:
+    def retention_fields(self, rows: list) -> dict:
+        """doc_ids and the clean anchor and s1 of every group: the retention term's pairs are anchor x s1 whatever
+        the objective and the positive (the paper gives every method the same term)."""
+        if not rows:
             raise ValueError("empty batch")
         for r in rows:
             if len(r["related"]) < self.num_related:
                 raise ValueError(f"group of {r['doc_id']} has {len(r['related'])} related passages, "
                                  f"need {self.num_related}")
-        doc_ids = torch.tensor([stable_doc_hash(r["doc_id"]) for r in rows], dtype=torch.long)
-        second = [r["random_passage"] if self.positive == "random" else r["related"][0] for r in rows]
-        # the retention pairs are anchor x s1 whatever the positive: the paper gives every method the same term
+        g = len(rows)
         clean = self._tokenize([t for r in rows for t in (r["anchor"], r["related"][0])])
         lr = clean["input_ids"].shape[1]
-        batch = {"doc_ids": doc_ids, "retain_input_ids": clean["input_ids"].view(g, 2, lr),
-                 "retain_attention_mask": clean["attention_mask"].view(g, 2, lr)}
-        if self.objective == "contrastive_random_span":
-            spans = [r["crop_spans"] for r in rows] if "crop_spans" in rows[0] else None
-            batch.update(self._crops([r["anchor"] for r in rows], spans))
-            return batch
-        if self.objective == "xprt":
-            texts = [t for r, s in zip(rows, second)
-                     for t in [r["anchor"], s] + list(r["related"][1 : self.num_related])]
-            p = 1 + self.num_related
-        else:  # self_reconstruction: the anchor only
-            texts, p = [r["anchor"] for r in rows], 1
+        return {"doc_ids": torch.tensor([stable_doc_hash(r["doc_id"]) for r in rows], dtype=torch.long),
+                "retain_input_ids": clean["input_ids"].view(g, 2, lr),
+                "retain_attention_mask": clean["attention_mask"].view(g, 2, lr)}
+
+
+class XPRTCollator(GroupCollator):
+    """Rows of the groups dataset (select_groups.py) -> the batch XPRTObjective reads: anchor + num_related related
+    passages per group (with positive="random", slot 1 - the L_xp positive and the second self fill-in - holds
+    `random_passage` instead of s1, the paper's ablation); 15% encoder masking (BERT's 80/10/10), and one
+    independently 60%-masked copy (all [MASK]) of the target passage for each of the 2R + 2 decoder passes.
+    num_condition_vectors and fill_in are the objective's: the collator lays out the decoder passes
+    (decoder_pass_plan) and the decoder output rows each loss reads (ConditionedDecoder.output_rows)."""
+
+    DEFAULT_RATES = (0.15, 0.60)
+
+    def __init__(self, tokenizer, num_condition_vectors: int = 4, fill_in: bool = True, **kw):
+        super().__init__(tokenizer, **kw)
+        self.num_condition_vectors, self.fill_in = num_condition_vectors, fill_in
+
+    def __call__(self, rows: list) -> dict:
+        batch = self.retention_fields(rows)
+        g, p = len(rows), 1 + self.num_related
+        second = [r["random_passage"] if self.positive == "random" else r["related"][0] for r in rows]
+        texts = [t for r, s in zip(rows, second) for t in [r["anchor"], s] + list(r["related"][1 : self.num_related])]
         enc = self._tokenize(texts)
         ids, am = enc["input_ids"], enc["attention_mask"]
         l = ids.shape[1]
-        cand = am.bool() & ~enc["special_tokens_mask"].bool()  # never mask [CLS], [SEP] or padding
-        cand[:, 1 : 1 + len(self.prefix_ids)] = False  # nor the prefix, right after [CLS]
+        cand = self._candidates(enc)
         masked, labels = self._mask_bert(ids, cand, self.encoder_mask_rate)
         ids3, cand3 = ids.view(g, p, l), cand.view(g, p, l)
-        if self.objective == "xprt":
-            source, target, kind = decoder_pass_plan(self.num_related, self.fill_in)
-            # The masks of all 2R + 2 passes are drawn, kept or not: the "no fill-in" ablation then sees the same
-            # masks in its self passes, and the same encoder masks in later batches, as the full method.
-            _, all_target, all_kind = decoder_pass_plan(self.num_related)
-            tgt = torch.tensor(all_target)
-            dec_ids, dec_labels = self._mask_all(ids3[:, tgt], cand3[:, tgt], self.decoder_mask_rate)  # (G, 2R+2, L)
-            if not self.fill_in:
-                keep = torch.tensor([i for i, k in enumerate(all_kind) if k == "self"])
-                dec_ids, dec_labels = dec_ids[:, keep], dec_labels[:, keep]  # (G, D, L)
-        else:  # self_reconstruction: the anchor fills itself
-            source, target, kind = [0], [0], ["self"]
-            dec_ids, dec_labels = self._mask_all(ids3, cand3, self.decoder_mask_rate)  # (G, 1, L)
+        source, target, kind = decoder_pass_plan(self.num_related, self.fill_in)
+        # The masks of all 2R + 2 passes are drawn, kept or not: the "no fill-in" ablation then sees the same masks in
+        # its self passes, and the same encoder masks in later batches, as the full method.
+        _, all_target, all_kind = decoder_pass_plan(self.num_related)
+        tgt = torch.tensor(all_target)
+        dec_ids, dec_labels = self._mask_all(ids3[:, tgt], cand3[:, tgt], self.decoder_mask_rate)  # (G, 2R+2, L)
+        if not self.fill_in:
+            keep = torch.tensor([i for i, k in enumerate(all_kind) if k == "self"])
+            dec_ids, dec_labels = dec_ids[:, keep], dec_labels[:, keep]  # (G, D, L)
         batch.update({"input_ids": masked.view(g, p, l), "attention_mask": am.view(g, p, l),
                       "mlm_labels": labels.view(g, p, l), "dec_input_ids": dec_ids, "dec_labels": dec_labels,
                       "dec_source": torch.tensor(source), "dec_target": torch.tensor(target)})
@@ -1203,99 +1264,39 @@ class XPRTCollator:
     def _loss_positions(self, mlm_labels, dec_labels, target, kind) -> dict:
         """The rows each vocabulary term reads, as flat index tensors (and their targets), built here on the CPU once
         per batch: the model gathers with index_select, never with a boolean mask, whose data-dependent result size
-        would make a GPU wait for the host every step. Row-major order, the order a boolean mask gives.
+        would make a GPU wait for the host every step. Row-major order, the order a boolean mask gives; the Layout
+        records where each group's rows start.
 
-        mlm_index, mlm_targets: masked encoder positions in the flat (G * P * L) encoder states. Decoder rows are
-        rows of the flat (G * D * (L + C)) decoder output (ConditionedDecoder.output_rows). xprt: cross_rows,
-        cross_targets at the masked positions of the cross passes; self_rows at those of the self passes and
-        self_enc_index the same tokens in the encoder states (L_self's teacher). self_reconstruction: dec_rows,
-        dec_targets. target, kind: the passes' target passage and kind (decoder_pass_plan)."""
+        mlm_index, mlm_targets: masked encoder positions in the flat (G * P * L) encoder states. Decoder rows are rows
+        of the flat (G * D * (L + C)) decoder output (ConditionedDecoder.output_rows): cross_rows, cross_targets at
+        the masked positions of the cross passes; self_rows at those of the self passes and self_enc_index the same
+        tokens in the encoder states (L_self's teacher). target, kind: the passes' target passage and kind
+        (decoder_pass_plan)."""
         def at(mask, values):
             index = mask.reshape(-1).nonzero().squeeze(1)
             return index, values.reshape(-1)[index]
 
         g, p, l = mlm_labels.shape
         d, c = len(kind), self.num_condition_vectors
+        enc_w, dec_w = p * l, d * (l + c)  # one group's flat size in the encoder states and the decoder output
         out = dict(zip(("mlm_index", "mlm_targets"), at(mlm_labels != -100, mlm_labels)))
+        bounds = {"mlm": group_bounds(out["mlm_index"], enc_w, g)}
+        flat = {"mlm_index": ("mlm", enc_w), "mlm_targets": ("mlm", 0)}
         picked = dec_labels != -100  # (G, D, L)
-        if self.objective != "xprt":
-            index, targets = at(picked, dec_labels)
-            out.update(dec_rows=ConditionedDecoder.output_rows(index, l, c), dec_targets=targets)
-            return out
         is_self = torch.tensor([k == "self" for k in kind]).view(1, d, 1)
         if self.fill_in:
             index, targets = at(picked & ~is_self, dec_labels)
             out.update(cross_rows=ConditionedDecoder.output_rows(index, l, c), cross_targets=targets)
+            bounds["cross"] = group_bounds(index, d * l, g)
+            flat.update(cross_rows=("cross", dec_w), cross_targets=("cross", 0))
         self_index, _ = at(picked & is_self, dec_labels)
         grp, pas, j = self_index // (d * l), self_index // l % d, self_index % l
         out.update(self_rows=ConditionedDecoder.output_rows(self_index, l, c),
                    self_enc_index=(grp * p + torch.tensor(target)[pas]) * l + j)
+        bounds["self"] = group_bounds(self_index, d * l, g)
+        flat.update(self_rows=("self", dec_w), self_enc_index=("self", enc_w))
+        out["layout"] = Layout(g, flat, bounds, whole=("dec_source", "dec_target"))
         return out
-
-    def _crops(self, texts, spans=None):
-        """Contriever's random cropping: two independent spans of each text, each of length
-        ratio ~ U[crop_ratio] of its tokens (at least one token), re-wrapped in [CLS] prefix ... [SEP]
-        (the prefix is not cropped: every view is a passage as E5 reads it).
-
-        spans (G, 2, 2) [start, length] per view: drawn before batching (crop_spans, train.py: so that batches can
-        be grouped by the crops' lengths); None draws them here from the collator's generator.
-        Layout: the longer crop of each row in input_ids / attention_mask (G, L), the shorter in short_input_ids /
-        short_attention_mask (G, L_short), each padded to its own longest, and view1_is_long (G,) to put them back
-        in view order: padding both views to one length would pad every short crop to the longest long one."""
-        tok = self.tokenizer
-        body = self.crop_token_ids(texts)
-        lo, hi = self.crop_ratio
-        # BERT's [CLS]/[SEP]; RoBERTa-style tokenizers have <s>/</s> as bos/eos
-        first = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
-        last = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
-        views = []
-        for i, toks in enumerate(body):
-            for v in range(2):
-                n = len(toks)
-                if spans is None:
-                    ratio = lo + (hi - lo) * torch.rand((), generator=self.generator).item()
-                    k = max(1, int(round(ratio * n)))
-                    start = int(torch.randint(0, max(1, n - k + 1), (), generator=self.generator))
-                else:
-                    start, k = int(spans[i][v][0]), int(spans[i][v][1])
-                views.append([first] + self.prefix_ids + toks[start : start + k] + [last])
-        g = len(texts)
-        view1_is_long = torch.tensor([len(views[2 * i]) >= len(views[2 * i + 1]) for i in range(g)])
-        long = [views[2 * i + (0 if view1_is_long[i] else 1)] for i in range(g)]
-        short = [views[2 * i + (1 if view1_is_long[i] else 0)] for i in range(g)]
-
-        def pad(vs):
-            ids = torch.full((len(vs), max(len(v) for v in vs)), tok.pad_token_id, dtype=torch.long)
-            am = torch.zeros_like(ids)
-            for j, v in enumerate(vs):
-                ids[j, : len(v)] = torch.tensor(v)
-                am[j, : len(v)] = 1
-            return ids, am
-
-        (ids, am), (sids, sam) = pad(long), pad(short)
-        return {"input_ids": ids, "attention_mask": am, "short_input_ids": sids, "short_attention_mask": sam,
-                "view1_is_long": view1_is_long}
-
-    def crop_token_ids(self, texts) -> list:
-        """The tokens random cropping draws from: each text's own tokens, cut to max_length (no specials)."""
-        return self.tokenizer(list(texts), add_special_tokens=False, truncation=True,
-                              max_length=self.max_length)["input_ids"]
-
-
-def crop_spans(num_tokens, seed: int, epoch: int, crop_ratio: tuple = (0.1, 0.5)):
-    """Both random crops of every row, drawn at once for an epoch: (N, 2, 2) int64 [start, length] per view, from
-    num_tokens (N,) (XPRTCollator.crop_token_ids' lengths). A function of (seed, epoch) only, so the batch sampler
-    can group rows by their crops' lengths before any batch is collated, and a resumed run draws the same crops.
-    The draws of XPRTCollator._crops: length = max(1, round(ratio * n)), ratio ~ U[crop_ratio], start uniform over
-    the places the span fits."""
-    n = np.asarray(num_tokens, dtype=np.int64)[:, None]  # (N, 1)
-    rng = np.random.default_rng([seed, epoch])
-    lo, hi = crop_ratio
-    ratio = lo + (hi - lo) * rng.random((len(n), 2))
-    k = np.maximum(1, np.round(ratio * n).astype(np.int64))
-    start = np.floor(rng.random((len(n), 2)) * np.maximum(1, n - k + 1)).astype(np.int64)
-    return np.stack([start, k], axis=-1)
-
 
 def pair_text_ids(rows: list, num_negatives: int) -> tuple:
     """The ids of PAIR's false-negative mask (pair_false_negatives) for rows {"query", "positive", "negatives",
@@ -1317,7 +1318,7 @@ def pair_text_ids(rows: list, num_negatives: int) -> tuple:
 
 
 class PairCollator:
-    """Fine-tuning rows {"query", "positive", "negatives"} -> batch for XPRTModel(objective="pair"):
+    """Fine-tuning rows {"query", "positive", "negatives"} -> batch for PairObjective:
     query_input_ids / query_attention_mask (B, Lq); passage_input_ids / passage_attention_mask
     (B, 1 + num_negatives, Lp), the positive first. PAIR's max lengths: 32 / 128.
     Also passage_ids (B, 1 + num_negatives) and relevant_ids (B, R), the text ids the losses mask false negatives
@@ -1348,11 +1349,11 @@ class PairCollator:
         return {"query_input_ids": q["input_ids"], "query_attention_mask": q["attention_mask"],
                 "passage_input_ids": p["input_ids"].view(b, k, lp),
                 "passage_attention_mask": p["attention_mask"].view(b, k, lp),
-                "passage_ids": passage_ids, "relevant_ids": relevant_ids}
+                "passage_ids": passage_ids, "relevant_ids": relevant_ids, "layout": Layout(b)}
 
 
 # ==============================================================================================================
-# 6. The vocabulary sweep
+# 7. The vocabulary sweep
 # L_MLM, L_cross and L_self each project hidden states onto the 30K-word vocabulary through the same MLM head. They
 # hand their rows to one VocabSweep per step, which computes them only at the positions a loss uses, all in one pass
 # over the vocabulary, chunk by chunk, never holding the (tokens x V) logits (_FusedLinearCE).
@@ -1365,17 +1366,20 @@ class VocabSweep:
     mlm_loss / cross_fill_loss register cross-entropy terms (hidden rows, target tokens, weight), self_fill_loss a
     KL term (hidden rows, teacher rows, weight); run() puts every student row through the MLM head's transform
     once, the teacher rows once without gradient, and computes all terms in one vocab_sweep:
-    -> (sum_k w_k term_k with gradient, {name: detached value}). Terms are computed in registration order, cross-
-    entropies first (the chunking, hence the floating-point sums, depend on it)."""
+    -> (sum_k w_k share_k term_k with gradient, {name: share_k term_k, detached}). share_k: the rows' part of the
+    batch's rows when they are a chunk of it (the gradient cache), so that the chunks' totals and values add up to
+    the batch's. Terms are computed in registration order, cross-entropies first (the chunking, hence the
+    floating-point sums, depend on it)."""
 
     def __init__(self, model: "XPRTModel"):
         self.model, self.ce, self.kl = model, [], []
 
-    def cross_entropy(self, name: str, hidden: torch.Tensor, targets: torch.Tensor, weight: float):
-        self.ce.append((name, hidden, targets, weight))
+    def cross_entropy(self, name: str, hidden: torch.Tensor, targets: torch.Tensor, weight: float, share: float = 1.0):
+        self.ce.append((name, hidden, targets, weight, share))
 
-    def kl_to_teacher(self, name: str, hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: float):
-        self.kl.append((name, hidden, teacher_hidden, weight))
+    def kl_to_teacher(self, name: str, hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: float,
+                      share: float = 1.0):
+        self.kl.append((name, hidden, teacher_hidden, weight, share))
 
     def run(self) -> tuple:
         m = self.model
@@ -1384,11 +1388,12 @@ class VocabSweep:
         rows = [x[1] for x in named]
         student = m.head_transform(torch.cat(rows) if len(rows) > 1 else rows[0]).split([r.shape[0] for r in rows])
         with torch.no_grad():
-            teachers = [m.head_transform(t.detach()) for _, _, t, _ in self.kl]
-        total, vals = vocab_sweep(w, b, ce=[(s, t, wt) for s, (_, _, t, wt) in zip(student, self.ce)],
-                                  kl=[(s, t, wt) for s, t, (*_, wt) in zip(student[len(self.ce):], teachers, self.kl)],
+            teachers = [m.head_transform(t.detach()) for _, _, t, _, _ in self.kl]
+        total, vals = vocab_sweep(w, b, ce=[(s, t, wt * sh) for s, (_, _, t, wt, sh) in zip(student, self.ce)],
+                                  kl=[(s, t, wt * sh) for s, t, (*_, wt, sh) in zip(student[len(self.ce):], teachers,
+                                                                                    self.kl)],
                                   fused=m.fused_vocab_loss)
-        return total, {name: v for (name, *_), v in zip(named, vals)}
+        return total, {name: v * sh for (name, *_, sh), v in zip(named, vals)}
 
 
 def vocab_sweep(weight, bias, ce=(), kl=(), fused: bool = True, chunk_size: int = 1024) -> tuple:

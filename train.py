@@ -3,9 +3,8 @@ xPRT step 2: continued pre-training of the encoder on the groups that select_gro
 
 Read it beside the xPRT paper ("The objective", "Experiments"). The objectives (--objective) share data, steps,
 batch, schedule and the retention term (40 -> 0), as the paper gives every method the same budget:
-  xprt                     L_xp + 0.1 L_cross + L_self + L_MLM + L_unif (modeling_xprt.XPRTModel.xprt_step)
-  contrastive_random_span  Contriever-style baseline: two random crops of the anchor
-  self_reconstruction      RetroMAE-style baseline: the anchor rebuilt from its own vector
+  xprt                     L_xp + 0.1 L_cross + L_self + L_MLM + L_unif (modeling_xprt.XPRTObjective)
+  the comparison arms      random spans, RetroMAE, SimLM, the self-reconstruction ablation (baselines.py)
 and the ablations --positive random and --no_fill_in.
 
     accelerate launch train.py --groups_dir groups/ --output_dir runs/xprt      # paper defaults (E5, lr 1e-6)
@@ -23,10 +22,9 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from modeling_xprt import PRETRAIN_OBJECTIVES, LossWeights, XPRTCollator, XPRTModel, crop_spans, load_teacher
+from modeling_xprt import LossWeights, XPRTModel, load_teacher, objective_class, pretraining_objectives
 from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args, batch_to_device,
                      check_common_args, engine_dtype, epoch_batches, gradient_cache_step, load_model, make_accelerator,
                      optimizer_groups, prepare_output_dir, read_json, resolve_model_path, resume, save_checkpoint,
@@ -44,11 +42,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("what to train")
-    g.add_argument("--objective", choices=PRETRAIN_OBJECTIVES, default="xprt",
+    g.add_argument("--objective", choices=pretraining_objectives(), default="xprt",
                    help="pre-training objective; the baselines share data, steps, batch, schedule and retention")
     g.add_argument("--no_fill_in", action="store_true",
-                   help="ablation: drop the cross fill-in loss L_cross (the paper's 'without the fill-in loss', Table "
-                        "3); L_self stays")
+                   help="xprt ablation: drop the cross fill-in loss L_cross (the paper's 'without the fill-in loss', "
+                        "Table 3); L_self stays")
     g.add_argument("--positive", choices=["s1", "random"], default="s1",
                    help="positive of the anchor: s1 (top related passage) or a random passage of the document "
                         "(ablation)")
@@ -169,11 +167,6 @@ class RetentionSchedule:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Batching (both stages): length-grouped batches of rows, collated in the loop
-# ----------------------------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Pre-training data: the groups
 # ----------------------------------------------------------------------------------------------------------------
 def load_groups(groups_dir: str, max_groups=None):
@@ -213,59 +206,6 @@ def load_groups(groups_dir: str, max_groups=None):
     return ds
 
 
-def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarray:
-    """Characters of each group's anchor plus its first num_related related passages (what length grouping
-    sorts by), as a numpy int64 array.
-
-    Computed with pyarrow compute on Arrow batches of the two columns (no Python dict per row, no cache file
-    written, so every process can run it at once); utf8_length counts code points like Python's len, so the
-    lengths, and hence the batches, are those Python's len gives."""
-    import pyarrow.compute as pc
-
-    out = np.empty(len(groups), dtype=np.int64)
-    pos = 0
-    for batch in groups.select_columns(["anchor", "related"]).with_format("arrow").iter(batch_size=batch_size):
-        anchor = batch["anchor"].combine_chunks()
-        related = pc.list_slice(batch["related"].combine_chunks(), 0, num_related)
-        flat = pc.utf8_length(pc.list_flatten(related)).to_numpy(zero_copy_only=False)
-        per_group = np.bincount(pc.list_parent_indices(related).to_numpy(zero_copy_only=False), weights=flat,
-                                minlength=len(anchor))  # float64: exact for sums below 2**53
-        anchor_len = pc.utf8_length(anchor).to_numpy(zero_copy_only=False)
-        out[pos:pos + len(anchor)] = anchor_len + per_group.astype(np.int64)
-        pos += len(anchor)
-    return out
-
-
-def crop_lengths(groups, collator, seed: int, batch_size: int = 8192):
-    """The random-span baseline's batching: (lengths for the sampler, epoch -> crop spans).
-
-    Its views are two random crops of each anchor (XPRTCollator._crops), not the texts: grouping rows by text length
-    left about half of each batch padding (padding efficiency 0.49-0.53). So the crops are drawn before batching,
-    per (seed, epoch) for every row at once (modeling_xprt.crop_spans, from each anchor's token count, counted
-    here once: one tokenizer pass over the anchors, an int32 per row), the sampler sorts by the crops' lengths
-    (longer, shorter: two tensors, LengthGroupedBatchSampler._longest_first), and the loop hands each row its
-    spans. One epoch's spans are kept at a time (16 bytes per row)."""
-    num_tokens = np.empty(len(groups), dtype=np.int32)
-    pos = 0
-    for batch in groups.select_columns(["anchor"]).iter(batch_size=batch_size):
-        ids = collator.crop_token_ids(batch["anchor"])
-        num_tokens[pos:pos + len(ids)] = [len(x) for x in ids]
-        pos += len(ids)
-    cache = {}
-
-    def spans_for(epoch):
-        if epoch not in cache:
-            cache.clear()
-            cache[epoch] = crop_spans(num_tokens, seed, epoch, collator.crop_ratio)
-        return cache[epoch]
-
-    def lengths_for(epoch):  # (N, 2): the longer and the shorter crop
-        k = spans_for(epoch)[:, :, 1]
-        return np.stack([k.max(1), k.min(1)], axis=1)
-
-    return lengths_for, spans_for
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The FLOP count behind the logged MFU (README, Notes: BERT-base at 128 tokens is about 87M multiply-adds per token
 # in the encoder and 24M in the MLM head; 2 FLOPs per multiply-add; a backward costs twice its forward)
@@ -286,15 +226,16 @@ def step_flops(model, batch, retention: bool) -> float:
     for key in ("input_ids", "short_input_ids", "query_input_ids", "passage_input_ids"):
         if key in batch:
             trained += layers(batch[key], n_enc)
-    if "dec_input_ids" in batch:
-        trained += layers(batch["dec_input_ids"], model.decoder_layers, model.num_condition_vectors)
+    if "dec_input_ids" in batch:  # a conditioned decoder (xPRT, the self-reconstruction ablation)
+        dec = model.method.decoder
+        trained += layers(batch["dec_input_ids"], len(dec.layers), dec.num_condition_vectors)
     head = h * h + h * v  # the MLM head's transform and vocabulary projection, per row
     trained += head * sum(batch[k].numel() for k in ("mlm_index", "cross_rows", "self_rows", "dec_rows") if k in batch)
     forward += head * batch["self_enc_index"].numel() if "self_enc_index" in batch else 0
     if retention:
         teacher = layers(batch["retain_input_ids"], n_enc)
         forward += teacher
-        if model.objective != "xprt" or model.retention_student == "clean":
+        if model.retention_student == "clean":
             trained += teacher  # the clean student pass
     return 2.0 * (3 * trained + forward)
 
@@ -313,33 +254,33 @@ def peak_flops(accelerator, args):
 # The model and the data
 # ----------------------------------------------------------------------------------------------------------------
 def load_pretraining_model(accelerator, args):
-    """XPRTModel.from_pretrained(--model_name_or_path) for --objective with the flags' loss weights, and its
-    tokenizer (support.load_model)."""
+    """XPRTModel.from_pretrained(--model_name_or_path) for --objective, with the options of it the flags set (an
+    option the objective does not take is refused, naming it), and its tokenizer (support.load_model)."""
     weight_flags = [("xp", "xp_weight"), ("cross", "cross_weight"), ("self_fill", "self_fill_weight"),
                     ("mlm", "mlm_weight"), ("unif", "unif_weight")]
-    weights = LossWeights(**{f: getattr(args, a) for f, a in weight_flags if getattr(args, a) is not None})
-    return load_model(accelerator, args, XPRTModel, objective=args.objective, weights=weights,
-                      mlm_head_from=args.mlm_head_from, fill_in=not args.no_fill_in,
-                      retention_student=args.retention_student)
+    options = {}
+    if any(getattr(args, a) is not None for _, a in weight_flags):
+        options["weights"] = LossWeights(**{f: getattr(args, a) for f, a in weight_flags if getattr(args, a) is not None})
+    if args.no_fill_in:
+        options["fill_in"] = False
+    return load_model(accelerator, args, XPRTModel, objective=args.objective, mlm_head_from=args.mlm_head_from,
+                      retention_student=args.retention_student, **options)
 
 
 def load_data(accelerator, args, model, tokenizer):
-    """The groups, their collator (a different mask RNG per process, the same across restarts) and the length-grouped
-    sampler (the random-span baseline's by its crops' lengths: spans_for(epoch) gives each row its crops)
-    -> (rows, collator, sampler, spans_for)."""
+    """The groups, the objective's collator (a different mask RNG per process, the same across restarts) and the
+    length-grouped sampler over what the collator sorts by (the random-span baseline: its crops' lengths, and
+    row_extras(epoch, i) hands each row its crops) -> (rows, collator, sampler, row_extras)."""
     rows = load_groups(args.groups_dir, args.max_groups)
-    collator = XPRTCollator(tokenizer, objective=args.objective, num_related=args.num_related,
-                            max_length=args.max_length, encoder_mask_rate=args.encoder_mask_rate,
-                            decoder_mask_rate=args.decoder_mask_rate, passage_prefix=model.prompts["document"],
-                            positive=args.positive, seed=args.seed + accelerator.process_index,
-                            num_condition_vectors=model.num_condition_vectors, fill_in=model.fill_in)
-    if args.objective == "contrastive_random_span":  # batches grouped by the crops' lengths; each row gets its spans
-        lengths, spans_for = crop_lengths(rows, collator, args.seed)
-    else:
-        lengths, spans_for = group_lengths(rows, args.num_related), None
-    spread = 1 if args.objective == "contrastive_random_span" else args.spread_documents
+    collator = model.method.make_collator(tokenizer, num_related=args.num_related, max_length=args.max_length,
+                                          encoder_mask_rate=args.encoder_mask_rate,
+                                          decoder_mask_rate=args.decoder_mask_rate,
+                                          passage_prefix=model.prompts["document"], positive=args.positive,
+                                          seed=args.seed + accelerator.process_index)
+    lengths, row_extras = collator.sort_lengths(rows, args.seed)
+    spread = args.spread_documents if collator.spread_documents else 1
     sampler = LengthGroupedBatchSampler(lengths, args.per_device_train_batch_size, args.seed, spread=spread)
-    return rows, collator, sampler, spans_for
+    return rows, collator, sampler, row_extras
 
 
 def load_retention(accelerator, args):
@@ -368,9 +309,9 @@ def main(argv=None):
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
-    # ---- accelerator. Some objectives leave heads unused (no decoder without fill-in), which DDP only tolerates with
-    # find_unused_parameters.
-    accelerator = make_accelerator(args, find_unused_parameters=not (args.objective == "xprt" and not args.no_fill_in))
+    # ---- accelerator. Some objectives leave heads unused (random spans never read the MLM head), which DDP only
+    # tolerates with find_unused_parameters.
+    accelerator = make_accelerator(args, find_unused_parameters=not objective_class(args.objective).trains_every_head)
     prepare_output_dir(accelerator, args)
     set_seed(args.seed)
 
@@ -378,7 +319,7 @@ def main(argv=None):
     model, tokenizer = load_pretraining_model(accelerator, args)
 
     # ---- data: the groups, length-grouped batches; then the retention term's frozen teacher and its weight
-    rows, collator, sampler, spans_for = load_data(accelerator, args, model, tokenizer)
+    rows, collator, sampler, row_extras = load_data(accelerator, args, model, tokenizer)
     retention, teacher = load_retention(accelerator, args)
     # collate_fn=list: rows are collated in the loop, not in the DataLoader, whose prefetching would advance the
     # collator's mask RNG past a checkpoint; generator: its base seed, not the global RNG that drives dropout
@@ -435,8 +376,8 @@ def main(argv=None):
             break
         for indexed in epoch_batches(accelerator, dataloader, sampler, state, epoch):  # [(row index, row)]
             rows_b = [r for _, r in indexed]
-            if spans_for is not None:  # the crops the batch sampler grouped the rows by
-                rows_b = [{**r, "crop_spans": spans_for(epoch)[i]} for i, r in indexed]
+            if row_extras is not None:  # e.g. the crops the batch sampler grouped the rows by
+                rows_b = [{**r, **row_extras(epoch, i)} for i, r in indexed]
             batch = collator(rows_b)
             real, proc = window.count(batch, skip_keys, step_flops(accelerator.unwrap_model(model), batch,
                                                                    teacher is not None))

@@ -2,19 +2,17 @@
 SimLM's replaced language modelling, Contriever's crops and in-batch InfoNCE; and the whole-word masking rule both
 MAE baselines use. Tiny random models (conftest) with the MiniLM tokenizer; dropout off (eval mode); seconds each."""
 
-import copy
 import json
 import math
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForMaskedLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import baselines as B
 from conftest import ROOT
-from modeling_xprt import XPRTModel
+from modeling_xprt import XPRTModel, load_mlm_encoder
 
 
 def rows_from_docs(n: int, min_chars: int = 40):
@@ -25,7 +23,7 @@ def rows_from_docs(n: int, min_chars: int = 40):
             d = json.loads(line)
             paras = [p for p in d["text"].split("\n") if len(p) > min_chars]
             for a in range(len(paras) - 1):
-                rows.append({"doc_id": d["id"], "anchor": paras[a], "related": [paras[a + 1]],
+                rows.append({"doc_id": d["id"], "anchor": paras[a], "related": [paras[a + 1]] * 4,
                              "random_passage": paras[0]})
                 if len(rows) == n:
                     return rows
@@ -37,11 +35,17 @@ def tok(tiny_bert):
     return AutoTokenizer.from_pretrained(tiny_bert)
 
 
-@pytest.fixture()
-def model(tiny_bert):
+def make(tiny_bert, objective, **options):
+    """XPRTModel for `objective`, dropout off (eval mode): the comparisons are exact."""
     torch.manual_seed(0)
-    m = XPRTModel(AutoModelForMaskedLM.from_pretrained(tiny_bert, attn_implementation="sdpa"))
-    return m.eval()  # dropout off: the comparisons are exact
+    return XPRTModel(load_mlm_encoder(str(tiny_bert))[0], objective=objective, **options).eval()
+
+
+def dense(batch, rows):
+    """A Layout row set's flat targets (<rows>_index, <rows>_targets) back as a (G, L) tensor, -100 elsewhere."""
+    out = torch.full_like(batch["input_ids"], -100).view(-1)
+    out[batch[f"{rows}_index"]] = batch[f"{rows}_targets"]
+    return out.view(batch["input_ids"].shape)
 
 
 def grads(params):
@@ -155,6 +159,7 @@ def test_enhanced_decoding_masks_follow_the_official_collator(tok):
     min(n, 256) samples per passage."""
     c = B.RetroMAECollator(tok, max_length=48)
     batch = c(rows_from_docs(16))
+    assert batch["decoder_mask_rate"] == 0.5
     torch.manual_seed(0)
     vis = B.enhanced_decoding_masks(batch["word_ids"], batch["num_tokens"], batch["attention_mask"], 0.5)
     g, l = batch["input_ids"].shape
@@ -188,7 +193,7 @@ def official_retromae_loss(model, obj, batch):
     weights (enhancedDecoder.py's BertLayerForDecoder), and the paper's setting's one change: the mean-pooled vector
     in place of the [CLS] state."""
     lm = model.encoder
-    out = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["mlm_labels"],
+    out = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=dense(batch, "mlm"),
              output_hidden_states=True)
     last = out.hidden_states[-1]
     am = batch["attention_mask"]
@@ -212,22 +217,22 @@ def official_retromae_loss(model, obj, batch):
             a = layer.attention.output(ctx[None], query[g, i][None])
             rows.append(layer.output(layer.intermediate(a), a)[0])
     dec = torch.stack(rows).view(query.shape)
-    dec_loss = F.cross_entropy(lm.cls(dec).view(-1, lm.config.vocab_size), batch["targets"].view(-1))
+    dec_loss = F.cross_entropy(lm.cls(dec).view(-1, lm.config.vocab_size), dense(batch, "dec").view(-1))
     return dec_loss + out.loss, dec_loss, out.loss
 
 
-def test_retromae_loss_and_gradients_equal_the_official_forward(tok, model):
-    c = B.RetroMAECollator(tok, max_length=24, seed=3)
-    obj = B.RetroMAE(model.encoder)
-    obj.eval()
+def test_retromae_loss_and_gradients_equal_the_official_forward(tok, tiny_bert):
+    model = make(tiny_bert, "retromae")
+    obj = model.method
+    c = obj.make_collator(tok, max_length=24, seed=3)
     torch.manual_seed(0)
     batch = obj.prepare(model, c(rows_from_docs(4)))
-    assert batch["targets"][:, 0].eq(-100).all()  # [CLS] is no decoder target
+    assert dense(batch, "dec")[:, 0].eq(-100).all()  # [CLS] is no decoder target
     states, vec = obj.encode(model, batch)
     assert vec.shape[1] == 0
     loss, terms = obj.row_terms(model, batch, states, vec)
     loss.backward()
-    params = list(model.parameters()) + list(obj.parameters())
+    params = list(model.parameters())
     got = grads(params)
     for p in params:
         p.grad = None
@@ -238,13 +243,14 @@ def test_retromae_loss_and_gradients_equal_the_official_forward(tok, model):
     torch.testing.assert_close(terms["mlm_loss"], ref_mlm.detach(), atol=1e-5, rtol=1e-5)
     assert_same_grads(got, grads(params))
     # 30% whole-word masking of the encoder's input, with BERT's 80/10/10
-    masked = batch["mlm_labels"] >= 0
+    masked = dense(batch, "mlm") >= 0
     assert abs(masked.sum().item() / batch["num_tokens"].sum().item() - 0.3) < 0.03
     assert (batch["input_ids"][masked] == tok.mask_token_id).float().mean() > 0.6
 
 
-def test_retromae_decoder_is_fresh_and_owned(model):
-    obj = B.RetroMAE(model.encoder)
+def test_retromae_decoder_is_fresh_and_owned(tiny_bert):
+    model = make(tiny_bert, "retromae")
+    obj = model.method
     names = [n for n, _ in obj.named_parameters()]
     assert names and all(n.startswith("decoder.") for n in names)
     enc_layer = model.encoder.bert.encoder.layer[-1]
@@ -279,15 +285,18 @@ def test_simlm_masks_reach_30_and_50_percent(tok):
     assert abs(dec.sum().item() / n - 0.5) < 0.03
     assert (batch["enc_input_ids"][enc] == tok.mask_token_id).all()  # --all_use_mask_token True
     assert (batch["enc_input_ids"][~enc] == batch["input_ids"][~enc]).all()
-    t = batch["targets"]  # every non-special token of the passage is a target, masked or not
+    t = dense(batch, "tok")  # every non-special token of the passage is a target, masked or not
     special = torch.isin(batch["input_ids"], torch.tensor(tok.all_special_ids))
     assert ((t >= 0) == (batch["word_ids"] >= 0) & ~special).all()
 
 
-def test_simlm_generator_is_frozen_and_not_registered(model, tiny_generator):
-    obj = B.SimLM(model.encoder, generator_name_or_path=tiny_generator)
+def test_simlm_generator_is_frozen_and_not_registered(tiny_bert, tiny_generator):
+    model = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator)
+    obj = model.method
     assert all(n.startswith("decoder.") for n, _ in obj.named_parameters())
-    assert not any("generator" in k for k in obj.state_dict())
+    assert not any("generator" in k for k in model.state_dict())
+    assert not any("generator" in k for k in model.heads_state_dict())
+    assert obj.config() == {"generator_name_or_path": tiny_generator, "decoder_layers": 2}
     assert not obj.generator.training and not any(p.requires_grad for p in obj.generator.parameters())
     # the decoder is a copy of the encoder's last two layers, not the layers themselves
     last = model.encoder.bert.encoder.layer[-2:]
@@ -295,12 +304,13 @@ def test_simlm_generator_is_frozen_and_not_registered(model, tiny_generator):
         assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
 
 
-def test_simlm_replacements_are_samples_of_the_generator(tok, model, tiny_generator):
+def test_simlm_replacements_are_samples_of_the_generator(tok, tiny_bert, tiny_generator):
     """Only masked positions change, and there the tokens follow the generator's softmax (temperature 1): the
     replacements' mean log-probability under the generator equals its expectation, sum p log p."""
-    obj = B.SimLM(model.encoder, generator_name_or_path=tiny_generator)
+    model = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator)
+    obj = model.method
     gen = obj.generator
-    c = B.SimLMCollator(tok, max_length=32)
+    c = obj.make_collator(tok, max_length=32)
     batch = c(rows_from_docs(16))
     torch.manual_seed(0)
     out = obj.prepare(model, batch)
@@ -320,21 +330,22 @@ def official_simlm_loss(model, obj, batch):
     position, the decoder (the copied layers) on [vector; embeddings of the decoder's text], the shared MLM head."""
     lm = model.encoder
     am = batch["attention_mask"]
-    out = lm(input_ids=batch["enc_input_ids"], attention_mask=am, labels=batch["targets"], output_hidden_states=True)
+    targets = dense(batch, "tok")
+    out = lm(input_ids=batch["enc_input_ids"], attention_mask=am, labels=targets, output_hidden_states=True)
     last = out.hidden_states[-1]
     cls = ((last * am[..., None]).sum(1) / am.sum(1, keepdim=True))[:, None]
     h = torch.cat([cls, lm.bert.embeddings(batch["dec_input_ids"])[:, 1:]], dim=1)
     ext = (1.0 - am[:, None, None, :].float()) * torch.finfo(h.dtype).min  # get_extended_attention_mask
     for layer in obj.decoder:
         h = layer(h, ext)
-    dec_loss = F.cross_entropy(lm.cls(h).view(-1, lm.config.vocab_size), batch["targets"].view(-1))
+    dec_loss = F.cross_entropy(lm.cls(h).view(-1, lm.config.vocab_size), targets.view(-1))
     return dec_loss + out.loss, dec_loss, out.loss
 
 
-def test_simlm_loss_and_gradients_equal_the_official_forward(tok, model, tiny_generator):
-    obj = B.SimLM(model.encoder, generator_name_or_path=tiny_generator)
-    obj.eval()
-    c = B.SimLMCollator(tok, max_length=32, seed=5)
+def test_simlm_loss_and_gradients_equal_the_official_forward(tok, tiny_bert, tiny_generator):
+    model = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator)
+    obj = model.method
+    c = obj.make_collator(tok, max_length=32, seed=5)
     raw = c(rows_from_docs(6))
     torch.manual_seed(0)
     batch = obj.prepare(model, raw)
@@ -348,7 +359,7 @@ def test_simlm_loss_and_gradients_equal_the_official_forward(tok, model, tiny_ge
     states, vec = obj.encode(model, batch)
     loss, terms = obj.row_terms(model, batch, states, vec)
     loss.backward()
-    params = list(model.parameters()) + list(obj.parameters())
+    params = list(model.parameters())
     got = grads(params)
     for p in params:
         p.grad = None
@@ -369,7 +380,8 @@ def test_contriever_crops_and_deletion_follow_data_py(tok):
     [CLS] prefix ... [SEP]."""
     c = B.ContrieverCollator(tok, max_length=64, passage_prefix="passage: ")
     rows = rows_from_docs(200)
-    n = torch.tensor([len(t) for t in c.crop_token_ids([r["anchor"] for r in rows])], dtype=torch.float)
+    toks = tok([r["anchor"] for r in rows], add_special_tokens=False, truncation=True, max_length=64)["input_ids"]
+    n = torch.tensor([len(t) for t in toks], dtype=torch.float)
     batch = c(rows)
     extra = 2 + len(c.prefix_ids)
     share = {v: (batch[f"{v}_attention_mask"].sum(1) - extra) / n for v in "qk"}
@@ -393,9 +405,10 @@ def test_random_crop_is_data_py_randomcrop():
     assert abs(sum(lengths) / len(lengths) - 0.3 * 37 + 0.5) < 0.3  # E[floor(37 r)] ~ 11.1 - 0.5
 
 
-def test_contriever_loss_and_gradients_equal_a_loop(tok, model):
-    obj = B.Contriever(model.encoder)
-    batch = B.ContrieverCollator(tok, max_length=32)(rows_from_docs(8))
+def test_contriever_loss_and_gradients_equal_a_loop(tok, tiny_bert):
+    model = make(tiny_bert, "contriever")
+    obj = model.method
+    batch = obj.make_collator(tok, max_length=32)(rows_from_docs(8))
     _, vec = obj.encode(model, batch)
     loss, terms = obj.batch_terms(model, vec, batch)
     loss.backward()
@@ -413,26 +426,24 @@ def test_contriever_loss_and_gradients_equal_a_loop(tok, model):
     assert_same_grads(got, grads(model.parameters()), atol=1e-4)  # dot products / 0.05: logits in the hundreds
 
 
-def test_collators_emit_the_retention_fields(tok, tiny_generator):
+def test_collators_emit_the_retention_fields(tok):
     rows = rows_from_docs(5)
-    ref = B.AnchorCollator(tok, max_length=32).anchors(rows)
+    ref = B.AnchorCollator(tok, max_length=32).retention_fields(rows)
     for cls in (B.RetroMAECollator, B.SimLMCollator, B.ContrieverCollator):
         b = cls(tok, max_length=32)(rows)
-        assert b["doc_ids"].shape == (5,) and b["retain_input_ids"].shape[:2] == (5, 2)
-        assert torch.equal(b["retain_input_ids"], ref["retain_input_ids"])
-        assert torch.equal(b["retain_attention_mask"], ref["retain_attention_mask"])
+        for k in ("doc_ids", "retain_input_ids", "retain_attention_mask"):
+            assert torch.equal(b[k], ref[k]), (cls, k)
 
 
 @pytest.mark.parametrize("name", ["retromae", "simlm"])
-def test_row_terms_of_chunks_add_up_to_the_batch(name, tok, model, tiny_generator):
-    """row_terms on two chunks of a batch (each carrying the batch's totals) sum to row_terms on the whole batch, loss,
-    logged terms and gradients: each term is a mean over the whole batch's tokens (the gradient cache's contract)."""
-    obj = B.RetroMAE(model.encoder) if name == "retromae" else B.SimLM(model.encoder,
-                                                                         generator_name_or_path=tiny_generator)
-    obj.eval()
+def test_row_terms_of_chunks_add_up_to_the_batch(name, tok, tiny_bert, tiny_generator):
+    """row_terms on the Layout's chunks of a batch sum to row_terms on the whole batch, loss, logged terms and
+    gradients: each term is a mean over the whole batch's tokens (the gradient cache's contract)."""
+    model = make(tiny_bert, name, **({"generator_name_or_path": tiny_generator} if name == "simlm" else {}))
+    obj = model.method
     torch.manual_seed(0)
-    batch = obj.prepare(model, obj.collator_class(tok, max_length=24)(rows_from_docs(5)))
-    params = list(model.parameters()) + list(obj.parameters())
+    batch = obj.prepare(model, obj.make_collator(tok, max_length=24)(rows_from_docs(5)))
+    params = list(model.parameters())
 
     def run(part):
         states, vec = obj.encode(model, part)
@@ -445,8 +456,7 @@ def test_row_terms_of_chunks_add_up_to_the_batch(name, tok, model, tiny_generato
     for p in params:
         p.grad = None
     total, summed = 0, {}
-    for a, b in ((0, 2), (2, 5)):
-        part = {k: v[a:b] if torch.is_tensor(v) and v.dim() and v.shape[0] == 5 else v for k, v in batch.items()}
+    for _, part in batch["layout"].chunks(batch, 2):
         loss, terms = run(part)
         total = total + loss
         for k, v in terms.items():

@@ -7,7 +7,7 @@ import torch
 
 import modeling_xprt as mx
 from bench.bench_autocast import errors
-from test_modeling import make_model, tok, toy_rows  # noqa: F401  (tok: a fixture)
+from test_modeling import collator_for, make_model, tok, toy_rows  # noqa: F401  (tok: a fixture)
 
 
 def test_similarity_terms_under_bf16_autocast_equal_fp32():
@@ -29,7 +29,7 @@ def test_retention_is_zero_at_step_0_under_bf16_autocast(tiny_bert, tok, objecti
     the retention KL is exactly 0."""
     model = make_model(tiny_bert, objective)
     teacher = mx.load_teacher(str(tiny_bert))
-    batch = mx.XPRTCollator(tok, objective=objective, seed=3)(toy_rows(4))
+    batch = collator_for(objective, tok, seed=3)(toy_rows(4))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(batch, teacher=teacher, retention_weight=40.0)
     assert out["retention_loss"].item() == 0.0

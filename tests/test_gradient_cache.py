@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import modeling_xprt as mx
-from test_modeling import make_model, tok, toy_rows  # noqa: F401  (tok: a fixture)
+from test_modeling import collator_for, make_model, tok, toy_rows  # noqa: F401  (tok: a fixture)
 
 
 def _position_mask(shape, p, device):
@@ -52,12 +52,13 @@ def _step(model, batch, teacher, cached_chunk=None):
                                                      if q.grad is not None}
 
 
-def _batch(tok, objective, fill_in=True):
+def _batch(tok, objective, fill_in=True, seed=4, rows_seed=0):
     if objective == "pair":
         rows = [{"query": " ".join(r["anchor"].split()[:3]), "positive": r["anchor"],
-                 "negatives": [r["random_passage"]]} for r in toy_rows(5)]
+                 "negatives": [r["random_passage"]]} for r in toy_rows(5, seed=rows_seed)]
         return mx.PairCollator(tok, num_negatives=1)(rows)
-    return mx.XPRTCollator(tok, objective=objective, seed=4, fill_in=fill_in)(toy_rows(5, docs=[0, 0, 1, 2, 3]))
+    return collator_for(objective, tok, seed=seed, fill_in=fill_in)(
+        toy_rows(5, docs=[0, 0, 1, 2, 3], seed=rows_seed))
 
 
 @pytest.mark.parametrize("objective,fill_in,retention_student", [
@@ -66,7 +67,8 @@ def _batch(tok, objective, fill_in=True):
 @pytest.mark.parametrize("chunk", [2, 3])  # 5 groups: chunks of 2 + 2 + 1, 3 + 2
 def test_cached_step_equals_the_plain_step(tiny_bert, tok, positional_dropout, objective, fill_in, retention_student,
                                             chunk):
-    model = make_model(tiny_bert, objective, fill_in=fill_in, retention_student=retention_student).train()
+    options = {"fill_in": fill_in} if objective == "xprt" else {}  # the xPRT ablation's option
+    model = make_model(tiny_bert, objective, retention_student=retention_student, **options).train()
     teacher = mx.load_teacher(str(tiny_bert))
     with torch.no_grad():  # a teacher the student has drifted from: a retention term with a real gradient
         g = torch.Generator().manual_seed(1)
@@ -83,28 +85,37 @@ def test_cached_step_equals_the_plain_step(tiny_bert, tok, positional_dropout, o
         assert torch.allclose(plain_grads[n], cached_grads[n], atol=1e-6, rtol=1e-4), n
 
 
-def test_each_chunk_replays_its_dropout(tiny_bert, tok, monkeypatch):
+def test_each_chunk_replays_its_dropout_and_the_decoder_draws_its_own(tiny_bert, tok, monkeypatch):
     """Real dropout: a chunk's pass with gradient sees the vectors its pass without gradient gave (the random state
-    replayed), so the cached vector gradients belong to the vectors they are applied to."""
+    replayed), so the cached vector gradients belong to the vectors they are applied to; and the row terms (the
+    decoder) draw from a random stream of their own, never from the state a chunk's encoder pass starts from (they
+    once drew chunk j + 1's encoder masks bit for bit)."""
     model = make_model(tiny_bert).train()
-    first, second = [], []
-    orig_vectors, orig_terms = model._chunk_vectors, model._chunk_terms
-    monkeypatch.setattr(model, "_chunk_vectors", lambda part: first.append(orig_vectors(part)) or first[-1])
+    vectors, encoder_states, decoder_states = [], [], []
+    encode, row_terms = model.method.encode, model.method.row_terms
 
-    def terms(part, batch):
-        out = orig_terms(part, batch)
-        second.append(out[2].detach())
+    def recorded_encode(m, part):
+        encoder_states.append(torch.get_rng_state())
+        out = encode(m, part)
+        vectors.append(out[1].detach())
         return out
 
-    monkeypatch.setattr(model, "_chunk_terms", terms)
+    def recorded_row_terms(m, part, states, vec):
+        decoder_states.append(torch.get_rng_state())
+        return row_terms(m, part, states, vec)
+
+    monkeypatch.setattr(model.method, "encode", recorded_encode)
+    monkeypatch.setattr(model.method, "row_terms", recorded_row_terms)
     model.cached_step(_batch(tok, "xprt"), 2, lambda loss: loss.backward())
-    assert len(first) == len(second) == 3
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert len(vectors) == 6 and len(decoder_states) == 3  # 3 chunks without gradient, then with
+    assert all(torch.equal(a, b) for a, b in zip(vectors[:3], vectors[3:]))
+    assert not any(torch.equal(d, e) for d in decoder_states for e in encoder_states)
+    assert len({bytes(d.numpy()) for d in decoder_states}) == 3  # each chunk's decoder its own draws
     # and dropout is on: a second cached step (other random states) gives other vectors
-    before = [v.clone() for v in first]
-    first.clear()
+    before = vectors[0]
+    vectors.clear()
     model.cached_step(_batch(tok, "xprt"), 2, lambda loss: loss.backward())
-    assert not torch.equal(before[0], first[0])
+    assert not torch.equal(before, vectors[0])
 
 
 # ---- the loops: train.py and finetune.py with --gradient_cache_chunk, 1 and 2 processes -------------------------
@@ -232,3 +243,60 @@ def test_a_cached_run_resumes_exactly_and_runs_in_bf16(tiny_bert, groups, tmp_pa
                                                            "--checkpointing_steps": None}))
     logged = read_log(tmp_path / "bf16")
     assert all(math.isfinite(logged[s]["loss"]) for s in (1, 2))
+
+
+# ---- the cache under Accelerate: gradient accumulation and a loss scaler ----------------------------------------
+
+
+def _accelerated_grads(model, batches, teacher, chunk, ga, scale=None):
+    """One optimiser step of `batches` (its micro-batches) under a real Accelerator with gradient accumulation `ga`,
+    each micro-batch plain (accelerator.backward) or cached (support.gradient_cache_step), with a GradScaler as fp16
+    mixed precision builds when `scale` is given. -> every parameter's gradient, unscaled (divided by the scale)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    import support
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=ga)
+    if scale is not None:  # as accelerate builds it for fp16 on CUDA; accelerator.backward then scales the loss
+        acc.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    prepared = acc.prepare(model)
+    model.zero_grad(set_to_none=True)
+    kw = dict(teacher=teacher, retention_weight=40.0, pair_alpha=0.1)
+    for batch in batches:
+        with acc.accumulate(prepared):
+            if chunk:
+                support.gradient_cache_step(acc, prepared, batch, chunk, **kw)
+            else:
+                acc.backward(prepared(batch, **kw)["loss"])
+    return {n: q.grad.clone() / (scale or 1.0) for n, q in model.named_parameters() if q.grad is not None}
+
+
+def relative_error(a: dict, b: dict) -> float:
+    """||a - b|| / ||b|| over every parameter's gradient at once."""
+    diff = sum(float((a[n] - b[n]).pow(2).sum()) for n in b)
+    return math.sqrt(diff / sum(float(b[n].pow(2).sum()) for n in b))
+
+
+@pytest.mark.parametrize("objective", ["xprt", "contrastive_random_span", "self_reconstruction", "pair"])
+@pytest.mark.parametrize("ga,scale", [(1, None), (2, None), (2, 65536.0)])
+def test_cached_accumulated_step_equals_the_plain_one(tiny_bert, tok, positional_dropout, objective, ga, scale):
+    """One optimiser step of `ga` micro-batches through a real Accelerator: every parameter's accumulated gradient
+    with the cache (chunks of 2 of 5 groups) equals the plain step's, at accumulation 1 and 2 and under an fp16 loss
+    scaler. Before the fix the vector path was divided by the accumulation count twice (relative error 0.5 at
+    accumulation 2) and scaled twice (error ~ the scale)."""
+    model = make_model(tiny_bert, objective).train()
+    teacher = mx.load_teacher(str(tiny_bert))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for q in teacher.parameters():
+            q.add_(0.02 * torch.randn(q.shape, generator=g))
+    batches = [_batch(tok, objective)] + ([_batch(tok, objective, seed=5, rows_seed=1)] if ga == 2 else [])
+    plain = _accelerated_grads(model, batches, teacher, None, ga, scale)
+    cached = _accelerated_grads(model, batches, teacher, 2, ga, scale)
+    assert set(plain) == set(cached)
+    err = relative_error(cached, plain)
+    print(f"{objective} ga={ga} scale={scale}: relative gradient error {err:.3g}")
+    assert err < 1e-5, err

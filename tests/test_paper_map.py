@@ -18,18 +18,19 @@ from test_select_groups import _docs, _write_jsonl
 from test_train import base_args
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("modeling_xprt.py", "train.py", "finetune.py", "select_groups.py")
+SCRIPTS = ("modeling_xprt.py", "baselines.py", "train.py", "finetune.py", "select_groups.py")
 
 # What one step of each objective must run (qualified names), beyond what every step runs.
-EVERY_PRETRAIN_STEP = {"XPRTModel.encode", "mean_pool", "retention_loss", "RetentionSchedule.value",
-                       "load_mlm_encoder"}
+EVERY_PRETRAIN_STEP = {"XPRTModel.forward", "XPRTModel.encode", "mean_pool", "retention_loss",
+                       "RetentionSchedule.value", "load_mlm_encoder"}
 EXPECTED = {
-    "xprt": {"XPRTModel.xprt_step", "xp_loss", "info_nce", "gather_with_grad", "cross_fill_loss", "self_fill_loss",
-             "mlm_loss", "uniformity_loss", "decoder_pass_plan", "ConditionedDecoder.forward", "XPRTModel.decode",
-             "VocabSweep.run", "vocab_sweep", "_FusedLinearCE.forward"},
-    "no_fill_in": {"XPRTModel.xprt_step", "xp_loss", "info_nce", "self_fill_loss", "mlm_loss", "uniformity_loss",
+    "xprt": {"XPRTObjective.encode", "XPRTObjective.batch_terms", "XPRTObjective.row_terms", "xp_loss", "info_nce",
+             "gather_with_grad", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity_loss",
+             "decoder_pass_plan", "ConditionedDecoder.forward", "XPRTObjective.decode", "VocabSweep.run",
+             "vocab_sweep", "_FusedLinearCE.forward"},
+    "no_fill_in": {"XPRTObjective.row_terms", "xp_loss", "info_nce", "self_fill_loss", "mlm_loss", "uniformity_loss",
                    "decoder_pass_plan", "ConditionedDecoder.forward", "VocabSweep.run", "vocab_sweep"},
-    "positive_random": {"XPRTModel.xprt_step", "xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss"},
+    "positive_random": {"XPRTObjective.batch_terms", "xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss"},
     "contrastive_random_span": {"contrastive_random_span", "info_nce", "gather_with_grad"},
     "self_reconstruction": {"self_reconstruction", "mlm_loss", "ConditionedDecoder.forward", "VocabSweep.run"},
     "pair": {"pair_q_loss", "pair_p_loss", "pair_loss", "pair_false_negatives", "info_nce", "pair_alpha_at",
@@ -106,7 +107,9 @@ def test_each_objective_runs_its_paper_map_functions(runs, objective):
 def test_every_function_the_map_names_exists_and_runs(runs):
     import modeling_xprt
 
-    modules = {"modeling_xprt.py": modeling_xprt, "train.py": train, "finetune.py": finetune,
+    import baselines
+
+    modules = {"modeling_xprt.py": modeling_xprt, "baselines.py": baselines, "train.py": train, "finetune.py": finetune,
                "select_groups.py": select_groups}
     ran = set().union(*runs.values())
     # run by fine-tuning's stage 1 only, which needs real generator and cross-encoder weights (tests/test_finetune.py

@@ -11,6 +11,7 @@ import torch
 from conftest import cli_args
 
 from modeling_xprt import XPRTCollator, XPRTModel, load_teacher
+from test_modeling import collator_for
 from support import E5_PROMPTS, model_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,15 +40,16 @@ def test_prefix_tokens_are_never_masked_and_passages_arrive_whole(minilm_path, o
     prefix = tok("passage: ", add_special_tokens=False)["input_ids"]
     rows = _groups_rows()
     for seed in range(5):
-        c = XPRTCollator(tok, objective=objective, max_length=24, passage_prefix="passage: ", seed=seed,
+        c = collator_for(objective, tok, max_length=24, passage_prefix="passage: ", seed=seed,
                          encoder_mask_rate=0.9 if objective == "contrastive_random_span" else None)
         b = c(rows)
         ids = b["input_ids"].flatten(0, 1) if b["input_ids"].dim() == 3 else b["input_ids"]  # crops: (G, L)
         assert ids[:, 1 : 1 + len(prefix)].tolist() == [prefix] * ids.shape[0]  # the prefix is intact
         if "mlm_labels" in b:
-            assert (b["mlm_labels"].flatten(0, 1)[:, : 1 + len(prefix)] == -100).all()
-            assert (b["dec_labels"].flatten(0, 1)[:, : 1 + len(prefix)] == -100).all()
-            assert (b["dec_input_ids"].flatten(0, 1)[:, 1 : 1 + len(prefix)] != tok.mask_token_id).all()
+            rows_of = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731  ((G, P, L) or (G, L) -> rows)
+            assert (rows_of(b["mlm_labels"])[:, : 1 + len(prefix)] == -100).all()
+            assert (rows_of(b["dec_labels"])[:, : 1 + len(prefix)] == -100).all()
+            assert (rows_of(b["dec_input_ids"])[:, 1 : 1 + len(prefix)] != tok.mask_token_id).all()
         # 24 passage tokens + [CLS] + [SEP] + 3 prefix tokens
         assert b["retain_input_ids"].shape[-1] == 24 + 2 + len(prefix)
     # a passage of exactly max_length tokens is not cut

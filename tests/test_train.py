@@ -19,6 +19,7 @@ import torch
 
 import support
 import train
+from modeling_xprt import group_lengths
 from select_groups import group_schema
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,18 +178,19 @@ def test_spread_puts_one_documents_groups_into_different_batches():
 
 
 def test_random_span_batches_are_grouped_by_their_crops(tmp_path):
-    """The random-span baseline: crops drawn per (seed, epoch) before batching (crop_lengths), the sampler sorts by
+    """The random-span baseline: crops drawn per (seed, epoch) before batching (sort_lengths), the sampler sorts by
     (longer crop, shorter crop) and each batch pads the longer and the shorter crops separately: padding efficiency
     of the crops well above the former grouping by text length with one tensor (0.49-0.53 in train.py's log), and the
     spans change with the epoch, which the sampler follows."""
-    import modeling_xprt as mx
+    import baselines
     import support as sp
     from transformers import AutoTokenizer
 
     rows = train.load_groups(str(make_groups(tmp_path / "g", 400)))
     tok = AutoTokenizer.from_pretrained(sp.resolve_model_path("all-MiniLM-L6-v2"))
-    collator = mx.XPRTCollator(tok, objective="contrastive_random_span", max_length=128)
-    lengths_for, spans_for = train.crop_lengths(rows, collator, seed=3)
+    collator = baselines.RandomSpanCollator(tok, max_length=128)
+    lengths_for, row_extras = collator.sort_lengths(rows, seed=3)
+    spans_for = lambda epoch: np.stack([row_extras(epoch, i)["crop_spans"] for i in range(len(rows))])  # noqa: E731
     s = train.LengthGroupedBatchSampler(lengths_for, 16, seed=3, mega=50)
 
     def eff(epoch):
@@ -270,9 +272,9 @@ def test_groups_stay_memory_mapped_and_their_lengths_match_the_rows(groups, tmp_
     assert [dataset[i] for i in range(27)] == list(enumerate(rows))
     for num_related, batch_size in ((4, 8192), (2, 5), (6, 1)):
         want = [len(r["anchor"]) + sum(len(t) for t in r["related"][:num_related]) for r in rows]
-        assert train.group_lengths(ds, num_related, batch_size).tolist() == want
+        assert group_lengths(ds, num_related, batch_size).tolist() == want
     first5 = [len(r["anchor"]) + sum(len(t) for t in r["related"][:2]) for r in rows[:5]]
-    assert train.group_lengths(train.load_groups(str(folder), max_groups=5), 2).tolist() == first5
+    assert group_lengths(train.load_groups(str(folder), max_groups=5), 2).tolist() == first5
 
 
 def test_padding_efficiency_counts_every_attention_mask():
