@@ -290,6 +290,12 @@ class RetroMAE(Objective):
         hidden, vec = model.encode(batch["input_ids"], batch["attention_mask"])
         return (hidden, vec), vec.new_zeros(vec.shape[0], 0, vec.shape[1])
 
+    def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
+        """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the encoder on the masked
+        anchor, the one decoder layer on every position, the MLM head at both terms' rows."""
+        trained = layers(batch["input_ids"], model.encoder.config.num_hidden_layers) + layers(batch["clean_ids"], 1)
+        return trained + head * (batch["mlm_index"].numel() + batch["dec_index"].numel()), 0
+
     def row_terms(self, model, batch: dict, states, vec):
         hidden, sent = states
         emb = model.base.embeddings
@@ -439,6 +445,18 @@ class SimLM(Objective):
         return {**batch, "enc_input_ids": replace_tokens(gen, ids, am, batch["enc_masked"]),
                 "dec_input_ids": replace_tokens(gen, batch["dec_input_ids"], am, batch["dec_masked"])}
 
+    def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
+        """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the encoder and the decoder on
+        their replaced texts, the MLM head at every target for both; the generator's two passes forward only."""
+        ids = batch["enc_input_ids"]
+        trained = layers(ids, model.encoder.config.num_hidden_layers) + layers(batch["dec_input_ids"],
+                                                                             self.decoder_layers)
+        gc = self.generator.config
+        hg, length = gc.hidden_size, ids.shape[-1]
+        per_token = gc.num_hidden_layers * (4 * hg * hg + 2 * hg * gc.intermediate_size + 2 * length * hg)
+        per_token += hg * getattr(gc, "embedding_size", hg) + getattr(gc, "embedding_size", hg) * gc.vocab_size
+        return trained + 2 * head * batch["tok_index"].numel(), 2 * ids.numel() * per_token
+
     def encode(self, model, batch: dict):
         """-> ((token states (G, L, H), pooled vectors (G, H)) of the replaced anchor, (G, 0, H): no batch term)."""
         hidden, vec = model.encode(batch["enc_input_ids"], batch["attention_mask"])
@@ -550,6 +568,11 @@ class Contriever(Objective):
 
     def make_collator(self, tokenizer, **kw):
         return ContrieverCollator(tokenizer, **kw)
+
+    def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
+        """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the encoder on both crops."""
+        n = model.encoder.config.num_hidden_layers
+        return layers(batch["q_input_ids"], n) + layers(batch["k_input_ids"], n), 0
 
     def encode(self, model, batch: dict):
         """-> (None, (G, 2, H): the first crop's vector, the second's)."""

@@ -465,3 +465,82 @@ def test_row_terms_of_chunks_add_up_to_the_batch(name, tok, tiny_bert, tiny_gene
     for k in whole_terms:
         torch.testing.assert_close(summed[k], whole_terms[k], atol=1e-5, rtol=1e-5)
     assert_same_grads(grads(params), want, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# wired in: the gradient cache and train.py
+# ---------------------------------------------------------------------------------------------------------------
+from test_gradient_cache import _step, no_dropout_bert, positional_dropout  # noqa: E402,F401  (fixtures)
+from test_train import base_args, groups, read_log, run  # noqa: E402,F401  (groups: a fixture)
+
+
+def options_for(objective, generator):
+    return {"generator_name_or_path": generator} if objective == "simlm" else {}
+
+
+@pytest.mark.parametrize("objective", ["retromae", "simlm", "contriever"])
+def test_cached_step_equals_the_plain_step(tiny_bert, tok, tiny_generator, positional_dropout, objective, chunk=2):
+    """XPRTModel.cached_step over the baselines' methods: the loss, every logged term and every gradient of the plain
+    step, retention included, for chunks that do not divide the batch (5 groups: 2 + 2 + 1). Dropout is made
+    batch-independent (test_gradient_cache.positional_dropout), prepare's draws equal by the same seed on both sides."""
+    from modeling_xprt import load_teacher
+
+    torch.manual_seed(0)
+    model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0], objective=objective,
+                      **options_for(objective, tiny_generator)).train()
+    teacher = load_teacher(str(tiny_bert))
+    with torch.no_grad():  # a teacher the student has drifted from: a retention term with a real gradient
+        g = torch.Generator().manual_seed(1)
+        for q in teacher.parameters():
+            q.add_(0.02 * torch.randn(q.shape, generator=g))
+    batch = model.method.make_collator(tok, max_length=24, seed=4)(rows_from_docs(5))
+    torch.manual_seed(3)
+    plain_out, plain_grads = _step(model, batch, teacher)
+    torch.manual_seed(3)
+    cached_out, cached_grads = _step(model, batch, teacher, chunk)
+    assert set(plain_out) == set(cached_out) and "retention_loss" in plain_out
+    for k in plain_out:
+        torch.testing.assert_close(cached_out[k], plain_out[k], atol=1e-5, rtol=1e-5)
+    assert set(plain_grads) == set(cached_grads)
+    for n in plain_grads:
+        torch.testing.assert_close(cached_grads[n], plain_grads[n], atol=1e-6, rtol=1e-4)
+
+
+TERMS = {"retromae": ["mlm_loss", "decoder_loss"], "simlm": ["encoder_rlm_loss", "decoder_rlm_loss"],
+         "contriever": ["contrastive_loss"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["retromae", "simlm", "contriever"])
+def test_train_runs_the_baseline_and_its_terms_move(tiny_bert, tiny_generator, groups, tmp_path, objective):
+    """train.py --objective <baseline> on the test groups (select_groups.py's schema): 6 steps, every term of the
+    objective logged at every step, the vocabulary terms falling, the contrastive term moving."""
+    kw = {"--max_train_steps": 6, "--learning_rate": 1e-3, "--objective": objective, "--no_save_model": True,
+          "--generator_name_or_path": tiny_generator if objective == "simlm" else None}
+    run(base_args(tiny_bert, groups, tmp_path / "p", **kw))
+    log = read_log(tmp_path / "p")
+    assert sorted(log) == [1, 2, 3, 4, 5, 6]
+    for t in TERMS[objective]:
+        first, last = log[1][t], sum(log[s][t] for s in (5, 6)) / 2
+        print(objective, t, [round(log[s][t], 3) for s in sorted(log)])
+        if objective == "contriever":
+            assert first != last
+        else:
+            assert last < first - 0.05, (t, first, last)
+    assert "retention_loss" in log[1]
+
+
+@pytest.mark.slow
+def test_train_with_the_cache_logs_the_plain_runs_losses(no_dropout_bert, groups, tmp_path, objective="retromae"):
+    """As test_gradient_cache's test of the same name, through train.py's step and its prepare (the decoder's masks
+    drawn once per step, before the chunks): 2 steps of 5 groups, chunks of 2, accumulation 2; the first step's terms
+    equal the plain run's. (The other baselines: test_cached_step_equals_the_plain_step.)"""
+    kw = {"--max_train_steps": 2, "--max_groups": 40, "--per_device_train_batch_size": 5, "--learning_rate": 1e-3,
+          "--gradient_accumulation_steps": 2, "--objective": objective, "--no_save_model": True}
+    run(base_args(no_dropout_bert, groups, tmp_path / "p", **kw))
+    run(base_args(no_dropout_bert, groups, tmp_path / "c", **{**kw, "--gradient_cache_chunk": 2}))
+    plain, cached = read_log(tmp_path / "p"), read_log(tmp_path / "c")
+    for k in plain[1]:
+        if k.endswith("loss"):
+            assert cached[1][k] == pytest.approx(plain[1][k], rel=1e-5, abs=1e-7), k
+    assert cached[2]["loss"] == pytest.approx(plain[2]["loss"], rel=1e-3)
