@@ -587,6 +587,19 @@ class Contriever(Objective):
 
 # ==============================================================================================================
 # 6. Random spans, the earlier approximation of Contriever (contrastive_random_span)
+# How it differs from Contriever's code (src/data.py, inbatch.py, moco.py, options.py, the README's run), which
+# section 5 follows:
+#   - crop length max(1, round(r n)) here; int(r n) there (floor; 0 for a short text, leaving [CLS] [SEP] only)
+#   - no augmentation here; there each token of a crop is deleted with p 0.1 (--augmentation delete
+#     --prob_augmentation 0.1 in the README's run and example_scripts/contriever.sh; options.py's default is none)
+#   - scores cos / 0.05 here; there dot products of the unnormalised mean-pooled vectors / 0.05 (--norm_query and
+#     --norm_doc off): all-MiniLM-L6-v2's vectors have norms 3.9-8.3, so its logits run in the hundreds
+#   - the longer crop is always the query here; there the first crop drawn (either length); with a one-direction
+#     loss this is a choice of which side the negatives come from, not only a labelling
+#   - in-batch negatives in both (section 5 too); the README's run uses MoCo (131,072 queued keys of a momentum
+#     encoder, momentum 0.9995, no gradient through the keys)
+#   - the same: two independent crops of one text, ratio U[0.1, 0.5] (example_scripts: 0.05), one direction, tau 0.05,
+#     average pooling, [CLS] / [SEP] around each crop; crops there come from 256-token chunks of a token stream
 # ==============================================================================================================
 
 
