@@ -88,7 +88,8 @@ def whole_word_mask(word_ids: torch.Tensor, num_tokens: torch.Tensor, rate: floa
     encoder 0.3, decoder 0.5, tests: test_whole_word_mask_*).
 
     word_ids (N, L) int64 (-1: not a candidate; word_ids_of), num_tokens (N,) -> (N, L) bool. Tensor operations on
-    word_ids' device; the one Python loop runs over word slots (at most L), each step over all N rows at once."""
+    word_ids' device; the one Python loop runs over the L word slots, each step over all N rows at once (the greedy
+    skip makes each word's fate depend on the words before it)."""
     n, l = word_ids.shape
     device = word_ids.device
     valid = word_ids >= 0
@@ -101,7 +102,7 @@ def whole_word_mask(word_ids: torch.Tensor, num_tokens: torch.Tensor, rate: floa
     budget = (num_tokens.to(device, torch.float64) * rate).round().long().clamp(min=1, max=max_predictions)
     total = torch.zeros(n, dtype=torch.long, device=device)
     taken = torch.zeros(n, l, dtype=torch.bool, device=device)
-    for k in range(int(valid.sum(1).max()) if n else 0):  # no row has more words than candidate tokens
+    for k in range(l if n else 0):  # L word slots at most; a fixed count: no host sync on a GPU
         fits = (sorted_len[:, k] > 0) & (total + sorted_len[:, k] <= budget)
         taken[:, k] = fits
         total += sorted_len[:, k] * fits
