@@ -1,28 +1,606 @@
 """
-The comparison objectives of the xPRT paper ("Experiments": "the five baselines use their official implementations"),
-each one class over modeling_xprt.Objective, run by train.py under the same flags, data, steps, batch, schedule and
-retention term as xPRT (--objective):
-  contrastive_random_span  Contriever-style: two random crops of a passage are a positive pair (InfoNCE)
+The baselines of the xPRT paper, as their authors run them: RetroMAE, SimLM and Contriever's random spans.
+
+The paper compares xPRT with established objectives ("Experiments": "the five baselines use their official
+implementations"). Each is one class over modeling_xprt.Objective, registered as an --objective of train.py, run under
+the same flags, data, steps, batch, schedule and retention term as xPRT; each is written from its authors' code (read,
+not copied), one function per equation, with the official numbers:
+  RetroMAE  staoxiao/RetroMAE         src/pretrain/{modeling,enhancedDecoder,data,arguments}.py, examples/pretrain
+  SimLM     microsoft/unilm           simlm/src/{models/rlm.py, collators/rlm_collator.py, collators/collator_utils.py,
+                                      config.py}, simlm/scripts/train_rlm.sh
+  Contriever facebookresearch/contriever  src/{data.py, inbatch.py, moco.py, contriever.py, options.py}, README's
+                                      training command
+  --objective retromae | simlm | contriever; and, kept from before:
+  contrastive_random_span  the earlier Contriever-style approximation (rounded crops of >= 1 token, no word deletion,
+                           cosine scores, the longer crop as the query): how it differs is listed at section 6
   self_reconstruction      the paper's Table 3 ablation: xPRT's own conditioned decoder rebuilds a passage from that
                            passage's own vector (no related passages)
-What the paper's setting changes for every arm: each pools as the start model does (XPRTModel.pool); each gets the
-same retention term on the same pairs (anchor x s1); each trains on the anchors of the same groups.
+
+What the paper's setting changes, for every arm (choices the official code does not make are marked "ours"):
+  - The text an arm trains on is the anchor passage of each group (select_groups.py, 128 tokens), as the paper gives
+    every method the same groups, steps and batch; the official runs read their own corpora (RetroMAE: Wikipedia +
+    BookCorpus at 512 tokens; SimLM: MS MARCO passages at 144; Contriever: 256-token chunks of a token stream that
+    runs across documents). Contriever's crops are therefore 10-50% of a passage, not of a 256-token chunk.
+  - Every arm pools as the start model does (XPRTModel.pool: mean pooling for E5): RetroMAE and SimLM condition their
+    decoders on that vector (fp32 mean, cast to the weights' dtype) in place of the [CLS] state; Contriever's
+    "average" pooling is the same mean.
+  - Every arm gets the same retention term (XPRTModel's, on the clean anchor and s1: the collators emit its fields).
+  - ours: the passage prefix E5 reads ("passage: ") is kept in every input and is never masked, replaced, cropped or
+    a prediction target (it is the same in every passage; the official code has no prefix). The masking budget counts
+    what the official code counts: [CLS] + the passage + [SEP], not the prefix.
+  - SimLM's generator must share the start model's vocabulary (google/electra-base-generator has bert-base-uncased's
+    30,522 words, as E5 and MiniLM do); it is checked at start.
+
+Departures from the official code (each named where it is made):
+  - RetroMAE: the decoder's per-row attention masks are drawn on the device, in the training step, by the same rule
+    (enhanced_decoding_masks), instead of in the data loader with Python lists; the same distribution, other draws.
+  - SimLM: the frozen generator runs in eval mode (no dropout). In the official code it is a registered submodule
+    of the trained model, so the Trainer's model.train() turns its dropout back on after `generator.eval()`.
+  - Contriever: in-batch negatives (the official --contrastive_mode inbatch, src/inbatch.py), not the MoCo queue of
+    the README's run (the default mode: 131,072 keys from a momentum encoder, momentum 0.9995, no gradient through
+    the keys): the paper's setting gives every arm the same batch. Its scores stay the official dot products of
+    unnormalised vectors (--norm_query / --norm_doc off); Contriever(normalize=True) makes them cosines.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from modeling_xprt import (ConditionedDecoder, GroupCollator, Layout, Objective, VocabSweep, gather_with_grad,
-                           group_bounds, info_nce, mlm_loss, register_objective)
-from support import rank_and_world
+                           group_bounds, group_lengths, info_nce, mlm_loss, register_objective)
+from support import rank_and_world, resolve_model_path
+
+# ==============================================================================================================
+# 1. Whole-word masking (RetroMAE and SimLM: the rule of BERT's DataCollatorForWholeWordMask, which both use)
+# ==============================================================================================================
+
+
+def word_ids_of(encoding, num_rows: int, skip: int = 0) -> torch.Tensor:
+    """Each token's word in its row, from a fast tokenizer's pre-tokenizer (BatchEncoding.word_ids): (N, L) int64,
+    -1 where a token is no masking candidate: specials, padding and the `skip` tokens after position 0 (the prefix).
+
+    For WordPiece this is the official rule (a "##" piece continues the word before it; [CLS] / [SEP] are never
+    candidates): BERT's pre-tokenizer splits on whitespace and punctuation, and "##" pieces are the later pieces of one
+    such word (tests: test_word_ids_follow_the_wordpiece_rule). Other tokenizers get their own pre-tokenizer's words."""
+    rows = []
+    for i in range(num_rows):
+        ids = [-1 if w is None else w for w in encoding.word_ids(i)]
+        ids[1 : 1 + skip] = [-1] * min(skip, max(0, len(ids) - 1))
+        rows.append(ids)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def whole_word_mask(word_ids: torch.Tensor, num_tokens: torch.Tensor, rate: float,
+                    generator: Optional[torch.Generator] = None, max_predictions: int = 512) -> torch.Tensor:
+    """The whole-word mask of RetroMAE and SimLM (transformers' DataCollatorForWholeWordMask._whole_word_mask, copied
+    into SimLM's collator_utils.whole_word_mask): the words are taken in a random order, each whole, until
+
+        num_to_predict = min(max_predictions, max(1, round(num_tokens * rate)))        (num_tokens with [CLS], [SEP])
+
+    tokens are masked; a word that would overshoot is skipped and later (shorter) words still fill the budget. So the
+    rate is a count, not a Bernoulli draw: exactly round(0.3 n) tokens when the words fit (RetroMAE's and SimLM's
+    encoder 0.3, decoder 0.5, tests: test_whole_word_mask_*).
+
+    word_ids (N, L) int64 (-1: not a candidate; word_ids_of), num_tokens (N,) -> (N, L) bool. Tensor operations on
+    word_ids' device; the one Python loop runs over the L word slots, each step over all N rows at once (the greedy
+    skip makes each word's fate depend on the words before it)."""
+    n, l = word_ids.shape
+    device = word_ids.device
+    valid = word_ids >= 0
+    word = word_ids.clamp(min=0)  # (N, L); word ids are below L (one word per token at most)
+    length = torch.zeros(n, l, dtype=torch.long, device=device).scatter_add_(1, word, valid.long())  # tokens per word
+    # random.shuffle of the candidate words: a uniform random order; missing words sort last
+    keys = torch.rand(n, l, generator=generator, device=device).masked_fill(length == 0, 2.0)
+    order = keys.argsort(dim=1)  # (N, W) word slots in shuffled order
+    sorted_len = length.gather(1, order)
+    budget = (num_tokens.to(device, torch.float64) * rate).round().long().clamp(min=1, max=max_predictions)
+    total = torch.zeros(n, dtype=torch.long, device=device)
+    taken = torch.zeros(n, l, dtype=torch.bool, device=device)
+    for k in range(l if n else 0):  # L word slots at most; a fixed count: no host sync on a GPU
+        fits = (sorted_len[:, k] > 0) & (total + sorted_len[:, k] <= budget)
+        taken[:, k] = fits
+        total += sorted_len[:, k] * fits
+    word_taken = torch.zeros_like(taken).scatter_(1, order, taken)  # back from shuffled order to word ids
+    return word_taken.gather(1, word) & valid
+
+
+def bert_corruption(ids: torch.Tensor, masked: torch.Tensor, mask_token_id: int, vocab_size: int,
+                    generator: Optional[torch.Generator] = None, all_mask_token: bool = False) -> torch.Tensor:
+    """What the encoder reads at the masked positions: BERT's 80% [MASK] / 10% a random token / 10% unchanged
+    (transformers' torch_mask_tokens: RetroMAE's encoder), or [MASK] everywhere (all_mask_token: SimLM's
+    --all_use_mask_token True in scripts/train_rlm.sh)."""
+    if all_mask_token:
+        return ids.masked_fill(masked, mask_token_id)
+    u = torch.rand(ids.shape, generator=generator)
+    out = ids.masked_fill(masked & (u < 0.8), mask_token_id)
+    rnd = masked & (u >= 0.8) & (u < 0.9)
+    return torch.where(rnd, torch.randint(vocab_size, ids.shape, generator=generator), out)
 
 
 # ==============================================================================================================
-# Random spans (Contriever)
+# 2. The collators: the anchors of the groups -> tensors, plus the retention fields every objective gets
+# ==============================================================================================================
+
+
+class AnchorCollator(GroupCollator):
+    """What the three baselines' collators share: the anchor of each group (the text every arm trains on), tokenised
+    as every collator does (GroupCollator: the passage prefix, max_length counting the passage's own tokens), its
+    masking candidates as words (word_ids: the prefix, [CLS], [SEP] and padding are none), the retention fields, and
+    a sampler that sorts the groups by their anchors' lengths (the only text these arms read)."""
+
+    def __init__(self, tokenizer, **kw):
+        super().__init__(tokenizer, **kw)
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("the baselines' whole-word masking needs a fast tokenizer (BatchEncoding.word_ids)")
+
+    def sort_lengths(self, groups, seed: int):
+        return group_lengths(groups, 0), None  # the anchor's characters only
+
+    def anchors(self, rows: list) -> dict:
+        """-> the retention fields, and input_ids, attention_mask (G, L) the clean anchors, word_ids (G, L),
+        num_tokens (G,) the tokens the official masking budget counts ([CLS] + passage + [SEP]), targets (G, L) the
+        original token at every maskable position (-100 elsewhere)."""
+        batch = self.retention_fields(rows)
+        enc = self._tokenize([r["anchor"] for r in rows])
+        word_ids = word_ids_of(enc, len(rows), skip=len(self.prefix_ids))
+        am = enc["attention_mask"]
+        batch.update(input_ids=enc["input_ids"], attention_mask=am, word_ids=word_ids,
+                     num_tokens=am.sum(1) - len(self.prefix_ids),
+                     targets=enc["input_ids"].masked_fill(word_ids < 0, -100))
+        return batch
+
+    @staticmethod
+    def token_rows(batch: dict, **targets) -> Layout:
+        """The flat index of each named target tensor's positions (<name>_index over the flat G * L token states, and
+        <name>_targets), added to `batch`, and the Layout that cuts them into chunks of groups: index tensors built
+        here on the CPU, so that the step gathers rows without a host sync."""
+        g, l = batch["input_ids"].shape
+        flat, bounds = {}, {}
+        for name, t in targets.items():
+            index = (t.reshape(-1) >= 0).nonzero().squeeze(1)
+            batch[f"{name}_index"], batch[f"{name}_targets"] = index, t.reshape(-1)[index]
+            flat.update({f"{name}_index": (name, l), f"{name}_targets": (name, 0)})
+            bounds[name] = group_bounds(index, l, g)
+        return Layout(g, flat, bounds)
+
+
+# ==============================================================================================================
+# 3. RetroMAE (Xiao et al. 2022): encoder MLM at 30%, one-layer decoder with enhanced decoding at 50%
+# ==============================================================================================================
+
+
+def enhanced_decoding_masks(word_ids: torch.Tensor, num_tokens: torch.Tensor, attention_mask: torch.Tensor,
+                            rate: float = 0.5, pool: int = 256) -> torch.Tensor:
+    """Which positions each row of RetroMAE's decoder may attend to: (G, L, L) bool, visible[g, i, j].
+
+    The official collator (RetroMAECollator) draws, per passage, min(n, 256) whole-word masks at the decoder rate
+    (whole_word_mask, 0.5), gives each row i one of them at random (with replacement), masks position i itself in it,
+    and the row sees what is left:
+
+        visible[i, j] = not sample_{r(i)}[j]  and  j != i  and  j is not padding,   r(i) ~ U{0 .. min(n, 256) - 1}
+
+    so a row never sees its own token (the issue's "plus position i itself" is the reverse of the code: i is added to
+    the MASK), and [CLS] (where the sentence vector sits) and [SEP] are visible to every other row (never
+    candidates). Drawn here on the device with tensor operations, from the global random state (the training step's
+    prepare), instead of in the data loader with Python lists."""
+    g, l = word_ids.shape
+    device = word_ids.device
+    p = min(l, pool)
+    samples = whole_word_mask(word_ids.repeat_interleave(p, 0), num_tokens.repeat_interleave(p, 0), rate)
+    samples = samples.view(g, p, l)  # (G, P, L) the passage's pool of masks
+    size = num_tokens.to(device).clamp(min=1, max=pool)  # min(n, 256) with n counting [CLS] and [SEP]
+    pick = (torch.rand(g, l, device=device) * size.unsqueeze(1)).long()  # (G, L): each row's mask in the pool
+    masked = samples.gather(1, pick.unsqueeze(-1).expand(g, l, l))  # (G, L, L): row i's sample
+    masked = masked | torch.eye(l, dtype=torch.bool, device=device)
+    return ~masked & attention_mask.to(device).bool().unsqueeze(1)
+
+
+def enhanced_decoding(layer: nn.Module, query: torch.Tensor, content: torch.Tensor, visible: torch.Tensor
+                      ) -> torch.Tensor:
+    """RetroMAE's enhanced decoding: one Transformer layer whose queries and keys/values are two streams.
+
+        q_i = v + p_i                      (the sentence vector plus position i's embedding)
+        k_j = v_j = [v, e(x_1), ..., e(x_{L-1})]_j   (the vector in place of [CLS], then the unmasked passage's
+                                            embeddings: word + position + type, LayerNorm)
+        a_i = softmax_j( (q_i W_Q)(k_j W_K)^T / sqrt(d) + M_ij ) (v_j W_V),  M_ij = 0 if visible[i, j] else min
+        h_i = FFN(LN(q_i + a_i W_O))       (the residual runs through the query stream, enhancedDecoder.py)
+
+    layer: a fresh layer of the encoder's own class (BERT naming: attention.self.{query,key,value}, attention.output,
+    intermediate, output). query, content (G, L, H), visible (G, L, L) bool -> (G, L, H). A row with nothing visible
+    (padding) attends uniformly, as the official additive mask with finfo.min does; its output is never a target."""
+    sa = layer.attention.self
+    g, l, h = query.shape
+    heads = sa.num_attention_heads
+    d = h // heads
+
+    def split(x):
+        return x.view(g, l, heads, d).transpose(1, 2)  # (G, heads, L, d)
+
+    q, k, v = split(sa.query(query)), split(sa.key(content)), split(sa.value(content))
+    bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, torch.finfo(q.dtype).min)
+    dropout = sa.dropout.p if layer.training else 0.0
+    att = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.unsqueeze(1), dropout_p=dropout)
+    att = layer.attention.output(att.transpose(1, 2).reshape(g, l, h), query)
+    return layer.output(layer.intermediate(att), att)
+
+
+def retromae_decoder_loss(sweep: VocabSweep, hidden: torch.Tensor, targets: torch.Tensor, weight: float,
+                          share: float = 1.0) -> None:
+    """RetroMAE's reconstruction term: the enhanced decoder predicts EVERY token of the passage ([CLS] and [SEP]
+    excepted, data.py's decoder_labels) through the encoder's MLM head,
+
+        L_dec = mean over the batch's tokens i of -log softmax(head(h_i))[x_i]
+
+    and RetroMAE's loss is L_dec + L_MLM (weights 1 and 1, modeling.py). One cross-entropy of the step's VocabSweep
+    (share: the rows' part of the batch's, Layout.share)."""
+    sweep.cross_entropy("decoder_loss", hidden, targets, weight, share)
+
+
+class RetroMAECollator(AnchorCollator):
+    """Rows -> RetroMAE's batch: input_ids the anchor whole-word-masked at 30% with BERT's 80/10/10 (the encoder's
+    input; data.py: DataCollatorForWholeWordMask + torch_mask_tokens), mlm_* its targets, clean_ids the clean anchor
+    (the decoder's content stream), dec_* the decoder's targets (every token but [CLS] and [SEP]), word_ids /
+    num_tokens / decoder_mask_rate from which the step draws the decoder's masks (enhanced_decoding_masks)."""
+
+    DEFAULT_RATES = (0.30, 0.50)  # arguments.py's encoder_mlm_probability / decoder_mlm_probability
+
+    def __call__(self, rows: list) -> dict:
+        batch = self.anchors(rows)
+        ids = batch["input_ids"]
+        masked = whole_word_mask(batch["word_ids"], batch["num_tokens"], self.encoder_mask_rate, self.generator)
+        batch["clean_ids"] = ids
+        batch["input_ids"] = bert_corruption(ids, masked, self.tokenizer.mask_token_id, len(self.tokenizer),
+                                             self.generator)
+        batch["decoder_mask_rate"] = self.decoder_mask_rate
+        batch["layout"] = self.token_rows(batch, mlm=ids.masked_fill(~masked, -100), dec=batch.pop("targets"))
+        return batch
+
+
+@register_objective
+class RetroMAE(Objective):
+    """RetroMAE: loss = L_dec (enhanced decoding, 50%) + L_MLM (encoder, 30%), weights 1 and 1. Owns its one fresh
+    decoder layer, of the encoder's own layer class, with the encoder's initialisation (modeling.py's
+    c_head.apply(lm._init_weights)); the embeddings and the MLM head are the encoder's."""
+
+    name = "retromae"
+    trains_every_head = True  # the decoder layer and the MLM head (both terms)
+
+    def __init__(self, encoder):
+        super().__init__(encoder)
+        self.decoder = type(_encoder_layers(encoder.base_model)[0])(encoder.config)
+        self.decoder.apply(encoder._init_weights)
+
+    def make_collator(self, tokenizer, **kw):
+        return RetroMAECollator(tokenizer, **kw)
+
+    def prepare(self, model, batch: dict) -> dict:
+        """The decoder's per-row masks, drawn on the batch's device (no gradient): visible (G, L, L)."""
+        with torch.no_grad():
+            visible = enhanced_decoding_masks(batch["word_ids"], batch["num_tokens"], batch["attention_mask"],
+                                              batch["decoder_mask_rate"])
+        return {**batch, "visible": visible}
+
+    def encode(self, model, batch: dict):
+        """-> ((token states (G, L, H), pooled vectors (G, H)) of the 30%-masked anchor, (G, 0, H): no batch term)."""
+        hidden, vec = model.encode(batch["input_ids"], batch["attention_mask"])
+        return (hidden, vec), vec.new_zeros(vec.shape[0], 0, vec.shape[1])
+
+    def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
+        """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the encoder on the masked
+        anchor, the one decoder layer on every position, the MLM head at both terms' rows."""
+        trained = layers(batch["input_ids"], model.encoder.config.num_hidden_layers) + layers(batch["clean_ids"], 1)
+        return trained + head * (batch["mlm_index"].numel() + batch["dec_index"].numel()), 0
+
+    def row_terms(self, model, batch: dict, states, vec):
+        hidden, sent = states
+        emb = model.base.embeddings
+        l = batch["clean_ids"].shape[1]
+        v = sent.to(hidden.dtype).unsqueeze(1)  # (G, 1, H): the pooled vector, in place of the [CLS] state
+        content = torch.cat([v, model.token_embeddings(batch["clean_ids"])[:, 1:]], dim=1)  # (G, L, H)
+        query = emb.position_embeddings(emb.position_ids[:, :l]) + v  # (G, L, H)
+        dec = enhanced_decoding(self.decoder, query, content, batch["visible"])
+        layout, sweep = batch["layout"], VocabSweep(model)
+        h = hidden.shape[-1]
+        mlm_loss(sweep, hidden.reshape(-1, h).index_select(0, batch["mlm_index"]), batch["mlm_targets"], 1.0,
+                 layout.share("mlm"))
+        retromae_decoder_loss(sweep, dec.reshape(-1, h).index_select(0, batch["dec_index"]), batch["dec_targets"],
+                              1.0, layout.share("dec"))
+        return sweep.run()
+
+
+def _encoder_layers(base) -> nn.ModuleList:
+    """The encoder's Transformer layers (BERT naming: base.encoder.layer)."""
+    layers = getattr(getattr(base, "encoder", None), "layer", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(base).__name__}: no encoder.layer list to build the baseline's decoder from")
+    return layers
+
+
+# ==============================================================================================================
+# 4. SimLM (Wang et al. 2023): replaced language modelling, a frozen ELECTRA generator, a 2-layer decoder
+# ==============================================================================================================
+
+
+def simlm_masks(word_ids: torch.Tensor, num_tokens: torch.Tensor, encoder_rate: float = 0.3,
+                decoder_rate: float = 0.5, generator: Optional[torch.Generator] = None):
+    """SimLM's two masks (rlm_collator.py): the encoder's, whole words at 30%; the decoder's, the encoder's plus an
+    independent whole-word mask at the rate that brings the union to 50%:
+
+        encoder_rate + (1 - encoder_rate) x = decoder_rate   =>   x = (0.5 - 0.3) / (1 - 0.3) = 0.2857
+
+    -> (encoder mask, decoder mask), each (G, L) bool. With x <= 1e-4 the decoder's mask is the encoder's."""
+    enc = whole_word_mask(word_ids, num_tokens, encoder_rate, generator)
+    extra = (decoder_rate - encoder_rate) / (1 - encoder_rate)
+    dec = enc | whole_word_mask(word_ids, num_tokens, extra, generator) if extra > 1e-4 else enc
+    return enc, dec
+
+
+def replace_tokens(generator: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   masked: torch.Tensor, max_logits: int = 2 ** 27) -> torch.Tensor:
+    """SimLM's replacement (rlm.py _replace_tokens): the frozen generator reads the masked text, and at each masked
+    position a token is SAMPLED from its distribution (Categorical(logits), temperature 1; it may be the original);
+    other positions keep their token:  x~_i = sample(softmax(G(x_masked))_i) if i masked else x_masked_i.
+    No gradient. Rows go through the generator in chunks of at most max_logits (rows x L x V) logits."""
+    g, l = input_ids.shape
+    rows = max(1, max_logits // max(1, l * generator.config.vocab_size))
+    out = input_ids.clone()
+    with torch.no_grad():
+        for a in range(0, g, rows):
+            logits = generator(input_ids=input_ids[a:a + rows], attention_mask=attention_mask[a:a + rows]).logits
+            sampled = torch.distributions.Categorical(logits=logits.float()).sample()
+            out[a:a + rows] = torch.where(masked[a:a + rows], sampled, input_ids[a:a + rows])
+    return out
+
+
+def simlm_replaced_lm_loss(sweep: VocabSweep, name: str, hidden: torch.Tensor, targets: torch.Tensor,
+                           weight: float, share: float = 1.0) -> None:
+    """SimLM's replaced language modelling: the encoder (on its 30%-replaced text) and the decoder (on its 50%-replaced
+    text, after the sentence vector) each predict the ORIGINAL token at every position, replaced or not, through the
+    shared MLM head (every special token excepted, rlm_collator.py's labels):
+
+        L_enc = mean_i -log softmax(head(h^enc_i))[x_i],   L_dec = mean_i -log softmax(head(h^dec_i))[x_i]
+        L = L_dec + L_enc        (rlm.py; its generator MLM term has weight 0.2 but is 0: the generator is frozen)
+
+    One cross-entropy of the step's VocabSweep per call (name: encoder_rlm_loss or decoder_rlm_loss; share: the rows'
+    part of the batch's, Layout.share)."""
+    sweep.cross_entropy(name, hidden, targets, weight, share)
+
+
+class SimLMCollator(AnchorCollator):
+    """Rows -> SimLM's batch: enc_input_ids / dec_input_ids (G, L) the anchor masked by simlm_masks (every masked
+    token [MASK]: train_rlm.sh's --all_use_mask_token True; False: BERT's 80/10/10, config.py's default),
+    enc_masked / dec_masked (G, L) the positions the generator fills (prepare), tok_* the targets: the original token
+    at every non-special position."""
+
+    DEFAULT_RATES = (0.30, 0.50)  # config.py's rlm_encoder_mask_prob / rlm_decoder_mask_prob
+
+    def __init__(self, tokenizer, all_mask_token: bool = True, **kw):
+        super().__init__(tokenizer, **kw)
+        self.all_mask_token = all_mask_token
+
+    def __call__(self, rows: list) -> dict:
+        batch = self.anchors(rows)
+        ids = batch["input_ids"]
+        enc, dec = simlm_masks(batch["word_ids"], batch["num_tokens"], self.encoder_mask_rate,
+                               self.decoder_mask_rate, self.generator)
+        tok = self.tokenizer
+        corrupt = [bert_corruption(ids, m, tok.mask_token_id, len(tok), self.generator, self.all_mask_token)
+                   for m in (enc, dec)]
+        # every special token is no target, [UNK] included (rlm_collator.py: labels[labels == special_id] = -100)
+        targets = batch.pop("targets").masked_fill(torch.isin(ids, torch.tensor(tok.all_special_ids)), -100)
+        batch.update(enc_input_ids=corrupt[0], dec_input_ids=corrupt[1], enc_masked=enc, dec_masked=dec)
+        batch["layout"] = self.token_rows(batch, tok=targets)
+        return batch
+
+
+@register_objective
+class SimLM(Objective):
+    """SimLM: loss = L_dec + L_enc (simlm_replaced_lm_loss). Owns its decoder, a copy of the encoder's last two layers
+    taken at the start (rlm.py: copy.deepcopy(encoder.layer[-2:])), reading the sentence vector followed by the
+    encoder's embeddings of the decoder's replaced text. The frozen generator (--generator_name_or_path, official
+    default google/electra-base-generator) is kept OUT of the module tree: not trained, not saved, not in the
+    optimiser, not wrapped by DDP; prepare moves it to the batch's device."""
+
+    name = "simlm"
+    trains_every_head = True  # the decoder and the MLM head (both terms)
+
+    def __init__(self, encoder, generator_name_or_path: str = "google/electra-base-generator",
+                 decoder_layers: int = 2):
+        super().__init__(encoder)
+        from transformers import AutoModelForMaskedLM
+
+        self.generator_name_or_path, self.decoder_layers = generator_name_or_path, decoder_layers
+        self.decoder = copy.deepcopy(_encoder_layers(encoder.base_model)[-decoder_layers:])
+        self.encoder_config = encoder.config
+        gen = AutoModelForMaskedLM.from_pretrained(resolve_model_path(generator_name_or_path))
+        if gen.config.vocab_size != encoder.config.vocab_size:
+            raise ValueError(f"generator {generator_name_or_path} has {gen.config.vocab_size} words, the encoder "
+                             f"{encoder.config.vocab_size}: SimLM's generator must share the encoder's vocabulary")
+        # eval mode (no dropout): the official generator is a submodule that model.train() puts back in train mode
+        gen.eval().requires_grad_(False)
+        self._generator = (gen,)  # a tuple: nn.Module does not register what it holds
+
+    @property
+    def generator(self) -> nn.Module:
+        return self._generator[0]
+
+    def config(self) -> dict:
+        return {"generator_name_or_path": self.generator_name_or_path, "decoder_layers": self.decoder_layers}
+
+    def make_collator(self, tokenizer, **kw):
+        return SimLMCollator(tokenizer, **kw)
+
+    def prepare(self, model, batch: dict) -> dict:
+        """The generator's replacements, for the encoder's and the decoder's text (no gradient)."""
+        gen = self.generator
+        ids = batch["enc_input_ids"]
+        if next(gen.parameters()).device != ids.device:
+            gen.to(ids.device)
+        am = batch["attention_mask"]
+        return {**batch, "enc_input_ids": replace_tokens(gen, ids, am, batch["enc_masked"]),
+                "dec_input_ids": replace_tokens(gen, batch["dec_input_ids"], am, batch["dec_masked"])}
+
+    def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
+        """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the encoder and the decoder on
+        their replaced texts, the MLM head at every target for both; the generator's two passes forward only."""
+        ids = batch["enc_input_ids"]
+        trained = layers(ids, model.encoder.config.num_hidden_layers) + layers(batch["dec_input_ids"],
+                                                                             self.decoder_layers)
+        gc = self.generator.config
+        hg, length = gc.hidden_size, ids.shape[-1]
+        per_token = gc.num_hidden_layers * (4 * hg * hg + 2 * hg * gc.intermediate_size + 2 * length * hg)
+        per_token += hg * getattr(gc, "embedding_size", hg) + getattr(gc, "embedding_size", hg) * gc.vocab_size
+        return trained + 2 * head * batch["tok_index"].numel(), 2 * ids.numel() * per_token
+
+    def encode(self, model, batch: dict):
+        """-> ((token states (G, L, H), pooled vectors (G, H)) of the replaced anchor, (G, 0, H): no batch term)."""
+        hidden, vec = model.encode(batch["enc_input_ids"], batch["attention_mask"])
+        return (hidden, vec), vec.new_zeros(vec.shape[0], 0, vec.shape[1])
+
+    def row_terms(self, model, batch: dict, states, vec):
+        from transformers.masking_utils import create_bidirectional_mask
+
+        hidden, sent = states
+        emb = model.token_embeddings(batch["dec_input_ids"])  # (G, L, H)
+        x = torch.cat([sent.to(emb.dtype).unsqueeze(1), emb[:, 1:]], dim=1)  # the vector in place of [CLS]
+        mask = create_bidirectional_mask(config=self.encoder_config, inputs_embeds=x,
+                                         attention_mask=batch["attention_mask"])
+        for layer in self.decoder:
+            x = layer(x, mask)
+        layout, sweep, h = batch["layout"], VocabSweep(model), hidden.shape[-1]
+        index, targets, share = batch["tok_index"], batch["tok_targets"], layout.share("tok")
+        simlm_replaced_lm_loss(sweep, "encoder_rlm_loss", hidden.reshape(-1, h).index_select(0, index), targets, 1.0,
+                               share)
+        simlm_replaced_lm_loss(sweep, "decoder_rlm_loss", x.reshape(-1, h).index_select(0, index), targets, 1.0, share)
+        return sweep.run()
+
+
+# ==============================================================================================================
+# 5. Contriever's random spans (Izacard et al. 2022): two independent crops, word deletion, InfoNCE, tau 0.05
+# ==============================================================================================================
+
+
+def random_crop(n: int, ratio: tuple, generator: torch.Generator) -> tuple:
+    """Contriever's randomcrop (src/data.py): length = int(n * r), r ~ U[0.1, 0.5] (floor; 0 for a short text),
+    start ~ U{0 .. n - length}. -> (start, length)."""
+    lo, hi = ratio
+    r = lo + (hi - lo) * torch.rand((), generator=generator).item()
+    length = int(n * r)
+    return int(torch.randint(0, n - length + 1, (), generator=generator)), length
+
+
+def delete_words(tokens: list, p: float, generator: torch.Generator) -> list:
+    """Contriever's "delete" augmentation (src/data.py deleteword), its README's run: each token of a crop is dropped
+    independently with probability p = 0.1."""
+    keep = torch.rand(len(tokens), generator=generator) > p
+    return [t for t, k in zip(tokens, keep.tolist()) if k]
+
+
+def contriever_loss(q: torch.Tensor, k: torch.Tensor, tau: float = 0.05, normalize: bool = False) -> torch.Tensor:
+    """Contriever's in-batch InfoNCE (src/inbatch.py), one direction, the first crop q picking its own second crop k
+    among the second crops of the whole batch (gathered across processes):
+
+        L = -mean_i log softmax_j( s(q_i, k_j) / tau )[i],   s = dot product, tau = 0.05
+
+    s is the plain dot product of the mean-pooled vectors (--norm_query / --norm_doc off, the README's run); normalize
+    makes it the cosine. q, k (N, H) local rows."""
+    with torch.autocast(q.device.type, enabled=False):  # fp32 logits, as modeling_xprt.cosines
+        q, all_k = q.float(), gather_with_grad(k).float()
+        if normalize:
+            q, all_k = F.normalize(q, dim=-1), F.normalize(all_k, dim=-1)
+        scores = q @ all_k.t() / tau
+    labels = torch.arange(q.shape[0], device=q.device) + rank_and_world()[0] * q.shape[0]
+    return F.cross_entropy(scores, labels)
+
+
+class ContrieverCollator(AnchorCollator):
+    """Rows -> two views of each anchor: q_input_ids / q_attention_mask and k_input_ids / k_attention_mask (G, L_v),
+    each an independent random_crop of the anchor's own tokens (ratio U[0.1, 0.5]), then delete_words (p 0.1), then
+    [CLS] prefix ... [SEP] around it (data.py's add_bos_eos; the prefix is never cropped), in drawn order (q: the first
+    crop, as data.py's q_tokens), each view padded to its own longest."""
+
+    DEFAULT_RATES = (0.0, 0.0)
+
+    def __init__(self, tokenizer, crop_ratio: tuple = (0.1, 0.5), delete_prob: float = 0.1, **kw):
+        super().__init__(tokenizer, **kw)
+        self.crop_ratio, self.delete_prob = tuple(crop_ratio), delete_prob
+
+    def __call__(self, rows: list) -> dict:
+        batch = self.retention_fields(rows)
+        tok = self.tokenizer
+        first = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
+        last = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
+        views = ([], [])
+        texts = [r["anchor"] for r in rows]
+        for toks in tok(texts, add_special_tokens=False, truncation=True, max_length=self.max_length)["input_ids"]:
+            for v in range(2):
+                start, length = random_crop(len(toks), self.crop_ratio, self.generator)
+                crop = delete_words(toks[start:start + length], self.delete_prob, self.generator)
+                views[v].append([first] + self.prefix_ids + crop + [last])
+        for name, vs in zip("qk", views):
+            ids = torch.full((len(vs), max(map(len, vs))), tok.pad_token_id, dtype=torch.long)
+            am = torch.zeros_like(ids)
+            for j, v in enumerate(vs):
+                ids[j, :len(v)], am[j, :len(v)] = torch.tensor(v), 1
+            batch[f"{name}_input_ids"], batch[f"{name}_attention_mask"] = ids, am
+        batch["layout"] = Layout(len(rows))
+        return batch
+
+
+@register_objective
+class Contriever(Objective):
+    """Contriever's random spans with in-batch negatives: contriever_loss on the two crops' pooled vectors, a batch
+    term only. temperature: --temperature of the official run (0.05); normalize: --norm_query / --norm_doc (off)."""
+
+    name = "contriever"
+
+    def __init__(self, encoder, temperature: float = 0.05, normalize: bool = False):
+        super().__init__(encoder)
+        self.temperature, self.normalize = temperature, normalize
+
+    def config(self) -> dict:
+        return {"temperature": self.temperature, "normalize": self.normalize}
+
+    def make_collator(self, tokenizer, **kw):
+        return ContrieverCollator(tokenizer, **kw)
+
+    def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
+        """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the encoder on both crops."""
+        n = model.encoder.config.num_hidden_layers
+        return layers(batch["q_input_ids"], n) + layers(batch["k_input_ids"], n), 0
+
+    def encode(self, model, batch: dict):
+        """-> (None, (G, 2, H): the first crop's vector, the second's)."""
+        q = model.encode(batch["q_input_ids"], batch["q_attention_mask"])[1]
+        k = model.encode(batch["k_input_ids"], batch["k_attention_mask"])[1]
+        return None, torch.stack([q, k], dim=1)
+
+    def batch_terms(self, model, vec, batch: dict, **step):
+        c = contriever_loss(vec[:, 0], vec[:, 1], self.temperature, self.normalize)
+        return c, {"contrastive_loss": c}
+
+
+# ==============================================================================================================
+# 6. Random spans, the earlier approximation of Contriever (contrastive_random_span)
+# How it differs from Contriever's code (src/data.py, inbatch.py, moco.py, options.py, the README's run), which
+# section 5 follows:
+#   - crop length max(1, round(r n)) here; int(r n) there (floor; 0 for a short text, leaving [CLS] [SEP] only)
+#   - no augmentation here; there each token of a crop is deleted with p 0.1 (--augmentation delete
+#     --prob_augmentation 0.1 in the README's run and example_scripts/contriever.sh; options.py's default is none)
+#   - scores cos / 0.05 here; there dot products of the unnormalised mean-pooled vectors / 0.05 (--norm_query and
+#     --norm_doc off): all-MiniLM-L6-v2's vectors have norms 3.9-8.3, so its logits run in the hundreds
+#   - the longer crop is always the query here; there the first crop drawn (either length); with a one-direction
+#     loss this is a choice of which side the negatives come from, not only a labelling
+#   - in-batch negatives in both (section 5 too); the README's run uses MoCo (131,072 queued keys of a momentum
+#     encoder, momentum 0.9995, no gradient through the keys)
+#   - the same: two independent crops of one text, ratio U[0.1, 0.5] (example_scripts: 0.05), one direction, tau 0.05,
+#     average pooling, [CLS] / [SEP] around each crop; crops there come from 256-token chunks of a token stream
 # ==============================================================================================================
 
 
@@ -174,7 +752,7 @@ def crop_spans(num_tokens, seed: int, epoch: int, crop_ratio: tuple = (0.1, 0.5)
 
 
 # ==============================================================================================================
-# Self-reconstruction (the paper's Table 3 ablation)
+# 7. Self-reconstruction (the paper's Table 3 ablation)
 # ==============================================================================================================
 
 

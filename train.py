@@ -56,6 +56,9 @@ def parse_args(argv=None):
                         "default: a fresh head tied to the word embeddings")
     g.add_argument("--teacher_name_or_path", default=None,
                    help="frozen teacher of the retention term (default: the starting checkpoint, as in the paper)")
+    g.add_argument("--generator_name_or_path", default=None,
+                   help="simlm: the frozen generator that samples the replaced tokens (default: SimLM's, "
+                        "google/electra-base-generator); it must share the start model's vocabulary")
 
     g = p.add_argument_group("pre-training data")
     g.add_argument("--groups_dir", required=True, help="folder of parquet shards written by select_groups.py")
@@ -223,15 +226,19 @@ def step_flops(model, batch, retention: bool) -> float:
         return n * tokens * (per_token + 2 * length * h)  # weight matrices, attention scores and sums
 
     trained, forward = 0, 0
-    for key in ("input_ids", "short_input_ids", "query_input_ids", "passage_input_ids"):
-        if key in batch:
-            trained += layers(batch[key], n_enc)
-    if "dec_input_ids" in batch:  # a conditioned decoder (xPRT, the self-reconstruction ablation)
-        dec = model.method.decoder
-        trained += layers(batch["dec_input_ids"], len(dec.layers), dec.num_condition_vectors)
     head = head_multiply_adds(model.encoder)  # the MLM head's transform and vocabulary projection, per row
-    trained += head * sum(batch[k].numel() for k in ("mlm_index", "cross_rows", "self_rows", "dec_rows") if k in batch)
-    forward += head * batch["self_enc_index"].numel() if "self_enc_index" in batch else 0
+    if hasattr(model.method, "multiply_adds"):  # an objective that counts its own passes (baselines.py)
+        trained, forward = model.method.multiply_adds(model, batch, layers, head)
+    else:
+        for key in ("input_ids", "short_input_ids", "query_input_ids", "passage_input_ids"):
+            if key in batch:
+                trained += layers(batch[key], n_enc)
+        if "dec_input_ids" in batch:  # a conditioned decoder (xPRT, the self-reconstruction ablation)
+            dec = model.method.decoder
+            trained += layers(batch["dec_input_ids"], len(dec.layers), dec.num_condition_vectors)
+        trained += head * sum(batch[k].numel() for k in ("mlm_index", "cross_rows", "self_rows", "dec_rows")
+                              if k in batch)
+        forward += head * batch["self_enc_index"].numel() if "self_enc_index" in batch else 0
     if retention:
         teacher = layers(batch["retain_input_ids"], n_enc)
         forward += teacher
@@ -263,6 +270,8 @@ def load_pretraining_model(accelerator, args):
         options["weights"] = LossWeights(**{f: getattr(args, a) for f, a in weight_flags if getattr(args, a) is not None})
     if args.no_fill_in:
         options["fill_in"] = False
+    if args.generator_name_or_path:
+        options["generator_name_or_path"] = args.generator_name_or_path
     return load_model(accelerator, args, XPRTModel, objective=args.objective, mlm_head_from=args.mlm_head_from,
                       retention_student=args.retention_student, **options)
 

@@ -1,0 +1,546 @@
+"""The baselines (baselines.py) against straight-line versions of their official code: RetroMAE's enhanced decoding,
+SimLM's replaced language modelling, Contriever's crops and in-batch InfoNCE; and the whole-word masking rule both
+MAE baselines use. Tiny random models (conftest) with the MiniLM tokenizer; dropout off (eval mode); seconds each."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+import baselines as B
+from conftest import ROOT
+from modeling_xprt import XPRTModel, load_mlm_encoder
+
+
+def rows_from_docs(n: int, min_chars: int = 40):
+    """Groups rows (select_groups.py's schema, the fields the collators read) from data/docs.jsonl's paragraphs."""
+    rows = []
+    with open(ROOT / "data" / "docs.jsonl", encoding="utf-8") as f:
+        for line in f:
+            d = json.loads(line)
+            paras = [p for p in d["text"].split("\n") if len(p) > min_chars]
+            for a in range(len(paras) - 1):
+                rows.append({"doc_id": d["id"], "anchor": paras[a], "related": [paras[a + 1]] * 4,
+                             "random_passage": paras[0]})
+                if len(rows) == n:
+                    return rows
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_bert):
+    return AutoTokenizer.from_pretrained(tiny_bert)
+
+
+def make(tiny_bert, objective, **options):
+    """XPRTModel for `objective`, dropout off (eval mode): the comparisons are exact."""
+    torch.manual_seed(0)
+    return XPRTModel(load_mlm_encoder(str(tiny_bert))[0], objective=objective, **options).eval()
+
+
+def dense(batch, rows):
+    """A Layout row set's flat targets (<rows>_index, <rows>_targets) back as a (G, L) tensor, -100 elsewhere."""
+    out = torch.full_like(batch["input_ids"], -100).view(-1)
+    out[batch[f"{rows}_index"]] = batch[f"{rows}_targets"]
+    return out.view(batch["input_ids"].shape)
+
+
+def grads(params):
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+def assert_same_grads(a, b, atol=1e-6):
+    assert len(a) == len(b)
+    assert sum(x is not None for x in a) > 0
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(x, y, atol=atol, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# whole-word masking
+# ---------------------------------------------------------------------------------------------------------------
+def official_whole_word_mask(words: list, n_tokens: int, rate: float, order: list, max_predictions: int = 512):
+    """DataCollatorForWholeWordMask._whole_word_mask / SimLM's whole_word_mask, line by line, with the shuffled order
+    of the candidate words given (random.shuffle's result). words: the token positions of each word."""
+    cand = [words[i] for i in order]
+    num_to_predict = min(max_predictions, max(1, int(round(n_tokens * rate))))
+    masked, covered = [], set()
+    for index_set in cand:
+        if len(masked) >= num_to_predict:
+            break
+        if len(masked) + len(index_set) > num_to_predict:
+            continue
+        for i in index_set:
+            covered.add(i)
+            masked.append(i)
+    return covered
+
+
+def test_word_ids_follow_the_wordpiece_rule(tok):
+    """word_ids_of groups tokens as the official "##" rule does ([CLS] / [SEP] never candidates), on real passages."""
+    rows = rows_from_docs(20)
+    enc = tok([r["anchor"] for r in rows], padding=True, truncation=True, max_length=96)
+    got = B.word_ids_of(enc, len(rows))
+    for i in range(len(rows)):
+        tokens = tok.convert_ids_to_tokens(enc["input_ids"][i])
+        official, w = [], -1
+        for t in tokens:
+            if t in ("[CLS]", "[SEP]", "[PAD]"):
+                official.append(None)
+            elif t.startswith("##") and w >= 0:
+                official.append(w)
+            else:
+                w += 1
+                official.append(w)
+        # the same partition into words (ids may differ by an offset)
+        pairs = {(o, g) for o, g in zip(official, got[i].tolist()) if o is not None}
+        assert len({o for o, _ in pairs}) == len(pairs) == len({g for _, g in pairs})
+        assert all((o is None) == (g == -1) for o, g in zip(official, got[i].tolist()))
+
+
+def test_whole_word_mask_equals_the_official_greedy_rule():
+    """Random word layouts (words of 1-4 tokens, padding, non-candidates): the mask equals the official loop run over
+    the same shuffled order of the words, for several rates."""
+    g = torch.Generator().manual_seed(1)
+    n, l = 64, 40
+    word_ids = torch.full((n, l), -1, dtype=torch.long)
+    num_tokens = torch.zeros(n, dtype=torch.long)
+    for r in range(n):
+        length = int(torch.randint(3, l, (), generator=g))
+        pos, w = 1, 0
+        while pos < length - 1:
+            k = min(int(torch.randint(1, 5, (), generator=g)), length - 1 - pos)
+            word_ids[r, pos:pos + k] = w
+            pos, w = pos + k, w + 1
+        num_tokens[r] = length
+    for rate in (0.15, 0.3, 0.5):
+        seed = int(rate * 100)
+        got = B.whole_word_mask(word_ids, num_tokens, rate, torch.Generator().manual_seed(seed))
+        keys = torch.rand(n, l, generator=torch.Generator().manual_seed(seed))  # the draws whole_word_mask makes
+        for r in range(n):
+            ids = word_ids[r].tolist()
+            words = [[j for j, x in enumerate(ids) if x == w] for w in range(max(ids) + 1)]
+            order = sorted(range(len(words)), key=lambda w: keys[r, w].item())
+            want = official_whole_word_mask(words, int(num_tokens[r]), rate, order)
+            assert set(got[r].nonzero().squeeze(1).tolist()) == want, (rate, r)
+
+
+def test_whole_word_mask_rates_on_real_passages(tok):
+    """On real anchors the masks cover round(rate * n) tokens (n with [CLS] and [SEP]) to within one word's overshoot,
+    whole words only, never a special token or the prefix: RetroMAE's and SimLM's 30% and 50%."""
+    c = B.AnchorCollator(tok, max_length=64, passage_prefix="passage: ")
+    batch = c.anchors(rows_from_docs(64))
+    wid, n = batch["word_ids"], batch["num_tokens"]
+    for rate in (0.3, 0.5):
+        m = B.whole_word_mask(wid, n, rate, torch.Generator().manual_seed(0))
+        budget = (n.double() * rate).round().long()
+        count = m.sum(1)
+        assert (count <= budget).all()
+        assert ((budget - count) <= 3).all()  # the greedy fills the budget but for words too long to fit
+        frac = (count.sum() / n.sum()).item()
+        assert abs(frac - rate) < 0.01, frac
+        assert not (m & (wid < 0)).any()  # specials, padding and the prefix never
+        for r in range(len(wid)):  # whole words: every token of a touched word
+            touched = set(wid[r][m[r]].tolist())
+            assert all(bool(m[r, j]) == (int(wid[r, j]) in touched) for j in range(wid.shape[1]) if wid[r, j] >= 0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RetroMAE
+# ---------------------------------------------------------------------------------------------------------------
+def test_enhanced_decoding_masks_follow_the_official_collator(tok):
+    """Row i never sees itself; [CLS] (the sentence vector) and [SEP] are visible to every other row; padding to none;
+    what row i does not see besides itself is one whole-word 50% sample of the passage, from a pool of at most
+    min(n, 256) samples per passage."""
+    c = B.RetroMAECollator(tok, max_length=48)
+    batch = c(rows_from_docs(16))
+    assert batch["decoder_mask_rate"] == 0.5
+    torch.manual_seed(0)
+    vis = B.enhanced_decoding_masks(batch["word_ids"], batch["num_tokens"], batch["attention_mask"], 0.5)
+    g, l = batch["input_ids"].shape
+    assert vis.shape == (g, l, l)
+    am = batch["attention_mask"].bool()
+    wid = batch["word_ids"]
+    fracs = []
+    for p in range(g):
+        n = int(am[p].sum())
+        assert not vis[p, :, n:].any()  # padding is never visible
+        samples = set()
+        for i in range(n):
+            assert not vis[p, i, i]
+            for j in (0, n - 1):  # [CLS], [SEP]
+                assert vis[p, i, j] or j == i
+            hidden = (~vis[p, i, :n]).clone()
+            hidden[i] = False  # the row's own position aside, the rest is its sample
+            budget = max(1, round(n * 0.5))
+            assert budget - 4 <= int(hidden.sum()) <= budget  # (i itself may have been in the sample)
+            words = set(wid[p][:n][hidden].tolist())
+            assert -1 not in words
+            assert all(bool(hidden[j]) == (int(wid[p, j]) in words) for j in range(n) if wid[p, j] >= 0 and j != i)
+            samples.add(tuple(hidden.tolist()))
+            fracs.append(hidden.sum().item() / n)
+        assert len(samples) <= min(n, 256)
+    assert abs(sum(fracs) / len(fracs) - 0.5) < 0.02
+
+
+def official_retromae_loss(model, obj, batch):
+    """RetroMAEForPretraining.forward, straight-line, with the decoder's attention computed row by row from the layer's
+    weights (enhancedDecoder.py's BertLayerForDecoder), and the paper's setting's one change: the mean-pooled vector
+    in place of the [CLS] state."""
+    lm = model.encoder
+    out = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=dense(batch, "mlm"),
+             output_hidden_states=True)
+    last = out.hidden_states[-1]
+    am = batch["attention_mask"]
+    cls = ((last * am[..., None]).sum(1) / am.sum(1, keepdim=True))[:, None]  # (G, 1, H)
+    emb = lm.bert.embeddings
+    l = batch["clean_ids"].shape[1]
+    hiddens = torch.cat([cls, emb(input_ids=batch["clean_ids"])[:, 1:]], dim=1)
+    query = emb.position_embeddings(emb.position_ids[:, :l]) + cls
+    layer = obj.decoder
+    sa = layer.attention.self
+    heads, d = sa.num_attention_heads, sa.attention_head_size
+    rows = []
+    for g in range(query.shape[0]):
+        for i in range(l):
+            q = sa.query(query[g, i]).view(heads, d)
+            k = sa.key(hiddens[g]).view(l, heads, d)
+            v = sa.value(hiddens[g]).view(l, heads, d)
+            s = torch.einsum("hd,lhd->hl", q, k) / math.sqrt(d)
+            s = s + (1.0 - batch["visible"][g, i].float()) * torch.finfo(s.dtype).min  # get_extended_attention_mask
+            ctx = torch.einsum("hl,lhd->hd", s.softmax(-1), v).reshape(-1)
+            a = layer.attention.output(ctx[None], query[g, i][None])
+            rows.append(layer.output(layer.intermediate(a), a)[0])
+    dec = torch.stack(rows).view(query.shape)
+    dec_loss = F.cross_entropy(lm.cls(dec).view(-1, lm.config.vocab_size), dense(batch, "dec").view(-1))
+    return dec_loss + out.loss, dec_loss, out.loss
+
+
+def test_retromae_loss_and_gradients_equal_the_official_forward(tok, tiny_bert):
+    model = make(tiny_bert, "retromae")
+    obj = model.method
+    c = obj.make_collator(tok, max_length=24, seed=3)
+    torch.manual_seed(0)
+    batch = obj.prepare(model, c(rows_from_docs(4)))
+    assert dense(batch, "dec")[:, 0].eq(-100).all()  # [CLS] is no decoder target
+    states, vec = obj.encode(model, batch)
+    assert vec.shape[1] == 0
+    loss, terms = obj.row_terms(model, batch, states, vec)
+    loss.backward()
+    params = list(model.parameters())
+    got = grads(params)
+    for p in params:
+        p.grad = None
+    ref, ref_dec, ref_mlm = official_retromae_loss(model, obj, batch)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(terms["decoder_loss"], ref_dec.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(terms["mlm_loss"], ref_mlm.detach(), atol=1e-5, rtol=1e-5)
+    assert_same_grads(got, grads(params))
+    # 30% whole-word masking of the encoder's input, with BERT's 80/10/10
+    masked = dense(batch, "mlm") >= 0
+    assert abs(masked.sum().item() / batch["num_tokens"].sum().item() - 0.3) < 0.03
+    assert (batch["input_ids"][masked] == tok.mask_token_id).float().mean() > 0.6
+
+
+def test_retromae_decoder_is_fresh_and_owned(tiny_bert):
+    model = make(tiny_bert, "retromae")
+    obj = model.method
+    names = [n for n, _ in obj.named_parameters()]
+    assert names and all(n.startswith("decoder.") for n in names)
+    enc_layer = model.encoder.bert.encoder.layer[-1]
+    assert not torch.equal(obj.decoder.attention.self.query.weight, enc_layer.attention.self.query.weight)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SimLM
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_generator(tmp_path_factory, tok):
+    """A tiny random ELECTRA generator with the MiniLM tokenizer (the official one is google/electra-base-generator)."""
+    from transformers import ElectraConfig, ElectraForMaskedLM
+
+    path = tmp_path_factory.mktemp("tiny-electra")
+    torch.manual_seed(0)
+    cfg = ElectraConfig(vocab_size=tok.vocab_size, embedding_size=16, hidden_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=32, max_position_embeddings=512)
+    ElectraForMaskedLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_simlm_masks_reach_30_and_50_percent(tok):
+    c = B.SimLMCollator(tok, max_length=64)
+    batch = c(rows_from_docs(64))
+    n = batch["num_tokens"].sum().item()
+    enc, dec = batch["enc_masked"], batch["dec_masked"]
+    assert (dec | ~enc).all()  # the decoder's mask contains the encoder's
+    assert abs(enc.sum().item() / n - 0.3) < 0.02
+    # 0.3 + 0.7 x with x = 0.2857: 0.5 in expectation, the second mask independent of the first
+    assert abs(dec.sum().item() / n - 0.5) < 0.03
+    assert (batch["enc_input_ids"][enc] == tok.mask_token_id).all()  # --all_use_mask_token True
+    assert (batch["enc_input_ids"][~enc] == batch["input_ids"][~enc]).all()
+    t = dense(batch, "tok")  # every non-special token of the passage is a target, masked or not
+    special = torch.isin(batch["input_ids"], torch.tensor(tok.all_special_ids))
+    assert ((t >= 0) == (batch["word_ids"] >= 0) & ~special).all()
+
+
+def test_simlm_generator_is_frozen_and_not_registered(tiny_bert, tiny_generator):
+    model = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator)
+    obj = model.method
+    assert all(n.startswith("decoder.") for n, _ in obj.named_parameters())
+    assert not any("generator" in k for k in model.state_dict())
+    assert not any("generator" in k for k in model.heads_state_dict())
+    assert obj.config() == {"generator_name_or_path": tiny_generator, "decoder_layers": 2}
+    assert not obj.generator.training and not any(p.requires_grad for p in obj.generator.parameters())
+    # the decoder is a copy of the encoder's last two layers, not the layers themselves
+    last = model.encoder.bert.encoder.layer[-2:]
+    for a, b in zip(obj.decoder.parameters(), last.parameters()):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+
+
+def test_simlm_replacements_are_samples_of_the_generator(tok, tiny_bert, tiny_generator):
+    """Only masked positions change, and there the tokens follow the generator's softmax (temperature 1): the
+    replacements' mean log-probability under the generator equals its expectation, sum p log p."""
+    model = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator)
+    obj = model.method
+    gen = obj.generator
+    c = obj.make_collator(tok, max_length=32)
+    batch = c(rows_from_docs(16))
+    torch.manual_seed(0)
+    out = obj.prepare(model, batch)
+    for k, m in (("enc_input_ids", "enc_masked"), ("dec_input_ids", "dec_masked")):
+        assert (out[k][~batch[m]] == batch[k][~batch[m]]).all()
+    with torch.no_grad():
+        logp = gen(input_ids=batch["enc_input_ids"], attention_mask=batch["attention_mask"]).logits.log_softmax(-1)
+    m = batch["enc_masked"]
+    drawn = logp.gather(-1, out["enc_input_ids"].unsqueeze(-1)).squeeze(-1)[m]
+    expected = (logp.exp() * logp).sum(-1)[m]
+    assert abs(drawn.mean() - expected.mean()) < 3 * drawn.std() / math.sqrt(drawn.numel())
+    assert (out["enc_input_ids"][m] != batch["input_ids"][m]).float().mean() > 0.9  # a random generator rarely keeps
+
+
+def official_simlm_loss(model, obj, batch):
+    """ReplaceLM.forward (rlm.py), straight-line, after the replacements: the encoder's MLM loss with labels at every
+    position, the decoder (the copied layers) on [vector; embeddings of the decoder's text], the shared MLM head."""
+    lm = model.encoder
+    am = batch["attention_mask"]
+    targets = dense(batch, "tok")
+    out = lm(input_ids=batch["enc_input_ids"], attention_mask=am, labels=targets, output_hidden_states=True)
+    last = out.hidden_states[-1]
+    cls = ((last * am[..., None]).sum(1) / am.sum(1, keepdim=True))[:, None]
+    h = torch.cat([cls, lm.bert.embeddings(batch["dec_input_ids"])[:, 1:]], dim=1)
+    ext = (1.0 - am[:, None, None, :].float()) * torch.finfo(h.dtype).min  # get_extended_attention_mask
+    for layer in obj.decoder:
+        h = layer(h, ext)
+    dec_loss = F.cross_entropy(lm.cls(h).view(-1, lm.config.vocab_size), targets.view(-1))
+    return dec_loss + out.loss, dec_loss, out.loss
+
+
+def test_simlm_loss_and_gradients_equal_the_official_forward(tok, tiny_bert, tiny_generator):
+    model = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator)
+    obj = model.method
+    c = obj.make_collator(tok, max_length=32, seed=5)
+    raw = c(rows_from_docs(6))
+    torch.manual_seed(0)
+    batch = obj.prepare(model, raw)
+    # the replacement itself, as rlm.py draws it: Categorical over the generator's logits at every position
+    torch.manual_seed(0)
+    with torch.no_grad():
+        logits = obj.generator(input_ids=raw["enc_input_ids"], attention_mask=raw["attention_mask"]).logits
+        sampled = torch.distributions.Categorical(logits=logits).sample()
+    is_mask = raw["enc_masked"].long()
+    assert torch.equal(batch["enc_input_ids"], raw["enc_input_ids"] * (1 - is_mask) + sampled * is_mask)
+    states, vec = obj.encode(model, batch)
+    loss, terms = obj.row_terms(model, batch, states, vec)
+    loss.backward()
+    params = list(model.parameters())
+    got = grads(params)
+    for p in params:
+        p.grad = None
+    ref, ref_dec, ref_enc = official_simlm_loss(model, obj, batch)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(terms["decoder_rlm_loss"], ref_dec.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(terms["encoder_rlm_loss"], ref_enc.detach(), atol=1e-5, rtol=1e-5)
+    assert_same_grads(got, grads(params))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Contriever
+# ---------------------------------------------------------------------------------------------------------------
+def test_contriever_crops_and_deletion_follow_data_py(tok):
+    """Crop length int(n r), r ~ U[0.1, 0.5], then each token deleted with p 0.1: the mean kept share of a passage of n
+    tokens is 0.9 E[floor(n r)] / n ~ 0.9 (0.3 - 0.5 / n); the views are independent and wrapped in
+    [CLS] prefix ... [SEP]."""
+    c = B.ContrieverCollator(tok, max_length=64, passage_prefix="passage: ")
+    rows = rows_from_docs(200)
+    toks = tok([r["anchor"] for r in rows], add_special_tokens=False, truncation=True, max_length=64)["input_ids"]
+    n = torch.tensor([len(t) for t in toks], dtype=torch.float)
+    batch = c(rows)
+    extra = 2 + len(c.prefix_ids)
+    share = {v: (batch[f"{v}_attention_mask"].sum(1) - extra) / n for v in "qk"}
+    expected = (0.9 * (0.3 - 0.5 / n)).mean().item()
+    for v in "qk":
+        assert abs(share[v].mean().item() - expected) < 0.015, (share[v].mean(), expected)
+        ids = batch[f"{v}_input_ids"]
+        assert (ids[:, 0] == tok.cls_token_id).all()
+        assert (ids[:, 1:1 + len(c.prefix_ids)] == torch.tensor(c.prefix_ids)).all()
+    assert (share["q"] != share["k"]).float().mean() > 0.8
+
+
+def test_random_crop_is_data_py_randomcrop():
+    g = torch.Generator().manual_seed(0)
+    lengths = []
+    for _ in range(2000):
+        start, length = B.random_crop(37, (0.1, 0.5), g)
+        assert 0 <= start <= 37 - length
+        lengths.append(length)
+    assert min(lengths) == 3 and max(lengths) == 18  # int(3.7) .. int(18.5): floor, as int() in data.py
+    assert abs(sum(lengths) / len(lengths) - 0.3 * 37 + 0.5) < 0.3  # E[floor(37 r)] ~ 11.1 - 0.5
+
+
+def test_contriever_loss_and_gradients_equal_a_loop(tok, tiny_bert):
+    model = make(tiny_bert, "contriever")
+    obj = model.method
+    batch = obj.make_collator(tok, max_length=32)(rows_from_docs(8))
+    _, vec = obj.encode(model, batch)
+    loss, terms = obj.batch_terms(model, vec, batch)
+    loss.backward()
+    got = grads(model.parameters())
+    for p in model.parameters():
+        p.grad = None
+    q = [model.encode(batch["q_input_ids"][i:i + 1], batch["q_attention_mask"][i:i + 1])[1][0] for i in range(8)]
+    k = [model.encode(batch["k_input_ids"][i:i + 1], batch["k_attention_mask"][i:i + 1])[1][0] for i in range(8)]
+    ref = 0
+    for i in range(8):  # inbatch.py: scores = q_i / T . k_j, cross-entropy to j = i
+        s = torch.stack([(q[i] / 0.05) @ k[j] for j in range(8)])
+        ref = ref - torch.log_softmax(s, 0)[i] / 8
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)
+    assert_same_grads(got, grads(model.parameters()), atol=1e-4)  # dot products / 0.05: logits in the hundreds
+
+
+def test_collators_emit_the_retention_fields(tok):
+    rows = rows_from_docs(5)
+    ref = B.AnchorCollator(tok, max_length=32).retention_fields(rows)
+    for cls in (B.RetroMAECollator, B.SimLMCollator, B.ContrieverCollator):
+        b = cls(tok, max_length=32)(rows)
+        for k in ("doc_ids", "retain_input_ids", "retain_attention_mask"):
+            assert torch.equal(b[k], ref[k]), (cls, k)
+
+
+@pytest.mark.parametrize("name", ["retromae", "simlm"])
+def test_row_terms_of_chunks_add_up_to_the_batch(name, tok, tiny_bert, tiny_generator):
+    """row_terms on the Layout's chunks of a batch sum to row_terms on the whole batch, loss, logged terms and
+    gradients: each term is a mean over the whole batch's tokens (the gradient cache's contract)."""
+    model = make(tiny_bert, name, **({"generator_name_or_path": tiny_generator} if name == "simlm" else {}))
+    obj = model.method
+    torch.manual_seed(0)
+    batch = obj.prepare(model, obj.make_collator(tok, max_length=24)(rows_from_docs(5)))
+    params = list(model.parameters())
+
+    def run(part):
+        states, vec = obj.encode(model, part)
+        loss, terms = obj.row_terms(model, part, states, vec)
+        loss.backward()
+        return loss.detach(), terms
+
+    whole, whole_terms = run(batch)
+    want = grads(params)
+    for p in params:
+        p.grad = None
+    total, summed = 0, {}
+    for _, part in batch["layout"].chunks(batch, 2):
+        loss, terms = run(part)
+        total = total + loss
+        for k, v in terms.items():
+            summed[k] = summed.get(k, 0) + v
+    torch.testing.assert_close(total, whole, atol=1e-5, rtol=1e-5)
+    for k in whole_terms:
+        torch.testing.assert_close(summed[k], whole_terms[k], atol=1e-5, rtol=1e-5)
+    assert_same_grads(grads(params), want, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# wired in: the gradient cache and train.py
+# ---------------------------------------------------------------------------------------------------------------
+from test_gradient_cache import _step, no_dropout_bert, positional_dropout  # noqa: E402,F401  (fixtures)
+from test_train import base_args, groups, read_log, run  # noqa: E402,F401  (groups: a fixture)
+
+
+def options_for(objective, generator):
+    return {"generator_name_or_path": generator} if objective == "simlm" else {}
+
+
+@pytest.mark.parametrize("objective", ["retromae", "simlm", "contriever"])
+def test_cached_step_equals_the_plain_step(tiny_bert, tok, tiny_generator, positional_dropout, objective, chunk=2):
+    """XPRTModel.cached_step over the baselines' methods: the loss, every logged term and every gradient of the plain
+    step, retention included, for chunks that do not divide the batch (5 groups: 2 + 2 + 1). Dropout is made
+    batch-independent (test_gradient_cache.positional_dropout), prepare's draws equal by the same seed on both sides."""
+    from modeling_xprt import load_teacher
+
+    torch.manual_seed(0)
+    model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0], objective=objective,
+                      **options_for(objective, tiny_generator)).train()
+    teacher = load_teacher(str(tiny_bert))
+    with torch.no_grad():  # a teacher the student has drifted from: a retention term with a real gradient
+        g = torch.Generator().manual_seed(1)
+        for q in teacher.parameters():
+            q.add_(0.02 * torch.randn(q.shape, generator=g))
+    batch = model.method.make_collator(tok, max_length=24, seed=4)(rows_from_docs(5))
+    torch.manual_seed(3)
+    plain_out, plain_grads = _step(model, batch, teacher)
+    torch.manual_seed(3)
+    cached_out, cached_grads = _step(model, batch, teacher, chunk)
+    assert set(plain_out) == set(cached_out) and "retention_loss" in plain_out
+    for k in plain_out:
+        torch.testing.assert_close(cached_out[k], plain_out[k], atol=1e-5, rtol=1e-5)
+    assert set(plain_grads) == set(cached_grads)
+    for n in plain_grads:
+        torch.testing.assert_close(cached_grads[n], plain_grads[n], atol=1e-6, rtol=1e-4)
+
+
+TERMS = {"retromae": ["mlm_loss", "decoder_loss"], "simlm": ["encoder_rlm_loss", "decoder_rlm_loss"],
+         "contriever": ["contrastive_loss"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", ["retromae", "simlm", "contriever"])
+def test_train_runs_the_baseline_and_its_terms_move(tiny_bert, tiny_generator, groups, tmp_path, objective):
+    """train.py --objective <baseline> on the test groups (select_groups.py's schema): 6 steps, every term of the
+    objective logged at every step, the vocabulary terms falling, the contrastive term moving."""
+    kw = {"--max_train_steps": 6, "--learning_rate": 1e-3, "--objective": objective, "--no_save_model": True,
+          "--generator_name_or_path": tiny_generator if objective == "simlm" else None}
+    run(base_args(tiny_bert, groups, tmp_path / "p", **kw))
+    log = read_log(tmp_path / "p")
+    assert sorted(log) == [1, 2, 3, 4, 5, 6]
+    for t in TERMS[objective]:
+        first, last = log[1][t], sum(log[s][t] for s in (5, 6)) / 2
+        print(objective, t, [round(log[s][t], 3) for s in sorted(log)])
+        if objective == "contriever":
+            assert first != last
+        else:
+            assert last < first - 0.05, (t, first, last)
+    assert "retention_loss" in log[1]
+
+
+@pytest.mark.slow
+def test_train_with_the_cache_logs_the_plain_runs_losses(no_dropout_bert, groups, tmp_path, objective="retromae"):
+    """As test_gradient_cache's test of the same name, through train.py's step and its prepare (the decoder's masks
+    drawn once per step, before the chunks): 2 steps of 5 groups, chunks of 2, accumulation 2; the first step's terms
+    equal the plain run's. (The other baselines: test_cached_step_equals_the_plain_step.)"""
+    kw = {"--max_train_steps": 2, "--max_groups": 40, "--per_device_train_batch_size": 5, "--learning_rate": 1e-3,
+          "--gradient_accumulation_steps": 2, "--objective": objective, "--no_save_model": True}
+    run(base_args(no_dropout_bert, groups, tmp_path / "p", **kw))
+    run(base_args(no_dropout_bert, groups, tmp_path / "c", **{**kw, "--gradient_cache_chunk": 2}))
+    plain, cached = read_log(tmp_path / "p"), read_log(tmp_path / "c")
+    for k in plain[1]:
+        if k.endswith("loss"):
+            assert cached[1][k] == pytest.approx(plain[1][k], rel=1e-5, abs=1e-7), k
+    assert cached[2]["loss"] == pytest.approx(plain[2]["loss"], rel=1e-3)
