@@ -90,7 +90,8 @@ def main(argv=None):
 
     import support
     import train
-    from modeling_xprt import XPRTCollator
+    from baselines import RandomSpanCollator
+    from modeling_xprt import group_lengths as mx_group_lengths
 
     if args.toy:
         args.groups_dir = toy_groups()
@@ -100,7 +101,7 @@ def main(argv=None):
     passages = [[a] + list(r[:4]) for a, r in zip(groups["anchor"], groups["related"])]
     counts = tok([t for p in passages for t in p], truncation=True, max_length=args.max_length + 2)["input_ids"]
     tokens = np.asarray([len(c) for c in counts]).reshape(len(passages), 5)
-    lengths = train.group_lengths(groups, 4)
+    lengths = mx_group_lengths(groups, 4)
     print(f"{args.groups_dir}: {len(groups)} groups of {len(set(doc))} documents, batch {args.batch_size}, "
           f"{args.epochs} epochs")
     print(f"{'batching':32s} {'same-doc rows':>14s} {'negatives removed':>18s} {'padding eff.':>13s}")
@@ -116,9 +117,9 @@ def main(argv=None):
         results[name] = m
         print(f"{name:32s} {m[0]:14.3f} {m[1]:18.3f} {m[2]:13.3f}")
     # the random-span baseline: crops drawn per (seed, epoch), rows grouped by the crops' lengths
-    collator = XPRTCollator(tok, objective="contrastive_random_span", max_length=args.max_length)
-    lengths_for, spans_for = train.crop_lengths(groups, collator, seed=0)
-    spans = spans_for(0)
+    collator = RandomSpanCollator(tok, max_length=args.max_length)
+    lengths_for, row_extras = collator.sort_lengths(groups, seed=0)
+    spans = np.stack([row_extras(0, i)["crop_spans"] for i in range(len(groups))])
     ks = spans[:, :, 1]
     crop_tokens = np.stack([ks.max(1), ks.min(1)], 1) + 2
     print("\nrandom-span baseline (crops of the anchors): length-only scorer's partner percentile (0.5 = no cue)")

@@ -200,12 +200,12 @@ def child_train(groups_dir, model, batches, batch_size):
 
     import support
     import train
-    from modeling_xprt import XPRTCollator
+    from modeling_xprt import XPRTCollator, group_lengths
 
     tok = AutoTokenizer.from_pretrained(model)
     before, peak = status_mb("VmHWM"), AnonPeak()
     rows = train.load_groups(groups_dir)
-    lengths = train.group_lengths(rows, 4)
+    lengths = group_lengths(rows, 4)
     sampler = support.LengthGroupedBatchSampler(lengths, batch_size, seed=0)
     loader = torch.utils.data.DataLoader(support.RowsDataset(rows), batch_sampler=sampler, collate_fn=list,
                                          generator=torch.Generator().manual_seed(0))

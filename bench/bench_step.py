@@ -133,7 +133,7 @@ def bench_baseline(name, args, device):
     spec.loader.exec_module(old_mx)
     tok, mlm, teacher, msg = build(name)
     batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(make_rows(tok, args.groups, args.max_length))
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = sp.batch_to_device(batch, device)
     g, p, l = batch["input_ids"].shape
     new = mx.XPRTModel(mlm.to(device), retention_student="masked").to(device).train()
     old = old_mx.XPRTModel(copy.deepcopy(mlm), retention_student="masked").to(device).train()
@@ -176,7 +176,7 @@ def bench_model(name, args, device):
     mlm.to(device)
     teacher.to(device)
     batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(make_rows(tok, args.groups, args.max_length))
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = sp.batch_to_device(batch, device)
     g, p, l = batch["input_ids"].shape
     model = mx.XPRTModel(mlm).to(device).train()
     h = mlm.config.hidden_size
@@ -222,13 +222,13 @@ def bench_model(name, args, device):
         am = batch["attention_mask"][:, tgt].reshape(g * d, l)
         cond = vec.view(g, p, h)[:, src].reshape(g * d, h)
         rows = mx.ConditionedDecoder.output_rows((labels != -100).reshape(-1).nonzero().squeeze(1), l,
-                                                 model.num_condition_vectors)
+                                                 model.method.num_condition_vectors)
         enc_h = hidden.view(g, p, l, h)[:, tgt][batch["dec_labels"][:, sel] != -100]
 
         def run():
             model.zero_grad(set_to_none=True)
             v = cond.clone().requires_grad_(True)
-            out = model.decoder(v, model.base.embeddings(input_ids=ids), am).reshape(-1, h).index_select(0, rows)
+            out = model.method.decoder(v, model.token_embeddings(ids, am), am).reshape(-1, h).index_select(0, rows)
             sweep = mx.VocabSweep(model)
             if which == "cross":
                 mx.cross_fill_loss(sweep, out, labels[labels != -100], 1.0)
@@ -294,12 +294,12 @@ def bench_vocab(name, args, device):
     tok, mlm, _, msg = build(name)
     mlm.to(device)
     batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(make_rows(tok, args.groups, args.max_length))
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = sp.batch_to_device(batch, device)
     model = mx.XPRTModel(mlm).to(device).train()
     g, p, l = batch["input_ids"].shape
     with torch.no_grad():  # the step's own rows, through the head's transform, as leaves
         hidden, vec = model.encode(batch["input_ids"].view(g * p, l), batch["attention_mask"].view(g * p, l))
-        dec = model.decode(vec.view(g, p, -1), batch, batch["attention_mask"])
+        dec = model.method.decode(model, vec.view(g, p, -1), batch, batch["attention_mask"])
         rows = torch.cat([hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["mlm_index"]),
                           dec.index_select(0, batch["cross_rows"])])
         rows = model.head_transform(rows)

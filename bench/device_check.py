@@ -171,7 +171,7 @@ def vocab_three_ways(model, batch, device):
     g, p, l = batch["input_ids"].shape
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         hidden, vec = model.encode(batch["input_ids"].view(g * p, l), batch["attention_mask"].view(g * p, l))
-        dec = model.decode(vec.view(g, p, -1), batch, batch["attention_mask"])
+        dec = model.method.decode(model, vec.view(g, p, -1), batch, batch["attention_mask"])
         rows = model.head_transform(torch.cat([hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["mlm_index"]),
                                                dec.index_select(0, batch["cross_rows"])]))
     targets = torch.cat([batch["mlm_targets"], batch["cross_targets"]])

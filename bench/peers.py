@@ -113,7 +113,7 @@ def bench_contrastive(args, texts, path):
     mnrl = MultipleNegativesRankingLoss(st, scale=1.0 / ours.tau)  # scale 20 = tau 0.05
     opt_ours = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-5)
     opt_st = torch.optim.AdamW(st.parameters(), lr=1e-5)
-    collator = mx.XPRTCollator(st.tokenizer, objective="contrastive_random_span", max_length=args.max_length, seed=0)
+    collator = ours.method.make_collator(st.tokenizer, max_length=args.max_length, seed=0)
     bs = args.batch_size
     pairs, real, ours_tok, st_tok = [], 0, 0, 0
     for i in range(args.batches):
