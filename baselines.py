@@ -38,13 +38,13 @@ Departures from the official code (each named where it is made):
     of the trained model, so the Trainer's model.train() turns its dropout back on after `generator.eval()`.
   - Contriever: in-batch negatives (the official --contrastive_mode inbatch, src/inbatch.py), not the MoCo queue of
     the README's run (the default mode: 131,072 keys from a momentum encoder, momentum 0.9995, no gradient through
-    the keys): the paper's setting gives every arm the same batch. Its scores stay the official dot products of
-    unnormalised vectors (--norm_query / --norm_doc off); Contriever(normalize=True) makes them cosines.
+    the keys): the paper's setting gives every arm the same batch. Its scores follow the start model's similarity
+    (ours): the official dot products of unnormalised vectors for a dot-product start, cosines for a cosine start
+    (E5, MiniLM: dot products put MiniLM's logits in the hundreds and its loss climbed from 0.6 to 7 in 20 demo steps).
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 import numpy as np
@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from architectures import copy_last_layers, decoder_layers, layer_multiply_adds, run_layers
 from modeling_xprt import (ConditionedDecoder, GroupCollator, Layout, Objective, VocabSweep, gather_with_grad,
                            group_bounds, group_lengths, info_nce, mlm_loss, register_objective)
 from support import rank_and_world, resolve_model_path
@@ -273,8 +274,20 @@ class RetroMAE(Objective):
 
     def __init__(self, encoder):
         super().__init__(encoder)
-        self.decoder = type(_encoder_layers(encoder.base_model)[0])(encoder.config)
-        self.decoder.apply(encoder._init_weights)
+        # enhanced decoding splits a layer's attention into its query and key / value streams (BERT's layer layout,
+        # as RetroMAE's enhancedDecoder.py) and adds absolute position embeddings to the query stream: an encoder
+        # without either is refused here, before any data is read
+        base = encoder.base_model
+        layer = decoder_layers(encoder, 1)[0]  # a fresh layer of the encoder's own kind, the encoder's init
+        lacks = [what for what, ok in (
+            ("a BERT-style attention (attention.self.query / key / value, attention.output)",
+             hasattr(getattr(getattr(layer, "attention", None), "self", None), "query")),
+            ("absolute position embeddings (embeddings.position_embeddings)",
+             hasattr(getattr(base, "embeddings", None), "position_embeddings"))) if not ok]
+        if lacks:
+            raise ValueError(f"--objective retromae: {type(base).__name__} has no {' and no '.join(lacks)}, which "
+                             "RetroMAE's enhanced decoding needs")
+        self.decoder = layer
 
     def make_collator(self, tokenizer, **kw):
         return RetroMAECollator(tokenizer, **kw)
@@ -294,7 +307,7 @@ class RetroMAE(Objective):
     def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
         """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the encoder on the masked
         anchor, the one decoder layer on every position, the MLM head at both terms' rows."""
-        trained = layers(batch["input_ids"], model.encoder.config.num_hidden_layers) + layers(batch["clean_ids"], 1)
+        trained = layers(batch["input_ids"], layer_multiply_adds(model.encoder)[0]) + layers(batch["clean_ids"], 1)
         return trained + head * (batch["mlm_index"].numel() + batch["dec_index"].numel()), 0
 
     def row_terms(self, model, batch: dict, states, vec):
@@ -302,7 +315,8 @@ class RetroMAE(Objective):
         emb = model.base.embeddings
         l = batch["clean_ids"].shape[1]
         v = sent.to(hidden.dtype).unsqueeze(1)  # (G, 1, H): the pooled vector, in place of the [CLS] state
-        content = torch.cat([v, model.token_embeddings(batch["clean_ids"])[:, 1:]], dim=1)  # (G, L, H)
+        content = torch.cat([v, model.token_embeddings(batch["clean_ids"], batch["attention_mask"])[:, 1:]],
+                            dim=1)  # (G, L, H)
         query = emb.position_embeddings(emb.position_ids[:, :l]) + v  # (G, L, H)
         dec = enhanced_decoding(self.decoder, query, content, batch["visible"])
         layout, sweep = batch["layout"], VocabSweep(model)
@@ -312,14 +326,6 @@ class RetroMAE(Objective):
         retromae_decoder_loss(sweep, dec.reshape(-1, h).index_select(0, batch["dec_index"]), batch["dec_targets"],
                               1.0, layout.share("dec"))
         return sweep.run()
-
-
-def _encoder_layers(base) -> nn.ModuleList:
-    """The encoder's Transformer layers (BERT naming: base.encoder.layer)."""
-    layers = getattr(getattr(base, "encoder", None), "layer", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(base).__name__}: no encoder.layer list to build the baseline's decoder from")
-    return layers
 
 
 # ==============================================================================================================
@@ -416,7 +422,7 @@ class SimLM(Objective):
         from transformers import AutoModelForMaskedLM
 
         self.generator_name_or_path, self.decoder_layers = generator_name_or_path, decoder_layers
-        self.decoder = copy.deepcopy(_encoder_layers(encoder.base_model)[-decoder_layers:])
+        self.decoder = copy_last_layers(encoder, decoder_layers)
         self.encoder_config = encoder.config
         gen = AutoModelForMaskedLM.from_pretrained(resolve_model_path(generator_name_or_path))
         if gen.config.vocab_size != encoder.config.vocab_size:
@@ -450,8 +456,8 @@ class SimLM(Objective):
         """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the encoder and the decoder on
         their replaced texts, the MLM head at every target for both; the generator's two passes forward only."""
         ids = batch["enc_input_ids"]
-        trained = layers(ids, model.encoder.config.num_hidden_layers) + layers(batch["dec_input_ids"],
-                                                                             self.decoder_layers)
+        trained = layers(ids, layer_multiply_adds(model.encoder)[0]) + layers(batch["dec_input_ids"],
+                                                                              self.decoder_layers)
         gc = self.generator.config
         hg, length = gc.hidden_size, ids.shape[-1]
         per_token = gc.num_hidden_layers * (4 * hg * hg + 2 * hg * gc.intermediate_size + 2 * length * hg)
@@ -464,15 +470,11 @@ class SimLM(Objective):
         return (hidden, vec), vec.new_zeros(vec.shape[0], 0, vec.shape[1])
 
     def row_terms(self, model, batch: dict, states, vec):
-        from transformers.masking_utils import create_bidirectional_mask
-
         hidden, sent = states
-        emb = model.token_embeddings(batch["dec_input_ids"])  # (G, L, H)
+        am = batch["attention_mask"]
+        emb = model.token_embeddings(batch["dec_input_ids"], am)  # (G, L, H)
         x = torch.cat([sent.to(emb.dtype).unsqueeze(1), emb[:, 1:]], dim=1)  # the vector in place of [CLS]
-        mask = create_bidirectional_mask(config=self.encoder_config, inputs_embeds=x,
-                                         attention_mask=batch["attention_mask"])
-        for layer in self.decoder:
-            x = layer(x, mask)
+        x = run_layers(model.base, self.decoder, x, am)  # the copied layers, run as the encoder runs its own
         layout, sweep, h = batch["layout"], VocabSweep(model), hidden.shape[-1]
         index, targets, share = batch["tok_index"], batch["tok_targets"], layout.share("tok")
         simlm_replaced_lm_loss(sweep, "encoder_rlm_loss", hidden.reshape(-1, h).index_select(0, index), targets, 1.0,
@@ -556,11 +558,15 @@ class ContrieverCollator(AnchorCollator):
 @register_objective
 class Contriever(Objective):
     """Contriever's random spans with in-batch negatives: contriever_loss on the two crops' pooled vectors, a batch
-    term only. temperature: --temperature of the official run (0.05); normalize: --norm_query / --norm_doc (off)."""
+    term only. temperature: --temperature of the official run (0.05). normalize: --norm_query / --norm_doc; None
+    (ours) scores as the start model does: dot products of unnormalised vectors, as the official run, for a
+    dot-product start; cosines for a cosine start (E5, MiniLM), whose vectors' norms (MiniLM: 3.9-8.3) would
+    otherwise put the logits in the hundreds, and whose contract (the similarity it is scored with) the comparison
+    must keep."""
 
     name = "contriever"
 
-    def __init__(self, encoder, temperature: float = 0.05, normalize: bool = False):
+    def __init__(self, encoder, temperature: float = 0.05, normalize: Optional[bool] = None):
         super().__init__(encoder)
         self.temperature, self.normalize = temperature, normalize
 
@@ -572,7 +578,7 @@ class Contriever(Objective):
 
     def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
         """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the encoder on both crops."""
-        n = model.encoder.config.num_hidden_layers
+        n = layer_multiply_adds(model.encoder)[0]
         return layers(batch["q_input_ids"], n) + layers(batch["k_input_ids"], n), 0
 
     def encode(self, model, batch: dict):
@@ -582,7 +588,8 @@ class Contriever(Objective):
         return None, torch.stack([q, k], dim=1)
 
     def batch_terms(self, model, vec, batch: dict, **step):
-        c = contriever_loss(vec[:, 0], vec[:, 1], self.temperature, self.normalize)
+        normalize = self.normalize if self.normalize is not None else model.info.similarity_fn_name != "dot"
+        c = contriever_loss(vec[:, 0], vec[:, 1], self.temperature, normalize)
         return c, {"contrastive_loss": c}
 
 

@@ -260,18 +260,26 @@ def test_retromae_decoder_is_fresh_and_owned(tiny_bert):
 # ---------------------------------------------------------------------------------------------------------------
 # SimLM
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_generator(tmp_path_factory, tok):
-    """A tiny random ELECTRA generator with the MiniLM tokenizer (the official one is google/electra-base-generator)."""
-    from transformers import ElectraConfig, ElectraForMaskedLM
+def build_tiny_generator(path):
+    """A tiny random ELECTRA generator with the MiniLM tokenizer (the official one is google/electra-base-generator),
+    saved to `path`; the global random state is left as it was."""
+    from transformers import AutoTokenizer, ElectraConfig, ElectraForMaskedLM
 
-    path = tmp_path_factory.mktemp("tiny-electra")
-    torch.manual_seed(0)
+    import support
+
+    tok = AutoTokenizer.from_pretrained(support.resolve_model_path("all-MiniLM-L6-v2"))
     cfg = ElectraConfig(vocab_size=tok.vocab_size, embedding_size=16, hidden_size=16, num_hidden_layers=1,
                         num_attention_heads=2, intermediate_size=32, max_position_embeddings=512)
-    ElectraForMaskedLM(cfg).save_pretrained(path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        ElectraForMaskedLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_generator(tmp_path_factory):
+    return build_tiny_generator(tmp_path_factory.mktemp("tiny-electra"))
 
 
 def test_simlm_masks_reach_30_and_50_percent(tok):

@@ -35,6 +35,10 @@ EXPECTED = {
     "contrastive_random_span": {"contrastive_random_span", "info_nce", "gather_with_grad"},
     "self_reconstruction": {"self_reconstruction", "mlm_loss", "ConditionedDecoder.forward", "VocabSweep.run"},
     "gradient_cache": {"XPRTModel.cached_step", "Layout.chunks", "XPRTObjective.row_terms", "xp_loss"},
+    "retromae": {"whole_word_mask", "enhanced_decoding_masks", "enhanced_decoding", "retromae_decoder_loss",
+                 "mlm_loss", "VocabSweep.run"},
+    "simlm": {"simlm_masks", "replace_tokens", "simlm_replaced_lm_loss", "run_layers", "VocabSweep.run"},
+    "contriever": {"random_crop", "delete_words", "contriever_loss"},
     "pair": {"pair_q_loss", "pair_p_loss", "pair_loss", "pair_false_negatives", "info_nce", "pair_alpha_at",
              "mine_hard_negatives", "XPRTModel.encode", "mean_pool"},
 }
@@ -87,6 +91,9 @@ def runs(tiny_bert, tmp_path_factory):
     from modeling_xprt import pretraining_objectives
 
     flags.update({name: {"--objective": name} for name in pretraining_objectives() if name not in flags | {"xprt": 0}})
+    from test_baselines import build_tiny_generator
+
+    flags["simlm"]["--generator_name_or_path"] = build_tiny_generator(tmp / "generator")
     for name, extra in flags.items():
         argv = base_args(tiny_bert, groups, tmp / name, **{"--max_train_steps": 1, "--max_groups": 8,
                                                             "--no_save_model": True, **extra})
