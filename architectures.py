@@ -17,21 +17,26 @@ own forward when the model loads, and a model the rule does not fit is refused t
   - mlm_head: the transform is what the MLM model feeds into its vocabulary matrix (its own forward, started from
     given hidden states, stopped at the first operation that reads that matrix);
   - load_mlm_encoder / load_teacher: the loaders, with SDPA attention where the architecture has it and the
-    architecture's own attention where not (said in the load message).
+    architecture's own attention where not (said in the load message);
+  - save_xprt_folder / load_xprt_folder: the model folder XPRTModel.save_pretrained / from_pretrained write and read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
+import os
+from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from support import checkpoint_tensors, quiet_load_report, resolve_model_path
+from support import (ModelInfo, checkpoint_tensors, hub_base_model, max_seq_length, model_prompts, quiet_load_report,
+                     read_max_seq_length, read_scoring, resolve_model_path, save_model_folder)
 
 logger = logging.getLogger("xprt")
 
@@ -466,3 +471,107 @@ def load_teacher(name_or_path: str, trust_remote_code: bool = False):
     teacher.eval()
     teacher.requires_grad_(False)
     return teacher
+
+
+# ==============================================================================================================
+# The model folder: what an XPRTModel saves and how a folder (or any checkpoint) becomes one
+# ==============================================================================================================
+
+
+def heads_state_dict(model) -> dict:
+    """The head_parameters() by name (the objective's, e.g. decoder.*; mlm_head.*), or, for an objective without
+    heads of its own (PAIR), the heads of the folder it was loaded from, unchanged; the projection is saved with
+    the encoder."""
+    sd = dict(model.method.state_dict()) or dict(model.carried_heads)
+    sd.update({f"mlm_head.{k}": v for k, v in _head_params(model.encoder).items()})
+    return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+
+def heads_config(model) -> dict:
+    """What rebuilds the saved heads: {"objective": whose heads, **its config()}."""
+    if not dict(model.method.state_dict()) and model.carried_heads:
+        return dict(model.carried_config)
+    return {"objective": model.objective, **model.method.config()}
+
+def complete_base_state_dict(model) -> dict:
+    """The encoder's weights as the architecture's AutoModel class holds them: the MLM model's base has no pooler
+    (BertForMaskedLM builds BertModel(add_pooling_layer=False)), so a folder saved from it alone loads in
+    AutoModel / sentence-transformers with a "LOAD REPORT" of MISSING pooler weights. The pooler comes from the
+    start checkpoint, unchanged (load_mlm_encoder keeps it; mean pooling never reads it), or, when the start had
+    none, is the architecture's own initialisation (seeded, without touching the global RNG)."""
+    sd = dict(model.base.state_dict())
+    sd.update({k: v for k, v in getattr(model.encoder, "xprt_base_extras", {}).items() if k not in sd})
+    with torch.device("meta"):
+        wanted = type(model.base)(model.base.config).state_dict()
+    missing = [k for k in wanted if k not in sd]
+    if missing:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            fresh = type(model.base)(model.base.config).state_dict()
+        dtype = next(iter(sd.values())).dtype
+        sd.update({k: fresh[k].to(dtype) for k in missing})
+    return sd
+
+
+def save_xprt_folder(model, out_dir: str, tokenizer, model_card: Optional[str] = None):
+    """The XPRTModel's folder (support.save_model_folder: the encoder with its start's sentence-transformers modules,
+    the tokenizer, xprt_heads.safetensors and xprt_config.json: the objective, tau and what rebuilds the heads)."""
+    config = {"objective": model.objective, "tau": model.tau, "heads": heads_config(model)}
+    save_model_folder(out_dir, model.base, complete_base_state_dict(model), tokenizer, heads_state_dict(model),
+                      config, model.info, model_card)
+
+
+def load_xprt_folder(cls, path: str, objective: Optional[str] = None, mlm_head_from: Optional[str] = None,
+                     trust_remote_code: bool = False, prefixes: str = "auto", hub_model_id: Optional[str] = None, **kw):
+    """cls (modeling_xprt.XPRTModel) from any checkpoint (hub id, folder, the MiniLM alias) or a folder written by
+    save_xprt_folder.
+
+    A save_pretrained folder gets its MLM head back and, when `objective` is the one its heads were trained
+    with, the objective's heads and settings (xprt_config.json "heads"); the heads of another objective are
+    carried through unchanged (a PAIR fine-tuning of an xPRT folder keeps its decoder for later pre-training).
+    Any other checkpoint gets a fresh head tied to the word embeddings, or `mlm_head_from`'s (load_mlm_encoder).
+    kw go to XPRTModel.__init__ (and the objective) and override the folder's settings. The model's
+    load_message says which happened. prefixes: "auto" (support.model_prompts' rule), "e5" or "none".
+    hub_model_id: the Hub repository the trained model will be pushed to (recorded in its folder)."""
+    from safetensors.torch import load_file
+
+    name, path = path, resolve_model_path(path)
+    cfg_file = os.path.join(path, "xprt_config.json")
+    saved = json.loads(Path(cfg_file).read_text()) if os.path.isfile(cfg_file) else {}
+    heads_file = os.path.join(path, "xprt_heads.safetensors")
+    has_heads = os.path.isfile(heads_file)
+    scoring = read_scoring(path)
+    mlm, message = load_mlm_encoder(path, mlm_head_from=None if has_heads else mlm_head_from,
+                                    trust_remote_code=trust_remote_code, pooling=scoring["pooling"])
+    objective = objective or saved.get("objective", "xprt")
+    heads_cfg = dict(saved.get("heads") or {})
+    own_heads = heads_cfg.pop("objective", None) == objective
+    args = {"tau": saved.get("tau", 0.05), **(heads_cfg if own_heads else {}), **kw}
+    # the stages so far: an xprt folder's own record, else the start checkpoint itself
+    lineage = saved.get("lineage") or [{"stage": "start", "model": hub_base_model(name)}]
+    args["info"] = ModelInfo(start_model=saved.get("start_model") or name, prompts=model_prompts(name, prefixes),
+                             max_seq_length=max_seq_length(mlm.config, read_max_seq_length(path)),
+                             base_model=hub_base_model(name), hub_model_id=hub_model_id, lineage=lineage,
+                             **scoring)
+    model = cls(mlm, objective=objective, **args)
+    model.load_message = message
+    if has_heads:
+        sd = load_file(heads_file)
+        head = _head_params(model.encoder)
+        head_sd = {k[len("mlm_head."):]: v for k, v in sd.items() if k.startswith("mlm_head.")}
+        if set(head_sd) != set(head):
+            raise ValueError(f"{heads_file}: MLM head tensors {sorted(head_sd)} do not match the model's "
+                             f"{sorted(head)}")
+        with torch.no_grad():
+            for k, v in head_sd.items():
+                head[k].copy_(v)
+        own = {k: v for k, v in sd.items() if not k.startswith("mlm_head.")}
+        if own_heads:
+            model.method.load_state_dict(own, strict=True)
+        else:
+            model.carried_heads, model.carried_config = own, dict(saved.get("heads") or {})
+        model.load_message = (f"xprt folder {path}: MLM head restored from {heads_file}; " +
+                              (f"{objective} heads restored" if own_heads and own else
+                               f"{len(own)} tensors of {model.carried_config.get('objective')}'s heads carried "
+                               "through unchanged" if own else "no objective heads saved"))
+    logger.info(model.load_message)
+    return model

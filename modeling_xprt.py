@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import logging
 import math
-import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
@@ -32,11 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from architectures import (_head_params, decoder_layers, load_mlm_encoder, load_teacher, mlm_head, run_layers,
+from architectures import (_head_params, decoder_layers, load_xprt_folder, mlm_head, run_layers, save_xprt_folder,
                            token_embeddings)
 from fused_vocab import vocab_sweep
-from support import (ModelInfo, dist_on, hub_base_model, max_seq_length, model_prompts, rank_and_world,
-                     read_max_seq_length, read_scoring, resolve_model_path, save_model_folder, stable_doc_hash)
+from support import ModelInfo, dist_on, max_seq_length, rank_and_world, stable_doc_hash
 
 logger = logging.getLogger("xprt")
 
@@ -797,103 +793,18 @@ class XPRTModel(nn.Module):
         freezes them, xprt_heads.safetensors stores them (heads_state_dict)."""
         return list(self.method.parameters()) + list(_head_params(self.encoder).values())
 
-    def heads_state_dict(self) -> dict:
-        """The head_parameters() by name (the objective's, e.g. decoder.*; mlm_head.*), or, for an objective without
-        heads of its own (PAIR), the heads of the folder it was loaded from, unchanged; the projection is saved with
-        the encoder."""
-        sd = dict(self.method.state_dict()) or dict(self.carried_heads)
-        sd.update({f"mlm_head.{k}": v for k, v in _head_params(self.encoder).items()})
-        return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
-
-    def heads_config(self) -> dict:
-        """What rebuilds the saved heads: {"objective": whose heads, **its config()}."""
-        if not dict(self.method.state_dict()) and self.carried_heads:
-            return dict(self.carried_config)
-        return {"objective": self.objective, **self.method.config()}
-
-    def complete_base_state_dict(self) -> dict:
-        """The encoder's weights as the architecture's AutoModel class holds them: the MLM model's base has no pooler
-        (BertForMaskedLM builds BertModel(add_pooling_layer=False)), so a folder saved from it alone loads in
-        AutoModel / sentence-transformers with a "LOAD REPORT" of MISSING pooler weights. The pooler comes from the
-        start checkpoint, unchanged (load_mlm_encoder keeps it; mean pooling never reads it), or, when the start had
-        none, is the architecture's own initialisation (seeded, without touching the global RNG)."""
-        sd = dict(self.base.state_dict())
-        sd.update({k: v for k, v in getattr(self.encoder, "xprt_base_extras", {}).items() if k not in sd})
-        with torch.device("meta"):
-            wanted = type(self.base)(self.base.config).state_dict()
-        missing = [k for k in wanted if k not in sd]
-        if missing:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                fresh = type(self.base)(self.base.config).state_dict()
-            dtype = next(iter(sd.values())).dtype
-            sd.update({k: fresh[k].to(dtype) for k in missing})
-        return sd
-
     def save_pretrained(self, out_dir: str, tokenizer, model_card: Optional[str] = None):
         """A folder loadable by transformers.AutoModel AND sentence_transformers.SentenceTransformer (the start's
-        pooling + normalisation), plus xprt_heads.safetensors and xprt_config.json so that training can continue
-        (support.save_model_folder: atomic; an existing out_dir is replaced)."""
-        config = {"objective": self.objective, "tau": self.tau, "heads": self.heads_config()}
-        save_model_folder(out_dir, self.base, self.complete_base_state_dict(), tokenizer, self.heads_state_dict(),
-                          config, self.info, model_card)
+        pooling, normalisation and similarity), plus xprt_heads.safetensors and xprt_config.json so that training can
+        continue (architectures.save_xprt_folder: atomic; an existing out_dir is replaced)."""
+        save_xprt_folder(self, out_dir, tokenizer, model_card)
 
     @classmethod
-    def from_pretrained(cls, path: str, objective: Optional[str] = None, mlm_head_from: Optional[str] = None,
-                        trust_remote_code: bool = False, prefixes: str = "auto", hub_model_id: Optional[str] = None,
-                        **kw) -> "XPRTModel":
-        """Any checkpoint (hub id, folder, the MiniLM alias) or a folder written by save_pretrained.
+    def from_pretrained(cls, path: str, objective: Optional[str] = None, **kw) -> "XPRTModel":
+        """Any checkpoint (hub id, folder, the MiniLM alias) or a folder written by save_pretrained, for `objective`
+        (default: the folder's, else xprt); architectures.load_xprt_folder says what is restored, carried or fresh."""
+        return load_xprt_folder(cls, path, objective, **kw)
 
-        A save_pretrained folder gets its MLM head back and, when `objective` is the one its heads were trained
-        with, the objective's heads and settings (xprt_config.json "heads"); the heads of another objective are
-        carried through unchanged (a PAIR fine-tuning of an xPRT folder keeps its decoder for later pre-training).
-        Any other checkpoint gets a fresh head tied to the word embeddings, or `mlm_head_from`'s (load_mlm_encoder).
-        kw go to XPRTModel.__init__ (and the objective) and override the folder's settings. The model's
-        load_message says which happened. prefixes: "auto" (support.model_prompts' rule), "e5" or "none".
-        hub_model_id: the Hub repository the trained model will be pushed to (recorded in its folder)."""
-        from safetensors.torch import load_file
-
-        name, path = path, resolve_model_path(path)
-        cfg_file = os.path.join(path, "xprt_config.json")
-        saved = json.loads(Path(cfg_file).read_text()) if os.path.isfile(cfg_file) else {}
-        heads_file = os.path.join(path, "xprt_heads.safetensors")
-        has_heads = os.path.isfile(heads_file)
-        scoring = read_scoring(path)
-        mlm, message = load_mlm_encoder(path, mlm_head_from=None if has_heads else mlm_head_from,
-                                        trust_remote_code=trust_remote_code, pooling=scoring["pooling"])
-        objective = objective or saved.get("objective", "xprt")
-        heads_cfg = dict(saved.get("heads") or {})
-        own_heads = heads_cfg.pop("objective", None) == objective
-        args = {"tau": saved.get("tau", 0.05), **(heads_cfg if own_heads else {}), **kw}
-        # the stages so far: an xprt folder's own record, else the start checkpoint itself
-        lineage = saved.get("lineage") or [{"stage": "start", "model": hub_base_model(name)}]
-        args["info"] = ModelInfo(start_model=saved.get("start_model") or name, prompts=model_prompts(name, prefixes),
-                                 max_seq_length=max_seq_length(mlm.config, read_max_seq_length(path)),
-                                 base_model=hub_base_model(name), hub_model_id=hub_model_id, lineage=lineage,
-                                 **scoring)
-        model = cls(mlm, objective=objective, **args)
-        model.load_message = message
-        if has_heads:
-            sd = load_file(heads_file)
-            head = _head_params(model.encoder)
-            head_sd = {k[len("mlm_head."):]: v for k, v in sd.items() if k.startswith("mlm_head.")}
-            if set(head_sd) != set(head):
-                raise ValueError(f"{heads_file}: MLM head tensors {sorted(head_sd)} do not match the model's "
-                                 f"{sorted(head)}")
-            with torch.no_grad():
-                for k, v in head_sd.items():
-                    head[k].copy_(v)
-            own = {k: v for k, v in sd.items() if not k.startswith("mlm_head.")}
-            if own_heads:
-                model.method.load_state_dict(own, strict=True)
-            else:
-                model.carried_heads, model.carried_config = own, dict(saved.get("heads") or {})
-            model.load_message = (f"xprt folder {path}: MLM head restored from {heads_file}; " +
-                                  (f"{objective} heads restored" if own_heads and own else
-                                   f"{len(own)} tensors of {model.carried_config.get('objective')}'s heads carried "
-                                   "through unchanged" if own else "no objective heads saved"))
-        logger.info(model.load_message)
-        return model
 
 @torch.inference_mode()
 def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, max_length: int = 512,

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from architectures import head_multiply_adds, layer_multiply_adds
-from modeling_xprt import LossWeights, XPRTModel, load_teacher, objective_class, pretraining_objectives
+from architectures import head_multiply_adds, layer_multiply_adds, load_teacher
+from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives
 from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args, batch_to_device,
                      check_common_args, engine_dtype, epoch_batches, gradient_cache_step, load_model, make_accelerator,
                      optimizer_groups, prepare_output_dir, read_json, resolve_model_path, resume, save_checkpoint,

@@ -44,6 +44,7 @@ def child(groups: int, chunk: int, args):
 
     import torch
 
+    import architectures
     import modeling_xprt as mx
     from bench.bench_step import make_rows
     from support import resolve_model_path
@@ -52,8 +53,8 @@ def child(groups: int, chunk: int, args):
     path = resolve_model_path(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
-    model = mx.XPRTModel(mx.load_mlm_encoder(path)[0]).train()
-    teacher = mx.load_teacher(path)
+    model = mx.XPRTModel(architectures.load_mlm_encoder(path)[0]).train()
+    teacher = architectures.load_teacher(path)
     batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(make_rows(tok, groups, args.max_length))
 
     def step():

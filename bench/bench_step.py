@@ -29,6 +29,7 @@ import time
 
 import torch
 
+import architectures
 import modeling_xprt as mx
 import support as sp
 from bench import add_toy_flag, toy_sized
@@ -109,8 +110,8 @@ def build(name):
     path = sp.resolve_model_path("all-MiniLM-L6-v2")
     tok = AutoTokenizer.from_pretrained(path)
     if name == "minilm":
-        mlm, msg = mx.load_mlm_encoder(path)
-        teacher = mx.load_teacher(path)
+        mlm, msg = architectures.load_mlm_encoder(path)
+        teacher = architectures.load_teacher(path)
     else:  # BERT-base sized (or tiny), random weights (no download needed)
         small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
         cfg = BertConfig(vocab_size=tok.vocab_size, attn_implementation="sdpa", **(small if name == "tiny" else {}))

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import architectures  # noqa: E402
 import modeling_xprt as mx  # noqa: E402
 
 
@@ -35,9 +36,9 @@ def main():
     folder = sys.argv[2]
     tok = AutoTokenizer.from_pretrained(folder)
     torch.manual_seed(0)
-    mlm, _ = mx.load_mlm_encoder(folder)
+    mlm, _ = architectures.load_mlm_encoder(folder)
     model = mx.XPRTModel(mlm).eval()  # no dropout: the plain and the cached step compute the same thing
-    teacher = mx.load_teacher(folder)
+    teacher = architectures.load_teacher(folder)
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         for q in teacher.parameters():

@@ -5,6 +5,7 @@ precision."""
 import pytest
 import torch
 
+import architectures
 import modeling_xprt as mx
 from bench.bench_autocast import errors
 from test_modeling import collator_for, make_model, tok, toy_rows  # noqa: F401  (tok: a fixture)
@@ -28,7 +29,7 @@ def test_retention_is_zero_at_step_0_under_bf16_autocast(tiny_bert, tok, objecti
     """The clean student pass and the frozen teacher run under the same autocast: at step 0 they are one model, and
     the retention KL is exactly 0."""
     model = make_model(tiny_bert, objective)
-    teacher = mx.load_teacher(str(tiny_bert))
+    teacher = architectures.load_teacher(str(tiny_bert))
     batch = collator_for(objective, tok, seed=3)(toy_rows(4))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(batch, teacher=teacher, retention_weight=40.0)

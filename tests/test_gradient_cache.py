@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import architectures
 import modeling_xprt as mx
 from test_modeling import collator_for, make_model, tok, toy_rows  # noqa: F401  (tok: a fixture)
 
@@ -69,7 +70,7 @@ def test_cached_step_equals_the_plain_step(tiny_bert, tok, positional_dropout, o
                                             chunk):
     options = {"fill_in": fill_in} if objective == "xprt" else {}  # the xPRT ablation's option
     model = make_model(tiny_bert, objective, retention_student=retention_student, **options).train()
-    teacher = mx.load_teacher(str(tiny_bert))
+    teacher = architectures.load_teacher(str(tiny_bert))
     with torch.no_grad():  # a teacher the student has drifted from: a retention term with a real gradient
         g = torch.Generator().manual_seed(1)
         for q in teacher.parameters():
@@ -288,7 +289,7 @@ def test_cached_accumulated_step_equals_the_plain_one(tiny_bert, tok, positional
     scaler. Before the fix the vector path was divided by the accumulation count twice (relative error 0.5 at
     accumulation 2) and scaled twice (error ~ the scale)."""
     model = make_model(tiny_bert, objective).train()
-    teacher = mx.load_teacher(str(tiny_bert))
+    teacher = architectures.load_teacher(str(tiny_bert))
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         for q in teacher.parameters():

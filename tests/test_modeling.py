@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import baselines
+import architectures
 import modeling_xprt as mx
 import support as sp
 from support import read_max_seq_length
@@ -70,7 +71,7 @@ def collator_for(objective, tok, fill_in=True, **kw):
 
 def make_model(tiny_bert, objective="xprt", **kw):
     torch.manual_seed(0)
-    mlm, _ = mx.load_mlm_encoder(str(tiny_bert))
+    mlm, _ = architectures.load_mlm_encoder(str(tiny_bert))
     return mx.XPRTModel(mlm, objective=objective, **kw)
 
 
@@ -519,7 +520,7 @@ def test_each_objective_loss_falls_on_a_repeated_batch(tiny_bert, tok, objective
         batch = mx.PairCollator(tok, num_negatives=1)(rows)
     else:
         batch = collator_for(objective, tok, seed=4)(toy_rows(4))
-    teacher = mx.load_teacher(str(tiny_bert))
+    teacher = architectures.load_teacher(str(tiny_bert))
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     losses = []
     for _ in range(8):
@@ -665,14 +666,14 @@ def test_load_mlm_encoder_without_head_and_head_from_other_checkpoint(tiny_bert,
 
     base_only = tmp_path / "base-only"
     BertModel.from_pretrained(tiny_bert).save_pretrained(base_only)
-    model, msg = mx.load_mlm_encoder(str(base_only))
+    model, msg = architectures.load_mlm_encoder(str(base_only))
     assert "no MLM head" in msg and "tied" in msg
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    donor, _ = mx.load_mlm_encoder(str(tiny_bert))
-    model2, msg2 = mx.load_mlm_encoder(str(base_only), mlm_head_from=str(tiny_bert))
+    donor, _ = architectures.load_mlm_encoder(str(tiny_bert))
+    model2, msg2 = architectures.load_mlm_encoder(str(base_only), mlm_head_from=str(tiny_bert))
     assert "copied" in msg2
-    for k, v in mx._head_params(donor).items():
-        assert torch.equal(mx._head_params(model2)[k], v)
+    for k, v in architectures._head_params(donor).items():
+        assert torch.equal(architectures._head_params(model2)[k], v)
     assert model2.get_output_embeddings().weight is model2.get_input_embeddings().weight
 
 
@@ -746,7 +747,7 @@ def test_two_process_gather_equals_single_process(tmp_path):
 
 def test_real_minilm_has_no_head_and_gets_a_tied_one(minilm_path):
     """all-MiniLM-L6-v2 is a plain BertModel checkpoint: the head is missing and initialised tied."""
-    model, msg = mx.load_mlm_encoder(minilm_path)
+    model, msg = architectures.load_mlm_encoder(minilm_path)
     assert "no MLM head" in msg and "tied to the word embeddings" in msg
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert model.config._attn_implementation == "sdpa"
@@ -774,7 +775,7 @@ def test_clean_retention_pass_is_checkpointed_and_gives_the_same_gradients(tiny_
     from torch.utils import checkpoint as ckpt
 
     batch = mx.XPRTCollator(tok, seed=3)(toy_rows(4))
-    teacher = mx.load_teacher(str(tiny_bert))
+    teacher = architectures.load_teacher(str(tiny_bert))
     with torch.no_grad():  # a teacher the student has drifted from: a non-zero term with a real gradient
         g = torch.Generator().manual_seed(1)
         for q in teacher.parameters():

@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import cli_args
 
-from modeling_xprt import XPRTCollator, XPRTModel, load_teacher
+from architectures import load_teacher
+from modeling_xprt import XPRTCollator, XPRTModel
 from test_modeling import collator_for
 from support import E5_PROMPTS, model_prompts
 

@@ -458,7 +458,8 @@ def test_head_learning_rate_groups_every_parameter_once(tiny_bert):
     """--head_learning_rate: the decoder and the MLM head's transform and bias get it; the encoder, and the tied
     vocabulary projection (the word embeddings themselves), keep --learning_rate; biases and LayerNorm weights are
     not decayed; every trainable tensor is in exactly one group."""
-    from modeling_xprt import XPRTModel, load_mlm_encoder
+    from architectures import load_mlm_encoder
+    from modeling_xprt import XPRTModel
 
     model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0])
     groups = train.optimizer_groups(model, learning_rate=1e-6, head_learning_rate=1e-4, weight_decay=0.01)
