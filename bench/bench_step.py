@@ -22,6 +22,12 @@ From the repository root (it imports modeling_xprt.py from there):
     python -m bench.bench_step --models minilm    # quick
     python -m bench.bench_step --baseline ../main/modeling_xprt.py --repeats 3   # before / after a change
     python -m bench.bench_step --toy              # seconds: a tiny random BERT, 2 groups x 16 tokens
+    python -m bench.bench_step --objectives --models minilm   # every --objective's step against its own floor
+
+--objectives times, for every objective train.py offers (modeling_xprt.pretraining_objectives), its step
+(XPRTModel.forward + backward, retention on, the clean student) against its own floor: its encoder passes alone
+(Objective.prepare + encode, forward + backward of a cheap function of what they return). SimLM's frozen generator
+is a tiny random ELECTRA here (no hub): its passes sit inside the step, not the floor.
 """
 
 import argparse
@@ -53,6 +59,8 @@ def parse_args(argv=None):
                    help="another tree's modeling_xprt.py (e.g. main's before a change): its step is timed interleaved "
                         "with this one's and the floor, same weights and batch, paper's (masked) retention student; "
                         "prints before/after ratios and skips the rest")
+    p.add_argument("--objectives", action="store_true",
+                   help="time every --objective's step against its own encoder floor instead (bench_objectives)")
     add_toy_flag(p, "the tiny model, 2 groups x 16 tokens, 1 repeat")
     return toy_sized(p.parse_args(argv), models=["tiny"], groups=2, max_length=16, repeats=1)
 
@@ -340,8 +348,62 @@ def bench_vocab(name, args, device):
     return {k: min(times[k]) / min(times["ours fused"]) for k in ways}
 
 
+def bench_objectives(name, args, device) -> dict:
+    """{objective: its step / its floor}, every pre-training objective on the same rows and start weights (fastest of
+    --repeats, interleaved with its floor). An objective refused for this encoder is said and left out."""
+    import copy
+    import tempfile
+
+    from transformers import ElectraConfig, ElectraForMaskedLM
+
+    tok, mlm, teacher, msg = build(name)
+    teacher.to(device)
+    rows = make_rows(tok, args.groups, args.max_length)
+    out = {}
+    print(f"== {name} ({msg}): {args.groups} groups x {args.max_length} tokens, each objective's step / its floor")
+    with tempfile.TemporaryDirectory() as generator:
+        with torch.random.fork_rng(devices=[]):  # SimLM's frozen generator: small, random, the encoder's vocabulary
+            torch.manual_seed(0)
+            ElectraForMaskedLM(ElectraConfig(vocab_size=mlm.config.vocab_size, embedding_size=64, hidden_size=64,
+                                             num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                                             max_position_embeddings=512)).save_pretrained(generator)
+        for objective in mx.pretraining_objectives():
+            options = {"generator_name_or_path": generator} if objective == "simlm" else {}
+            try:
+                model = mx.XPRTModel(copy.deepcopy(mlm), objective=objective, **options).to(device).train()
+            except ValueError as e:
+                print(f"  {objective:24s} refused: {e}")
+                continue
+            batch = sp.batch_to_device(model.method.make_collator(tok, max_length=args.max_length, seed=0)(rows),
+                                       device)
+
+            def step():
+                model.zero_grad(set_to_none=True)
+                model(batch, teacher=teacher, retention_weight=40.0)["loss"].backward()
+
+            def floor():  # the objective's own encoder passes, forward + backward of a cheap function of them
+                model.zero_grad(set_to_none=True)
+                states, vec = model.method.encode(model, model.method.prepare(model, batch))
+                leaves = [t for t in [*(states if isinstance(states, (tuple, list)) else [states]), vec]
+                          if torch.is_tensor(t) and t.requires_grad]
+                sum(t.float().square().mean() for t in leaves).backward()
+
+            t_floor, t_step = timed_pair(floor, step, device, args.repeats)
+            out[objective] = t_step / t_floor
+            print(f"  {objective:24s} floor {t_floor:.3f} s  step {t_step:.3f} s  -> {out[objective]:.2f}x")
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.objectives:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        r = {n: bench_objectives(n, args, torch.device(args.device)) for n in args.models}
+        for n, x in r.items():
+            print(f"  {n:10s} " + "  ".join(f"{k} {v:.2f}x" for k, v in x.items()) + " (step / its floor)")
+        print(f"ratio: {r[args.models[0]]['xprt']:.3f}")
+        return
     if args.vocab:
         if args.threads:
             torch.set_num_threads(args.threads)

@@ -48,3 +48,15 @@ def test_bench_runs_at_toy_size_and_reports_its_ratio(name, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines, f"bench.{name} printed nothing"
     assert RATIO.fullmatch(lines[-1]), f"bench.{name}'s last line is {lines[-1]!r}, not 'ratio: <number>'"
+
+
+def test_bench_step_times_every_objective_against_its_own_floor(capsys):
+    """bench.bench_step --objectives: one line per objective train.py offers (or its refusal), then the ratio."""
+    import modeling_xprt
+    from bench import bench_step
+
+    bench_step.main(["--toy", "--objectives"])
+    out = capsys.readouterr().out
+    for objective in modeling_xprt.pretraining_objectives():
+        assert re.search(rf"^  {objective} +(floor .* -> \d+\.\d+x|refused: )", out, re.M), objective
+    assert RATIO.fullmatch(out.strip().splitlines()[-1])
