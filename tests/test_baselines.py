@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 import architectures
 import baselines as B
 from conftest import ROOT
-from modeling_xprt import XPRTModel, load_mlm_encoder
+from architectures import load_mlm_encoder
+from modeling_xprt import XPRTModel
 
 
 def rows_from_docs(n: int, min_chars: int = 40):
@@ -492,7 +493,7 @@ def test_cached_step_equals_the_plain_step(tiny_bert, tok, tiny_generator, posit
     """XPRTModel.cached_step over the baselines' methods: the loss, every logged term and every gradient of the plain
     step, retention included, for chunks that do not divide the batch (5 groups: 2 + 2 + 1). Dropout is made
     batch-independent (test_gradient_cache.positional_dropout), prepare's draws equal by the same seed on both sides."""
-    from modeling_xprt import load_teacher
+    from architectures import load_teacher
 
     torch.manual_seed(0)
     model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0], objective=objective,
