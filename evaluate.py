@@ -280,15 +280,13 @@ class XPRTEncoder(AbsEncoder):
                          "query_prefix": self.query_prefix, "passage_prefix": self.passage_prefix,
                          "max_length": self.max_length}
         name, revision = model_name_and_revision(name_or_path)
-        sim = {"cosine": ScoringFunction.COSINE, "dot": ScoringFunction.DOT_PRODUCT,
-               "euclidean": ScoringFunction.EUCLIDEAN, "manhattan": ScoringFunction.MANHATTAN}
         self.mteb_model_meta = ModelMeta(
             loader=None, name=name, revision=revision, release_date=None, languages=None,
             n_parameters=sum(p.numel() for p in self.model.parameters()), memory_usage_mb=None,
             max_tokens=self.max_length, embed_dim=self.model.get_embedding_dimension(), license=None,
             open_weights=True, public_training_code=None, public_training_data=None,
             framework=["PyTorch", "Sentence Transformers"],
-            similarity_fn_name=sim.get(str(self.model.similarity_fn_name or "cosine"), ScoringFunction.COSINE),
+            similarity_fn_name=scoring_function(self.model.similarity_fn_name),
             use_instructions=e5, training_datasets=None, reference=None if os.path.isdir(path) else
             f"https://huggingface.co/{name}",
         )
@@ -845,9 +843,15 @@ def eval_mode_and_rng(module):
             m.training = was_training
 
 
+def scoring_function(similarity_fn_name) -> ScoringFunction:
+    """mteb's name of a sentence-transformers similarity function (None: cosine, sentence-transformers' default)."""
+    return {"cosine": ScoringFunction.COSINE, "dot": ScoringFunction.DOT_PRODUCT, "euclidean": ScoringFunction.EUCLIDEAN,
+            "manhattan": ScoringFunction.MANHATTAN}[str(similarity_fn_name or "cosine")]
+
+
 class TrainingEncoder(AbsEncoder):
-    """mteb wrapper of the encoder being trained: modeling_xprt.embed_texts (with the pooling train.py trains with
-    and saves: mean, or [CLS] for a CLS-pooled start) under the model's prompts, no gradient.
+    """mteb wrapper of the encoder being trained: modeling_xprt.embed_texts (with the pooling, normalisation and
+    similarity train.py saves: the start model's) under the model's prompts, no gradient.
 
     With several processes every process runs the same mteb evaluation, and each encode call is split: the distinct
     texts are cut into one equal slice per process (padded to equal length, so that every process runs the same
@@ -857,14 +861,15 @@ class TrainingEncoder(AbsEncoder):
     --eval_limit."""
 
     def __init__(self, encoder, tokenizer, prompts: dict, max_length: int, batch_size: int, accelerator=None,
-                 pooling: str = "mean"):
+                 pooling: str = "mean", normalize: bool = True, similarity_fn_name: str = "cosine"):
         self.encoder, self.tokenizer, self.prompts, self.pooling = encoder, tokenizer, prompts, pooling
+        self.normalize = normalize
         self.max_length, self.batch_size, self.accelerator = max_length, batch_size, accelerator
         self.mteb_model_meta = ModelMeta(
             loader=None, name="local/training", revision="in-training", release_date=None, languages=None,
             n_parameters=None, memory_usage_mb=None, max_tokens=max_length, embed_dim=encoder.config.hidden_size,
             license=None, open_weights=True, public_training_code=None, public_training_data=None,
-            framework=["PyTorch"], similarity_fn_name=ScoringFunction.COSINE, use_instructions=False,
+            framework=["PyTorch"], similarity_fn_name=scoring_function(similarity_fn_name), use_instructions=False,
             training_datasets=None)
 
     def encode(self, inputs, *, task_metadata, hf_split: str, hf_subset: str,
@@ -877,14 +882,14 @@ class TrainingEncoder(AbsEncoder):
         if world == 1:
             with autocast:
                 return embed_texts(self.encoder, self.tokenizer, texts, self.batch_size, self.max_length,
-                                   prefix, pooling=self.pooling).numpy()
+                                   prefix, pooling=self.pooling, normalize=self.normalize).numpy()
         unique = list(dict.fromkeys(texts))
         per = math.ceil(len(unique) / world)
         mine = unique[acc.process_index * per:(acc.process_index + 1) * per]
         mine += [f"[xprt eval padding {i}]" for i in range(per - len(mine))]
         with autocast:
             vecs = embed_texts(self.encoder, self.tokenizer, mine, self.batch_size, self.max_length, prefix,
-                               pooling=self.pooling)
+                               pooling=self.pooling, normalize=self.normalize)
         every = acc.gather(vecs.to(acc.device)).cpu()  # (world * per, H), in process order
         where = {t: i for i, t in enumerate(unique)}
         return every[[where[t] for t in texts]].numpy()
@@ -912,8 +917,9 @@ def score_during_training(model, tokenizer, tasks: Sequence, prompts: dict, max_
     """{task name: main score x100} of the model being trained (an XPRTModel, possibly wrapped by DDP / DeepSpeed:
     pass the accelerator), in eval mode, then back in training mode."""
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
-    enc = TrainingEncoder(unwrapped.encoder, tokenizer, prompts, max_length, batch_size, accelerator,
-                          getattr(getattr(unwrapped, "info", None), "pooling", "mean"))
+    info = unwrapped.info  # scored as its saved folder would be: its pooling, normalisation and similarity
+    enc = TrainingEncoder(unwrapped.encoder, tokenizer, prompts, max_length, batch_size, accelerator, info.pooling,
+                          info.normalize, info.similarity_fn_name)
     scores = {}
     with eval_mode_and_rng(unwrapped):
         for task in tasks:

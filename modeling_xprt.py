@@ -809,9 +809,9 @@ class XPRTModel(nn.Module):
 @torch.inference_mode()
 def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, max_length: int = 512,
                 prefix: str = "", show_progress: bool = False, desc: str = "embedding",
-                pooling: str = "mean") -> torch.Tensor:
-    """L2-normalised sentence vectors of `texts` (mean-pooled, or [CLS] with pooling="cls"), in input order, as a
-    CPU float32 (N, H) tensor.
+                pooling: str = "mean", normalize: bool = True) -> torch.Tensor:
+    """Sentence vectors of `texts` (mean-pooled, or [CLS] with pooling="cls"; L2-normalised unless normalize=False,
+    as a dot-product model's folder makes them), in input order, as a CPU float32 (N, H) tensor.
 
     The one batch embedder of the repository: select_groups.py (centrality and the E5 ranking), finetune.py
     (hard-negative mining) and evaluate.py's scoring during training (--eval_tasks) call it. `model` is any
@@ -827,7 +827,8 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
 
     unique = list(dict.fromkeys(texts))  # first-occurrence order
     if len(unique) < len(texts):
-        vecs = embed_texts(model, tokenizer, unique, batch_size, max_length, prefix, show_progress, desc, pooling)
+        vecs = embed_texts(model, tokenizer, unique, batch_size, max_length, prefix, show_progress, desc, pooling,
+                           normalize)
         where = {t: i for i, t in enumerate(unique)}
         return vecs[[where[t] for t in texts]]
     base = getattr(model, "base_model", model)
@@ -856,7 +857,7 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
         else:
             mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).long().to(device)
             vec = mean_pool(base(input_ids=input_ids, attention_mask=mask).last_hidden_state.float(), mask)
-        out[torch.tensor(idx)] = F.normalize(vec, dim=-1).cpu()
+        out[torch.tensor(idx)] = (F.normalize(vec, dim=-1) if normalize else vec).cpu()
     return out
 
 

@@ -1283,10 +1283,8 @@ def load_model(accelerator, args, model_class, **kw):
         model.info.normalize, model.info.similarity_fn_name = True, "cosine"
     accelerator.print(f"scoring: the start model's is {start_scoring}, at most {model.info.max_seq_length} tokens; "
                       "the losses train cosines (L2-normalised vectors, the paper's); the saved folder states "
-                      f"{describe_scoring(model.info)} (--saved_similarity {saved_similarity})"
-                      + ("" if model.info.normalize and model.info.similarity_fn_name == "cosine" else
-                         "; scores during training (--eval_tasks) are cosines: compare them with evaluate.py "
-                         "--score_as a cosine model, not with the saved folder's own scoring"))
+                      f"{describe_scoring(model.info)} (--saved_similarity {saved_similarity}), as the scores during "
+                      "training (--eval_tasks) are")
     register_tied_projection(accelerator, model)
     if args.gradient_checkpointing:
         model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -258,6 +258,29 @@ def test_a_dot_product_start_is_saved_as_a_dot_product_model(tiny_bert, tmp_path
     assert [type(m).__name__ for m in c][-1] == "Normalize" and c.similarity_fn_name == "cosine"
 
 
+def test_scores_during_training_use_the_saved_folders_scoring(tiny_bert, tmp_path):
+    """train.py's --eval_tasks encoder scores a dot-product start as its saved folder is scored: unnormalised vectors,
+    mteb's dot product; the vectors equal what SentenceTransformer makes of the folder."""
+    from mteb.models.model_meta import ScoringFunction
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    import evaluate
+    import modeling_xprt as mx
+
+    start = _st_folder(tiny_bert, tmp_path / "dot", normalize=False, similarity="dot")
+    model = mx.XPRTModel.from_pretrained(str(start)).eval()
+    tok = AutoTokenizer.from_pretrained(str(start))
+    info = model.info
+    enc = evaluate.TrainingEncoder(model.encoder, tok, model.prompts, 64, 8, None, info.pooling, info.normalize,
+                                   info.similarity_fn_name)
+    assert enc.mteb_model_meta.similarity_fn_name == ScoringFunction.DOT_PRODUCT
+    texts = ["a dot product model", "keeps its norms"]
+    ours = enc.encode([{"text": texts}], task_metadata=None, hf_split="test", hf_subset="default")
+    np.testing.assert_allclose(ours, SentenceTransformer(str(start)).encode(texts), atol=1e-5)
+    assert np.linalg.norm(ours, axis=1).min() > 1.5
+
+
 def test_evaluate_says_when_models_are_scored_differently_and_score_as_isolates_training(tiny_bert, tmp_path):
     """The same weights saved as a dot-product model and as a cosine one: as each is used their SciFact scores
     differ, which is no training at all, and the report says that the scoring differs (normalize, similarity);
