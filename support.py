@@ -1511,7 +1511,8 @@ def plot_loss_curves(log_path: Path, png_path: Path):
         recs.setdefault(r["step"], {}).update(r)
     steps = sorted(recs)
     seen = list(dict.fromkeys(k for s in steps for k in recs[s]))
-    keys = [k for k in seen if k.endswith("loss") or k in ("lr", "head_lr", "retention_weight")]
+    # teacher_cosine: train.py's drift from the start model, plotted beside the scores (the stopping signal)
+    keys = [k for k in seen if k.endswith("loss") or k in ("lr", "head_lr", "retention_weight", "teacher_cosine")]
     if any(recs[s].get("pair_alpha") for s in steps):  # only fine-tuning runs have an alpha to show
         keys.append("pair_alpha")
     evals = [k for k in seen if k.startswith(EVAL_PREFIX)]
