@@ -139,7 +139,8 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     start_exp = {**exp, "start": {**exp["start"], "flags": {**exp["start"]["flags"], "--inputs": inputs}}}
     start = run.stage_start(start_exp, out, False)
     clock["start"] = time.time() - t0 - sum(clock.values())
-    groups = {r: str(carry / ("groups" if r == "rrf" else f"groups_{r}")) for r in {a["ranking"] for a in arms.values()}}
+    groups = {r: str(carry / ("groups" if r == "rrf" else f"groups_{r}"))
+              for r in {a["ranking"] for a in arms.values()}}
     # the probe: the xPRT arm for a few steps; its second logging window (after warm-up) gives the FLOP/s
     rule = exp["steps"]
     probe = out / "probe"

@@ -78,7 +78,7 @@ def write(exp: dict, out: Path, arms: list, results: list, seconds: float) -> di
              f"Config `{exp.get('config_path', 'experiments/paper/configs')}`; every arm: the same start, groups and "
              f"budget ({json.dumps({k: v for k, v in t.items() if k not in ('--report_to', '--logging_steps')})}, "
              f"steps {exp.get('steps_used', exp.get('steps'))}); {n} seed(s); tasks: {', '.join(data['tasks'])} "
-             f"(evaluate.py {' '.join(str(x) for kv in exp['eval'].items() for x in kv if kv[0] != '--local_tasks')}"
+             f"(evaluate.py {' '.join(f'{k} {v}' for k, v in exp['eval'].items() if k != '--local_tasks' and v)}"
              f"); wall time {seconds:.0f} s. Scores x100" + ("; mean ± sd over seeds." if n > 1 else "."), "",
              f"## Objectives from the same start (paper Table 1; the paper's column: {paper})", "",
              "| method | average | Δ start | " + " | ".join(cats) + " | paper |",
@@ -101,7 +101,8 @@ def write(exp: dict, out: Path, arms: list, results: list, seconds: float) -> di
         lines += ["", "## Where the gains land: xPRT - start (the paper's column: from E5, 100K documents)", "",
                   "| category or task | ours | paper |", "|---|---|---|"]
         for c, (p, _) in E5_SETTING["category_delta"].items():
-            ours = fmt(deltas(data, "xprt", "start", lambda r: r["per_category"][c]), True) if c in cats else "not scored"
+            ours = fmt(deltas(data, "xprt", "start", lambda r, c=c: r["per_category"][c]), True) \
+                if c in cats else "not scored"
             lines.append(f"| {c} | {ours} | {p} |")
         for task, (p, _) in E5_SETTING["task_delta"].items():
             ours = fmt(deltas(data, "xprt", "start", lambda r: r["per_task"][task]), True) \

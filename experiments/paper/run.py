@@ -79,19 +79,27 @@ def load_config(scale: str, toy: bool = False) -> dict:
     if not path.is_file():
         raise SystemExit(f"--scale {scale}: no config {path} (have: {sorted(p.stem for p in CONFIGS.glob('*.json'))})")
     # "{shared}" in a config: the shared data folder (../shared/data beside the checkout, or $XPRT_SHARED_DATA)
-    shared_data = os.environ.get("XPRT_SHARED_DATA", str(ROOT.parent / "shared" / "data"))
+    shared_data = os.environ.get("XPRT_SHARED_DATA", "../shared/data")  # from the repository root
     cfg = json.loads(path.read_text().replace("{shared}", shared_data))
     shared = {k: v for k, v in cfg.items() if k not in ("experiments", "toy")}
     exps = []
     for e in cfg.get("experiments") or [{}]:
-        e = {**shared, **e}
+        e = merged(shared, e)
         if toy:
-            for k, v in cfg.get("toy", {}).items():
-                e[k] = {**e.get(k, {}), **v} if isinstance(v, dict) and isinstance(e.get(k), dict) else v
+            e = merged(e, cfg.get("toy", {}))
         e.setdefault("name", cfg.get("scale", path.stem))
         e["config_path"] = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
         exps.append(e)
     return {"scale": cfg.get("scale", path.stem), "path": str(path), "experiments": exps}
+
+
+def merged(base: dict, over: dict) -> dict:
+    """base with over's keys on top; a dict in both is merged one level down (an experiment's "train" flags add to
+    the shared ones)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = {**base[k], **v} if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
 
 
 def objective_choices() -> list:
@@ -102,13 +110,17 @@ def objective_choices() -> list:
 
 
 def arms_of(exp: dict, only=None) -> dict:
-    """{arm: {"flags", "ranking", "steps_factor"}}: xprt, the ablations, one arm per other objective train.py offers;
-    the config's "arms" ("all" or a list) picks, its "exclude" drops."""
+    """{arm: {"flags", "ranking", "steps_factor"}}: xprt, the ablations, one arm per other objective train.py offers,
+    the config's "extra_arms"; its "arms" ("all", "objectives": no ablations, or a list) picks, "exclude" drops."""
     arms = {"xprt": {}}
     arms.update(ABLATIONS)
     arms.update({o: {"flags": ["--objective", o]} for o in objective_choices() if o != "xprt"})
+    arms.update(exp.get("extra_arms", {}))  # a config's own variants: {"name": {"flags": [...]}}
     want = exp.get("arms", "all")
-    names = [a for a in arms if a not in exp.get("exclude", [])] if want == "all" else list(want)
+    if want in ("all", "objectives"):
+        names = [a for a in arms if a not in exp.get("exclude", []) and (want == "all" or a not in ABLATIONS)]
+    else:
+        names = list(want)
     names = [a for a in names if only is None or a in only]
     unknown = [a for a in names if a not in arms]
     if unknown:
@@ -135,6 +147,15 @@ def launcher(exp: dict, script: str) -> str:
     return exp.get("launch", {}).get(script, "inprocess")
 
 
+def fresh_accelerate():
+    """accelerate keeps its state in process-wide singletons: reset them between runs in one process."""
+    if "accelerate" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
 def run_script(exp: dict, script: str, argv: list, dry_run: bool, log=print):
     """Print the command, then run it: `inprocess` calls the script's main(argv) here, anything else is a command
     prefix (python, accelerate launch --config_file ..., torchrun ...) run from the repository root."""
@@ -145,7 +166,11 @@ def run_script(exp: dict, script: str, argv: list, dry_run: bool, log=print):
         return None
     if how == "inprocess":
         module = importlib.import_module(script.replace("/", ".").removesuffix(".py"))
-        return module.main(argv)
+        fresh_accelerate()  # each run builds its own Accelerator, as a new process would
+        try:
+            return module.main(argv)
+        finally:
+            fresh_accelerate()
     path = script if script.endswith(".py") else f"{script}.py"
     subprocess.run(shlex.split(how) + [path] + argv, check=True, cwd=ROOT)
     return None
@@ -187,6 +212,8 @@ def stage_groups(exp: dict, out: Path, arms: dict, dry_run: bool, docs_dir: Path
     """select_groups.py once per ranking the arms need -> {ranking: groups folder}. A config's "documents" ([[path,
     first N], ...]) become one JSONL input (in docs_dir, default out); otherwise its "selection" flags name the input
     (--dataset ...)."""
+    if exp.get("groups_from"):  # another experiment's groups folders (the paper's from-BERT runs read E5's)
+        out = out.parent / exp["groups_from"]
     sel = dict(exp["selection"])
     if exp.get("documents"):
         docs = (docs_dir or out) / "train_docs.jsonl"
@@ -356,16 +383,20 @@ def run_experiment(exp: dict, out: Path, args) -> dict:
     steps = exp["steps"] if isinstance(exp.get("steps"), int) else None
     print(f"\n=== {exp['name']}: {exp.get('about', '')}\narms: {', '.join(arms)}; seeds {seeds}; out {out}")
     if args.dry_run:
-        stage_start(exp, out, True)
+        start = stage_start(exp, out, True)
         groups = stage_groups(exp, out, arms, True)
-        fit = isinstance(exp.get("steps"), dict)
-        models = stage_train(exp, out, arms, "START", groups, seeds, steps or ("STEPS" if fit else None), True)
-        stage_score(exp, out, "START", models, True)
+        fit = isinstance(exp.get("steps"), dict)  # the gpu scale: its steps are set on the device
+        models = stage_train(exp, out, arms, start, groups, seeds, steps or ("STEPS" if fit else None), True)
+        stage_score(exp, out, start, models, True)
         if not fit:
             print_estimate(exp, gpu_hours(exp, arms, seeds, steps))
         return {}
     from experiments.paper import page
 
+    missing = [p for p, _ in exp.get("documents", [])] + list(exp["eval"].get("--local_tasks", []))
+    missing = [p for p in missing if not os.path.exists(p)]
+    if missing and args.stage in ("all", "groups", "score", "build"):
+        raise SystemExit(f"{exp['name']}: not found {missing} (the shared data: set XPRT_SHARED_DATA)")
     t0 = time.time()
     stages = {"all": ("start", "groups", "train", "score"), "start": ("start",), "groups": ("groups",),
               "train": ("start", "groups", "train"), "score": ("score",), "build": ("build",),
