@@ -6,8 +6,9 @@ through it) and no mteb.
   build (here)     the groups (select_groups.py, one folder per ranking), the start's pre-training texts (gzip), the
                    wheels of datasets and the two packages it needs that the machine lacks (dill, multiprocess), all in
                    <out>/carry; its size against the limit; the FLOP count of every arm and the expected GPU minutes
-  device (there)   the wheels installed to /tmp/site; the start pre-trained (pretrain_mlm.py); a probe of the xPRT arm
-                   measures the device's FLOP/s, so the steps per arm fit the config's seconds; every arm trained;
+  device (there)   the wheels installed to /tmp/site; the start pre-trained (pretrain_mlm.py); probes of the heaviest
+                   and the lightest arm time a step as a + b x FLOPs, so the steps per arm fit the config's seconds;
+                   every arm trained;
                    the models packed into $OUT: fp16 safetensors bundles (encoders only: scoring needs no decoder) and
                    one tar.gz of everything else (configs, tokenizers, cards, training logs)
   score (here)     the bundles unpacked into model folders (fp32), then run.py's score stage
@@ -88,20 +89,28 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
     return plan
 
 
-def print_minutes(exp: dict, plan: dict, tflops: float | None = None):
-    """Expected GPU minutes per arm at the config's "steps" rule: the steps that fit fit_seconds at a sustained FLOP/s
-    (measured by the device's probe; here each of the config's assumed values), and each arm's share of them."""
+def print_minutes(exp: dict, plan: dict):
+    """Expected GPU minutes per arm under the config's "steps" rule, before any GPU: a step costs the assumed per-step
+    overhead ("estimate": "step_overhead_s") plus its FLOPs at each assumed sustained rate (peak x "mfu"). The device
+    stage replaces both assumptions by its probes."""
+    from experiments.paper import run
+
     rule, est = exp["steps"], exp.get("estimate", {})
-    rates = [tflops] if tflops else [est.get("peak_tflops", 989.0) * m for m in est.get("mfu", [0.1, 0.25])]
-    total = sum(plan["flops_per_step"][a] * plan["steps_factor"][a] for a in plan["flops_per_step"])
-    for rate in rates:
-        steps = max(rule["min"], min(rule["max"], int(rule["fit_seconds"] * rate * 1e12 / total)))
-        print(f"\nat {rate:.0f} TFLOP/s sustained: {steps} steps per arm "
-              f"({'fits' if steps * total / (rate * 1e12) <= rule['fit_seconds'] else 'clamped to min: over'} "
-              f"{rule['fit_seconds']} s):")
-        for a, f in plan["flops_per_step"].items():
-            n = steps * plan["steps_factor"][a]
-            print(f"  {a:<26}{f / 1e12:8.3f} TFLOP/step x {n:>6} steps = {n * f / (rate * 1e12) / 60:5.2f} min")
+    flops, factor = plan["flops_per_step"], plan["steps_factor"]
+    a = est.get("step_overhead_s", 0.0)
+    for mfu in est.get("mfu", [0.1, 0.25]):
+        rate = est.get("peak_tflops", 989.0) * mfu * 1e12
+        arms = {n: {"flags": [], "steps_factor": factor[n]} for n in flops}
+        steps = run.fit_steps({**exp, "steps": rule}, arms, [1], lambda f: a + f / rate,
+                              flops={n: flops[n] for n in flops})
+        print(f"\nat {mfu:.0%} MFU ({rate / 1e12:.0f} TFLOP/s) and {a * 1e3:.0f} ms per step: {steps} steps per arm "
+              f"(the rule: all arms in {rule['fit_seconds']} s, within [{rule['min']}, {rule['max']}])")
+        total = 0.0
+        for n, f in flops.items():
+            minutes = steps * factor[n] * (a + f / rate) / 60
+            total += minutes
+            print(f"  {n:<26}{f / 1e12:8.3f} TFLOP/step x {steps * factor[n]:>6} steps = {minutes:5.2f} min")
+        print(f"  {'all arms':<26}{'':>33}{total:5.2f} min")
 
 
 def install_wheels(carry: Path):
@@ -141,24 +150,34 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     clock["start"] = time.time() - t0 - sum(clock.values())
     groups = {r: str(carry / ("groups" if r == "rrf" else f"groups_{r}"))
               for r in {a["ranking"] for a in arms.values()}}
-    # the probe: the xPRT arm for a few steps; its second logging window (after warm-up) gives the FLOP/s
+    # the probes: the heaviest and the lightest arm for a few steps each; their second logging windows (after the
+    # warm-up) give a step's time as a + b x FLOPs (a: the per-step cost a small model's step pays whatever its FLOPs)
     rule = exp["steps"]
-    probe = out / "probe"
-    argv = run.train_argv(exp, {"flags": [], "ranking": "rrf", "steps_factor": 1}, start, groups, seeds[0],
-                          rule["probe_steps"], probe)
-    run.run_script(exp, "train", argv + ["--no_save_model", "--logging_steps", str(rule["probe_steps"] // 2)], False)
-    rec = [r for r in map(json.loads, open(probe / "train_log.jsonl")) if "tflops_per_s" in r][-1]
-    tflops = rec["tflops_per_s"]
-    steps = run.fit_steps(exp, arms, seeds, tflops * 1e12)
+    flops = {a: run.estimate_flops(exp, arm) for a, arm in arms.items()}
+    probes = {}
+    for name in dict.fromkeys([max(flops, key=flops.get), min(flops, key=flops.get)]):
+        probe = out / f"probe_{name}"
+        argv = run.train_argv(exp, {**arms[name], "steps_factor": 1}, start, groups, seeds[0], rule["probe_steps"],
+                              probe)
+        run.run_script(exp, "train", argv + ["--no_save_model", "--logging_steps", str(rule["probe_steps"] // 2)],
+                       False)
+        rec = [json.loads(line) for line in open(probe / "train_log.jsonl")][-1]
+        probes[name] = {"time_per_step_s": rec["time_per_step_s"], "tflops_per_s": rec.get("tflops_per_s"),
+                        "estimated_tflop_per_step": flops[name] / 1e12}
+    (hi, p_hi), (lo, p_lo) = list(probes.items())[0], list(probes.items())[-1]
+    b = (p_hi["time_per_step_s"] - p_lo["time_per_step_s"]) / max(flops[hi] - flops[lo], 1.0) if hi != lo else 0.0
+    b = max(b, 0.0) or p_hi["time_per_step_s"] / flops[hi]
+    a = max(p_hi["time_per_step_s"] - b * flops[hi], 0.0)
+    steps = run.fit_steps(exp, arms, seeds, lambda f: a + b * f)
     clock["probe"] = time.time() - t0 - sum(clock.values())
-    print(f"probe: {tflops:.1f} TFLOP/s sustained by the xPRT arm ({rec['time_per_step_s']:.3f} s/step) -> {steps} "
-          f"steps per arm to fit {rule['fit_seconds']} s", flush=True)
+    print(f"probes {json.dumps(probes)}: a step takes {a * 1e3:.1f} ms + FLOPs at {1 / b / 1e12:.1f} TFLOP/s -> "
+          f"{steps} steps per arm to fit {rule['fit_seconds']} s", flush=True)
     models = run.stage_train(exp, out, arms, start, groups, seeds, steps, False)
     clock["train"] = time.time() - t0 - sum(clock.values())
     folders = {"start": Path(start), **{f"s{s}/{a}": Path(m) for s, ms in models.items() for a, m in ms.items()}}
     packed = pack(folders, out, dest)
     clock["pack"] = time.time() - t0 - sum(clock.values())
-    report = {"steps_per_arm": steps, "probe_tflops_per_s": tflops, "probe_time_per_step_s": rec["time_per_step_s"],
+    report = {"steps_per_arm": steps, "probes": probes, "step_time_model": {"a_s": a, "tflops_per_s": 1 / b / 1e12},
               "seconds": clock, "arms": list(arms), "seeds": seeds, **packed}
     atomic_write(dest / "run.json", json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

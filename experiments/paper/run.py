@@ -278,13 +278,13 @@ def stage_score(exp: dict, out: Path, start: str, models: dict, dry_run: bool) -
     return paths
 
 
-def fit_steps(exp: dict, arms: dict, seeds: list, measured_flops_per_s: float) -> int:
-    """steps per arm that fit the config's "steps": {"fit_seconds"} at the measured FLOP/s: fit_seconds x FLOP/s over
-    the FLOPs of one step of every arm and seed (estimate(): full-length rows, an upper bound), within [min, max]."""
+def fit_steps(exp: dict, arms: dict, seeds: list, seconds_per_step, flops: dict = None) -> int:
+    """Steps per arm that fit the config's "steps": {"fit_seconds"}: fit_seconds over the time of one step of every arm
+    and seed, `seconds_per_step(FLOPs of a step)` (estimate_flops, or `flops` by arm), within the config's [min, max]."""
     rule = exp["steps"]
-    per_step = sum(estimate_flops(exp, arm) * arm["steps_factor"] for arm in arms.values()) * len(seeds)
-    steps = int(rule["fit_seconds"] * measured_flops_per_s / per_step)
-    return max(rule["min"], min(rule["max"], steps))
+    flops = flops or {n: estimate_flops(exp, arm) for n, arm in arms.items()}
+    one_step = sum(seconds_per_step(flops[n]) * arm["steps_factor"] for n, arm in arms.items())
+    return max(rule["min"], min(rule["max"], int(rule["fit_seconds"] / (one_step * len(seeds)))))
 
 
 # ----------------------------------------------------------------------------------------------------------------
