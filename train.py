@@ -31,7 +31,7 @@ from support import (EVAL_PREFIX, LengthGroupedBatchSampler, LogWindow, RowsData
                      atomic_write, batch_to_device, check_common_args, engine_dtype, epoch_batches,
                      gradient_cache_step, load_model, make_accelerator, optimizer_groups, prepare_output_dir,
                      read_json, resolve_model_path, resume, save_checkpoint, save_model, save_run, whole_weights,
-                     write_log_record)
+                     write_log_record, zero3)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -513,8 +513,8 @@ def main(argv=None):
             state.completed_steps += 1
             retention.step()
             scalars = {"retention_weight": w, "pair_alpha": 0.0}
-            if teacher is not None and (state.completed_steps % args.logging_steps == 0
-                                        or state.completed_steps == stop_at):  # the drift, on logging steps
+            if teacher is not None and not zero3(accelerator) and (  # the drift, on logging steps (whole weights)
+                    state.completed_steps % args.logging_steps == 0 or state.completed_steps == stop_at):
                 scalars["teacher_cosine"] = teacher_cosine(accelerator.unwrap_model(model), teacher, batch)
             window.step_done(state, epoch, scalars)
             if scorer and args.eval_steps and state.completed_steps % args.eval_steps == 0:

@@ -135,6 +135,10 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     dest = Path(os.environ.get("OUT") or out / "returned")
     dest.mkdir(parents=True, exist_ok=True)
     install_wheels(carry)
+    from importlib.metadata import version
+
+    print("versions: " + ", ".join(f"{m} {version(m)}" for m in ("torch", "transformers", "accelerate", "pyarrow",
+                                                                "datasets")), flush=True)
     clock = {"setup": time.time() - t0}
     # the start: the carried texts unpacked, then masked-language-model pre-training on this machine
     texts = out / "texts"

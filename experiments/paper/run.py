@@ -416,6 +416,8 @@ def run_experiment(exp: dict, out: Path, args) -> dict:
     if "score" not in stages:
         return {}
     models = {s: {a: str(out / f"s{s}" / a / "model") for a in arms} for s in seeds}
+    if (out / "device_run.json").is_file():  # the steps the device set
+        exp = {**exp, "steps_used": read_json(out / "device_run.json")["steps_per_arm"]}
     results = stage_score(exp, out, start, models, False)
     res = page.write(exp, out, list(arms), results, time.time() - t0)
     print((out / "results.md").read_text())
