@@ -225,7 +225,9 @@ def test_gpu_scale_round_trip_at_toy_size(tmp_path, monkeypatch):
     returned = tmp_path / "OUT"
     monkeypatch.setenv("OUT", str(returned))
     report = run.main(["--scale", "gpu", "--toy", "--stage", "device", "--out", str(there), *arms])["gpu"]
-    assert report["returned"] == ["start", "s1/xprt", "s1/contrastive_random_span"] and report["steps_per_arm"] == 3
+    assert report["returned"] == ["start", "s1/xprt", "s1/contrastive_random_span"]
+    assert 2 <= report["steps_per_arm"] <= 3  # the toy rule's [min, max]: what fits 5 s depends on the machine
+    assert set(report["probes"]) == {"xprt", "contrastive_random_span"}  # the heaviest and the lightest arm
     assert len(list(returned.iterdir())) <= device.RETURN["files"]
     scored = tmp_path / "scored"
     run.main(["--scale", "gpu", "--toy", "--stage", "score", "--returned", str(returned), "--out", str(scored),
@@ -233,4 +235,4 @@ def test_gpu_scale_round_trip_at_toy_size(tmp_path, monkeypatch):
     md = (scored / "results.md").read_text()
     assert "| xPRT |" in md and "| random spans (Contriever) |" in md
     log = [json.loads(line) for line in (scored / "s1/xprt/train_log.jsonl").read_text().splitlines()]
-    assert log[-1]["step"] == 3
+    assert log[-1]["step"] == report["steps_per_arm"]
