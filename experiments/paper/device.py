@@ -174,7 +174,7 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     a = max(p_hi["time_per_step_s"] - b * flops[hi], 0.0)
     steps = run.fit_steps(exp, arms, seeds, lambda f: a + b * f)
     clock["probe"] = time.time() - t0 - sum(clock.values())
-    print(f"probes {json.dumps(probes)}: a step takes {a * 1e3:.1f} ms + FLOPs at {1 / b / 1e12:.1f} TFLOP/s -> "
+    print(f"probes {json.dumps(probes)}: a step takes {a * 1e3:.1f} ms + FLOPs at {1 / b / 1e12:.3g} TFLOP/s -> "
           f"{steps} steps per arm to fit {rule['fit_seconds']} s", flush=True)
     models = run.stage_train(exp, out, arms, start, groups, seeds, steps, False)
     clock["train"] = time.time() - t0 - sum(clock.values())
