@@ -375,14 +375,14 @@ def load_retention(accelerator, args):
 # ----------------------------------------------------------------------------------------------------------------
 # The stopping signal: the drift from the start model beside the scores, and the best model by a score
 # ----------------------------------------------------------------------------------------------------------------
-def teacher_cosine(model, teacher, batch) -> float:
+def teacher_cosine(model, teacher, batch) -> torch.Tensor:
     """Drift from the start model: the mean cosine between the trained encoder's and the frozen start model's vectors
     of the batch's clean anchors and top related passages (the retention term's pairs and passes: no dropout, here no
-    gradient). 1.0 at step 0. Computed on logging steps only (one extra forward of 2 x groups passages), on the
-    main process's batch."""
+    gradient). 1.0 at step 0. Computed on logging steps only (one extra forward of 2 x groups passages) and left on
+    the device: the logging step's one read-back (LogWindow.record) averages it over the processes' batches."""
     with torch.no_grad():
         s, t = model._clean_vectors(batch), model._teacher_vectors(batch, teacher)
-    return torch.nn.functional.cosine_similarity(s.float(), t.float(), dim=-1).mean().item()
+    return torch.nn.functional.cosine_similarity(s.float(), t.float(), dim=-1).mean()
 
 
 def keep_best(accelerator, args, model, tokenizer, rec: dict, best: dict) -> dict:

@@ -185,7 +185,7 @@ def test_teacher_cosine_is_one_at_the_start(tmp_path, tiny_bert):
     rows = [{"doc_id": str(i), "anchor": f"anchor text {i}", "related": [f"related {i} {j}" for j in range(4)],
              "random_passage": "random"} for i in range(3)]
     batch = mx.XPRTCollator(tok, max_length=16)(rows)
-    assert train.teacher_cosine(model, teacher, batch) == pytest.approx(1.0, abs=1e-5)
+    assert train.teacher_cosine(model, teacher, batch).item() == pytest.approx(1.0, abs=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
