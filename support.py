@@ -1579,14 +1579,17 @@ class LogWindow:
     def record(self, accelerator, args, step: int, epoch: int, lr_scheduler, optimizer, scalars: dict) -> dict:
         world, dt = accelerator.num_processes, time.time() - self.t0
         keys = sorted(self.sums)
+        # scalars given as device tensors (train.py's drift) join the one read-back, averaged over processes
+        on_device = sorted(k for k, v in scalars.items() if torch.is_tensor(v))
         device = accelerator.device
         means = [self.sums[k].double() / max(self.n_micro, 1) for k in keys]
+        means += [scalars[k].detach().double().to(device) for k in on_device]
         counts = torch.tensor([self.real, self.proc], device=device, dtype=torch.float64)
         vals = accelerator.reduce(torch.cat([torch.stack(means).to(device), counts]) if means else counts, "sum")
         vals = vals.tolist()  # the one read-back of the window
         rec = {"step": step, "epoch": epoch}
-        rec.update({k: vals[i] / world for i, k in enumerate(keys)})
-        rec.update({"lr": lr_scheduler.get_last_lr()[0], **scalars,
+        rec.update({k: vals[i] / world for i, k in enumerate(keys + on_device)})
+        rec.update({"lr": lr_scheduler.get_last_lr()[0], **{k: v for k, v in scalars.items() if k not in on_device},
                     "padding_efficiency": vals[-2] / max(vals[-1], 1),
                     "tokens_per_s": vals[-2] / dt, "time_per_step_s": dt / max(self.steps, 1)})
         if self.flops:  # every process does the same work: its FLOP/s over its device's peak
@@ -1615,7 +1618,8 @@ def plot_loss_curves(log_path: Path, png_path: Path):
         recs.setdefault(r["step"], {}).update(r)
     steps = sorted(recs)
     seen = list(dict.fromkeys(k for s in steps for k in recs[s]))
-    keys = [k for k in seen if k.endswith("loss") or k in ("lr", "head_lr", "retention_weight")]
+    # teacher_cosine: train.py's drift from the start model, plotted beside the scores (the stopping signal)
+    keys = [k for k in seen if k.endswith("loss") or k in ("lr", "head_lr", "retention_weight", "teacher_cosine")]
     if any(recs[s].get("pair_alpha") for s in steps):  # only fine-tuning runs have an alpha to show
         keys.append("pair_alpha")
     evals = [k for k in seen if k.startswith(EVAL_PREFIX)]

@@ -26,10 +26,11 @@ import torch
 
 from architectures import head_multiply_adds, layer_multiply_adds, load_teacher
 from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives
-from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args, batch_to_device,
-                     check_common_args, engine_dtype, epoch_batches, gradient_cache_step, load_model, make_accelerator,
-                     optimizer_groups, prepare_output_dir, read_json, resolve_model_path, resume, save_checkpoint,
-                     save_run, whole_weights, write_log_record)
+from support import (EVAL_PREFIX, LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args,
+                     atomic_write, batch_to_device, check_common_args, engine_dtype, epoch_batches,
+                     gradient_cache_step, load_model, make_accelerator, optimizer_groups, prepare_output_dir,
+                     read_json, resolve_model_path, resume, save_checkpoint, save_model, save_run, whole_weights,
+                     write_log_record, zero3)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -39,7 +40,8 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, 
 # ----------------------------------------------------------------------------------------------------------------
 # Flags
 # ----------------------------------------------------------------------------------------------------------------
-def parse_args(argv=None):
+def build_parser():
+    """train.py's flags (experiments/paper/run.py reads --objective's choices from here, so it never drifts)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("what to train")
@@ -105,10 +107,21 @@ def parse_args(argv=None):
     g.add_argument("--peak_tflops", type=float, default=None,
                    help="peak TFLOP/s of one device in the run's precision, for the logged MFU estimate (default: "
                         "a table of known GPUs, bf16 dense; none on CPU, where only TFLOP/s is logged)")
+    g = p.add_argument_group("stopping signal (experiments/README.md: how to read the curves)")
+    g.add_argument("--save_best", default=None, metavar="TASK",
+                   help="keep the model of the best score during training in <output_dir>/best_model (best.json says "
+                        "its step): an --eval_tasks task's name (its mteb main score, e.g. SciFact) or 'average' "
+                        "(mean over --eval_tasks); needs --eval_tasks")
     add_common_args(p, DEFAULT_LR)
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
 
     check_common_args(args)
+    if args.save_best and not args.eval_tasks:
+        raise SystemExit("--save_best needs --eval_tasks (the scores it picks the best model by)")
     if args.eval_tasks:
         # imported before the run seeds its generators (importing mteb draws from them); a local folder that is
         # no known task stops the run now rather than after the first N steps
@@ -310,6 +323,38 @@ def load_retention(accelerator, args):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The stopping signal: the drift from the start model beside the scores, and the best model by a score
+# ----------------------------------------------------------------------------------------------------------------
+def teacher_cosine(model, teacher, batch) -> torch.Tensor:
+    """Drift from the start model: the mean cosine between the trained encoder's and the frozen start model's vectors
+    of the batch's clean anchors and top related passages (the retention term's pairs and passes: no dropout, here no
+    gradient). 1.0 at step 0. Computed on logging steps only (one extra forward of 2 x groups passages) and left on
+    the device: the logging step's one read-back (LogWindow.record) averages it over the processes' batches."""
+    with torch.no_grad():
+        s, t = model._clean_vectors(batch), model.teacher_vectors(batch, teacher)
+    return torch.nn.functional.cosine_similarity(s.float(), t.float(), dim=-1).mean()
+
+
+def keep_best(accelerator, args, model, tokenizer, rec: dict, best: dict) -> dict:
+    """--save_best: when a scoring record (TrainingScorer's) beats the best so far, the model goes to
+    <output_dir>/best_model (atomically, as model/) and best.json names its step and score -> the best record."""
+    scores = {k[len(EVAL_PREFIX):]: v for k, v in rec.items() if k.startswith(EVAL_PREFIX)}
+    if args.save_best not in scores and args.save_best != "average":
+        raise SystemExit(f"--save_best {args.save_best!r}: the scored tasks are {sorted(scores)} (or 'average')")
+    score = sum(scores.values()) / len(scores) if args.save_best == "average" else scores[args.save_best]
+    if best and score <= best["score"]:
+        return best
+    best = {"step": rec["step"], "by": args.save_best, "score": score, "scores": scores}
+    out = Path(args.output_dir)
+    card = (f"# best model of {out.name}\n\nStep {rec['step']} of the run, the best {args.save_best} score during "
+            f"training ({score:.2f}; train.py --save_best). The finished run's model and card are in model/.\n")
+    save_model(accelerator, model, tokenizer, out / "best_model", card)
+    if accelerator.is_main_process:
+        atomic_write(out / "best.json", json.dumps(best, indent=1))
+    return best
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
 # ----------------------------------------------------------------------------------------------------------------
 def main(argv=None):
@@ -379,7 +424,7 @@ def main(argv=None):
     window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops(accelerator, args))
     stop_at = min(max_steps, args.stop_after_steps or max_steps)
     skip_keys = () if teacher is not None else ("retain_",)  # tokens retention never reads are not counted
-    log_path, first_batch = Path(args.output_dir) / "train_log.jsonl", True
+    log_path, first_batch, best = Path(args.output_dir) / "train_log.jsonl", True, {}
     for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
         if state.completed_steps >= stop_at:
             break
@@ -417,9 +462,15 @@ def main(argv=None):
             # ---- one optimiser step done: log, score and checkpoint on their steps
             state.completed_steps += 1
             retention.step()
-            window.step_done(state, epoch, {"retention_weight": w, "pair_alpha": 0.0})
+            scalars = {"retention_weight": w, "pair_alpha": 0.0}
+            if teacher is not None and not zero3(accelerator) and (  # the drift, on logging steps (whole weights)
+                    state.completed_steps % args.logging_steps == 0 or state.completed_steps == stop_at):
+                scalars["teacher_cosine"] = teacher_cosine(accelerator.unwrap_model(model), teacher, batch)
+            window.step_done(state, epoch, scalars)
             if scorer and args.eval_steps and state.completed_steps % args.eval_steps == 0:
-                write_log_record(accelerator, log_path, scorer(model, state.completed_steps, epoch, window))
+                rec = scorer(model, state.completed_steps, epoch, window)
+                write_log_record(accelerator, log_path, rec)
+                best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
             if args.checkpointing_steps and state.completed_steps % args.checkpointing_steps == 0:
                 save_checkpoint(accelerator, model, collator, Path(args.output_dir) / "checkpoints",
                                 state.completed_steps, args.checkpoints_total_limit)
@@ -429,7 +480,12 @@ def main(argv=None):
             state.batches_in_epoch = 0  # epoch finished: the next one starts at its first batch
     window.close()
     if scorer and scorer.last_step != state.completed_steps:  # the final model (or where the run stopped)
-        write_log_record(accelerator, log_path, scorer(model, state.completed_steps, state.epoch, window))
+        rec = scorer(model, state.completed_steps, state.epoch, window)
+        write_log_record(accelerator, log_path, rec)
+        best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
+    if best:
+        accelerator.print(f"best {best['by']} {best['score']:.2f} at step {best['step']}: "
+                          f"{Path(args.output_dir) / 'best_model'}")
 
     # ---- save: the loss curve; a finished run's model folder and card (then --push_to_hub)
     source = read_json(Path(args.groups_dir) / "stats.json").get("dataset")  # select_groups.py --dataset
@@ -438,7 +494,7 @@ def main(argv=None):
               "summary": {"steps": state.completed_steps, "processes": world, "rows": len(rows), "unit": "groups"},
               "datasets": [source] if source else None})
     return {"completed_steps": state.completed_steps, "max_steps": max_steps, "output_dir": args.output_dir,
-            "trainable_parameters": trainable}
+            "trainable_parameters": trainable, "best": best}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # "Does the gain survive fine-tuning?" (the xPRT paper's open question), with PAIR's loss:
 #   start model (all-MiniLM-L6-v2) -> fine-tune on SciFact train (alpha = 0 and alpha = 0.1) -> score on SciFact test;
-#   the xPRT model (XPRT_MODEL, default outputs/compare/xprt/model; XPRT_MODEL=none skips it) -> the same
-#   fine-tuning -> the same scoring.
+#   the xPRT model (XPRT_MODEL, default outputs/paper/compare/s42/xprt/model, the xprt arm of
+#   `python -m experiments.paper.run --scale compare`; XPRT_MODEL=none skips it) -> the same fine-tuning -> the same
+#   scoring.
 # Same data, negatives window, batch, epochs and lr for every run; one table from evaluate.py at the end, then the
 # mean and spread of each arm over SEEDS (a one-epoch fine-tune moves by about a point from seed to seed).
 # Knobs: SHARED (../shared/data), OUT (outputs/finetune), XPRT_MODEL, EPOCHS (1), BATCH (32), SEEDS ("42"),
@@ -10,7 +11,7 @@
 source "$(dirname "$0")/env.sh"
 SHARED=${SHARED:-../shared/data}
 OUT=${OUT:-outputs/finetune}
-XPRT_MODEL=${XPRT_MODEL:-outputs/compare/xprt/model}
+XPRT_MODEL=${XPRT_MODEL:-outputs/paper/compare/s42/xprt/model}
 EPOCHS=${EPOCHS:-1}
 BATCH=${BATCH:-32}
 SEEDS=${SEEDS:-42}

@@ -63,6 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--logging_steps", type=int, default=50, help="train-loss logging interval")
     p.add_argument("--seed", type=int, default=42, help="seed of init, masking and data order")
     p.add_argument("--max_docs", type=int, default=0, help="read at most this many documents per file (0 = all)")
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (a GPU; the Trainer's bf16)")
+    p.add_argument("--max_seconds", type=float, default=None,
+                   help="stop training after this many seconds even before --max_steps (a time-boxed GPU run: the "
+                        "learning-rate schedule is then cut where it stands; mlm_stats.json says where it stopped)")
     args = p.parse_args(argv)
     for f in args.inputs:
         if not os.path.isfile(f):
@@ -145,6 +149,21 @@ def plot_curve(log, path):
     plt.close(fig)
 
 
+def TimeBox(seconds: float):
+    """A TrainerCallback that ends training once `seconds` have passed since it began (checked after each step)."""
+    from transformers import TrainerCallback
+
+    class _TimeBox(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            self.t0 = time.time()
+
+        def on_step_end(self, args, state, control, **kw):
+            if time.time() - self.t0 > seconds:
+                control.should_training_stop = True
+
+    return _TimeBox()
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -180,8 +199,9 @@ def main(argv=None):
         learning_rate=args.learning_rate, warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
         lr_scheduler_type="linear", weight_decay=args.weight_decay, logging_steps=args.logging_steps,
         save_strategy="no", eval_strategy="no", report_to="none", seed=args.seed, data_seed=args.seed,
-        disable_tqdm=True, dataloader_pin_memory=torch.cuda.is_available())  # pinning is for host-to-GPU copies
-    trainer = Trainer(model=model, args=targs, data_collator=collator, train_dataset=train_ds, eval_dataset=eval_ds)
+        disable_tqdm=True, dataloader_pin_memory=torch.cuda.is_available(), bf16=args.bf16)  # pinning is for host-to-GPU copies
+    trainer = Trainer(model=model, args=targs, data_collator=collator, train_dataset=train_ds, eval_dataset=eval_ds,
+                      callbacks=[TimeBox(args.max_seconds)] if args.max_seconds else None)
     t1 = time.time()
     trainer.train()
     t_train = time.time() - t1

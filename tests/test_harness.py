@@ -1,0 +1,238 @@
+"""experiments/paper (the paper's experiments at three scales) and train.py's stopping signal (--save_best, the drift
+logged as teacher_cosine).
+
+The fast tests check the parts on real outputs: the arms follow train.py's parser, the paper scale's dry run prints
+its commands and a GPU-hour estimate from train.step_flops, the device round trip's packing keeps every weight (to
+fp16) and the return limits, --save_best keeps the best-scored model. Two slow tests run the tiny scale end to end
+and the gpu scale's three commands (build, device, score) at toy size on the CPU.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import build_tiny_bert, cli_args
+
+import train
+from experiments.paper import device, page, run
+from test_train import make_groups
+from test_train import run as run_train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# configs and arms
+# ---------------------------------------------------------------------------------------------------------------
+def test_arms_are_train_py_objectives_plus_the_ablations(monkeypatch):
+    exp = run.load_config("tiny")["experiments"][0]
+    arms = run.arms_of(exp)
+    choices = train.build_parser()._option_string_actions["--objective"].choices
+    assert set(arms) == set(choices) | set(run.ABLATIONS)
+    for o in choices:
+        assert arms[o]["flags"] == ([] if o == "xprt" else ["--objective", o])
+    assert arms["self_reconstruction_5x"]["steps_factor"] == 5 and arms["e5_ranking"]["ranking"] == "e5"
+    # an objective added to train.py's parser becomes an arm with no edit to the harness
+    build = train.build_parser
+
+    def with_new_objective():
+        p = build()
+        p._option_string_actions["--objective"].choices = [*choices, "simlm"]
+        return p
+
+    monkeypatch.setattr(train, "build_parser", with_new_objective)
+    assert run.arms_of(exp)["simlm"]["flags"] == ["--objective", "simlm"]
+    assert "simlm" not in run.arms_of({**exp, "arms": ["xprt", "no_fill_in"]})
+    assert set(run.arms_of({**exp, "arms": "objectives"})) == {*choices, "simlm"}
+    with pytest.raises(SystemExit, match="unknown arms"):
+        run.arms_of({**exp, "arms": ["xprt", "nope"]})
+
+
+def test_every_arm_gets_the_same_budget():
+    exp = run.load_config("tiny")["experiments"][0]
+    arms = run.arms_of(exp)
+    groups = {"rrf": "g", "e5": "g_e5", "tfidf": "g_tfidf"}
+    argvs = {a: run.train_argv(exp, arm, "start", groups, 1, 4, Path("o") / a) for a, arm in arms.items()}
+    parsed = {a: train.build_parser().parse_args(argv) for a, argv in argvs.items()}  # as train.py reads them
+    for a, f in parsed.items():
+        assert f.model_name_or_path == "start" and f.seed == 1 and f.retention_weight == 0
+        assert f.per_device_train_batch_size == 8 and f.learning_rate == 1e-3 and f.max_length == 48
+        assert f.max_train_steps == (20 if a == "self_reconstruction_5x" else 4)
+    assert parsed["no_fill_in"].no_fill_in and parsed["random_positive"].positive == "random"
+    assert parsed["tfidf_ranking"].groups_dir == "g_tfidf" and parsed["xprt"].groups_dir == "g"
+    assert parsed["contrastive_random_span"].objective == "contrastive_random_span"
+    assert run.argv_of({"--a": True, "--b": None, "--c": [1, 2], "--d": 0.5, "--e": False}) == \
+        ["--a", "--c", "1", "2", "--d", "0.5"]
+
+
+def test_toy_overrides_merge_one_level_down():
+    exp = run.load_config("gpu", toy=True)["experiments"][0]
+    assert exp["train"]["--per_device_train_batch_size"] == 8  # the toy's
+    assert exp["train"]["--learning_rate"] == 1e-4  # the gpu config's, kept
+    assert exp["start"]["flags"]["--hidden_size"] == 32 and "--bf16" not in exp["start"]["flags"]
+    full = run.load_config("gpu")["experiments"][0]
+    assert full["train"]["--per_device_train_batch_size"] == 256 and full["start"]["flags"]["--bf16"] is True
+    assert not any("{shared}" in t for t in full["eval"]["--local_tasks"])
+
+
+def test_flop_estimate_is_train_step_flops_and_scales_with_the_batch():
+    exp = run.load_config("tiny")["experiments"][0]
+    arms = run.arms_of(exp)
+    f = {a: run.estimate_flops(exp, arm) for a, arm in arms.items()}
+    assert f["xprt"] > f["no_fill_in"] > 0 and f["xprt"] > f["contrastive_random_span"] > 0
+    assert f["xprt"] == f["e5_ranking"] == f["random_positive"]  # same shapes
+    double = {**exp, "train": {**exp["train"], "--per_device_train_batch_size": 16}}
+    # twice the rows: twice the work, up to the random count of masked positions the heads predict
+    assert run.estimate_flops(double, arms["xprt"]) == pytest.approx(2 * f["xprt"], rel=0.01)
+
+
+def test_paper_dry_run_prints_the_plan_and_gpu_hours(capsys):
+    run.main(["--scale", "paper", "--dry_run"])
+    text = capsys.readouterr().out
+    assert "accelerate launch --config_file configs/accelerate_8gpu.yaml train.py --model_name_or_path " \
+           "intfloat/e5-base-unsupervised" in text
+    assert "torchrun --standalone --nproc_per_node 8 select_groups.py" in text
+    assert "--benchmark 'MTEB(eng, v2)'" in text and "GPU-hours of from_bert" in text
+    # the from-BERT runs read E5's groups, every ranking from the 100K experiment's folders
+    assert "--groups_dir outputs/paper/paper/e5_100k/groups_tfidf" in text
+    exp = run.load_config("paper")["experiments"][0]
+    rows = run.gpu_hours(exp, run.arms_of(exp), [1], None)
+    xprt = rows[0]
+    # 100K documents x 7.0 groups, one epoch, 32 groups x 8 GPUs per step
+    assert xprt["steps"] == 2735 and xprt["processes"] == 8
+    assert xprt["tflop_per_step"] == pytest.approx(8 * run.estimate_flops(exp, run.arms_of(exp)["xprt"]) / 1e12)
+    hours = xprt["tflop_per_step"] * 1e12 * xprt["steps"] / (989e12 * 0.15) / 3600
+    assert xprt["gpu_hours"]["0.15"] == pytest.approx(hours)
+    assert f"{xprt['steps']:>8}" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the device round trip: what comes back
+# ---------------------------------------------------------------------------------------------------------------
+def test_pack_and_unpack_keep_every_weight_within_the_return_limits(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    folders = {"start": build_tiny_bert(out / "start"),
+               **{f"s1/{a}": build_tiny_bert(out / "s1" / a / "model", seed=i) for i, a in enumerate(["x", "y"])}}
+    (out / "s1" / "x" / "train_log.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    dest = tmp_path / "OUT"
+    dest.mkdir()
+    packed = device.pack(folders, out, dest)
+    assert packed["returned"] == list(folders) and not packed["not_returned"]
+    assert len(list(dest.iterdir())) <= device.RETURN["files"] - 1  # run.json comes on top
+    assert all(p.stat().st_size <= device.RETURN["file_bytes"] for p in dest.iterdir())
+    (dest / "run.json").write_text(json.dumps({**packed, "steps_per_arm": 3}))
+    back = tmp_path / "back"
+    device.unpack(dest, back)
+    for name, folder in folders.items():
+        orig = load_file(str(folder / "model.safetensors"))
+        got = load_file(str(back / folder.relative_to(out) / "model.safetensors"))
+        assert set(got) == set(orig)
+        for k, v in orig.items():
+            assert got[k].dtype == v.dtype
+            assert torch.equal(got[k], v.half().float()) if v.is_floating_point() else torch.equal(got[k], v)
+        assert (back / folder.relative_to(out) / "tokenizer.json").is_file()
+    assert (back / "s1" / "x" / "train_log.jsonl").read_text().startswith('{"step": 1')
+    # a model that does not fit the files allowed is left out whole and named
+    monkeypatch.setitem(device.RETURN, "files", 3)
+    monkeypatch.setitem(device.RETURN, "file_bytes", os.path.getsize(folders["start"] / "model.safetensors") // 4)
+    dest2 = tmp_path / "OUT2"
+    dest2.mkdir()
+    small = device.pack(folders, out, dest2)
+    assert small["returned"] == [] and small["not_returned"] == list(folders)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# train.py's stopping signal
+# ---------------------------------------------------------------------------------------------------------------
+def test_save_best_keeps_the_best_scored_model_and_the_drift_is_logged(tmp_path, tiny_bert):
+    groups = make_groups(tmp_path / "groups", 16)
+    out = tmp_path / "run"
+    res = run_train(cli_args({"--model_name_or_path": tiny_bert, "--groups_dir": groups, "--output_dir": out,
+                              "--max_length": 32, "--per_device_train_batch_size": 4, "--report_to": "none",
+                              "--logging_steps": 1, "--seed": 7, "--max_train_steps": 4, "--learning_rate": 5e-3,
+                              "--eval_tasks": str(ROOT / "data/eval/scifact"), "--eval_steps": 1,
+                              "--eval_limit": 10, "--save_best": "SciFact"}))
+    recs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    scores = {r["step"]: r["eval_SciFact"] for r in recs if "eval_SciFact" in r}
+    assert sorted(scores) == [1, 2, 3, 4]
+    best_step = max(scores, key=lambda s: (scores[s], -s))  # the first of equal scores is kept
+    best = json.loads((out / "best.json").read_text())
+    assert best["step"] == best_step == res["best"]["step"] and best["score"] == pytest.approx(scores[best_step])
+    assert (out / "best_model" / "model.safetensors").is_file() and (out / "model" / "model.safetensors").is_file()
+    # the kept folder is the model of that step: the final one only when the last step was the best
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(out / "best_model" / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a) == (best_step == 4)
+    drift = [r["teacher_cosine"] for r in recs if "teacher_cosine" in r]
+    assert len(drift) == 4 and all(-1.0 <= d <= 1.0 + 1e-6 for d in drift) and drift[-1] < 1.0 - 1e-4
+    with pytest.raises(SystemExit, match="needs --eval_tasks"):
+        train.parse_args(cli_args({"--groups_dir": groups, "--output_dir": out, "--save_best": "SciFact"}))
+
+
+def test_teacher_cosine_is_one_at_the_start(tmp_path, tiny_bert):
+    from transformers import AutoTokenizer
+
+    import modeling_xprt as mx
+
+    model = mx.XPRTModel.from_pretrained(str(tiny_bert))
+    teacher = mx.load_teacher(str(tiny_bert))
+    tok = AutoTokenizer.from_pretrained(str(tiny_bert))
+    rows = [{"doc_id": str(i), "anchor": f"anchor text {i}", "related": [f"related {i} {j}" for j in range(4)],
+             "random_passage": "random"} for i in range(3)]
+    batch = mx.XPRTCollator(tok, max_length=16)(rows)
+    assert train.teacher_cosine(model, teacher, batch).item() == pytest.approx(1.0, abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# end to end (slow): the tiny scale, and the gpu scale's three commands at toy size on the CPU
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_tiny_scale_end_to_end(tmp_path):
+    out = tmp_path / "tiny"
+    run.main(["--scale", "tiny", "--out", str(out)])
+    exp = run.load_config("tiny")["experiments"][0]
+    arms = list(run.arms_of(exp))
+    res = json.loads((out / "results.json").read_text())
+    assert res["arms"] == arms and len(res["per_seed"]) == 1
+    ev = json.loads((out / "eval_s1" / "results.json").read_text())
+    assert ev["models"][0] == str(out / "start") and len(ev["models"]) == len(arms) + 1
+    # the page's numbers are evaluate.py's, set beside the paper's
+    xprt = ev["summary"]["average"][ev["models"][1 + arms.index("xprt")]]
+    md = (out / "results.md").read_text()
+    assert f"| xPRT | {xprt:.2f} |" in md and "47.12 (retrieval 29.21)" in md and "| -4.9 |" in md
+    for a in arms:
+        assert json.loads((out / f"s1/{a}/model/xprt_config.json").read_text())
+        steps = [json.loads(line)["step"] for line in (out / f"s1/{a}/train_log.jsonl").read_text().splitlines()]
+        assert max(steps) == (20 if a == "self_reconstruction_5x" else 4)
+
+
+@pytest.mark.slow
+def test_gpu_scale_round_trip_at_toy_size(tmp_path, monkeypatch):
+    arms = ["--arms", "xprt", "contrastive_random_span"]
+    here, there = tmp_path / "here", tmp_path / "there"
+    run.main(["--scale", "gpu", "--toy", "--stage", "build", "--out", str(here), *arms])
+    assert json.loads((here / "carry" / "plan.json").read_text())["sizes"]["with_tree"] < device.CARRY_BYTES
+    # the device: a copy of the tree with the carry folder, $OUT for what comes back
+    (there / "carry").parent.mkdir(parents=True)
+    import shutil
+
+    shutil.copytree(here / "carry", there / "carry")
+    returned = tmp_path / "OUT"
+    monkeypatch.setenv("OUT", str(returned))
+    report = run.main(["--scale", "gpu", "--toy", "--stage", "device", "--out", str(there), *arms])["gpu"]
+    assert report["returned"] == ["start", "s1/xprt", "s1/contrastive_random_span"]
+    assert 2 <= report["steps_per_arm"] <= 3  # the toy rule's [min, max]: what fits 5 s depends on the machine
+    assert set(report["probes"]) == {"xprt", "contrastive_random_span"}  # the heaviest and the lightest arm
+    assert len(list(returned.iterdir())) <= device.RETURN["files"]
+    scored = tmp_path / "scored"
+    run.main(["--scale", "gpu", "--toy", "--stage", "score", "--returned", str(returned), "--out", str(scored),
+              *arms])
+    md = (scored / "results.md").read_text()
+    assert "| xPRT |" in md and "| random spans (Contriever) |" in md
+    log = [json.loads(line) for line in (scored / "s1/xprt/train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == report["steps_per_arm"]
