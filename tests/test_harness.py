@@ -177,10 +177,11 @@ def test_save_best_keeps_the_best_scored_model_and_the_drift_is_logged(tmp_path,
 def test_teacher_cosine_is_one_at_the_start(tmp_path, tiny_bert):
     from transformers import AutoTokenizer
 
+    import architectures
     import modeling_xprt as mx
 
     model = mx.XPRTModel.from_pretrained(str(tiny_bert))
-    teacher = mx.load_teacher(str(tiny_bert))
+    teacher = architectures.load_teacher(str(tiny_bert))
     tok = AutoTokenizer.from_pretrained(str(tiny_bert))
     rows = [{"doc_id": str(i), "anchor": f"anchor text {i}", "related": [f"related {i} {j}" for j in range(4)],
              "random_passage": "random"} for i in range(3)]

@@ -113,7 +113,11 @@ def arms_of(exp: dict, only=None) -> dict:
     the config's "extra_arms"; its "arms" ("all", "objectives": no ablations, or a list) picks, "exclude" drops."""
     arms = {"xprt": {}}
     arms.update(ABLATIONS)
-    arms.update({o: {"flags": ["--objective", o]} for o in objective_choices() if o != "xprt"})
+    # an objective's own flags from the config ("objective_flags": SimLM's --generator_name_or_path; "{start}" is the
+    # arms' start model)
+    own = exp.get("objective_flags", {})
+    arms.update({o: {"flags": ["--objective", o] + argv_of(own.get(o, {}))} for o in objective_choices()
+                 if o != "xprt"})
     arms.update(exp.get("extra_arms", {}))  # a config's own variants: {"name": {"flags": [...]}}
     want = exp.get("arms", "all")
     if want in ("all", "objectives"):
@@ -243,7 +247,7 @@ def train_argv(exp: dict, arm: dict, start: str, groups: dict, seed: int, steps:
         flags["--max_train_steps"] = steps * arm["steps_factor"]
     elif arm["steps_factor"] != 1:
         flags["--num_train_epochs"] = exp["train"].get("--num_train_epochs", 1) * arm["steps_factor"]
-    return argv_of(flags) + arm["flags"]
+    return argv_of(flags) + [start if f == "{start}" else f for f in arm["flags"]]
 
 
 def stage_train(exp: dict, out: Path, arms: dict, start: str, groups: dict, seeds: list, steps: int,
@@ -316,17 +320,25 @@ def estimate_flops(exp: dict, arm: dict) -> float:
     import train
     from support import resolve_model_path
 
-    objective = arm["flags"][arm["flags"].index("--objective") + 1] if "--objective" in arm["flags"] else "xprt"
+    flags = arm["flags"]
+    objective = flags[flags.index("--objective") + 1] if "--objective" in flags else "xprt"
+    options = {"fill_in": False} if "--no_fill_in" in flags else {}
+    if "--generator_name_or_path" in flags:  # SimLM's frozen generator: the start's architecture stands in for it
+        import tempfile
+
+        gen_dir = tempfile.mkdtemp()
+        with torch.random.fork_rng(devices=[]):
+            BertForMaskedLM(model_config(exp)).save_pretrained(gen_dir)
+        options["generator_name_or_path"] = gen_dir
     t = exp["train"]
     with torch.device("meta"):
-        model = mx.XPRTModel(BertForMaskedLM(model_config(exp)), objective=objective,
-                             fill_in="--no_fill_in" not in arm["flags"])
+        model = mx.XPRTModel(BertForMaskedLM(model_config(exp)), objective=objective, **options)
     tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))  # shapes only: one token a word
     text = " ".join(["word"] * t.get("--max_length", 128))
     rows = [{"doc_id": str(i), "anchor": text, "related": [text] * 4, "random_passage": text}
             for i in range(t.get("--per_device_train_batch_size", 32))]
-    collator = mx.XPRTCollator(tok, objective=objective, max_length=t.get("--max_length", 128),
-                               fill_in=model.fill_in, positive="random" if "random" in arm["flags"] else "s1")
+    collator = model.method.make_collator(tok, max_length=t.get("--max_length", 128),
+                                          positive="random" if "random" in flags else "s1")
     return train.step_flops(model, collator(rows), t.get("--retention_weight", 40.0) > 0)
 
 
