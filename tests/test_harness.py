@@ -31,21 +31,23 @@ def test_arms_are_train_py_objectives_plus_the_ablations(monkeypatch):
     arms = run.arms_of(exp)
     choices = train.build_parser()._option_string_actions["--objective"].choices
     assert set(arms) == set(choices) | set(run.ABLATIONS)
+    own = exp.get("objective_flags", {})  # an objective's own flags (SimLM's generator)
     for o in choices:
-        assert arms[o]["flags"] == ([] if o == "xprt" else ["--objective", o])
+        assert arms[o]["flags"] == ([] if o == "xprt" else ["--objective", o] + run.argv_of(own.get(o, {})))
+    assert arms["simlm"]["flags"][2:] == ["--generator_name_or_path", "{start}"]
     assert arms["self_reconstruction_5x"]["steps_factor"] == 5 and arms["e5_ranking"]["ranking"] == "e5"
     # an objective added to train.py's parser becomes an arm with no edit to the harness
     build = train.build_parser
 
     def with_new_objective():
         p = build()
-        p._option_string_actions["--objective"].choices = [*choices, "simlm"]
+        p._option_string_actions["--objective"].choices = [*choices, "new_objective"]
         return p
 
     monkeypatch.setattr(train, "build_parser", with_new_objective)
-    assert run.arms_of(exp)["simlm"]["flags"] == ["--objective", "simlm"]
-    assert "simlm" not in run.arms_of({**exp, "arms": ["xprt", "no_fill_in"]})
-    assert set(run.arms_of({**exp, "arms": "objectives"})) == {*choices, "simlm"}
+    assert run.arms_of(exp)["new_objective"]["flags"] == ["--objective", "new_objective"]
+    assert "new_objective" not in run.arms_of({**exp, "arms": ["xprt", "no_fill_in"]})
+    assert set(run.arms_of({**exp, "arms": "objectives"})) == {*choices, "new_objective"}
     with pytest.raises(SystemExit, match="unknown arms"):
         run.arms_of({**exp, "arms": ["xprt", "nope"]})
 

@@ -331,8 +331,9 @@ def estimate_flops(exp: dict, arm: dict) -> float:
             BertForMaskedLM(model_config(exp)).save_pretrained(gen_dir)
         options["generator_name_or_path"] = gen_dir
     t = exp["train"]
-    with torch.device("meta"):
-        model = mx.XPRTModel(BertForMaskedLM(model_config(exp)), objective=objective, **options)
+    with torch.device("meta"):  # the encoder without weights; the objective's heads are built from its shapes
+        encoder = BertForMaskedLM(model_config(exp))
+    model = mx.XPRTModel(encoder, objective=objective, **options)
     tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))  # shapes only: one token a word
     text = " ".join(["word"] * t.get("--max_length", 128))
     rows = [{"doc_id": str(i), "anchor": text, "related": [text] * 4, "random_passage": text}
