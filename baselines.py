@@ -282,8 +282,9 @@ class RetroMAE(Objective):
         lacks = [what for what, ok in (
             ("a BERT-style attention (attention.self.query / key / value, attention.output)",
              hasattr(getattr(getattr(layer, "attention", None), "self", None), "query")),
-            ("absolute position embeddings (embeddings.position_embeddings)",
-             hasattr(getattr(base, "embeddings", None), "position_embeddings"))) if not ok]
+            ("absolute position embeddings of the hidden size (embeddings.position_embeddings)",
+             getattr(getattr(getattr(base, "embeddings", None), "position_embeddings", None), "embedding_dim", None)
+             == encoder.config.hidden_size)) if not ok]
         if lacks:
             raise ValueError(f"--objective retromae: {type(base).__name__} has no {' and no '.join(lacks)}, which "
                              "RetroMAE's enhanced decoding needs")

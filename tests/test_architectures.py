@@ -87,9 +87,9 @@ TERMS = {"xprt": {"xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "u
          "contriever": {"contrastive_loss", "retention_loss"}}
 MAIN_TERM = {"xprt": "xp_loss", "contrastive_random_span": "contrastive_loss", "self_reconstruction": "recon_loss",
              "retromae": "decoder_loss", "simlm": "decoder_rlm_loss", "contriever": "contrastive_loss"}
-# RetroMAE's enhanced decoding splits BERT's attention layout into two streams and adds absolute position embeddings:
-# the families without them are refused at load (baselines.RetroMAE)
-RETROMAE_REFUSED = {"distilbert", "modernbert", "mpnet", "deberta-v2"}
+# RetroMAE's enhanced decoding splits BERT's attention layout into two streams and adds absolute position embeddings of
+# the hidden size to the query stream: the families without them (ELECTRA's are embedding-sized) are refused at load
+RETROMAE_REFUSED = {"distilbert", "electra", "modernbert", "mpnet", "deberta-v2"}
 TEXTS = ["the cat sat on the mat", "a short one", "passages of uneven length make padding"]
 
 

@@ -415,8 +415,22 @@ def test_random_crop_is_data_py_randomcrop():
     assert abs(sum(lengths) / len(lengths) - 0.3 * 37 + 0.5) < 0.3  # E[floor(37 r)] ~ 11.1 - 0.5
 
 
-def test_contriever_loss_and_gradients_equal_a_loop(tok, tiny_bert):
+def test_contriever_scores_as_the_start_model_does(tok, tiny_bert):
+    """Contriever's default (normalize=None) follows the start's similarity: cosines for a cosine start (the tiny BERT:
+    sentence-transformers' default), the official dot products for a dot-product start."""
     model = make(tiny_bert, "contriever")
+    batch = model.method.make_collator(tok, max_length=32)(rows_from_docs(8))
+    _, vec = model.method.encode(model, batch)
+    loss = model.method.batch_terms(model, vec, batch)[0]
+    torch.testing.assert_close(loss, B.contriever_loss(vec[:, 0], vec[:, 1], 0.05, normalize=True))
+    model.info.similarity_fn_name = "dot"
+    torch.testing.assert_close(model.method.batch_terms(model, vec, batch)[0],
+                               B.contriever_loss(vec[:, 0], vec[:, 1], 0.05, normalize=False))
+
+
+def test_contriever_loss_and_gradients_equal_a_loop(tok, tiny_bert):
+    """The official run's scores (--norm_query / --norm_doc off): dot products / 0.05."""
+    model = make(tiny_bert, "contriever", normalize=False)
     obj = model.method
     batch = obj.make_collator(tok, max_length=32)(rows_from_docs(8))
     _, vec = obj.encode(model, batch)
