@@ -2,8 +2,9 @@
 
 Each process holds its half of a fixed batch of groups and computes one xPRT step twice: plainly (the batch-wide
 terms on the vectors gathered across processes, one backward) and with the gradient cache (XPRTModel.cached_step,
-one group per chunk), each followed by DDP's averaging of the parameter gradients over the processes. Dropout is
-off (eval mode), so both see the same computation. Rank 0 writes the largest gradient and loss differences to
+one group per chunk), each followed by DDP's averaging of the parameter gradients over the processes; then one
+optimiser step of two micro-batches under a real Accelerator (DDP, gradient accumulation 2), plain and cached
+(support.gradient_cache_step). Dropout is off (eval mode), so both see the same computation. Rank 0 writes the largest gradient and loss differences to
 argv[1] (JSON); argv[2] is the tiny model's folder.
 """
 
@@ -19,9 +20,9 @@ import architectures  # noqa: E402
 import modeling_xprt as mx  # noqa: E402
 
 
-def rows():
+def rows(seed=0):
     words = "baseball pitcher game perfect inning rule catcher umpire league season team score".split()
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     pick = lambda k: " ".join(words[i] for i in torch.randint(len(words), (k,), generator=g).tolist())  # noqa: E731
     return [{"doc_id": f"d{i % 3}", "anchor": pick(10), "related": [pick(8) for _ in range(4)],
              "random_passage": pick(9)} for i in range(6)]
@@ -62,6 +63,31 @@ def main():
     diffs = {"loss": float((cached_out["loss"] - plain_loss).abs()),
              "grad": max(float((cached[n] - plain[n]).abs().max()) for n in plain),
              "grad_scale": max(float(plain[n].abs().max()) for n in plain), "same_keys": set(plain) == set(cached)}
+
+    # One optimiser step of two micro-batches under a real Accelerator (DDP, gradient accumulation 2): the cached
+    # step (support.gradient_cache_step) against the plain one, every parameter's accumulated, averaged gradient.
+    from accelerate import Accelerator
+
+    import support
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    prepared = acc.prepare(model)
+    micro = [batch, mx.XPRTCollator(tok, seed=10 + rank)(rows(seed=1)[rank * 3:(rank + 1) * 3])]
+
+    def accumulated(cached):
+        model.zero_grad(set_to_none=True)
+        for b in micro:
+            with acc.accumulate(prepared):
+                if cached:
+                    support.gradient_cache_step(acc, prepared, b, 1, teacher=teacher, retention_weight=40.0)
+                else:
+                    acc.backward(prepared(b, teacher=teacher, retention_weight=40.0)["loss"])
+        return {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+
+    plain2, cached2 = accumulated(False), accumulated(True)
+    err = sum(float((cached2[n] - plain2[n]).pow(2).sum()) for n in plain2) ** 0.5
+    diffs["accumulated_relative_error"] = err / sum(float(plain2[n].pow(2).sum()) for n in plain2) ** 0.5
+    diffs["accumulated_same_keys"] = set(plain2) == set(cached2)
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(diffs, f)

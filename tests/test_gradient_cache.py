@@ -183,8 +183,8 @@ def test_finetune_with_the_cache_logs_the_plain_runs_losses(no_dropout_bert, tmp
 @pytest.mark.slow
 def test_two_processes_cached_step_equals_the_plain_step(tiny_bert, tmp_path):
     """torchrun, 2 CPU processes, each with half of the batch: the batch-wide terms on the gathered vectors, the
-    chunks' backward passes, then DDP's averaging: every averaged gradient equals the plain 2-process step's
-    (tests/dist_cache_check.py)."""
+    chunks' backward passes, then DDP's averaging: every averaged gradient equals the plain 2-process step's; and
+    through a real Accelerator at gradient accumulation 2 (tests/dist_cache_check.py)."""
     out = tmp_path / "dist.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "dist_cache_check.py"), str(out), str(tiny_bert)]
@@ -195,6 +195,8 @@ def test_two_processes_cached_step_equals_the_plain_step(tiny_bert, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     d = json.loads(out.read_text())
     assert d["same_keys"] and d["loss"] < 1e-6 and d["grad"] <= 1e-6 + 1e-4 * d["grad_scale"], d
+    # accumulation 2 through accelerate under DDP: was 0.5 before the vector gradients were taken unscaled
+    assert d["accumulated_same_keys"] and d["accumulated_relative_error"] < 1e-5, d
 
 
 @pytest.mark.slow
