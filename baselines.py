@@ -286,7 +286,7 @@ class RetroMAE(Objective):
              getattr(getattr(getattr(base, "embeddings", None), "position_embeddings", None), "embedding_dim", None)
              == encoder.config.hidden_size)) if not ok]
         if lacks:
-            raise ValueError(f"--objective retromae: {type(base).__name__} has no {' and no '.join(lacks)}, which "
+            raise ValueError(f"--objective retromae: {type(base).__name__} lacks {' and '.join(lacks)}, which "
                              "RetroMAE's enhanced decoding needs")
         self.decoder = layer
 
