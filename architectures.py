@@ -206,7 +206,8 @@ def _probe_ids(base):
 
 class MLMHead(NamedTuple):
     """The MLM head split where the vocabulary sweep needs it: logits = transform(h) @ weight.T + bias.
-    transform: (M, H) -> (M, D); weight (V, D), the vocabulary matrix (D = H, or ELECTRA's embedding size); bias (V,)."""
+    transform: (M, H) -> (M, D); weight (V, D), the vocabulary matrix (D = H, or ELECTRA's embedding size);
+    bias (V,)."""
 
     transform: Callable
     weight: torch.Tensor

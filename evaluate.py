@@ -845,8 +845,9 @@ def eval_mode_and_rng(module):
 
 def scoring_function(similarity_fn_name) -> ScoringFunction:
     """mteb's name of a sentence-transformers similarity function (None: cosine, sentence-transformers' default)."""
-    return {"cosine": ScoringFunction.COSINE, "dot": ScoringFunction.DOT_PRODUCT, "euclidean": ScoringFunction.EUCLIDEAN,
-            "manhattan": ScoringFunction.MANHATTAN}[str(similarity_fn_name or "cosine")]
+    functions = {"cosine": ScoringFunction.COSINE, "dot": ScoringFunction.DOT_PRODUCT,
+                 "euclidean": ScoringFunction.EUCLIDEAN, "manhattan": ScoringFunction.MANHATTAN}
+    return functions[str(similarity_fn_name or "cosine")]
 
 
 class TrainingEncoder(AbsEncoder):

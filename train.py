@@ -280,7 +280,8 @@ def load_pretraining_model(accelerator, args):
                     ("mlm", "mlm_weight"), ("unif", "unif_weight")]
     options = {}
     if any(getattr(args, a) is not None for _, a in weight_flags):
-        options["weights"] = LossWeights(**{f: getattr(args, a) for f, a in weight_flags if getattr(args, a) is not None})
+        options["weights"] = LossWeights(**{f: getattr(args, a) for f, a in weight_flags
+                                            if getattr(args, a) is not None})
     if args.no_fill_in:
         options["fill_in"] = False
     if args.generator_name_or_path:
