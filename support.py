@@ -1129,10 +1129,15 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     rows of nearly equal length, such as the groups of one document (they share its passages), then land in
     different batches, at the cost of a batch spanning `spread` batches' worth of the sorted lengths
     (bench/bench_batches.py measures both).
+    keys and max_per_key cap the rows of one key (train.py: one document's groups, which xp_loss masks out of each
+    other's negatives) in any batch: a document that dominates the data would otherwise fill whole batches whose rows
+    have no negative left. The cap keeps len(self) = the most batches the keys allow (capped_batch_count); a key's
+    rows beyond max_per_key per batch wait out the epoch (a different subset each epoch), counted in rows_left_out.
+    Where the cap binds in no batch, the batches are those without it.
     """
 
     def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50,
-                 spread: int = 1):
+                 spread: int = 1, keys=None, max_per_key: int = 0):
         # a numpy int64 array, not a list: 8 bytes per row, whatever the number of groups (a list of Python ints
         # costs about 36). A callable epoch -> lengths: lengths that change with the epoch (the random-span
         # baseline's crops, drawn per (seed, epoch): crop_spans); (N, 2) lengths: the longer and the shorter of two
@@ -1144,6 +1149,18 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         self.epoch, self.drop_last = 0, True
         if len(self.lengths) < batch_size:
             raise ValueError(f"{len(self.lengths)} examples cannot fill one batch of {batch_size}")
+        self.keys = None if keys is None or max_per_key < 1 else np.asarray(keys)  # (N,) e.g. document id hashes
+        self.max_per_key, self.num_batches = max_per_key, len(self.lengths) // batch_size
+        if self.keys is not None:
+            if len(self.keys) != len(self.lengths):
+                raise ValueError(f"{len(self.keys)} keys for {len(self.lengths)} examples")
+            counts = np.unique(self.keys, return_counts=True)[1]
+            self.num_batches = capped_batch_count(counts, batch_size, max_per_key)
+            if self.num_batches == 0:
+                raise ValueError(f"no batch of {batch_size} holds at most {max_per_key} rows of one key: the data has "
+                                 f"{len(counts)} key(s) for {len(self.lengths)} rows")
+        # rows a full epoch leaves out because of the cap (the incomplete last batch aside)
+        self.rows_left_out = (len(self.lengths) // batch_size - self.num_batches) * batch_size
 
     def set_epoch(self, epoch: int):
         if self.lengths_for_epoch is not None and epoch != self.epoch:
@@ -1173,7 +1190,83 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         batches = self.cut(order)
         perm = list(range(n // bs))
         rng.shuffle(perm)
-        return batches[perm]
+        batches = batches[perm]
+        if self.keys is None or (self.num_batches == len(batches) and not self.over_cap(batches)):
+            return batches
+        return self._capped_batches()
+
+    def over_cap(self, batches: np.ndarray) -> bool:
+        """Whether some batch holds more than max_per_key rows of one key."""
+        k, c = np.sort(self.keys[batches], axis=1), self.max_per_key
+        return c < k.shape[1] and bool((k[:, c:] == k[:, :-c]).any())  # c + 1 equal keys in a sorted row
+
+    def _capped_batches(self) -> np.ndarray:
+        """num_batches batches with at most max_per_key rows of a key each, drawn from (seed, epoch).
+
+        A key keeps max_per_key * num_batches of its rows (a random subset), and the kept rows are trimmed to exactly
+        num_batches * batch_size; they are length-grouped as usual, then cut in that order, a row whose key is full in
+        the batch waiting for the next one. Before each batch, a key with r rows left and R batches to go gives the
+        batch the max(0, r - max_per_key * (R - 1)) rows it must (its next ones): the rest could not fit later. Every
+        key then keeps r <= max_per_key * R with exactly batch_size * R rows left, which dealing the rows sorted by key
+        round-robin shows can always be cut: so every batch is filled, and only forced rows leave the length order."""
+        from collections import deque
+
+        rng = np.random.default_rng([self.seed, self.epoch, 1])
+        bs, nb, cap = self.batch_size, self.num_batches, self.max_per_key
+        order = rng.permutation(len(self.lengths))
+        by_key = np.argsort(self.keys[order], kind="stable")
+        keys_sorted = self.keys[order][by_key]
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[by_key] = np.arange(len(order)) - np.searchsorted(keys_sorted, keys_sorted, side="left")
+        order = order[rank < cap * nb][: nb * bs]  # a key's first cap * nb rows of the epoch's order; nb * bs in all
+        if self.group:
+            span = bs * self.mega
+            for s in range(0, len(order), span):
+                part = order[s:s + span]
+                order[s:s + span] = self._deal(part[self._longest_first(self.lengths[part])], bs)
+        keys = self.keys[order].tolist()  # position -> key
+        left = {}
+        for k in keys:
+            left[k] = left.get(k, 0) + 1
+        heavy = sorted((k for k in left if left[k] > cap), key=lambda k: -left[k])  # the keys that can be forced
+        positions = {k: deque() for k in heavy}
+        for pos, k in enumerate(keys):
+            if k in positions:
+                positions[k].append(pos)
+        used, nxt, waiting, out = np.zeros(len(order), dtype=bool), 0, deque(), []
+        for to_go in range(nb, 0, -1):
+            batch, held = [], {}
+
+            def take(pos):
+                used[pos] = True
+                batch.append(pos)
+                held[keys[pos]] = held.get(keys[pos], 0) + 1
+                left[keys[pos]] -= 1
+
+            for k in heavy:  # rows that cannot wait
+                if left[k] <= cap * (to_go - 1):
+                    continue
+                while left[k] > cap * (to_go - 1):
+                    pos = positions[k].popleft()
+                    if not used[pos]:
+                        take(pos)
+            skipped = deque()
+            while len(batch) < bs:
+                if waiting:
+                    pos = waiting.popleft()
+                else:
+                    pos, nxt = nxt, nxt + 1
+                if used[pos]:
+                    continue
+                if held.get(keys[pos], 0) == cap:
+                    skipped.append(pos)
+                    continue
+                take(pos)
+            skipped.extend(waiting)
+            waiting = skipped  # first in line for the next batch
+            out.append(order[batch])
+        out = np.asarray(out, dtype=np.int64).reshape(nb, bs)
+        return out[rng.permutation(nb)]
 
     def _deal(self, part: np.ndarray, bs: int) -> np.ndarray:
         """A sorted mega-batch with each run of `spread` batches dealt round-robin (the last, shorter run over the
@@ -1211,7 +1304,48 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         return (b.tolist() for b in self.batch_matrix())
 
     def __len__(self):
-        return len(self.lengths) // self.batch_size
+        return self.num_batches
+
+
+def capped_batch_count(counts, batch_size: int, max_per_key: int) -> int:
+    """The most batches of `batch_size` rows, at most `max_per_key` of one key each, that rows of these per-key
+    `counts` fill: the largest B with sum_k min(count_k, max_per_key * B) >= batch_size * B (at most
+    sum(counts) // batch_size). That sum minus batch_size * B is concave in B and 0 at B = 0, so the Bs that fit
+    are 0..B*, found by bisection. E.g. one document with 2,095 groups and 24 others, batch 4, cap 2: 12 batches."""
+    counts = np.asarray(counts, dtype=np.int64)
+    lo, hi = 0, int(counts.sum()) // batch_size
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if np.minimum(counts, max_per_key * mid).sum() >= batch_size * mid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def in_batch_negatives(accelerator, doc_ids: torch.Tensor) -> torch.Tensor:
+    """The in-batch negatives a row keeps after the same-document mask of modeling_xprt.xp_loss, averaged over this
+    process's rows: the rows of the step's batch, gathered from every process, that come from another document.
+    0-dim, on the device (LogWindow averages it over the window and the processes). 0 means L_xp is 0 for the batch:
+    every candidate of every row was masked."""
+    everyone = accelerator.gather(doc_ids)  # (N * world,): ids carry no gradient
+    return (doc_ids.unsqueeze(1) != everyone.unsqueeze(0)).sum(1).double().mean()
+
+
+def sampler_negatives(sampler: "LengthGroupedBatchSampler", keys) -> dict:
+    """What the same-document mask leaves of one process's batches in epoch 0, exact, from the sampler alone (other
+    processes' rows add to it): per row, the batch's rows with another key. -> {"mean", "min", "rows_without",
+    "rows", "batch_size"}."""
+    keys = np.asarray(keys)
+    epoch = sampler.epoch
+    sampler.set_epoch(0)
+    k = keys[sampler.batch_matrix()]  # (batches, batch_size)
+    sampler.set_epoch(epoch)
+    # (batches, batch_size), 64 batches at a time: the (64, batch_size, batch_size) comparison stays small
+    left = np.concatenate([(b[:, :, None] != b[:, None, :]).sum(2) for b in np.split(k, range(64, len(k), 64))]
+                          or [np.zeros((0, sampler.batch_size), dtype=np.int64)])
+    return {"mean": float(left.mean()) if left.size else 0.0, "min": int(left.min()) if left.size else 0,
+            "rows_without": int((left == 0).sum()), "rows": int(left.size), "batch_size": sampler.batch_size}
 
 
 class RowsDataset(torch.utils.data.Dataset):
@@ -1514,6 +1648,11 @@ class LogWindow:
             self.check_finite(acc, epoch)
         if log_now:
             rec = self.record(acc, args, step, epoch, self.lr_scheduler, self.optimizer, scalars)
+            floor = getattr(args, "min_in_batch_negatives", None) or (
+                args.per_device_train_batch_size * acc.num_processes // 2)
+            if rec.get("in_batch_negatives", floor) < floor:  # train.py logs what the same-document mask left
+                acc.print(f"warning: step {step}: a row kept {rec['in_batch_negatives']:.2f} in-batch negatives on "
+                          f"average after the same-document mask (< --min_in_batch_negatives {floor}); at 0 L_xp is 0")
             acc.log({k: v for k, v in rec.items() if k != "step"}, step=step)
             write_log_record(acc, Path(args.output_dir) / "train_log.jsonl", rec)
             self.progress.set_postfix(loss=f"{rec.get('loss', float('nan')):.4f}",

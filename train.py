@@ -22,15 +22,16 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from architectures import head_multiply_adds, layer_multiply_adds, load_teacher
 from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives
 from support import (EVAL_PREFIX, LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args,
                      atomic_write, batch_to_device, check_common_args, engine_dtype, epoch_batches,
-                     gradient_cache_step, load_model, make_accelerator, optimizer_groups, prepare_output_dir,
-                     read_json, resolve_model_path, resume, save_checkpoint, save_model, save_run, whole_weights,
-                     write_log_record, zero3)
+                     gradient_cache_step, in_batch_negatives, load_model, make_accelerator, optimizer_groups,
+                     prepare_output_dir, read_json, resolve_model_path, resume, sampler_negatives, save_checkpoint,
+                     save_model, save_run, whole_weights, write_log_record, zero3)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -80,6 +81,14 @@ def build_parser():
                         "(nearly equal lengths: they share its passages) land in different batches, where they would "
                         "be masked out of each other's negatives; 1 = off (figures: bench/README.md). Objectives whose "
                         "collator groups by other lengths (random spans: the crops') ignore it")
+    g.add_argument("--max_document_groups_per_batch", type=int, default=None,
+                   help="at most N groups of one document in a batch (default: half the per-device batch; 0 = no "
+                        "cap): L_xp masks a document's groups out of each other's negatives, so a document that "
+                        "fills a batch leaves its rows none and L_xp exactly 0. Groups over the cap wait out the epoch "
+                        "(the log says how many)")
+    g.add_argument("--min_in_batch_negatives", type=float, default=None,
+                   help="warn when the in-batch negatives a row keeps after the same-document mask (logged as "
+                        "in_batch_negatives, the mean over rows) fall below this (default: half the global batch)")
 
     g = p.add_argument_group("loss weights (modeling_xprt.LossWeights; None = its defaults)")
     g.add_argument("--xp_weight", type=float, default=None, help="weight of L_xp")
@@ -302,7 +311,20 @@ def load_data(accelerator, args, model, tokenizer):
                                           seed=args.seed + accelerator.process_index)
     lengths, row_extras = collator.sort_lengths(rows, args.seed)
     spread = args.spread_documents if collator.spread_documents else 1
-    sampler = LengthGroupedBatchSampler(lengths, args.per_device_train_batch_size, args.seed, spread=spread)
+    bs, world = args.per_device_train_batch_size, accelerator.num_processes
+    cap = max(bs // 2, 1) if args.max_document_groups_per_batch is None else args.max_document_groups_per_batch
+    docs = np.unique(rows["doc_id"], return_inverse=True)[1]  # (groups,) a group's document as an integer
+    sampler = LengthGroupedBatchSampler(lengths, bs, args.seed, spread=spread, keys=docs, max_per_key=cap)
+    neg, floor = sampler_negatives(sampler, docs), args.min_in_batch_negatives or bs * world // 2
+    accelerator.print(f"in-batch negatives left by the same-document mask (epoch 0, exact, per process's batch of "
+                      f"{bs}): mean {neg['mean']:.2f} per row, min {neg['min']}, {neg['rows_without']} of "
+                      f"{neg['rows']} rows with none; at most {cap or 'any'} groups of one document per batch "
+                      f"(--max_document_groups_per_batch) left {sampler.rows_left_out:,} of {len(rows):,} groups "
+                      "out of each epoch")
+    if neg["mean"] * world < floor:
+        accelerator.print(f"warning: a row keeps {neg['mean']:.2f} in-batch negatives on average (< "
+                          f"--min_in_batch_negatives {floor}): few documents fill the batches; lower "
+                          "--max_document_groups_per_batch or select from more documents")
     return rows, collator, sampler, row_extras
 
 
@@ -449,6 +471,8 @@ def main(argv=None):
                                                   teacher=teacher, retention_weight=w)
                 else:
                     outputs = model(batch, teacher=teacher, retention_weight=w)
+                if "doc_ids" in batch:  # what the same-document mask left: logged, warned on below a floor
+                    outputs = {**outputs, "in_batch_negatives": in_batch_negatives(accelerator, batch["doc_ids"])}
                 if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
                     if not args.gradient_cache_chunk:
                         accelerator.backward(outputs["loss"])
