@@ -81,7 +81,7 @@ def _one_document_groups(out: Path, n_big: int, n_small: int) -> Path:
     import pyarrow.parquet as pq
 
     src = make_groups(out.parent / f"{out.name}-src", n_big + n_small)
-    table = pq.read_table(next(src.glob("groups-*.parquet")))
+    table = pq.read_table(src / "shard-00000.parquet")
     ids = ["the-long-page"] * n_big + [f"other-{i}" for i in range(n_small)]
     table = table.set_column(table.schema.get_field_index("doc_id"), "doc_id", pa.array(ids))
     out.mkdir(parents=True)
