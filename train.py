@@ -432,7 +432,8 @@ def main(argv=None):
         f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {len(rows)} "
         f"groups, {max_steps} steps x {args.per_device_train_batch_size} per device x {world} processes x "
         f"{args.gradient_accumulation_steps} accumulation; in-batch negatives per step = "
-        f"{args.per_device_train_batch_size * world} (accumulation adds none); lr {args.learning_rate}")
+        f"{args.per_device_train_batch_size * world} (accumulation adds none; the same-document mask leaves fewer: "
+        f"in_batch_negatives in the log); lr {args.learning_rate}")
     if accelerator.is_main_process:
         accelerator.init_trackers("xprt", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
                                                   for k, v in vars(args).items()})
