@@ -704,7 +704,10 @@ class XPRTModel(nn.Module):
         """The retention term's student: the clean anchor and s1 encoded WITHOUT dropout (the teacher runs without
         it, so the term is the model's drift only, 0 at step 0; with dropout it would be a dropout-consistency term
         under the weight 40 that nobody chose: docs/steps.md, retention at step 0) -> (G, 2, H)."""
-        if self.encoder.is_activation_checkpointing and torch.is_grad_enabled():
+        # the layers' own flag, as transformers reads it (its property is is_gradient_checkpointing up to 5.17,
+        # is_activation_checkpointing since: the GPU machine has 5.17)
+        checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in self.encoder.modules())
+        if checkpointed and torch.is_grad_enabled():
             # eval mode (no dropout) makes transformers skip its per-layer checkpointing, so under
             # --gradient_checkpointing the pass is checkpointed whole; its recomputation runs in eval mode too
             from torch.utils.checkpoint import checkpoint

@@ -23,6 +23,7 @@ run `bash bench/device_wheels.sh` here first and carry bench/wheels; this check 
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -45,17 +46,24 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/xprt_device_check"),
                    help="folder for the end-to-end run's outputs and device_check.json (default: $OUT)")
     p.add_argument("--skip_e2e", action="store_true", help="skip part 5 (select -> train -> evaluate)")
+    p.add_argument("--wheels", default=str(HERE / "wheels"),
+                   help="carried wheels installed (--no-deps) when datasets / mteb are missing (bench/device_wheels.sh)")
     return p.parse_args(argv)
 
 
-def ensure_packages():
-    """datasets and mteb from the carried wheelhouse (bench/wheels) when this machine lacks them."""
+def ensure_packages(wheels: Path):
+    """datasets and mteb from the carried wheelhouse (bench/wheels) when this machine lacks them: every wheel installed
+    into <wheels>/../site without dependency resolution (--no-index --no-deps: the machine's own packages stand, and one
+    pin of a carried package that they do not meet, e.g. datasets 5.2's fsspec<=2026.9.0, cannot abort the check)."""
     missing = [m for m in ("datasets", "mteb") if importlib.util.find_spec(m) is None]
-    wheels = HERE / "wheels"
-    if missing and wheels.is_dir():
-        print(f"installing {missing} offline from {wheels}", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
-                        *missing], check=True)
+    found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    if missing and found:
+        site = wheels.parent / "site"
+        print(f"installing {missing} offline from {wheels} into {site} (--no-deps)", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--upgrade", "--target", str(site), *map(str, found)], check=True)
+        sys.path.insert(0, str(site))  # this process; the subprocesses of part 5 through PYTHONPATH
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         importlib.invalidate_caches()
     return [m for m in ("datasets", "mteb") if importlib.util.find_spec(m) is None]
 
@@ -289,7 +297,7 @@ def main(argv=None):
     args = parse_args(argv)
     args.max_length = args.max_length or (16 if args.toy else 128)
     args.max_groups = args.max_groups or (8 if args.toy else 2048)
-    still_missing = ensure_packages()
+    still_missing = ensure_packages(Path(args.wheels))
     import torch
 
     import train
@@ -303,7 +311,9 @@ def main(argv=None):
               "vocab": vocab_three_ways(model, batch, device), "host_syncs": host_syncs(model, teacher, batch, device)}
     if not args.skip_e2e:
         if still_missing:
-            print(f"== 5. skipped: {still_missing} missing and no bench/wheels (bash bench/device_wheels.sh)")
+            print(f"== 5. skipped: {still_missing} missing from this machine and from {args.wheels} "
+                  "(bash bench/device_wheels.sh)")
+            report["e2e"] = {"skipped": f"{still_missing} missing"}
         else:
             report["e2e"] = end_to_end(args, device)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -318,7 +318,6 @@ def estimate_flops(exp: dict, arm: dict) -> float:
 
     import modeling_xprt as mx
     import train
-    from support import resolve_model_path
 
     flags = arm["flags"]
     objective = flags[flags.index("--objective") + 1] if "--objective" in flags else "xprt"
@@ -334,7 +333,7 @@ def estimate_flops(exp: dict, arm: dict) -> float:
     with torch.device("meta"):  # the encoder without weights; the objective's heads are built from its shapes
         encoder = BertForMaskedLM(model_config(exp))
     model = mx.XPRTModel(encoder, objective=objective, **options)
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))  # shapes only: one token a word
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "bench" / "tokenizer"))  # shapes only (one token a word); shipped
     text = " ".join(["word"] * t.get("--max_length", 128))
     rows = [{"doc_id": str(i), "anchor": text, "related": [text] * 4, "random_passage": text}
             for i in range(t.get("--per_device_train_batch_size", 32))]
