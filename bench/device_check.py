@@ -303,6 +303,9 @@ def main(argv=None):
     import train
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import support
+
+    support.matmul_precision_policy()  # train.py's (make_accelerator): fp32 products IEEE, TF32 off
     name = versions(device)
     peak = next((t * 1e12 for k, t in train.PEAK_BF16_TFLOPS.items() if k in name), None)
     tok, model, teacher = build_model(args.toy, device)
