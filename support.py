@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -1317,6 +1318,127 @@ def gradient_cache_step(accelerator, model, batch, chunk: int, **kw) -> dict:
     if accelerator.sync_gradients and accelerator.num_processes > 1:
         all_reduce_mean([p.grad for p in model.parameters() if p.grad is not None], accelerator.num_processes)
     return outputs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory: what a step holds, said before the first step, and in the message of an out-of-memory error
+# ----------------------------------------------------------------------------------------------------------------
+_MEMORY_NOTE: dict = {}  # the last estimate printed, for explain_oom's message
+
+
+def activation_bytes_per_token_layer(encoder, length: int, device, dtype=torch.bfloat16) -> float:
+    """Bytes autograd saves for backward per token per encoder layer, measured: encoders of this config with one and
+    two layers (random weights, on `device`) run forward under autocast(dtype) on 2 and on 4 sequences of `length`
+    tokens, every tensor saved for backward counted once (saved_tensors_hooks, by storage); the differences (two
+    layers less one, four sequences less two) leave one layer's per-token share, without what does not grow with
+    the tokens (the weights' low-precision copies). BERT-base width at 128 tokens, CPU bf16 autocast: 55 KiB
+    (tests/test_device_env.py)."""
+    from transformers import AutoModel
+
+    def saved(layers, seqs):
+        cfg = copy.deepcopy(encoder.config)
+        for name in ("num_hidden_layers", "n_layers", "num_layers"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, layers)
+        with torch.random.fork_rng(devices=[]):
+            enc = AutoModel.from_config(cfg).to(device).train()
+        seen, total = set(), [0]
+
+        def pack(t):
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                total[0] += key[1]
+            return t
+
+        ids = torch.full((seqs, length), 100, dtype=torch.long, device=device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            enc(input_ids=ids, attention_mask=torch.ones_like(ids))
+        return total[0]
+
+    per_layer = {seqs: saved(2, seqs) - saved(1, seqs) for seqs in (2, 4)}
+    return (per_layer[4] - per_layer[2]) / (2 * length)
+
+
+def layer_tokens_per_group(model, batch, retention: bool) -> float:
+    """Token x layer products a step runs WITH gradient, per group: every encoder pass of the batch (its *input_ids
+    tensors but the frozen retention teacher's), the clean retention student, the decoder's passes (their layers)."""
+    cfg = model.encoder.config
+    n_enc = next((getattr(cfg, k) for k in ("num_hidden_layers", "n_layers", "num_layers") if hasattr(cfg, k)), 1)
+    dec = getattr(model.method, "decoder", None)
+    n_dec = len(dec.layers) if dec is not None and hasattr(dec, "layers") else n_enc
+    groups, total = None, 0
+    for k, v in batch.items():
+        if not (k.endswith("input_ids") and torch.is_tensor(v)) or k.startswith("retain_"):
+            continue
+        groups = groups or v.shape[0]
+        total += v.numel() * (n_dec if k.startswith("dec_") else n_enc)
+    if retention and "retain_input_ids" in batch and getattr(model, "retention_student", "clean") == "clean":
+        total += batch["retain_input_ids"].numel() * n_enc
+    return total / max(groups or 1, 1)
+
+
+def memory_estimate(accelerator, args, model, batch, teacher, max_length: int) -> dict:
+    """Printed before the first step: the activation memory of a step of --per_device_train_batch_size groups at this
+    length (layer_tokens_per_group x the measured bytes per token per layer), the fixed memory (fp32 weights, their
+    gradients and AdamW's two moments: 16 bytes a parameter, 2 more for autocast's copy; the frozen teacher; the
+    vocabulary kernel's two fp32
+    (1024, V) buffers), and, where the device says its memory (CUDA), the groups that fit and the
+    --gradient_cache_chunk that would (the cache holds one chunk's activations at a time)."""
+    import math
+
+    if zero3(accelerator):  # the measuring copies would be partitioned too; ZeRO-3 plans its memory itself
+        return {}
+    dev = accelerator.device
+    dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else (
+        torch.float16 if accelerator.mixed_precision == "fp16" else torch.float32)
+    per_tl = activation_bytes_per_token_layer(model.encoder, max_length, dev, dtype)
+    per_group = per_tl * layer_tokens_per_group(model, batch, teacher is not None)
+    vocab = model.encoder.get_input_embeddings().weight.shape[0]
+    fixed = ((16 + (dtype != torch.float32) * 2) * sum(p.numel() for p in model.parameters() if p.requires_grad)
+             + 4 * sum(p.numel() for p in (teacher.parameters() if teacher is not None else []))
+             + 2 * 4 * 1024 * vocab)
+    b = args.per_device_train_batch_size
+    note = {"bytes_per_token_layer": per_tl, "gib_per_group": per_group / 2**30, "fixed_gib": fixed / 2**30,
+            "batch_gib": (fixed + b * per_group) / 2**30, "batch": b}
+    line = (f"memory: ~{note['batch_gib']:.1f} GiB for {b} groups per device at {max_length} tokens "
+            f"({note['gib_per_group'] * 1024:.0f} MiB of activations a group from {per_tl / 1024:.1f} KiB per token "
+            f"per layer, measured; {note['fixed_gib']:.1f} GiB of weights, gradients, AdamW and the teacher)")
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        fit = max(int((0.9 * free - fixed) // per_group), 0)
+        chunk = 2 ** int(math.log2(fit)) if fit >= 1 else 0
+        note.update({"device_gib": total / 2**30, "groups_that_fit": fit, "cache_chunk": min(chunk, b)})
+        cached = (fixed + chunk * per_group) / 2**30
+        line += (f"; this device: {free / 2**30:.0f} of {total / 2**30:.0f} GiB free -> at most ~{fit} groups per "
+                 f"step" + ("" if fit >= b else f": {b} do not fit; --gradient_cache_chunk {note['cache_chunk']} "
+                                                f"keeps the batch (its negatives) in ~{cached:.0f} GiB"))
+    accelerator.print(line)
+    _MEMORY_NOTE.clear()
+    _MEMORY_NOTE.update(note)
+    return note
+
+
+def explain_oom(main):
+    """A script's main, with a device out-of-memory error turned into one line that names the flags to change and
+    the estimate printed before the first step (memory_estimate)."""
+    import functools
+
+    @functools.wraps(main)
+    def wrapped(*a, **kw):
+        try:
+            return main(*a, **kw)
+        except torch.OutOfMemoryError as err:
+            n = _MEMORY_NOTE
+            hint = (f" (estimated before the first step: ~{n['batch_gib']:.0f} GiB for {n['batch']} groups, "
+                    f"~{n['gib_per_group'] * 1024:.0f} MiB a group; about {n.get('groups_that_fit', '?')} fit)"
+                    if n else "")
+            raise SystemExit(f"out of device memory at --per_device_train_batch_size {n.get('batch', '?')}{hint}: "
+                             f"lower it, or keep the batch with --gradient_cache_chunk "
+                             f"{n.get('cache_chunk') or 'N'} (or --gradient_checkpointing); "
+                             f"{str(err).splitlines()[0][:160]}") from None
+    return wrapped
 
 
 def all_reduce_mean(grads: list, world: int, bucket_bytes: int = 25 * 2**20):

@@ -47,7 +47,8 @@ def parse_args(argv=None):
                    help="folder for the end-to-end run's outputs and device_check.json (default: $OUT)")
     p.add_argument("--skip_e2e", action="store_true", help="skip part 5 (select -> train -> evaluate)")
     p.add_argument("--wheels", default=str(HERE / "wheels"),
-                   help="carried wheels installed (--no-deps) when datasets / mteb are missing (bench/device_wheels.sh)")
+                   help="carried wheels installed (--no-deps) when datasets / mteb are missing "
+                        "(bench/device_wheels.sh)")
     return p.parse_args(argv)
 
 

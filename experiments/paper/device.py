@@ -163,8 +163,8 @@ def plan_arms(exp: dict, arms: dict, seeds: list, flops: dict, a: float, b: floa
 def print_plan(plan: dict, t_plan: float, budget: float):
     print(f"plan: {plan['steps_per_arm']} steps per arm, budget {budget:.0f} s, planned at {t_plan:.0f} s", flush=True)
     for r in plan["runs"]:
-        print(f"  {r['run']:<32}{r['steps']:>7} steps  ~{r['expected_s']:7.1f} s  ends ~{t_plan + r['expected_end_s']:6.0f}"
-              " s", flush=True)
+        end = t_plan + r["expected_end_s"]
+        print(f"  {r['run']:<32}{r['steps']:>7} steps  ~{r['expected_s']:7.1f} s  ends ~{end:6.0f} s", flush=True)
     for k, why in plan["skipped"].items():
         print(f"  {k:<32}skipped: {why}", flush=True)
 
