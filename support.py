@@ -1393,7 +1393,11 @@ def memory_estimate(accelerator, args, model, batch, teacher, max_length: int) -
     dev = accelerator.device
     dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else (
         torch.float16 if accelerator.mixed_precision == "fp16" else torch.float32)
-    per_tl = activation_bytes_per_token_layer(model.encoder, max_length, dev, dtype)
+    try:
+        per_tl = activation_bytes_per_token_layer(model.encoder, max_length, dev, dtype)
+    except Exception as err:  # an encoder AutoModel cannot rebuild from its config: the run goes on without it
+        accelerator.print(f"memory: no estimate ({type(err).__name__}: {str(err)[:120]})")
+        return {}
     per_group = per_tl * layer_tokens_per_group(model, batch, teacher is not None)
     vocab = model.encoder.get_input_embeddings().weight.shape[0]
     fixed = ((16 + (dtype != torch.float32) * 2) * sum(p.numel() for p in model.parameters() if p.requires_grad)
