@@ -556,10 +556,14 @@ class PostPooling(torch.nn.Module):
             return self.forward(torch.zeros(2, hidden_size, device=p.device if p is not None else "cpu")).shape[-1]
 
     def describe(self) -> list:
-        """["Dense(384 -> 128, Tanh)", "Normalize", "truncate_dim 64"]: one phrase per module, for the log and card."""
+        """["Dense(384 -> 128, Tanh)", "truncate_dim 64"]: one phrase per module, for the log and card; a Normalize
+        module is said by describe_scoring's "L2-normalised" (read_scoring finds it), so a model with Normalize alone
+        (all-MiniLM-L6-v2) is described as before."""
         out = []
         for m in self.modules_:
             name = type(m).__name__
+            if name == "Normalize":
+                continue
             cfg = m.get_config_dict() if hasattr(m, "get_config_dict") else {}
             if "in_features" in cfg and "out_features" in cfg:
                 act = str(cfg.get("activation_function", "")).rpartition(".")[2]

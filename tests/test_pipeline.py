@@ -199,7 +199,7 @@ def test_evaluate_picks_the_prompt_mteb_picks(prompts, tiny_bert, tmp_path):
     import evaluate
 
     start = build_start(tiny_bert, tmp_path / "start", "normalize_truncate", prompts=prompts)
-    ours = evaluate.XPRTEncoder(str(start), device="cpu", dtype="float32")
+    ours = evaluate.XPRTEncoder(str(start), device="cpu", dtype="fp32")
     root = Path(__file__).resolve().parent.parent / "data" / "eval"
     sts = evaluate.build_task("STSBenchmark", local=(root / "stsbenchmark", "sts"), limit=20)
     scifact = evaluate.build_task("SciFact", local=(root / "scifact", "retrieval"), limit=5, corpus_limit=50)
