@@ -206,7 +206,9 @@ def prompt_for(prompts: dict, task_metadata, prompt_type: Optional[PromptType]) 
     the first of "<task name>-<side>", "<task name>", "<task type>-<side>", "<task type>", "<side>" that the model's
     prompts name, where the side is query or document as the task says; None when none does. A symmetric task (STS,
     classification, clustering: no side) thus gets a prompt only from a task-name or task-type key, never the query
-    instruction of a bge-style model."""
+    instruction of a bge-style model. Without task metadata (a direct call, not mteb's) only the side counts."""
+    if task_metadata is None:
+        return prompts.get(prompt_type.value) if prompt_type is not None else None
     return get_prompt(prompts, task_metadata, prompt_type)
 
 

@@ -539,15 +539,16 @@ class PostPooling(torch.nn.Module):
     def forward(self, vec: torch.Tensor) -> torch.Tensor:
         if not len(self.modules_) and self.truncate_dim is None:
             return vec
-        shape = vec.shape
+        shape, dtype = vec.shape, vec.dtype
+        weight = next(self.parameters(), None)  # bf16 under DeepSpeed's bf16, which runs without autocast
         # sentence-transformers modules read and write a features dict of (N, H) rows
-        features = {"sentence_embedding": vec.reshape(-1, shape[-1])}
+        features = {"sentence_embedding": vec.reshape(-1, shape[-1]).to(weight.dtype if weight is not None else dtype)}
         for module in self.modules_:
             features = module(features)
         out = features["sentence_embedding"]
         if self.truncate_dim is not None:  # as SentenceTransformer.encode truncates: after every module
             out = out[..., : self.truncate_dim]
-        return out.reshape(*shape[:-1], out.shape[-1])
+        return out.reshape(*shape[:-1], out.shape[-1]).to(dtype)
 
     def dim(self, hidden_size: int) -> int:
         """The sentence vector's dimension for pooled vectors of hidden_size (a probe through the modules)."""
