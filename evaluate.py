@@ -1270,16 +1270,16 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.tasks and not args.local_tasks and not args.benchmark:
         args.benchmark = DEFAULT_BENCHMARK
-    for name in args.models:
-        check_model_folder(name, "--models")
-    if args.score_as:
-        check_model_folder(args.score_as, "--score_as")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    for name in args.models:  # a model that is not here, before any task or model loads
+        check_model_folder(name, "--models")
+    if args.score_as:
+        check_model_folder(args.score_as, "--score_as")
     out_dir = Path(args.output_dir)
     # refused before hours of encoding, not after: inputs inside the folder, a stranger's results.*, earlier
     # results without --overwrite, a folder that cannot be written (support.claim_output_folder)

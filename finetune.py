@@ -131,14 +131,19 @@ def parse_args(argv=None):
             args.train_data and msmarco_files(args.train_data, args.train_split)))):
         raise UserError("--mine_only needs a corpus to mine (--beir_dir, or MS MARCO as --train_data) and no "
                          "--mined_negatives")
-    for flag in ("generator_model", "cross_encoder_model"):
+    return args
+
+
+def check_inputs(args):
+    """What the flags point to, checked before anything loads: the models exist here (or in the offline Hub's
+    cache), an MS MARCO layout is complete, a --mined_negatives file exists."""
+    for flag in ("model_name_or_path", "generator_model", "cross_encoder_model"):
         if getattr(args, flag):
             check_model_name(getattr(args, flag), f"--{flag}")
     if args.train_data:
         msmarco_files(args.train_data, args.train_split)  # an incomplete MS MARCO layout, refused before loading
     if args.mined_negatives and not Path(args.mined_negatives).is_file():
         raise UserError(f"--mined_negatives {args.mined_negatives}: no such file")
-    return args
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -950,6 +955,7 @@ class NoDuplicatesBatchSampler(LengthGroupedBatchSampler):
 # ----------------------------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
+    check_inputs(args)
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
     from accelerate.utils import set_seed
     from transformers import get_scheduler

@@ -234,7 +234,6 @@ def parse_args(argv=None):
         p.error("--inspect_only needs --inspect N with N >= 1")
     if args.rrf_k <= 0:
         p.error("--rrf_k must be > 0")
-    check_model_name(args.model_name_or_path, "--model_name_or_path")
     return args
 
 
@@ -1210,6 +1209,7 @@ def load_selection_encoder(args, sel: Selection, state) -> Encoder:
 
 def main(argv=None):
     args = parse_args(argv)
+    check_model_name(args.model_name_or_path, "--model_name_or_path")  # before anything loads
     sel = Selection.from_args(args)  # the one object every selecting function reads its settings from
     import torch
     from accelerate import PartialState

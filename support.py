@@ -60,7 +60,8 @@ def run_script(main, argv=None):
     try:
         return main(argv)
     except UserError as err:
-        script = os.path.basename(sys.argv[0]) or "xprt"
+        module = sys.modules.get(main.__module__)
+        script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
         print(f"{script}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         sys.exit(2)
 
@@ -1242,7 +1243,6 @@ def check_common_args(args):
         raise UserError("--push_to_hub needs --hub_model_id namespace/name")
     if args.push_to_hub and args.no_save_model:
         raise UserError("--push_to_hub uploads the saved model: drop --no_save_model")
-    check_model_name(args.model_name_or_path, "--model_name_or_path")
 
 
 def make_accelerator(args, find_unused_parameters: bool):

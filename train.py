@@ -138,15 +138,19 @@ def parse_args(argv=None):
     if args.positive == "random" and args.retention_student == "masked" and args.retention_weight > 0:
         raise UserError("--positive random with --retention_student masked: the masked pass's slot 1 holds the "
                          "random passage, while every method's retention pairs are anchor x s1; use the clean student")
-    # the groups' count from stats.json: a folder that is no finished selection, or too few groups for one step,
-    # stops the run before any model loads (WORLD_SIZE: the processes torchrun / accelerate launch start)
+    return args
+
+
+def check_inputs(args):
+    """What the flags point to, checked before anything loads: the models exist here (or in the offline Hub's
+    cache), the groups folder is a finished selection with enough groups for one step (WORLD_SIZE: the processes
+    torchrun / accelerate launch start)."""
+    for flag in ("model_name_or_path", "teacher_name_or_path", "mlm_head_from", "generator_name_or_path"):
+        if getattr(args, flag):
+            check_model_name(getattr(args, flag), f"--{flag}")
     n_groups = count_groups(args.groups_dir)
     check_batch_fits(min(n_groups, args.max_groups or n_groups), args.per_device_train_batch_size,
                      int(os.environ.get("WORLD_SIZE", 1)), "groups")
-    for flag in ("teacher_name_or_path", "mlm_head_from", "generator_name_or_path"):
-        if getattr(args, flag):
-            check_model_name(getattr(args, flag), f"--{flag}")
-    return args
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -381,6 +385,7 @@ def keep_best(accelerator, args, model, tokenizer, rec: dict, best: dict) -> dic
 # ----------------------------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
+    check_inputs(args)
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
     from accelerate.utils import set_seed
     from transformers import get_scheduler
