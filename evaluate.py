@@ -635,16 +635,18 @@ def build_task(name: str, local: Optional[tuple[Path, str]] = None, limit: Optio
     else:
         stock = mteb_task(name)
     base = type(stock)
-    cls = type(base.__name__, (_XPRTTaskMixin, base), {})
+    own = {}
+    if local_split is not None and (stock.metadata.name != name or local_split != stock.metadata.eval_splits[0]):
+        # the folder's own data: its name and split, not the stock task's (whose scores it would pass for); on the
+        # class, as mteb's unload_data drops an instance's own metadata
+        own["metadata"] = stock.metadata.model_copy(update={
+            "name": name, "eval_splits": [local_split], "dataset": {"path": str(local[0]), "revision": "local"}})
+    cls = type(base.__name__, (_XPRTTaskMixin, base), own)
     # A new instance of the subclass with the stock instance's state (a benchmark's language and split
     # filters live there); __class__ assignment is refused by some task classes' layouts.
     task = cls.__new__(cls)
-    task.__dict__.update(stock.__dict__)
+    task.__dict__.update({k: v for k, v in stock.__dict__.items() if not (own and k == "metadata")})
     task._xprt_local, task._xprt_limit, task._xprt_corpus_limit, task._xprt_seed = local, limit, corpus_limit, seed
-    if local_split is not None and (stock.metadata.name != name or local_split != stock.metadata.eval_splits[0]):
-        # the folder's own data: its name and split, not the stock task's (whose scores it would pass for)
-        task.metadata = stock.metadata.model_copy(update={
-            "name": name, "eval_splits": [local_split], "dataset": {"path": str(local[0]), "revision": "local"}})
     return task
 
 

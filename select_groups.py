@@ -1010,7 +1010,7 @@ def prepare_selection_dir(args, sel: Selection, state):
     out, meta = args.output_dir, os.path.join(args.output_dir, META_DIR)
     cfg_path = os.path.join(meta, "run_config.json")
     config = run_config(args, sel)
-    inputs = local_inputs(input=input_files(args.input) if args.input else [],
+    inputs = local_inputs(input=[*args.input, *input_files(args.input)] if args.input else [],
                           model_name_or_path=args.model_name_or_path)
     previous = claim_output_folder(out, "select_groups.py", SELECTION_OUTPUTS, inputs)
     finished = os.path.exists(os.path.join(out, "stats.json"))

@@ -62,7 +62,9 @@ def run_script(main, argv=None):
     except UserError as err:
         module = sys.modules.get(main.__module__)
         script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
-        print(f"{script}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        # on a terminal, from column 0 over whatever a progress bar left on the line
+        start = "\r\033[K" if sys.stderr.isatty() else ""
+        print(f"{start}{script}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
