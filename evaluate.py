@@ -417,7 +417,7 @@ def detect_local_format(folder: Path) -> tuple[str, str]:
         return "sts", name
     except ValueError:
         raise UserError(f"{folder}: not a known task layout (BEIR corpus.jsonl/queries.jsonl/qrels, STS-B "
-                         "sts-test.csv, SICK.txt, STS.input/STS.gs, biosses.tsv, or train.csv+test.csv)") from None
+                        "sts-test.csv, SICK.txt, STS.input/STS.gs, biosses.tsv, or train.csv+test.csv)") from None
 
 
 def mteb_task(name: str, flag: str = "--tasks"):

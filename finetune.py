@@ -47,7 +47,7 @@ DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 # ----------------------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("fine-tuning data")
     g.add_argument("--beir_dir", default=None,
                    help="BEIR-layout folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv): trained on its qrels; "
@@ -130,7 +130,7 @@ def parse_args(argv=None):
     if args.mine_only and (args.mined_negatives or not (args.beir_dir or args.generate_pseudo_queries or (
             args.train_data and msmarco_files(args.train_data, args.train_split)))):
         raise UserError("--mine_only needs a corpus to mine (--beir_dir, or MS MARCO as --train_data) and no "
-                         "--mined_negatives")
+                        "--mined_negatives")
     return args
 
 
@@ -241,8 +241,8 @@ def _as_pairs(schema: str, r: dict, where: str):
         items, labels = r[cols[1]], r[cols[2]]
         if isinstance(labels, str) or isinstance(items, str):  # a list column written to CSV is its Python repr
             raise UserError(f"{where}: {cols[1]} / {cols[2]} hold the text {str(labels)[:30]!r}, not lists: a list "
-                             "column saved as CSV cannot be read back as the list it was; save the dataset as JSONL "
-                             "or parquet")
+                            "column saved as CSV cannot be read back as the list it was; save the dataset as JSONL "
+                            "or parquet")
         items = texts(items, cols[1])
         if not isinstance(labels, list) or len(labels) != len(items) or any(x not in (0, 1) for x in labels):
             raise UserError(f"{where}: {cols[2]} must be one 1 / 0 per passage ({PAIR_SCHEMAS[schema]})")
@@ -315,7 +315,7 @@ def _pair_records(source: str, split: str, config=None, by_position: bool = Fals
                     if header or delim == ",":
                         if not header:
                             raise UserError(f"{source}:{line_no}: CSV header {parts} matches no accepted schema "
-                                             f"(accepted: {'; '.join(PAIR_SCHEMAS.values())})")
+                                            f"(accepted: {'; '.join(PAIR_SCHEMAS.values())})")
                         continue
                     layout = None if by_position else id_columns(parts)
                     if layout:
@@ -362,12 +362,12 @@ def read_pairs(source: str, split: str = "train", config=None, schema: str | Non
             schema = pair_schema(r)
             if schema is None:
                 raise UserError(f"{where}: fields {list(r)} match no accepted schema; accepted: "
-                                 f"{'; '.join(PAIR_SCHEMAS.values())} (--train_format sentence-transformers reads "
-                                 "any column names by position)")
+                                f"{'; '.join(PAIR_SCHEMAS.values())} (--train_format sentence-transformers reads "
+                                "any column names by position)")
         elif pair_schema(r) not in (schema, None if schema == "sentence-transformers" else schema) \
                 and not (schema == "triples" and {"query", "positive"} <= set(r)):
             raise UserError(f"{where}: fields {list(r)} do not fit the file's schema, {PAIR_SCHEMAS[schema]} "
-                             f"(from its first record; accepted: {'; '.join(PAIR_SCHEMAS.values())})")
+                            f"(from its first record; accepted: {'; '.join(PAIR_SCHEMAS.values())})")
         extra = set(r) & FLAGEMBEDDING_UNUSED if schema == "flagembedding" else set()
         unused, unused_fields = unused + bool(extra), unused_fields | extra
         query, positives, negatives = _as_pairs(schema, r, where)
@@ -421,7 +421,7 @@ def msmarco_files(source: str, split: str = "train") -> dict | None:
     missing = [f.name for f in files.values() if not f.is_file()]
     if missing:
         raise UserError(f"{source}: MS MARCO's layout needs {missing} in {p} (collection.tsv, queries.{split}.tsv, "
-                         f"qrels.{split}.tsv; --train_split names the split)")
+                        f"qrels.{split}.tsv; --train_split names the split)")
     return files
 
 
@@ -700,7 +700,7 @@ def negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, queri
         pools = json.loads(Path(args.mined_negatives).read_text())
         if len(pools) != len(queries):
             raise UserError(f"{args.mined_negatives}: {len(pools)} pools for {len(queries)} queries: "
-                             "mined for other data; drop --mined_negatives to mine again")
+                            "mined for other data; drop --mined_negatives to mine again")
         if accelerator.is_main_process and Path(args.mined_negatives).resolve() != cache.resolve():
             atomic_write(cache, json.dumps(pools))
     else:
@@ -717,7 +717,7 @@ def negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, queri
     short = sum(len(p) < args.num_negatives for p in pools)
     if short:
         raise UserError(f"{short} queries have fewer than {args.num_negatives} mined negatives in ranks "
-                         f"{args.negatives_rank_min}-{args.negatives_rank_max}: widen the window")
+                        f"{args.negatives_rank_min}-{args.negatives_rank_max}: widen the window")
     return pools
 
 
@@ -729,7 +729,7 @@ def labelled_source(args):
     ms = msmarco_files(args.train_data, args.train_split) if args.train_data else None
     if ms and args.beir_dir:
         raise UserError(f"--train_data {args.train_data} is MS MARCO, which brings its own corpus (collection.tsv): "
-                         "drop --beir_dir")
+                        "drop --beir_dir")
     if ms:
         return read_msmarco(ms), True, f"MS MARCO {ms['qrels'].name}"
     if args.beir_dir:

@@ -215,7 +215,7 @@ def _output_flags(g):
 
 def parse_args(argv=None):
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _input_flags(p.add_argument_group("input"))
     _embedding_flags(p.add_argument_group("passages and embedding"))
     _selection_flags(p.add_argument_group("selection (paper: threshold 0.825, RRF k = 10 with weights 2 / 1, "
@@ -284,7 +284,7 @@ def input_files(patterns, skipped=None):
             found = sorted(glob.glob(pat)) or ([pat] if os.path.exists(pat) else [])
         if not found:
             raise UserError(f"--input {pat!r}: no such file (or no {'/'.join(INPUT_SUFFIXES)} file or "
-                                    "datasets save_to_disk folder in that folder)")
+                            "datasets save_to_disk folder in that folder)")
         files += found
     return files
 

@@ -77,16 +77,17 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _number(kind, low: float, inclusive: bool, what: str):
+    """An argparse type: `kind` (int or float) at least `low` (above it when not `inclusive`), refused at parse time
+    as 'argument --flag: 0 is not an integer >= 1' (argparse's own message, naming the flag)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        if value < low or (value == low and not inclusive) or value != value:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value < low or (value == low and not inclusive) or value != value:  # value != value: NaN
             raise argparse.ArgumentTypeError(f"{text} is not {what}")
         return value
 
-    parse.__name__ = what  # argparse names the type in its message
     return parse
 
 
@@ -480,7 +481,7 @@ def read_beir_jsonl(path, what: str) -> dict:
         rid = str(record["_id"])
         if rid in out:
             raise UserError(f"{where}: {what} id {rid!r} appears twice (first at line {first_line[rid]}): a BEIR "
-                             "folder holds each id once")
+                            "folder holds each id once")
         out[rid], first_line[rid] = record, where.rsplit(":", 1)[1]
     if not out:
         raise UserError(f"{path}: no {what} records")
@@ -506,11 +507,11 @@ def read_qrels(path) -> dict:
                 parts = [parts[0], parts[2], parts[3]]
             if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
                 raise UserError(f"{path}:{line_no}: expected query-id, corpus-id, integer score (BEIR) or query-id, "
-                                 f"iteration, corpus-id, score (TREC); found {line.strip()[:80]!r}")
+                                f"iteration, corpus-id, score (TREC); found {line.strip()[:80]!r}")
             qid, did, score = parts[0], parts[1], int(parts[2])
             if (qid, did) in seen:
                 raise UserError(f"{path}:{line_no}: query {qid!r} x document {did!r} judged twice (first at line "
-                                 f"{seen[qid, did]})")
+                                f"{seen[qid, did]})")
             seen[qid, did] = line_no
             qrels.setdefault(qid, {})[did] = score
     if not qrels:
@@ -534,7 +535,7 @@ def load_beir(folder, split: str = "test") -> dict:
     for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
         if not (folder / name).is_file():
             raise UserError(f"{folder}: BEIR layout needs {name} (corpus.jsonl, queries.jsonl, "
-                                    f"qrels/{split}.tsv)")
+                            f"qrels/{split}.tsv)")
     corpus = {i: (r.get("title") or "", r.get("text") or "")
               for i, r in read_beir_jsonl(folder / "corpus.jsonl", "corpus").items()}
     all_queries = {i: r.get("text") or "" for i, r in read_beir_jsonl(folder / "queries.jsonl", "query").items()}
@@ -552,7 +553,7 @@ def load_beir(folder, split: str = "test") -> dict:
     qrels = {q: ds for q, ds in qrels.items() if q in all_queries and any(s > 0 for s in ds.values())}
     if not qrels:
         raise UserError(f"{folder}: qrels/{split}.tsv judges no query of queries.jsonl relevant to a document of "
-                         "corpus.jsonl")
+                        "corpus.jsonl")
     queries = {q: all_queries[q] for q in qrels}
     empty = [q for q, t in queries.items() if not t.strip()]
     if empty:
@@ -708,7 +709,7 @@ def read_pooling(path: str) -> str:
             mode = {"cls_token": "cls", "mean_tokens": "mean"}.get(mode, mode)
             if mode not in ("mean", "cls"):
                 raise UserError(f"{path}: sentence-transformers pooling {mode!r}; xprt trains and saves mean or "
-                                 "cls pooling only")
+                                "cls pooling only")
             return mode
     return "mean"
 
@@ -747,8 +748,8 @@ def check_tokenizer_fits(tokenizer, config, where: str):
     n_tok, n_emb = len(tokenizer), config.vocab_size
     if n_tok > n_emb or n_tok < 0.9 * n_emb:
         raise UserError(f"{where}: the tokenizer has {n_tok:,} tokens and the model's embedding matrix {n_emb:,} "
-                         "rows: they do not belong together (a folder without its tokenizer files gets transformers' "
-                         "5-token fallback); save the model's own tokenizer into the folder")
+                        "rows: they do not belong together (a folder without its tokenizer files gets transformers' "
+                        "5-token fallback); save the model's own tokenizer into the folder")
 
 
 def max_seq_length(config, stated: Optional[int] = None) -> int:
@@ -1269,14 +1270,14 @@ def make_accelerator(args, find_unused_parameters: bool):
         # says 1 process, rank 0; every process would read all the data, write every output, and DeepSpeed would
         # stop at prepare on train_batch_size (micro x accumulation x 1 != micro x accumulation x world)
         raise UserError(f"DeepSpeed with {world} processes, but accelerate sees {accelerator.num_processes} "
-                         f"({accelerator.device.type}): accelerate forms no multi-process state for DeepSpeed on "
-                         "CPU. The CPU DeepSpeed configs are one-process smoke tests (num_processes: 1); for several "
-                         "CPU processes use torchrun without DeepSpeed, for DeepSpeed use GPUs "
-                         "(configs/accelerate_deepspeed_zero2.yaml)")
+                        f"({accelerator.device.type}): accelerate forms no multi-process state for DeepSpeed on "
+                        "CPU. The CPU DeepSpeed configs are one-process smoke tests (num_processes: 1); for several "
+                        "CPU processes use torchrun without DeepSpeed, for DeepSpeed use GPUs "
+                        "(configs/accelerate_deepspeed_zero2.yaml)")
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None and args.gradient_cache_chunk:
         raise UserError("--gradient_cache_chunk runs several backward passes per step (one per chunk, and one for the "
-                         "batch-wide terms); DeepSpeed's engine expects one backward per forward of its module and "
-                         "owns the gradient reduction: use the plain (DDP) launcher, or drop the flag")
+                        "batch-wide terms); DeepSpeed's engine expects one backward per forward of its module and "
+                        "owns the gradient reduction: use the plain (DDP) launcher, or drop the flag")
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
         # our DataLoader has a batch_sampler (no batch_size attribute), so DeepSpeed's "auto" cannot infer it
         ds_cfg = accelerator.state.deepspeed_plugin.deepspeed_config

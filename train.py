@@ -45,7 +45,7 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, 
 def build_parser():
     """train.py's flags (experiments/paper/run.py reads --objective's choices from here, so it never drifts)."""
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("what to train")
     g.add_argument("--objective", choices=pretraining_objectives(), default="xprt",
                    help="pre-training objective; the baselines share data, steps, batch, schedule and retention")
@@ -137,7 +137,7 @@ def parse_args(argv=None):
         raise UserError("retention weights must be >= 0")
     if args.positive == "random" and args.retention_student == "masked" and args.retention_weight > 0:
         raise UserError("--positive random with --retention_student masked: the masked pass's slot 1 holds the "
-                         "random passage, while every method's retention pairs are anchor x s1; use the clean student")
+                        "random passage, while every method's retention pairs are anchor x s1; use the clean student")
     return args
 
 
@@ -232,7 +232,7 @@ def load_groups(groups_dir: str, max_groups=None):
     expected = json.loads(stats.read_text()).get("groups")
     if expected is not None and len(ds) != expected:
         raise UserError(f"{groups_dir}: its shards hold {len(ds):,} groups, its stats.json {expected:,}: shards were "
-                         "added or removed after the selection finished")
+                        "added or removed after the selection finished")
     # The first load converts the shards into the Arrow cache; pyarrow's allocator keeps the freed conversion
     # buffers unless asked to hand them back. Later loads convert nothing.
     import pyarrow
