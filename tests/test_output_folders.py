@@ -221,7 +221,8 @@ def test_train_overwrite_replaces_its_own_outputs_only(fx, tmp_path):
     old_model = digest(out / "model")
     with pytest.raises(support.UserError, match="model exists: pass --overwrite"):
         run(train.main, train_args(fx["model"], fx["groups"], out))
-    run(train.main, train_args(fx["model"], fx["groups"], out, **{"--overwrite": True, "--max_train_steps": 2}))
+    run(train.main, train_args(fx["model"], fx["groups"], out, **{"--overwrite": True, "--max_train_steps": 2,
+                                                                  "--logging_steps": 1}))
     assert {k: v for k, v in digest(out).items() if k in kept} == kept
     steps = [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert steps == [1, 2]  # this run's log alone, not appended to the first
