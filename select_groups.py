@@ -1128,10 +1128,11 @@ def no_groups_reason(s) -> str:
         return (f"each of the {s['documents_valid']:,} documents splits into fewer than {need} passages (a group is an "
                 f"anchor and --num_related {s['num_related']} others): give longer documents, or lower "
                 "--passage_tokens or --num_related")
+    hist = s["centrality_histogram"]
+    top = max((hist["bin_edges"][i + 1] for i, c in enumerate(hist["counts"]) if c), default=0.0)
     return (f"{s['documents_too_few_passages']:,} documents split into fewer than {need} passages and "
             f"{s['documents_no_anchor']:,} have no passage with centrality >= {s['centrality_threshold']:.4f} "
-            f"({s['threshold_source']}; the highest share at any listed threshold: "
-            f"{max(s['anchor_share_pct_at_threshold'].values())}%): lower --centrality_threshold, or set "
+            f"({s['threshold_source']}; every centrality is below {top:.3f}): lower --centrality_threshold, or set "
             "--anchor_share")
 
 
