@@ -66,14 +66,16 @@ import numpy as np
 
 from architectures import attention_kwargs
 from modeling_xprt import embed_texts
-from support import (E5_PROMPTS, EVAL_PREFIX, MINILM_ALIASES, NO_PROMPTS, add_eval_results_to_card, atomic_path,
-                     atomic_write, check_tokenizer_fits, gathered_params, load_beir, max_seq_length, model_prompts,
-                     pick_device_and_dtype, read_json, resolve_model_path)
+from support import (E5_PROMPTS, EVAL_PREFIX, MINILM_ALIASES, NO_PROMPTS, ArgumentParser, UserError,
+                     add_eval_results_to_card, atomic_path, atomic_write, check_model_name, check_tokenizer_fits,
+                     claim_output_folder, gathered_params, hub_cached, hub_offline, load_beir, local_inputs,
+                     max_seq_length, model_prompts, pick_device_and_dtype, positive_int, read_json, record_outputs,
+                     resolve_model_path, run_script)
 
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (docs/notes.md); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))
 import mteb  # noqa: E402
-from mteb.models.abs_encoder import AbsEncoder  # noqa: E402
+from mteb.models.abs_encoder import AbsEncoder, get_prompt  # noqa: E402
 from mteb.models.model_meta import ModelMeta, ScoringFunction  # noqa: E402
 from mteb.types import PromptType  # noqa: E402
 
@@ -93,17 +95,13 @@ PER_QUERY_KEY = "xprt_per_query"  # our key in a retrieval result's scores: {que
 # 1. The mteb model wrapper: sentence-transformers' encode with the model's own modules and prompts
 # ---------------------------------------------------------------------------------------------------
 
-def check_model_folder(name_or_path: str) -> str:
-    """Resolve a model name and fail early, in words, on a folder that is not a model."""
-    path = resolve_model_path(name_or_path)
-    if os.path.isdir(path):
-        if not (Path(path) / "config.json").is_file():
-            raise ValueError(
-                f"{name_or_path!r} is a folder but not a model: no config.json in {path}. Pass a folder "
-                "saved by train.py (or save_pretrained), a hub id, or 'all-MiniLM-L6-v2'."
-            )
-    elif os.sep in name_or_path and (name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1):
-        raise FileNotFoundError(f"model folder not found: {name_or_path!r}")
+def check_model_folder(name_or_path: str, flag: str = "--models") -> str:
+    """Resolve a model name and fail early, in words, on a folder that is not a model, a path that does not exist
+    or a name the offline Hub cannot give (support.check_model_name)."""
+    path = check_model_name(name_or_path, flag)
+    if os.path.isdir(path) and not (Path(path) / "config.json").is_file():
+        raise UserError(f"{flag} {name_or_path}: a folder but not a model (no config.json in {path}); pass a folder "
+                        "saved by train.py (or save_pretrained), a hub id, or 'all-MiniLM-L6-v2'")
     return path
 
 
@@ -201,6 +199,24 @@ def st_scoring(st_model) -> tuple:
     return mode, normalize
 
 
+def prompt_for(prompts: dict, task_metadata, prompt_type: Optional[PromptType]) -> Optional[str]:
+    """The prompt mteb's own sentence-transformers wrapper gives a text (mteb.models.abs_encoder.get_prompt, reused):
+    the first of "<task name>-<side>", "<task name>", "<task type>-<side>", "<task type>", "<side>" that the model's
+    prompts name, where the side is query or document as the task says; None when none does. A symmetric task (STS,
+    classification, clustering: no side) thus gets a prompt only from a task-name or task-type key, never the query
+    instruction of a bge-style model. Without task metadata (a direct call, not mteb's) only the side counts."""
+    if task_metadata is None:
+        return prompts.get(prompt_type.value) if prompt_type is not None else None
+    return get_prompt(prompts, task_metadata, prompt_type)
+
+
+def encode_function(model, prompt_type: Optional[PromptType]):
+    """model.encode_query / encode_document for a query / document side, model.encode for none: as mteb's wrapper
+    calls a SentenceTransformer (a Router module routes by it)."""
+    return {PromptType.query: model.encode_query, PromptType.document: model.encode_document}.get(prompt_type,
+                                                                                                   model.encode)
+
+
 class XPRTEncoder(AbsEncoder):
     """mteb wrapper: `sentence_transformers.SentenceTransformer(folder).encode`, with the repository's prefixes.
 
@@ -213,12 +229,12 @@ class XPRTEncoder(AbsEncoder):
     it at 1.04-1.07x (best of 5 interleaved repeats; its token-sorted batches save 8% of the padded tokens), under
     the 1.10x that would justify a second encoder (bench/README.md).
 
-    Prefixes (`prefixes`: auto, e5 or none, the rule support.model_prompts applies; `query_prefix` /
-    `passage_prefix` override either string): mteb tells the encoder whether it is encoding queries or documents
-    (`prompt_type`); documents get the document prompt, everything else the query prompt (symmetric tasks such as
-    STS, classification and clustering encode every text as a query, as E5's authors do). They go to encode as
-    `prompt=`, so a Pooling module that excludes the prompt (include_prompt=False) still works. The attribute
-    `prefixes` says which the rule gave: "e5", "none" or "model" (the folder's own prompts).
+    Prompts (`prefixes`: auto, e5 or none, the rule support.model_prompts applies: in auto every prompt the model
+    names; `query_prefix` / `passage_prefix` override the query / document one): picked as mteb picks them
+    (prompt_for: task name, then task type, then the query / document side mteb says the text is on), so a symmetric
+    task gets no query instruction unless the model names one for it. They go to encode as `prompt=`, so a Pooling
+    module that excludes the prompt (include_prompt=False) still works. The attribute `prefixes` says which the rule
+    gave: "e5", "none" or "model" (the folder's own prompts).
 
     The length limit (support.max_seq_length): `max_length` when given, else the one the model states, at most its
     position table.
@@ -246,7 +262,7 @@ class XPRTEncoder(AbsEncoder):
                                              model_kwargs={"dtype": self.dtype,
                                                            **attention_kwargs(path, None, trust_remote_code)[0]})
         except (OSError, ValueError) as err:
-            raise ValueError(f"could not load a model from {name_or_path!r} ({path}): {err}") from err
+            raise UserError(f"could not load a model from {name_or_path!r} ({path}): {err}") from err
         self.model.eval()
         check_tokenizer_fits(self.model.tokenizer, self.model[0].auto_model.config, name_or_path)
         self.pooling = describe_pooling(self.model)
@@ -258,6 +274,7 @@ class XPRTEncoder(AbsEncoder):
         self.prefixes = "e5" if e5 else ("none" if prompts == NO_PROMPTS else "model")
         self.query_prefix = query_prefix if query_prefix is not None else prompts["query"]
         self.passage_prefix = passage_prefix if passage_prefix is not None else prompts["document"]
+        self.prompts = {**prompts, "query": self.query_prefix, "document": self.passage_prefix}
         # A sentence-transformers model states the length it was trained and scored with (all-MiniLM-L6-v2: 256);
         # the MTEB leaderboard numbers use it, so we do too unless told. A plain checkpoint states none.
         stated = self.model.max_seq_length if has_st_config or not os.path.isdir(path) else None
@@ -278,7 +295,7 @@ class XPRTEncoder(AbsEncoder):
         self.contract = {"pooling": mode, "normalize": normalize,
                          "similarity": str(self.model.similarity_fn_name or "cosine"),
                          "query_prefix": self.query_prefix, "passage_prefix": self.passage_prefix,
-                         "max_length": self.max_length}
+                         "max_length": self.max_length, "prompts": self.prompts}
         name, revision = model_name_and_revision(name_or_path)
         self.mteb_model_meta = ModelMeta(
             loader=None, name=name, revision=revision, release_date=None, languages=None,
@@ -312,21 +329,25 @@ class XPRTEncoder(AbsEncoder):
         self.model = SentenceTransformer(modules=modules, device=str(self.device),
                                          similarity_fn_name=contract["similarity"]).eval()
         self.query_prefix, self.passage_prefix = contract["query_prefix"], contract["passage_prefix"]
+        self.prompts = {**contract.get("prompts", {}), "query": self.query_prefix, "document": self.passage_prefix}
         self.max_length = self.model.max_seq_length = int(contract["max_length"])
         self.pooling = describe_pooling(self.model)
         prompts = json.dumps([contract["query_prefix"], contract["passage_prefix"]])
         self.settings = {"scored_as": {k: contract[k] for k in ("pooling", "normalize", "similarity", "max_length")},
                          "prompts": hashlib.sha256(prompts.encode()).hexdigest()[:8]}
 
-    def prefix_for(self, prompt_type: Optional[PromptType]) -> str:
-        return self.passage_prefix if prompt_type == PromptType.document else self.query_prefix
+    def prefix_for(self, task_metadata, prompt_type: Optional[PromptType]) -> str:
+        """The prompt of a text of `task_metadata` on side `prompt_type`, "" when none (prompt_for)."""
+        return prompt_for(self.prompts, task_metadata, prompt_type) or ""
 
     def encode(self, inputs, *, task_metadata, hf_split: str, hf_subset: str,
                prompt_type: Optional[PromptType] = None, **kwargs: Any) -> np.ndarray:
         texts = [t for batch in inputs for t in batch["text"]]
         # per-batch progress: sentence-transformers' bar moves every batch while a large corpus encodes
-        return self.model.encode(texts, prompt=self.prefix_for(prompt_type) or None, batch_size=self.batch_size,
-                                 show_progress_bar=self.show_progress, convert_to_numpy=True)
+        # prompt "" rather than None: sentence-transformers would fall back to its own prompts, mteb's pick stands
+        return encode_function(self.model, prompt_type)(texts, prompt=self.prefix_for(task_metadata, prompt_type),
+                                                        batch_size=self.batch_size,
+                                                        show_progress_bar=self.show_progress, convert_to_numpy=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -350,7 +371,7 @@ def _sts_rows_semeval(folder: Path) -> list[tuple[str, str, float]]:
         inputs = inputs[:-1] if inputs and inputs[-1] == "" else inputs
         golds = golds[:-1] if golds and golds[-1] == "" else golds
         if len(inputs) != len(golds):
-            raise ValueError(f"{inp}: {len(inputs)} pairs but {len(golds)} gold lines in {gs.name}")
+            raise UserError(f"{inp}: {len(inputs)} pairs but {len(golds)} gold lines in {gs.name}")
         for line, gold in zip(inputs, golds):
             if gold.strip():
                 s1, s2 = line.split("\t")[:2]
@@ -382,7 +403,7 @@ def load_sts_folder(folder: Path) -> tuple[str, list[tuple[str, str, float]]]:
     if list(folder.glob("*.input.*.txt")):
         m = re.search(r"sts(\d\d)", folder.name.lower())
         return (f"STS{m.group(1)}" if m else ""), _sts_rows_semeval(folder)
-    raise ValueError(f"{folder}: no known STS file")
+    raise UserError(f"{folder}: no known STS file")
 
 
 def load_classification_folder(folder: Path) -> dict:
@@ -394,20 +415,20 @@ def load_classification_folder(folder: Path) -> dict:
             header = next(reader)
             splits[split] = [(r[0], r[1]) for r in reader if r]
         if header[0] != "text":
-            raise ValueError(f"{folder}/{split}.csv: expected a header 'text,<label>', got {header}")
+            raise UserError(f"{folder}/{split}.csv: expected a header 'text,<label>', got {header}")
     cats_file = folder / "categories.json"
     names = json.loads(cats_file.read_text()) if cats_file.is_file() else sorted({c for _, c in splits["train"]})
     label = {c: i for i, c in enumerate(names)}
     unknown = {c for s in splits.values() for _, c in s if c not in label}
     if unknown:
-        raise ValueError(f"{folder}: labels not in categories.json: {sorted(unknown)[:5]}")
+        raise UserError(f"{folder}: labels not in categories.json: {sorted(unknown)[:5]}")
     return {s: {"text": [t for t, _ in rows], "label": [label[c] for _, c in rows]} for s, rows in splits.items()}
 
 
 def detect_local_format(folder: Path) -> tuple[str, str]:
     """(kind, default mteb task name) for a local folder; kind is retrieval, sts or classification."""
     if not folder.is_dir():
-        raise FileNotFoundError(f"local task folder not found: {folder}")
+        raise UserError(f"local task folder not found: {folder}")
     if (folder / "corpus.jsonl").is_file() or (folder / "qrels").is_dir():
         name = {t.metadata.name.lower(): t.metadata.name for t in mteb.get_tasks(task_types=["Retrieval"])}.get(
             folder.name.lower(), "")
@@ -418,18 +439,70 @@ def detect_local_format(folder: Path) -> tuple[str, str]:
         name, _ = load_sts_folder(folder)
         return "sts", name
     except ValueError:
-        raise ValueError(f"{folder}: not a known task layout (BEIR corpus.jsonl/queries.jsonl/qrels, STS-B "
-                         "sts-test.csv, SICK.txt, STS.input/STS.gs, biosses.tsv, or train.csv+test.csv)") from None
+        raise UserError(f"{folder}: not a known task layout (BEIR corpus.jsonl/queries.jsonl/qrels, STS-B "
+                        "sts-test.csv, SICK.txt, STS.input/STS.gs, biosses.tsv, or train.csv+test.csv)") from None
+
+
+def mteb_task(name: str, flag: str = "--tasks"):
+    """mteb.get_task(name), a name mteb does not know refused in one line (with mteb's closest name)."""
+    try:
+        return mteb.get_task(name)
+    except KeyError as err:
+        raise UserError(f"{flag} {name}: {str(err.args[0]).removeprefix('KeyError: ')}") from None
+
+
+def check_task_data(task, flag: str = "--tasks"):
+    """An mteb task by name reads its data from the Hub: while the Hub is offline (HF_HUB_OFFLINE), a task none of
+    whose data is cached (the Hub's cache or datasets') is refused now, before any model loads, pointing to
+    --local_tasks."""
+    path = task.metadata.dataset.get("path", "")
+    if not hub_offline() or not path or hub_cached(path, "dataset"):
+        return
+    import datasets
+
+    if (Path(datasets.config.HF_DATASETS_CACHE) / path.replace("/", "___")).is_dir():
+        return
+    raise UserError(f"{flag} {task.metadata.name}: mteb reads its data from the Hub ({path}), which is offline "
+                    f"(HF_HUB_OFFLINE) with no cached copy: give a local copy, --local_tasks {task.metadata.name}=DIR "
+                    "(data/eval/README.md)")
+
+
+def local_retrieval_split(folder: Path, wanted: str) -> str:
+    """The qrels split a local BEIR folder is scored on: `wanted` (the mteb task's evaluation split) when the folder
+    has it, else its one split other than train (a dev-only folder: qrels/dev.tsv)."""
+    splits = sorted(p.stem for p in (folder / "qrels").glob("*.tsv"))
+    if wanted in splits:
+        return wanted
+    scored = [s for s in splits if s != "train"]
+    if len(scored) != 1:
+        raise UserError(f"{folder}: no qrels/{wanted}.tsv to score, and qrels/ holds {splits or 'no .tsv'}: name the "
+                        "split to score qrels/test.tsv")
+    return scored[0]
+
+
+# the stock task whose class scores a local BEIR folder that is no mteb task (every retrieval task computes the same
+# metrics; the metadata is the folder's: its name and split)
+GENERIC_RETRIEVAL = "SciFact"
 
 
 def parse_local_spec(spec: str) -> tuple[str, Path, str]:
-    """"DIR" or "TaskName=DIR" -> (mteb task name, folder, kind)."""
+    """"DIR" or "TaskName=DIR" -> (mteb task name, folder, kind). A BEIR folder that holds no qrels split of the task
+    (a dev-only copy: qrels/dev.tsv) is scored on its own split under its own name (the folder's, or the name given
+    when it is no mteb task), not reported as the task's evaluation."""
     name, _, path = spec.rpartition("=") if "=" in spec and not os.path.exists(spec) else ("", "", spec)
     folder = Path(path).expanduser()
     kind, default = detect_local_format(folder)
     name = name or default
+    if kind == "retrieval":
+        try:
+            known, wanted = name, mteb.get_task(name).metadata.eval_splits[0] if name else "test"
+        except KeyError:  # a name of the user's own, no mteb task
+            known, wanted = "", "test"
+        split = local_retrieval_split(folder, wanted)
+        if split != wanted:
+            name = folder.name if known or not name else name
     if not name:
-        raise ValueError(f"{folder}: cannot tell which mteb task this is; name it: --local_tasks TaskName={folder}")
+        raise UserError(f"{folder}: cannot tell which mteb task this is; name it: --local_tasks TaskName={folder}")
     return name, folder, kind
 
 
@@ -509,7 +582,7 @@ class _XPRTTaskMixin:
         elif kind == "sts":
             _, rows = load_sts_folder(folder)
             if not rows:
-                raise ValueError(f"{folder}: no scored sentence pairs")
+                raise UserError(f"{folder}: no scored sentence pairs")
             if lim:
                 rows = rng.sample(rows, min(lim, len(rows)))
             s1, s2, sc = zip(*rows)
@@ -573,13 +646,29 @@ def build_task(name: str, local: Optional[tuple[Path, str]] = None, limit: Optio
                corpus_limit: Optional[int] = None, seed: int = 0, task=None):
     """The stock mteb task `name` (or the instance `task`, e.g. from a benchmark, with its language
     filters) with `_XPRTTaskMixin` put in front of its class: mteb's metadata and metric, our loader."""
-    stock = task if task is not None else mteb.get_task(name)
+    local_split = None
+    if task is not None:
+        stock = task
+    elif local is not None and local[1] == "retrieval":
+        try:
+            stock = mteb.get_task(name)
+        except KeyError:  # a BEIR folder under its own name (parse_local_spec)
+            stock = mteb.get_task(GENERIC_RETRIEVAL)
+        local_split = local_retrieval_split(local[0], stock.metadata.eval_splits[0])
+    else:
+        stock = mteb_task(name)
     base = type(stock)
-    cls = type(base.__name__, (_XPRTTaskMixin, base), {})
+    own = {}
+    if local_split is not None and (stock.metadata.name != name or local_split != stock.metadata.eval_splits[0]):
+        # the folder's own data: its name and split, not the stock task's (whose scores it would pass for); on the
+        # class, as mteb's unload_data drops an instance's own metadata
+        own["metadata"] = stock.metadata.model_copy(update={
+            "name": name, "eval_splits": [local_split], "dataset": {"path": str(local[0]), "revision": "local"}})
+    cls = type(base.__name__, (_XPRTTaskMixin, base), own)
     # A new instance of the subclass with the stock instance's state (a benchmark's language and split
     # filters live there); __class__ assignment is refused by some task classes' layouts.
     task = cls.__new__(cls)
-    task.__dict__.update(stock.__dict__)
+    task.__dict__.update({k: v for k, v in stock.__dict__.items() if not (own and k == "metadata")})
     task._xprt_local, task._xprt_limit, task._xprt_corpus_limit, task._xprt_seed = local, limit, corpus_limit, seed
     return task
 
@@ -741,7 +830,11 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     for name in tasks:
         specs.append((name, None, None))
     if benchmark:
-        for t in mteb.get_benchmark(benchmark).tasks:
+        try:
+            bench = mteb.get_benchmark(benchmark)
+        except KeyError as err:
+            raise UserError(f"--benchmark {benchmark}: {err.args[0]}") from None
+        for t in bench.tasks:
             specs.append((t.metadata.name, None, t))
     if not specs:
         raise ValueError("no task: give --local_tasks, --tasks or --benchmark")
@@ -750,8 +843,10 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     out = {"models": list(models), "results": {}, "tasks": [], "model_meta": {},
            "results_dir": str(cache.cache_path) if cache else None,
            "sample": {"limit": limit, "corpus_limit": corpus_limit, "seed": seed} if limit else None}
-    for name, local, _ in specs:
-        t = mteb.get_task(name)
+    for name, local, bench_task in specs:
+        t = build_task(name, local=local, task=bench_task)
+        if local is None:
+            check_task_data(t, "--benchmark" if bench_task is not None else "--tasks")
         out["tasks"].append({"name": name, "type": t.metadata.type,
                              "source": str(local[0]) if local else "mteb (online)",
                              "data": "local copy" if local else "mteb", "sample": bool(limit)})
@@ -862,13 +957,16 @@ class TrainingEncoder(AbsEncoder):
     --eval_limit."""
 
     def __init__(self, encoder, tokenizer, prompts: dict, max_length: int, batch_size: int, accelerator=None,
-                 pooling: str = "mean", normalize: bool = True, similarity_fn_name: str = "cosine"):
+                 pooling: str = "mean", normalize: bool = True, similarity_fn_name: str = "cosine",
+                 post_pooling=None):
         self.encoder, self.tokenizer, self.prompts, self.pooling = encoder, tokenizer, prompts, pooling
-        self.normalize = normalize
+        self.normalize, self.post_pooling = normalize, post_pooling
         self.max_length, self.batch_size, self.accelerator = max_length, batch_size, accelerator
         self.mteb_model_meta = ModelMeta(
             loader=None, name="local/training", revision="in-training", release_date=None, languages=None,
-            n_parameters=None, memory_usage_mb=None, max_tokens=max_length, embed_dim=encoder.config.hidden_size,
+            n_parameters=None, memory_usage_mb=None, max_tokens=max_length,
+            embed_dim=post_pooling.dim(encoder.config.hidden_size) if post_pooling is not None else
+            encoder.config.hidden_size,
             license=None, open_weights=True, public_training_code=None, public_training_data=None,
             framework=["PyTorch"], similarity_fn_name=scoring_function(similarity_fn_name), use_instructions=False,
             training_datasets=None)
@@ -876,21 +974,22 @@ class TrainingEncoder(AbsEncoder):
     def encode(self, inputs, *, task_metadata, hf_split: str, hf_subset: str,
                prompt_type: Optional[PromptType] = None, **kwargs: Any) -> np.ndarray:
         texts = [t for batch in inputs for t in batch["text"]]
-        prefix = self.prompts["document"] if prompt_type == PromptType.document else self.prompts["query"]
+        prefix = prompt_for(self.prompts, task_metadata, prompt_type) or ""
         acc = self.accelerator
         world = acc.num_processes if acc is not None else 1
         autocast = acc.autocast() if acc is not None else contextlib.nullcontext()
         if world == 1:
             with autocast:
                 return embed_texts(self.encoder, self.tokenizer, texts, self.batch_size, self.max_length,
-                                   prefix, pooling=self.pooling, normalize=self.normalize).numpy()
+                                   prefix, pooling=self.pooling, normalize=self.normalize,
+                                   post_pooling=self.post_pooling).numpy()
         unique = list(dict.fromkeys(texts))
         per = math.ceil(len(unique) / world)
         mine = unique[acc.process_index * per:(acc.process_index + 1) * per]
         mine += [f"[xprt eval padding {i}]" for i in range(per - len(mine))]
         with autocast:
             vecs = embed_texts(self.encoder, self.tokenizer, mine, self.batch_size, self.max_length, prefix,
-                               pooling=self.pooling, normalize=self.normalize)
+                               pooling=self.pooling, normalize=self.normalize, post_pooling=self.post_pooling)
         every = acc.gather(vecs.to(acc.device)).cpu()  # (world * per, H), in process order
         where = {t: i for i, t in enumerate(unique)}
         return every[[where[t] for t in texts]].numpy()
@@ -920,7 +1019,7 @@ def score_during_training(model, tokenizer, tasks: Sequence, prompts: dict, max_
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
     info = unwrapped.info  # scored as its saved folder would be: its pooling, normalisation and similarity
     enc = TrainingEncoder(unwrapped.encoder, tokenizer, prompts, max_length, batch_size, accelerator, info.pooling,
-                          info.normalize, info.similarity_fn_name)
+                          info.normalize, info.similarity_fn_name, unwrapped.post_pooling)
     scores = {}
     with eval_mode_and_rng(unwrapped):
         for task in tasks:
@@ -936,7 +1035,9 @@ def check_task_specs(specs: Sequence[str]):
             try:
                 parse_local_spec(spec)
             except (ValueError, FileNotFoundError) as err:
-                raise SystemExit(f"--eval_tasks {spec}: {err}") from None
+                raise UserError(f"--eval_tasks {spec}: {err}") from None
+        else:  # an mteb task by name: known to mteb, and its data reachable
+            check_task_data(mteb_task(spec, "--eval_tasks"), "--eval_tasks")
 
 
 class TrainingScorer:
@@ -1118,13 +1219,16 @@ def plot_bars(summ: dict, models: Sequence[str], path: Path):
     plt.close(fig)
 
 
+REPORT_FILES = ("results.md", "results.json", "results.png")  # what evaluate.py writes in --output_dir
+
+
 def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (), overwrite: bool = False) -> dict:
-    """results.md, results.json and results.png in output_dir (refused if present, unless overwrite)."""
-    names = ("results.md", "results.json", "results.png")
-    existing = [n for n in names if (output_dir / n).exists()]
+    """results.md, results.json and results.png in output_dir (refused if present, unless overwrite), each replaced
+    in one rename (support.atomic_write)."""
+    existing = [n for n in REPORT_FILES if (output_dir / n).exists()]
     if existing and not overwrite:
-        raise FileExistsError(f"{output_dir} already has {existing}; pass --overwrite (the results folder keeps "
-                              "finished tasks)")
+        raise UserError(f"{output_dir} already has {existing}; pass --overwrite (the results folder keeps "
+                        "finished tasks)")
     output_dir.mkdir(parents=True, exist_ok=True)
     summ = summarize(out)
     overlaps = [overlap_analysis(out, t) for t in overlap_tasks]
@@ -1146,7 +1250,7 @@ def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (),
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", required=True,
                    help="model folders (train.py output), hub ids or 'all-MiniLM-L6-v2'; the first is the "
                         "baseline every other model's difference is taken to")
@@ -1174,13 +1278,13 @@ def parse_args(argv=None):
     p.add_argument("--overlap_analysis", nargs="*", default=None, metavar="TASK",
                    help="the paper's overlap analysis (nDCG@10 per third of queries by word overlap); no "
                         "names = every retrieval task")
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--limit", type=positive_int, default=None,
                    help="quick check: at most this many queries / pairs / test texts per task (seeded sample)")
-    p.add_argument("--corpus_limit", type=int, default=None,
+    p.add_argument("--corpus_limit", type=positive_int, default=None,
                    help="with --limit: corpus size (relevant documents always kept); default 10 x --limit")
     p.add_argument("--seed", type=int, default=0, help="seed of the --limit sample")
-    p.add_argument("--batch_size", type=int, default=64, help="texts per forward pass")
-    p.add_argument("--max_length", type=int, default=None,
+    p.add_argument("--batch_size", type=positive_int, default=64, help="texts per forward pass")
+    p.add_argument("--max_length", type=positive_int, default=None,
                    help="token limit; default: the one the model states (sentence-transformers' "
                         "max_seq_length), else 512, at most its position table (support.max_seq_length)")
     p.add_argument("--score_as", default=None, metavar="MODEL",
@@ -1195,21 +1299,26 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.tasks and not args.local_tasks and not args.benchmark:
         args.benchmark = DEFAULT_BENCHMARK
-    if args.limit is not None and args.limit < 1:
-        p.error("--limit must be >= 1")
-    if args.batch_size < 1:
-        p.error("--batch_size must be >= 1")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    for name in args.models:  # a model that is not here, before any task or model loads
+        check_model_folder(name, "--models")
+    if args.score_as:
+        check_model_folder(args.score_as, "--score_as")
     out_dir = Path(args.output_dir)
-    existing = [n for n in ("results.md", "results.json", "results.png") if (out_dir / n).exists()]
-    if existing and not args.overwrite:  # refuse before hours of encoding, not after
-        raise SystemExit(f"{out_dir} already has {existing}; pass --overwrite (finished tasks come from the "
-                         "results folder)")
+    # refused before hours of encoding, not after: inputs inside the folder, a stranger's results.*, earlier
+    # results without --overwrite, a folder that cannot be written (support.claim_output_folder)
+    inputs = local_inputs(models=args.models, local_tasks=[t.rpartition("=")[2] for t in args.local_tasks],
+                          score_as=args.score_as)
+    existing = claim_output_folder(out_dir, "evaluate.py", REPORT_FILES, inputs)
+    if existing and not args.overwrite:
+        raise UserError(f"{out_dir} already has {[p.name for p in existing]}; pass --overwrite (finished tasks come "
+                        "from the results folder)")
+    record_outputs(out_dir, "evaluate.py", REPORT_FILES)
     out = run_evaluation(args.models, tasks=args.tasks, local_tasks=args.local_tasks, benchmark=args.benchmark,
                          limit=args.limit, corpus_limit=args.corpus_limit, seed=args.seed,
                          prefixes=args.prefixes, batch_size=args.batch_size, max_length=args.max_length,
@@ -1222,11 +1331,11 @@ def main(argv=None):
     overlap = [] if args.overlap_analysis is None else (args.overlap_analysis or retrieval)
     bad = [t for t in overlap if t not in retrieval]
     if bad:
-        raise SystemExit(f"--overlap_analysis needs retrieval tasks that were run; not: {bad}")
+        raise UserError(f"--overlap_analysis needs retrieval tasks that were run; not: {bad}")
     rep = write_report(out, out_dir, overlap, overwrite=args.overwrite)
     print((out_dir / "results.md").read_text())
     return rep
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

