@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from architectures import head_multiply_adds, layer_multiply_adds, load_teacher
+import baselines  # noqa: F401  (registers the comparison objectives as --objective choices)
 from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives
 from support import (EVAL_PREFIX, LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args,
                      atomic_write, batch_to_device, check_common_args, engine_dtype, epoch_batches,
