@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from architectures import head_multiply_adds, layer_multiply_adds, load_teacher
+import baselines  # noqa: F401  (registers the comparison objectives as --objective choices)
 from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives
 from support import (EVAL_PREFIX, ArgumentParser, LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState,
                      UserError, add_common_args, atomic_write, batch_to_device, check_batch_fits, check_common_args,
