@@ -28,8 +28,9 @@ import torch
 from architectures import head_multiply_adds, layer_multiply_adds, load_teacher
 from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives
 from support import (EVAL_PREFIX, LengthGroupedBatchSampler, adamw, add_common_args, atomic_write, check_common_args,
-                     engine_dtype, load_model, make_accelerator, prepare_output_dir, prepare_run, print_run, read_json,
-                     resolve_model_path, save_model, save_run, train_loop, training_loader, whole_weights, zero3)
+                     engine_dtype, explain_oom, load_model, make_accelerator, memory_estimate, prepare_output_dir,
+                     prepare_run, print_run, read_json, resolve_model_path, save_model, save_run, train_loop,
+                     training_loader, whole_weights, zero3)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -309,7 +310,7 @@ def teacher_cosine(model, teacher, batch) -> torch.Tensor:
     gradient). 1.0 at step 0. Computed on logging steps only (one extra forward of 2 x groups passages) and left on
     the device: the logging step's one read-back (LogWindow.record) averages it over the processes' batches."""
     with torch.no_grad():
-        s, t = model._clean_vectors(batch), model.teacher_vectors(batch, teacher)
+        s, t = model.sentence_vectors(model._clean_vectors(batch)), model.teacher_vectors(batch, teacher)
     return torch.nn.functional.cosine_similarity(s.float(), t.float(), dim=-1).mean()
 
 
@@ -335,6 +336,7 @@ def keep_best(accelerator, args, model, tokenizer, rec: dict, best: dict) -> dic
 # ----------------------------------------------------------------------------------------------------------------
 # Main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
 # ----------------------------------------------------------------------------------------------------------------
+@explain_oom
 def main(argv=None):
     args = parse_args(argv)
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
@@ -383,9 +385,12 @@ def main(argv=None):
         if args.save_best:
             best.update(keep_best(accelerator, args, model, tokenizer, rec, best))
 
+    def before_first_step(unwrapped, batch):  # the memory a step takes, printed before the first one
+        memory_estimate(accelerator, args, unwrapped, batch, teacher, args.max_length)
+
     train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state, steps_per_epoch,
                step_inputs, peak_flops=peak_flops(accelerator, args), scorer=scorer, on_score=on_score,
-               log_scalars=drift if teacher is not None else None,
+               log_scalars=drift if teacher is not None else None, before_first_step=before_first_step,
                skip_tokens=() if teacher is not None else ("retain_",))
     if best:
         accelerator.print(f"best {best['by']} {best['score']:.2f} at step {best['step']}: "
