@@ -1580,8 +1580,6 @@ def activation_bytes_per_token_layer(encoder, length: int, device, dtype=torch.b
         for name in ("num_hidden_layers", "n_layers", "num_layers"):
             if hasattr(cfg, name):
                 setattr(cfg, name, layers)
-        with torch.random.fork_rng(devices=[]):
-            enc = AutoModel.from_config(cfg).to(device).train()
         seen, total = set(), [0]
 
         def pack(t):
@@ -1592,9 +1590,12 @@ def activation_bytes_per_token_layer(encoder, length: int, device, dtype=torch.b
             return t
 
         ids = torch.full((seqs, length), 100, dtype=torch.long, device=device)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            enc(input_ids=ids, attention_mask=torch.ones_like(ids))
+        # the init and the dropout draw from their own RNG: a run (a resumed one too) draws what it would without
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            enc = AutoModel.from_config(cfg).to(device).train()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                enc(input_ids=ids, attention_mask=torch.ones_like(ids))
         return total[0]
 
     per_layer = {seqs: saved(2, seqs) - saved(1, seqs) for seqs in (2, 4)}
