@@ -798,6 +798,40 @@ def contract_differences(out: dict) -> dict:
             if len({json.dumps(c[k]) for c in contracts.values()}) > 1}
 
 
+def task_specs(local_tasks: Sequence[str], tasks: Sequence[str], benchmark: Optional[str]) -> list:
+    """--local_tasks, --tasks and --benchmark's tasks as (name, (folder, kind) or None, benchmark task or None)."""
+    specs = [(name, (folder, kind), None) for name, folder, kind in map(parse_local_spec, local_tasks)]
+    specs += [(name, None, None) for name in tasks]
+    if benchmark:
+        try:
+            bench = mteb.get_benchmark(benchmark)
+        except KeyError as err:  # a misspelled name: mteb's message suggests the right one
+            raise UserError(f"--benchmark {benchmark}: {err.args[0]}") from None
+        specs += [(t.metadata.name, None, t) for t in bench.tasks]
+    if not specs:
+        raise UserError("no task: give --local_tasks, --tasks or --benchmark")
+    return specs
+
+
+def record_encoder(out: dict, model_name: str, encoder):
+    """What a model is scored as, into run_evaluation's report and printed: its contract, max length (a warning when
+    the models' differ), mteb name and revision, pooling and prefixes."""
+    if getattr(encoder, "contract", None):
+        out["contracts"][model_name] = dict(encoder.contract)
+        print(f"model {model_name}: scored with {describe_contract(encoder.contract)}", flush=True)
+    lengths = out.setdefault("max_length", {})
+    lengths[model_name] = getattr(encoder, "max_length", None)
+    if len(set(lengths.values())) > 1:  # e.g. MiniLM's folder says 256, a train.py save says 512
+        warnings.warn(f"models run with different max lengths {lengths}: long documents are cut differently; "
+                      "pass --max_length to compare like with like")
+    meta = encoder.mteb_model_meta
+    out["model_meta"][model_name] = {"name": meta.name, "revision": meta.revision}
+    print(f"model {model_name}: mteb name {meta.name}, revision {meta.revision}; pooling "
+          f"{getattr(encoder, 'pooling', '?')}", flush=True)
+    print(f"model {model_name}: prefixes: query {getattr(encoder, 'query_prefix', '')!r}, "
+          f"passage {getattr(encoder, 'passage_prefix', '')!r}", flush=True)
+
+
 def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks: Sequence[str] = (),
                    benchmark: Optional[str] = None, limit: Optional[int] = None,
                    corpus_limit: Optional[int] = None, seed: int = 0, prefixes: str = "auto",
@@ -823,21 +857,7 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
 
     if not models:
         raise ValueError("give at least one model (--models)")
-    specs = []  # (name, local or None, benchmark task instance or None)
-    for spec in local_tasks:
-        name, folder, kind = parse_local_spec(spec)
-        specs.append((name, (folder, kind), None))
-    for name in tasks:
-        specs.append((name, None, None))
-    if benchmark:
-        try:
-            bench = mteb.get_benchmark(benchmark)
-        except KeyError as err:
-            raise UserError(f"--benchmark {benchmark}: {err.args[0]}") from None
-        for t in bench.tasks:
-            specs.append((t.metadata.name, None, t))
-    if not specs:
-        raise ValueError("no task: give --local_tasks, --tasks or --benchmark")
+    specs = task_specs(local_tasks, tasks, benchmark)
     cache = mteb.ResultCache(results_dir) if results_dir else None
     # what the scores are: a --limit sample and local copies are not the tasks as the MTEB leaderboard scores them
     out = {"models": list(models), "results": {}, "tasks": [], "model_meta": {},
@@ -867,20 +887,7 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     out["contracts"] = {}
     for model_name in models:
         encoder = (encoder_factory or make_encoder)(model_name, *([reference] if reference else []))
-        if getattr(encoder, "contract", None):
-            out["contracts"][model_name] = dict(encoder.contract)
-            print(f"model {model_name}: scored with {describe_contract(encoder.contract)}", flush=True)
-        lengths = out.setdefault("max_length", {})
-        lengths[model_name] = getattr(encoder, "max_length", None)
-        if len(set(lengths.values())) > 1:  # e.g. MiniLM's folder says 256, a train.py save says 512
-            warnings.warn(f"models run with different max lengths {lengths}: long documents are cut differently; "
-                          "pass --max_length to compare like with like")
-        meta = encoder.mteb_model_meta
-        out["model_meta"][model_name] = {"name": meta.name, "revision": meta.revision}
-        print(f"model {model_name}: mteb name {meta.name}, revision {meta.revision}; pooling "
-              f"{getattr(encoder, 'pooling', '?')}", flush=True)
-        print(f"model {model_name}: prefixes: query {getattr(encoder, 'query_prefix', '')!r}, "
-              f"passage {getattr(encoder, 'passage_prefix', '')!r}", flush=True)
+        record_encoder(out, model_name, encoder)
         out["results"][model_name] = {}
         for name, local, bench_task in tqdm(specs, desc=f"tasks [{model_name}]", disable=not show_progress):
             task = build_task(name, local=local, limit=limit, corpus_limit=corpus_limit, seed=seed, task=bench_task)

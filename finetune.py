@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import random
 import sys
 from pathlib import Path
@@ -32,12 +31,11 @@ import numpy as np
 import torch
 
 from modeling_xprt import PairCollator, XPRTModel, embed_texts, pair_false_negatives, pair_text_ids
-from support import (ArgumentParser, LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, UserError,
-                     add_common_args, atomic_write, batch_to_device, check_batch_fits, check_common_args,
-                     check_model_name, epoch_batches, gradient_cache_step, iter_jsonl, iter_parquet, load_beir,
-                     load_model, local_inputs, make_accelerator, non_negative_int, optimizer_groups, positive_int,
-                     prepare_output_dir, rank_and_world, resume, run_script, save_checkpoint, save_run, whole_weights,
-                     write_log_record)
+from support import (ArgumentParser, LengthGroupedBatchSampler, UserError, adamw, add_common_args, atomic_write,
+                     check_batch_fits, check_common_args, check_model_name, iter_jsonl, iter_parquet, load_beir,
+                     load_model, local_inputs, make_accelerator, non_negative_int, positive_int, prepare_output_dir,
+                     prepare_run, print_run, rank_and_world, run_script, save_run, train_loop, training_loader,
+                     whole_weights)
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 
@@ -619,13 +617,12 @@ def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_id
     """
     from tqdm.auto import tqdm
 
-
     rank, world = rank_and_world()
     n, k = len(corpus_ids), min(rank_max, len(corpus_ids))
     if n > _LOW:
         raise ValueError(f"{n} passages: the ranking keys hold corpus indices below 2**32")
     device = next(getattr(encoder, "base_model", encoder).parameters()).device
-    # every process encodes all queries (one call, as before): short texts, and the same vectors everywhere
+    # every process encodes all queries (one call): short texts, and the same vectors everywhere
     q = embed_texts(encoder, tokenizer, query_texts, batch_size, query_max_length, query_prefix,
                     desc="mining: queries", pooling=pooling,
                     post_pooling=post_pooling).to(device)
@@ -661,18 +658,8 @@ def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_id
             column, corpus_index = None, first[distinct]
         corpus_index = torch.from_numpy(corpus_index).to(device)
         column = None if column is None else torch.from_numpy(column).to(device)
-        # Scores as float64 products rounded to float32. A float32 product's last bit depends on how BLAS blocks
-        # it (the matrix shapes, the kernel: about 1 in 3 scores moved by up to 3e-7 between one product and
-        # per-batch products in a test here), which would let near-ties swap between chunk sizes or process
-        # counts. Float64 orders differ by ~1e-16, so the rounded scores agree (but for ~1e-9 of them, at a
-        # rounding boundary). Outside autocast: a bf16 run (accelerator.autocast) speeds up the encoder only.
-        with torch.autocast(device.type, enabled=False):
-            vecs = vecs.double()
-            for qs in range(0, len(query_texts), query_block):
-                scores = (q[qs:qs + query_block].double() @ vecs.T).float()
-                keys = _ranking_keys(scores if column is None else scores[:, column], corpus_index)
-                top[qs:qs + query_block] = torch.cat([top[qs:qs + query_block], keys], dim=1).topk(k).values
-        del vecs, scores, keys  # drop the chunk before encoding the next one
+        _score_into_top(top, q, vecs, column, corpus_index, query_block)
+        del vecs  # drop the chunk before encoding the next one
 
     # ---- 3. merge the processes' top lists (every process gets the result)
     if world > 1:
@@ -681,14 +668,36 @@ def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_id
             torch.distributed.all_gather(parts, top[qs:qs + query_block].contiguous())
             top[qs:qs + query_block] = torch.cat(parts, dim=1).topk(k).values
     ranked = (top & (_LOW - 1)).cpu().numpy()  # (queries, k) corpus indices, best first
+    return _window_pools(ranked, rank_min, corpus_ids, positive_ids, text_of)
 
-    # ---- the window, minus the query's positives and any passage with a positive's text
+
+def _score_into_top(top, q, vecs, column, corpus_index, query_block: int):
+    """One chunk's passage vectors scored against every query (query_block at a time), merged into the running top
+    ranking keys in place. column: each corpus entry's row of vecs (a duplicated text is encoded once), or None.
+
+    Scores as float64 products rounded to float32. A float32 product's last bit depends on how BLAS blocks it (the
+    matrix shapes, the kernel: about 1 in 3 scores moved by up to 3e-7 between one product and per-batch products
+    in a test here), which would let near-ties swap between chunk sizes or process counts. Float64 orders differ by
+    ~1e-16, so the rounded scores agree (but for ~1e-9 of them, at a rounding boundary). Outside autocast: a bf16
+    run (accelerator.autocast) speeds up the encoder only."""
+    k = top.shape[1]
+    with torch.autocast(vecs.device.type, enabled=False):
+        vecs = vecs.double()
+        for qs in range(0, len(q), query_block):
+            scores = (q[qs:qs + query_block].double() @ vecs.T).float()
+            keys = _ranking_keys(scores if column is None else scores[:, column], corpus_index)
+            top[qs:qs + query_block] = torch.cat([top[qs:qs + query_block], keys], dim=1).topk(k).values
+
+
+def _window_pools(ranked, rank_min: int, corpus_ids, positive_ids, text_of) -> list:
+    """Each query's ranks rank_min..k (ranked: (queries, k) corpus indices, best first), minus the query's positives
+    and any passage with a positive's text -> the pools of corpus ids."""
     wanted = set().union(*positive_ids) if len(positive_ids) else set()
     where = {d: j for j, d in enumerate(corpus_ids) if d in wanted}
     pools = []
     for i, row in enumerate(ranked):
         pos_texts = {int(text_of[where[d]]) for d in positive_ids[i] if d in where}
-        window = row[rank_min - 1:k]
+        window = row[rank_min - 1:]
         pools.append([corpus_ids[j] for j, t in zip(window.tolist(), text_of[window].tolist())
                       if corpus_ids[j] not in positive_ids[i] and t not in pos_texts])
     return pools
@@ -962,7 +971,6 @@ def main(argv=None):
     check_inputs(args)
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
     from accelerate.utils import set_seed
-    from transformers import get_scheduler
 
     # ---- accelerator. The idle heads are frozen below, so every trainable parameter gets a gradient: no
     # unused-parameter search.
@@ -1004,94 +1012,34 @@ def main(argv=None):
     if accelerator.is_main_process:
         print_false_negatives(count_false_negatives(rows, sampler.batches(), args.num_negatives, args.seed, 0,
                                                     accelerator.num_processes))
-    dataloader = torch.utils.data.DataLoader(RowsDataset(rows), batch_sampler=sampler, collate_fn=list,
-                                             generator=torch.Generator().manual_seed(args.seed))
+    # each row with the epoch's negatives, drawn per (seed, epoch, row), collated ahead of the step (support.Collate)
+    def with_negatives(epoch, i, r):
+        return {"query": r["query"], "positive": r["positive"], "relevant": r.get("relevant"),
+                "negatives": pick_negatives(r, i, args.num_negatives, args.seed, epoch)}
 
-    # ---- optimiser and scheduler (10% warmup, then linear decay: PAIR's)
-    param_groups = optimizer_groups(model, args.learning_rate, None, args.weight_decay)
-    trainable = sum(p.numel() for g in param_groups for p in g["params"])
-    accelerator.print(f"trainable parameters: {trainable:,} "
-                      f"({', '.join(sorted({g['name'] for g in param_groups}))})")
-    optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate)
+    dataloader = training_loader(accelerator, args, rows, sampler, collator, with_negatives)
 
-    # ---- prepare
-    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
-    steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
-    if steps_per_epoch == 0:
-        raise UserError("not enough data for one step per process: lower --per_device_train_batch_size")
-    max_steps = args.max_train_steps if args.max_train_steps is not None else args.num_train_epochs * steps_per_epoch
-    world = accelerator.num_processes
-    lr_scheduler = accelerator.prepare(get_scheduler(args.lr_scheduler_type, optimizer,
-                                                     num_warmup_steps=int(args.warmup_ratio * max_steps) * world,
-                                                     num_training_steps=max_steps * world))
-    state = TrainState()
-    accelerator.register_for_checkpointing(state)
-    if args.resume_from_checkpoint is not None:
-        resume(accelerator, args, collator, state)
-    accelerator.print(
-        f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {len(rows)} "
-        f"(query, positive) rows of {len(set(keys))} queries, {max_steps} steps x {args.per_device_train_batch_size} "
-        f"per device x {world} processes x {args.gradient_accumulation_steps} accumulation; in-batch negatives per "
-        f"step = {args.per_device_train_batch_size * world} (accumulation adds none); lr {args.learning_rate}")
-    if accelerator.is_main_process:
-        accelerator.init_trackers("xprt", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                                                  for k, v in vars(args).items()})
+    # ---- optimiser
+    optimizer, trainable = adamw(accelerator, model, args)
+
+    # ---- prepare; the run's steps and the scheduler (10% warmup, then linear decay: PAIR's); resume
+    model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch = prepare_run(accelerator, args, model,
+                                                                                     optimizer, dataloader)
+    max_steps, world = state.max_steps, accelerator.num_processes
+    print_run(accelerator, args, f"{len(rows)} (query, positive) rows of {len(set(keys))} queries", max_steps)
     scorer = None
     if args.eval_tasks:
         import evaluate
 
         scorer = evaluate.TrainingScorer(accelerator, args, tokenizer)
 
-    # ---- the loop (train.py's, with the step's negatives and PAIR's alpha)
-    model.train()
-    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps)
-    stop_at = min(max_steps, args.stop_after_steps or max_steps)
-    log_path, first_batch = Path(args.output_dir) / "train_log.jsonl", True
-    for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
-        if state.completed_steps >= stop_at:
-            break
-        for indexed in epoch_batches(accelerator, dataloader, sampler, state, epoch):  # [(row index, row)]
-            batch = collator([{"query": r["query"], "positive": r["positive"], "relevant": r.get("relevant"),
-                               "negatives": pick_negatives(r, i, args.num_negatives, args.seed, epoch)}
-                              for i, r in indexed])
-            real, proc = window.count(batch, ("retain_",))
-            if first_batch:
-                first_batch = False
-                accum = args.gradient_accumulation_steps * world
-                accelerator.print(f"tokens per step: ~{real * accum} real, {proc * accum} processed (first batch)")
-            batch = batch_to_device(batch, accelerator.device)
-            alpha = pair_alpha_at(state.completed_steps, max_steps, args.pair_alpha, args.pair_alpha_schedule)
-            with accelerator.accumulate(model):
-                if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
-                    outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk,
-                                                  pair_alpha=alpha)
-                else:
-                    outputs = model(batch, pair_alpha=alpha)
-                if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
-                    if not args.gradient_cache_chunk:
-                        accelerator.backward(outputs["loss"])
-                    if accelerator.sync_gradients and args.max_grad_norm > 0:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    lr_scheduler.step()
-                optimizer.zero_grad()
-            state.batches_in_epoch += 1
-            if not accelerator.sync_gradients:
-                continue
-            state.completed_steps += 1
-            window.step_done(state, epoch, {"retention_weight": 0.0, "pair_alpha": alpha})
-            if scorer and args.eval_steps and state.completed_steps % args.eval_steps == 0:
-                write_log_record(accelerator, log_path, scorer(model, state.completed_steps, epoch, window))
-            if args.checkpointing_steps and state.completed_steps % args.checkpointing_steps == 0:
-                save_checkpoint(accelerator, model, collator, Path(args.output_dir) / "checkpoints",
-                                state.completed_steps, args.checkpoints_total_limit)
-            if state.completed_steps >= stop_at:
-                break
-        else:
-            state.batches_in_epoch = 0
-    window.close()
-    if scorer and scorer.last_step != state.completed_steps:
-        write_log_record(accelerator, log_path, scorer(model, state.completed_steps, state.epoch, window))
+    # ---- the loop (support.train_loop, train.py's): PAIR's alpha at each step
+    def step_inputs(step):
+        alpha = pair_alpha_at(step, max_steps, args.pair_alpha, args.pair_alpha_schedule)
+        return {"pair_alpha": alpha}, {"retention_weight": 0.0, "pair_alpha": alpha}
+
+    train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state, steps_per_epoch,
+               step_inputs, skip_tokens=("retain_",), scorer=scorer)
 
     # ---- save
     # a Hub dataset given as --train_data is named in the model card's metadata (a local file is not)

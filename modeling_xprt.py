@@ -973,8 +973,8 @@ def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarra
 
 
 class GroupCollator:
-    """What every pre-training collator shares: tokenising with the passage prefix, BERT-style masking drawn from a
-    checkpointed generator, the retention fields (every objective gets the same term), and the batch sampler's
+    """What every pre-training collator shares: tokenising with the passage prefix, BERT-style masking drawn from
+    self.generator, the retention fields (every objective gets the same term), and the batch sampler's
     lengths. max_length counts the passage's own tokens: select_groups.py packs passages to --passage_tokens (128)
     without [CLS], [SEP] and the prefix, so the sequences are max_length + specials + prefix long and a selected
     passage reaches the encoder whole. The prefix ("passage: " for E5) is never a masking candidate: it is the same
@@ -1001,13 +1001,7 @@ class GroupCollator:
         self.passage_prefix = passage_prefix
         self.prefix_ids = tokenizer(passage_prefix, add_special_tokens=False)["input_ids"] if passage_prefix else []
         self.seq_length = max_length + len(self.prefix_ids) + tokenizer.num_special_tokens_to_add(pair=False)
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict):
-        self.generator.set_state(state["generator"])
+        self.generator = torch.Generator().manual_seed(seed)  # training re-seeds it per batch (support.Collate)
 
     def sort_lengths(self, groups, seed: int):
         """What the batch sampler sorts the groups by -> (lengths, or a function epoch -> lengths; a function

@@ -10,8 +10,9 @@ so a reader of a paper script can skip it and a forker can copy one script with 
   3. devices and processes: device and dtype, rank and world size
   4. loading checkpoints: transformers' load report, tensors the MLM model leaves out, a folder's length limit
   5. the model folder: sentence-transformers files, the Hub card, evaluation results, the Hub upload
-  6. runs under Accelerate: the shared flags, the accelerator, the run folder, DeepSpeed, batches, optimiser
-     groups, checkpoints and resume, the log window, the loss-curve picture
+  6. runs under Accelerate: the shared flags, the accelerator, the run folder, DeepSpeed, batches collated in
+     DataLoader workers, optimiser groups, prepare, checkpoints and resume, the training loop train.py and finetune.py
+     share (with its FLOP count), the log window, the loss-curve picture
 """
 
 from __future__ import annotations
@@ -1008,36 +1009,32 @@ def hub_base_model(name_or_path: str) -> Optional[str]:
     return name_or_path if _HUB_ID.fullmatch(name_or_path) and not os.path.exists(name_or_path) else None
 
 
-def card_license(name_or_path: Optional[str]) -> Optional[str]:
-    """The licence in a model's card metadata (a local folder's README.md, the bundled MiniLM's, or a Hub card when
-    the Hub can be reached), or None when no card says. A derived model is bound by its base model's licence, so
-    train.py / finetune.py default --license to it rather than guess one."""
+def card_data(name_or_path: Optional[str]):
+    """The metadata of a model's card (a local folder's README.md, the bundled MiniLM's, or a Hub card when the Hub
+    can be reached), or None when there is no card."""
     from huggingface_hub import ModelCard
 
     if not name_or_path:
         return None
     path = resolve_model_path(name_or_path)
     try:
-        card = ModelCard.load(os.path.join(path, "README.md") if os.path.isdir(path) else path)
-    except Exception:  # noqa: BLE001 - no card, or no Hub (offline): the licence is unknown
+        return ModelCard.load(os.path.join(path, "README.md") if os.path.isdir(path) else path).data
+    except Exception:  # noqa: BLE001 - no card, or no Hub (offline): nothing is known
         return None
-    return card.data.license
+
+
+def card_license(name_or_path: Optional[str]) -> Optional[str]:
+    """The licence in a model's card metadata (card_data), or None when no card says: a derived model is bound by
+    its start's licence, so train.py / finetune.py default --license to it rather than guess one."""
+    data = card_data(name_or_path)
+    return data.license if data is not None else None
 
 
 def card_language(name_or_path: Optional[str]):
-    """The language(s) in a model's card metadata (as card_license reads it: a local folder's README.md, the bundled
-    MiniLM's, or a Hub card when the Hub can be reached), or None when no card says: a derived model works in its
-    start's languages, and a card should not claim one it was never told (a multilingual start is not "en")."""
-    from huggingface_hub import ModelCard
-
-    if not name_or_path:
-        return None
-    path = resolve_model_path(name_or_path)
-    try:
-        card = ModelCard.load(os.path.join(path, "README.md") if os.path.isdir(path) else path)
-    except Exception:  # noqa: BLE001 - no card, or no Hub (offline): the language is unknown
-        return None
-    return card.data.language or None
+    """The language(s) in a model's card metadata (card_data), or None when no card says: a derived model works in
+    its start's languages, and a card should not claim one it was never told (a multilingual start is not "en")."""
+    data = card_data(name_or_path)
+    return (data.language or None) if data is not None else None
 
 
 def _task_type(metric: str) -> str:
@@ -1156,30 +1153,24 @@ def public_command(script: str, argv) -> str:
     return " ".join(words)
 
 
-def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[str], summary: dict,
-               datasets: Optional[list] = None) -> str:
-    """The saved folder's README.md: Hub metadata (huggingface_hub.ModelCardData: base_model, datasets, language,
-    licence, library, pipeline, tags), usage code for sentence-transformers (with the saved prompts) and for plain
-    transformers (prefix + mean pooling + L2), the training command without local paths, and a loss summary.
-    evaluate.py adds the evaluation table (add_eval_results_to_card).
-    args: the script's flags; info: the model's ModelInfo; script, argv: the command that trained it; summary:
-    {"steps", "processes", "rows", "unit", "last_logged_step"}; datasets: the Hub datasets it was trained on."""
-    from huggingface_hub import ModelCard, ModelCardData
+def card_metadata(args, info: ModelInfo, datasets: Optional[list] = None):
+    """The card's Hub metadata (huggingface_hub.ModelCardData): base model, datasets, language and licence (the start
+    folder's own card first, local, and it carries an xprt start's licence on; then the Hub's), library, tags."""
+    from huggingface_hub import ModelCardData
 
-    prompts, base_model, hub_id = info.prompts, info.base_model, args.hub_model_id
-    # the start folder's own card first (local, and it carries an xprt start's licence on), then the Hub's
+    base_model = info.base_model
     license_ = args.license or card_license(args.model_name_or_path) or card_license(base_model)
-    model_id = hub_id or f"path/to/{Path(args.output_dir).name}/model"
     language = card_language(args.model_name_or_path) or card_language(base_model)
-    data = ModelCardData(base_model=base_model, datasets=datasets or None,
+    return ModelCardData(base_model=base_model, datasets=datasets or None,
                          language=language, license=license_, library_name="sentence-transformers",
                          pipeline_tag="sentence-similarity",
                          tags=["sentence-transformers", "sentence-similarity", "feature-extraction", "xprt",
                                "retrieval"])
-    max_len = info.max_seq_length  # as save_model_folder writes it into sentence_bert_config.json
-    q, d = prompts["query"], prompts["document"]
-    start = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local checkpoint"
-    lineage = " -> ".join(f"{s['stage']} ({s['model'] or 'local'})" for s in info.lineage)
+
+
+def transformers_usage(info: ModelInfo, model_id: str) -> tuple:
+    """The plain-transformers usage of the saved model: its pooling (and L2) and its similarity as code lines, and a
+    note for FlagEmbedding users of a mean-pooled model -> (pool_code, score_code, flag_note)."""
     if info.pooling == "cls":
         pool_code = "embeddings = hidden[:, 0]  # [CLS] pooling"
         flag_note = ""
@@ -1198,6 +1189,26 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
                   "euclidean": "-torch.dist(embeddings[0], embeddings[1])",
                   "manhattan": "-torch.dist(embeddings[0], embeddings[1], p=1)"}.get(info.similarity_fn_name,
                                                                                    "embeddings[0] @ embeddings[1]")
+    return pool_code, score_code, flag_note
+
+
+def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[str], summary: dict,
+               datasets: Optional[list] = None) -> str:
+    """The saved folder's README.md: Hub metadata (card_metadata), usage code for sentence-transformers (with the
+    saved prompts) and for plain transformers (prefix + pooling + L2: transformers_usage), the training command
+    without local paths, and a loss summary. evaluate.py adds the evaluation table (add_eval_results_to_card).
+    args: the script's flags; info: the model's ModelInfo; script, argv: the command that trained it; summary:
+    {"steps", "processes", "rows", "unit", "last_logged_step"}; datasets: the Hub datasets it was trained on."""
+    from huggingface_hub import ModelCard
+
+    prompts, base_model, hub_id = info.prompts, info.base_model, args.hub_model_id
+    model_id = hub_id or f"path/to/{Path(args.output_dir).name}/model"
+    data = card_metadata(args, info, datasets)
+    max_len = info.max_seq_length  # as save_model_folder writes it into sentence_bert_config.json
+    q, d = prompts["query"], prompts["document"]
+    start = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a local checkpoint"
+    lineage = " -> ".join(f"{s['stage']} ({s['model'] or 'local'})" for s in info.lineage)
+    pool_code, score_code, flag_note = transformers_usage(info, model_id)
     scoring = describe_scoring(info)
     if info.normalize and info.similarity_fn_name == "cosine":
         trained_note = ""
@@ -1212,10 +1223,6 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
     modules_note = (f" The modules after pooling ({', '.join(info.modules)}) are the start model's, kept frozen: the "
                     "encoder was trained under them (the similarity losses read the vectors they make) and they are "
                     "saved unchanged." if info.modules else "")
-    last = summary.get("last_logged_step") or {}
-    terms = {k: v for k, v in last.items() if k == "loss" or k.endswith("_loss")}
-    loss_rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in terms.items())
-    cfg = {k: _public_value(f"--{k}", v) for k, v in sorted(vars(args).items()) if k != "hub_token"}
     body = f"""
 # {hub_id or Path(args.output_dir).name}
 
@@ -1254,7 +1261,18 @@ with torch.no_grad():
 print({score_code})  # {info.similarity_fn_name} similarity
 ```
 {flag_note}
+{training_section(args, script, argv, summary)}"""
+    return str(ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n" + body))
 
+
+def training_section(args, script: str, argv: Sequence[str], summary: dict) -> str:
+    """The card's "Training" and "Configuration" sections: the command without local paths, the run's size, the
+    loss terms of the last logged step, and every flag."""
+    last = summary.get("last_logged_step") or {}
+    terms = {k: v for k, v in last.items() if k == "loss" or k.endswith("_loss")}
+    loss_rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in terms.items())
+    cfg = {k: _public_value(f"--{k}", v) for k, v in sorted(vars(args).items()) if k != "hub_token"}
+    return f"""
 ## Training
 
 ```bash
@@ -1276,7 +1294,6 @@ step ({last.get("step", "none")}):
 {json.dumps(cfg, indent=1, default=str)}
 ```
 """
-    return str(ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n" + body))
 
 
 def push_to_hub(args, folder: Path):
@@ -1349,6 +1366,10 @@ def add_common_args(p, default_lr: float):
                         "with it the in-batch negatives, is no longer bound by the activations' memory; one more "
                         "forward of the encoder passes. Off by default; not under DeepSpeed"),
     g.add_argument("--seed", type=int, default=42, help="seed of everything (data order, masks, init, dropout)")
+    g.add_argument("--dataloader_num_workers", type=non_negative_int, default=None,
+                   help="processes that collate (tokenise, mask) the next batches while the device runs the step; "
+                        "default 2 with a GPU (collation stays off the step's critical path), 0 on CPU (workers "
+                        "would take cores from the step itself). The batches are the same for any value")
     g.add_argument("--on_nonfinite", choices=["stop", "skip"], default="stop",
                    help="a NaN/inf loss stops the run naming step and term, or skips that step")
 
@@ -1581,11 +1602,9 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     def batch_matrix(self) -> np.ndarray:
         """The epoch's batches as a (batches, batch_size) int64 array of row indices.
 
-        The draws are those of the first (list-based) version, so a (seed, epoch) gives the same batches as
-        before and old runs resume and reproduce: random.shuffle of range(n) (shuffle accepts any mutable
-        sequence; an array.array holds the ints in 8 bytes each), a *stable* sort by -length inside each
-        mega-batch (Python's sorted is stable too), then random.shuffle of the batch list, done here on a list of
-        batch numbers: the same number of draws on a list of the same length gives the same permutation.
+        The draws: random.shuffle of range(n) (shuffle accepts any mutable sequence; an array.array holds the ints
+        in 8 bytes each), a *stable* sort by -length inside each mega-batch, then random.shuffle of the list of
+        batch numbers. A (seed, epoch) gives the same batches as Python lists would (tests/test_train.py).
         """
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
         n, bs = len(self.lengths), self.batch_size
@@ -1760,11 +1779,10 @@ def sampler_negatives(sampler: "LengthGroupedBatchSampler", keys) -> dict:
 
 
 class RowsDataset(torch.utils.data.Dataset):
-    """(index, row) pairs: rows as plain dicts from a list of dicts (fine-tuning) or a datasets.Dataset (the groups:
+    """(key, row) pairs: rows as plain dicts from a list of dicts (fine-tuning) or a datasets.Dataset (the groups:
     memory-mapped Arrow, one row converted to a dict when the loader asks for it, so memory does not grow with the
-    number of groups); the index is the row's place in the data, which keys what is drawn per row (crops, negatives).
-    Collation happens in the training loop, not in the DataLoader: the DataLoader prefetches a batch ahead, which
-    would advance the collator's mask RNG past a checkpoint and break exact resume."""
+    number of groups). key: a row index, or (epoch, batch number, row index) from KeyedBatches; the row index is the
+    row's place in the data, which keys what is drawn per row (crops, negatives)."""
 
     def __init__(self, rows):
         self.rows = rows
@@ -1772,8 +1790,65 @@ class RowsDataset(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.rows)
 
-    def __getitem__(self, i):
-        return i, self.rows[i]
+    def __getitem__(self, key):
+        return key, self.rows[key[-1] if isinstance(key, tuple) else key]
+
+
+class KeyedBatches(torch.utils.data.Sampler):
+    """A batch sampler's batches with every row index keyed by (epoch, batch number in the epoch): all a DataLoader
+    worker needs to collate a batch as a pure function of its rows (Collate). accelerate shards and skips these
+    batches as it does the plain ones."""
+
+    def __init__(self, sampler):
+        self.batch_sampler = sampler
+        self.batch_size, self.drop_last = sampler.batch_size, sampler.drop_last  # what accelerate's shards read
+
+    def set_epoch(self, epoch: int):
+        self.batch_sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        epoch = self.batch_sampler.epoch
+        return ([(epoch, n, i) for i in b] for n, b in enumerate(self.batch_sampler))
+
+    def __len__(self):
+        return len(self.batch_sampler)
+
+
+def batch_seed(*key: int) -> int:
+    """A 63-bit seed from (seed, epoch, batch number, process): numpy's SeedSequence hashes the tuple, so nearby keys
+    give unrelated streams."""
+    return int(np.random.SeedSequence([int(k) for k in key]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class Collate:
+    """collate_fn of the training DataLoader: [((epoch, batch, row index), row)] -> the collator's batch.
+
+    The collator's random draws (masks, crops) come from its generator re-seeded with batch_seed(seed, epoch, batch,
+    process), so a batch is a pure function of its rows and those numbers: DataLoader workers can build it ahead of
+    the step, in any order, and a resumed run draws what the uninterrupted one drew with nothing saved.
+    make_row(epoch, row index, row) -> the row the collator reads (train.py: the random-span crops; finetune.py: the
+    epoch's negatives); None: the row as stored."""
+
+    def __init__(self, collator, seed: int, process: int, make_row=None):
+        self.collator, self.seed, self.process, self.make_row = collator, seed, process, make_row
+
+    def __call__(self, items: list) -> dict:
+        (epoch, number, _), _ = items[0]
+        rows = [r if self.make_row is None else self.make_row(epoch, i, r) for (_, _, i), r in items]
+        if getattr(self.collator, "generator", None) is not None:
+            self.collator.generator.manual_seed(batch_seed(self.seed, epoch, number, self.process))
+        return self.collator(rows)
+
+
+def training_loader(accelerator, args, rows, sampler, collator, make_row=None):
+    """The run's DataLoader (not yet prepared): the sampler's batches collated by --dataloader_num_workers processes
+    (Collate). generator: the loader's base seed, not the global RNG that drives dropout."""
+    workers = args.dataloader_num_workers
+    if workers is None:  # a GPU step waits on a collation in its own process; on CPU, workers take its cores
+        workers = 2 if torch.cuda.is_available() else 0
+    return torch.utils.data.DataLoader(RowsDataset(rows), batch_sampler=KeyedBatches(sampler),
+                                       collate_fn=Collate(collator, args.seed, accelerator.process_index, make_row),
+                                       num_workers=workers, generator=torch.Generator().manual_seed(args.seed))
 
 
 def check_batch_fits(rows: int, batch_size: int, world: int, what: str, distinct: Optional[int] = None):
@@ -1886,8 +1961,6 @@ def activation_bytes_per_token_layer(encoder, length: int, device, dtype=torch.b
         for name in ("num_hidden_layers", "n_layers", "num_layers"):
             if hasattr(cfg, name):
                 setattr(cfg, name, layers)
-        with torch.random.fork_rng(devices=[]):
-            enc = AutoModel.from_config(cfg).to(device).train()
         seen, total = set(), [0]
 
         def pack(t):
@@ -1898,9 +1971,12 @@ def activation_bytes_per_token_layer(encoder, length: int, device, dtype=torch.b
             return t
 
         ids = torch.full((seqs, length), 100, dtype=torch.long, device=device)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            enc(input_ids=ids, attention_mask=torch.ones_like(ids))
+        # the init and the dropout draw from their own RNG: a run (a resumed one too) draws what it would without
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            enc = AutoModel.from_config(cfg).to(device).train()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                enc(input_ids=ids, attention_mask=torch.ones_like(ids))
         return total[0]
 
     per_layer = {seqs: saved(2, seqs) - saved(1, seqs) for seqs in (2, 4)}
@@ -2045,16 +2121,71 @@ def optimizer_groups(model, learning_rate: float, head_learning_rate=None, weigh
     return [g for _, g in sorted(groups.items())]
 
 
-class TrainState:
-    """Steps done and the epoch, registered for checkpointing next to the schedules and the collator."""
+def adamw(accelerator, model, args, head_learning_rate=None):
+    """AdamW over optimizer_groups (the heads at head_learning_rate), its trainable parameters printed ->
+    (optimizer, trainable parameter count)."""
+    param_groups = optimizer_groups(model, args.learning_rate, head_learning_rate, args.weight_decay)
+    trainable = sum(p.numel() for g in param_groups for p in g["params"])
+    accelerator.print(f"trainable parameters: {trainable:,} "
+                      f"({', '.join(sorted({g['name'] for g in param_groups}))})")
+    return torch.optim.AdamW(param_groups, lr=args.learning_rate), trainable
 
-    def __init__(self):
-        self.completed_steps, self.epoch, self.batches_in_epoch = 0, 0, 0
+
+def prepare_run(accelerator, args, model, optimizer, dataloader):
+    """accelerator.prepare, then what follows from the prepared (sharded: per process) loader's length: the run's
+    steps (--max_train_steps, else epochs), the lr scheduler (--warmup_ratio, then --lr_scheduler_type), the
+    TrainState registered for checkpoints and, with --resume_from_checkpoint, resumed; the trackers started
+    -> (model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch)."""
+    from transformers import get_scheduler
+
+    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
+    steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
+    if steps_per_epoch == 0:
+        raise UserError("not enough data for one step per process: lower --per_device_train_batch_size")
+    max_steps = args.max_train_steps if args.max_train_steps is not None else args.num_train_epochs * steps_per_epoch
+    world = accelerator.num_processes
+    # AcceleratedScheduler steps once per process per optimiser step: scaled like the HF no_trainer examples
+    lr_scheduler = accelerator.prepare(get_scheduler(args.lr_scheduler_type, optimizer,
+                                                     num_warmup_steps=int(args.warmup_ratio * max_steps) * world,
+                                                     num_training_steps=max_steps * world))
+    state = TrainState(max_steps)
+    accelerator.register_for_checkpointing(state)
+    if args.resume_from_checkpoint is not None:
+        resume(accelerator, args, state)
+    if accelerator.is_main_process:
+        accelerator.init_trackers("xprt", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                                  for k, v in vars(args).items()})
+    return model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch
+
+
+def print_run(accelerator, args, data: str, max_steps: int):
+    """The run's shape at its start: processes, precision, the data (`data`, e.g. "1,000 groups"), steps, batch and
+    in-batch negatives."""
+    world = accelerator.num_processes
+    accelerator.print(
+        f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {data}, "
+        f"{max_steps} steps x {args.per_device_train_batch_size} per device x {world} processes x "
+        f"{args.gradient_accumulation_steps} accumulation; in-batch negatives per step = "
+        f"{args.per_device_train_batch_size * world} (accumulation adds none; a same-document mask leaves fewer: "
+        f"in_batch_negatives in the log); lr {args.learning_rate}")
+
+
+class TrainState:
+    """Steps done, the epoch and the batches done in it, and the run's length, registered for checkpointing: the
+    schedules (lr, retention weight, PAIR's alpha) are functions of the step and the run's length, so a resumed run
+    must have the same length."""
+
+    def __init__(self, max_steps: int = 0):
+        self.completed_steps, self.epoch, self.batches_in_epoch, self.max_steps = 0, 0, 0, max_steps
 
     def state_dict(self):
         return dict(vars(self))
 
     def load_state_dict(self, state):
+        saved = int(state.get("max_steps", self.max_steps))
+        if saved != self.max_steps:
+            raise UserError(f"the checkpoint's run has {saved} steps, this one {self.max_steps}: resume with the "
+                             "same --max_train_steps / --num_train_epochs and data")
         self.__dict__.update({k: int(v) for k, v in state.items()})
 
 
@@ -2070,19 +2201,15 @@ def all_finite(model) -> bool:
     return all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def save_checkpoint(accelerator, model, collator, ckpt_dir: Path, step: int, keep: int):
-    """save_state into checkpoints/step_N plus each process's collator RNG, DONE marker last, then drop all but
-    the last `keep` checkpoints."""
+def save_checkpoint(accelerator, model, ckpt_dir: Path, step: int, keep: int):
+    """save_state into checkpoints/step_N, DONE marker last, then drop all but the last `keep` checkpoints. The
+    data position is TrainState's; the masks need nothing saved (Collate draws them from the batch's key)."""
     with gathered_params(accelerator, model):
         finite = all_finite(accelerator.unwrap_model(model))
     if not finite:
         raise FloatingPointError(f"non-finite weights at step {step}: checkpoint not written")
     path = ckpt_dir / f"step_{step}"
     accelerator.save_state(str(path))
-    if hasattr(collator, "state_dict"):
-        from safetensors.torch import save_file
-
-        save_file(collator.state_dict(), str(path / f"collator_state_{accelerator.process_index}.safetensors"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (path / "DONE").write_text(str(step))
@@ -2091,20 +2218,9 @@ def save_checkpoint(accelerator, model, collator, ckpt_dir: Path, step: int, kee
     accelerator.wait_for_everyone()
 
 
-def load_collator_state(collator, path: Path, rank: int):
-    """Restore this process's collator RNG (a no-op for stateless collators such as PairCollator)."""
-    f = path / f"collator_state_{rank}.safetensors"
-    if hasattr(collator, "load_state_dict"):
-        if not f.exists():
-            raise FileNotFoundError(f"{f} missing: was the checkpoint written with a different number of processes?")
-        from safetensors.torch import load_file
-
-        collator.load_state_dict(load_file(str(f)))
-
-
-def resume(accelerator, args, collator, state):
-    """--resume_from_checkpoint: model, optimiser, scheduler, RNGs, the registered schedules and the collator
-    RNG; the data position follows from `state`."""
+def resume(accelerator, args, state):
+    """--resume_from_checkpoint: model, optimiser, scheduler, RNGs and `state`, from which the data position, the
+    masks (Collate) and the schedules (functions of the step) follow."""
     ckpt_dir = Path(args.output_dir) / "checkpoints"
     if args.resume_from_checkpoint == "latest":
         found = list_checkpoints(ckpt_dir)
@@ -2117,7 +2233,6 @@ def resume(accelerator, args, collator, state):
         if not (path / "DONE").exists():
             raise UserError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no DONE marker)")
     accelerator.load_state(str(path))
-    load_collator_state(collator, path, accelerator.process_index)
     accelerator.print(f"resumed from {path} at step {state.completed_steps}")
 
 
@@ -2135,15 +2250,121 @@ def save_model(accelerator, model, tokenizer, dest: Path, card: str):
 
 
 def epoch_batches(accelerator, dataloader, sampler, state: "TrainState", epoch: int):
-    """The epoch's batches (their order depends on (seed, epoch) only). A resumed run starts its checkpoint's epoch
-    after the batches it had done: skip_first_batches skips at the sampler, so no collation and no RNG is drawn for
-    them. accelerate's loader re-sets the sampler's epoch from its own counter on every __iter__: a resumed run must
-    move that counter too, or epochs after the resumed one would replay epoch 0's order."""
+    """The epoch's collated batches (their order depends on (seed, epoch) only). A resumed run starts its checkpoint's
+    epoch after the batches it had done: skip_first_batches skips at the sampler, so they are never collated.
+    accelerate's loader re-sets the sampler's epoch from its own counter on every __iter__: a resumed run must move
+    that counter too, or epochs after the resumed one would replay epoch 0's order."""
     dataloader.set_epoch(epoch)
     sampler.set_epoch(epoch)
     skip = state.batches_in_epoch if epoch == state.epoch else 0
     state.epoch, state.batches_in_epoch = epoch, skip
     return accelerator.skip_first_batches(dataloader, skip) if skip else dataloader
+
+
+def flop_counter():
+    """torch's FlopCounterMode (matmuls and attention, forward and backward: what the device computes, padding
+    included), taught the two ops of our step its table lacks: the CPU kernel SDPA runs on CPU (counted as torch
+    counts the GPU ones) and the in-place addmm_ of the vocabulary kernel's weight gradient."""
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+
+    def as_torch_counts(op):  # the registered formula reads the shapes itself ("raw" to FlopCounterMode)
+        def formula(*args, **kwargs):
+            return fc.flop_registry[op](*args, **kwargs)
+
+        formula._get_raw = True
+        return formula
+
+    return fc.FlopCounterMode(display=False, custom_mapping={
+        aten.addmm_: as_torch_counts(aten.addmm),
+        aten._scaled_dot_product_flash_attention_for_cpu: as_torch_counts(aten._scaled_dot_product_flash_attention),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            as_torch_counts(aten._scaled_dot_product_flash_attention_backward)})
+
+
+def train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state: "TrainState",
+               steps_per_epoch: int, step_inputs, *, peak_flops=None, skip_tokens=(), log_scalars=None,
+               scorer=None, on_score=None, before_first_step=None):
+    """The training loop train.py and finetune.py share, as the HF no_trainer examples write it: accumulate,
+    backward (or the gradient cache), clip on the step's last micro-batch, optimiser and lr steps; then, per
+    optimiser step, log (LogWindow), score (--eval_steps) and checkpoint on their steps, until state.max_steps or
+    --stop_after_steps. Batches arrive collated (Collate, in DataLoader workers).
+
+    step_inputs(step) -> (keywords of the model's forward, scalars logged with the step) for optimiser step `step`
+    (steps done so far): train.py's teacher and retention weight, finetune.py's PAIR alpha.
+    log_scalars(model, batch) -> more scalars, on logging steps only (train.py: the drift from the start model).
+    scorer(model, step, epoch, window) -> a scoring record; on_score(record) after each (train.py: --save_best).
+    before_first_step(model, batch): called once, with the first collated (CPU) batch (train.py: memory_estimate).
+    skip_tokens: attention masks left out of the token counts (the retention inputs when nothing reads them).
+    """
+    model.train()
+    max_steps, world = state.max_steps, accelerator.num_processes
+    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops)
+    stop_at = min(max_steps, args.stop_after_steps or max_steps)
+    log_path, flops_per_token = Path(args.output_dir) / "train_log.jsonl", None
+    for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
+        if state.completed_steps >= stop_at:
+            break
+        for batch in epoch_batches(accelerator, dataloader, sampler, state, epoch):
+            real, proc = window.count(batch, skip_tokens)  # on the CPU tensors: no device sync
+            if before_first_step is not None and flops_per_token is None:
+                before_first_step(accelerator.unwrap_model(model), batch)
+            batch = batch_to_device(batch, accelerator.device)
+            kwargs, scalars = step_inputs(state.completed_steps)
+            # FLOPs: counted by torch on the window's first micro-batch (flop_counter), then scaled by each
+            # micro-batch's processed tokens. A recomputed forward (gradient cache, checkpointing) counts: it is work
+            counting = window.n_micro == 0
+            counter = flop_counter() if counting else contextlib.nullcontext()
+            with accelerator.accumulate(model), counter:
+                if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
+                    outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk, **kwargs)
+                else:
+                    outputs = model(batch, **kwargs)
+                if "doc_ids" in batch:  # what the same-document mask left: logged, warned on below a floor
+                    outputs = {**outputs, "in_batch_negatives": in_batch_negatives(accelerator, batch["doc_ids"])}
+                if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
+                    if not args.gradient_cache_chunk:
+                        accelerator.backward(outputs["loss"])
+                    if accelerator.sync_gradients and args.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    lr_scheduler.step()
+                optimizer.zero_grad()  # a skipped micro-batch drops the step's accumulated gradients too
+            if counting:
+                first, flops_per_token = flops_per_token is None, counter.get_total_flops() / max(proc, 1)
+                if first:
+                    accum = args.gradient_accumulation_steps * world
+                    accelerator.print(f"tokens per step: ~{real * accum} real, {proc * accum} processed (first "
+                                      f"batch); {flops_per_token * proc * accum / 1e12:.3f} TFLOP per step")
+            window.flops += flops_per_token * proc
+            state.batches_in_epoch += 1
+            if not accelerator.sync_gradients:
+                continue
+            # ---- one optimiser step done: log, score and checkpoint on their steps
+            state.completed_steps += 1
+            step = state.completed_steps
+            if log_scalars is not None and (step % args.logging_steps == 0 or step == stop_at):
+                scalars = {**scalars, **log_scalars(accelerator.unwrap_model(model), batch)}
+            window.step_done(state, epoch, scalars)
+            if scorer and args.eval_steps and step % args.eval_steps == 0:
+                rec = scorer(model, step, epoch, window)
+                write_log_record(accelerator, log_path, rec)
+                if on_score:
+                    on_score(rec)
+            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+                save_checkpoint(accelerator, model, Path(args.output_dir) / "checkpoints", step,
+                                args.checkpoints_total_limit)
+            if step >= stop_at:
+                break
+        else:
+            state.batches_in_epoch = 0  # epoch finished: the next one starts at its first batch
+    window.close()
+    if scorer and scorer.last_step != state.completed_steps:  # the final model (or where the run stopped)
+        rec = scorer(model, state.completed_steps, state.epoch, window)
+        write_log_record(accelerator, log_path, rec)
+        if on_score:
+            on_score(rec)
 
 
 def save_run(accelerator, args, model, tokenizer, finished: bool, card: dict):
@@ -2236,7 +2457,7 @@ class LogWindow:
 
     def reset(self):
         self.t0, self.real, self.proc, self.sums, self.n_micro, self.n_skipped = time.time(), 0, 0, {}, 0, 0
-        self.flops = 0.0  # model FLOPs of the window's micro-batches (train.py's step_flops), this process
+        self.flops = 0.0  # FLOPs of the window's micro-batches (train_loop's count), this process
         self.steps = 0  # optimiser steps in the window: the last window of a run may be shorter
         self.bad, self.first_bad = {}, None  # per-term "was ever non-finite"; the first step that was
 

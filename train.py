@@ -9,8 +9,9 @@ and the ablations --positive random and --no_fill_in.
 
     accelerate launch train.py --groups_dir groups/ --output_dir runs/xprt      # paper defaults (E5, lr 1e-6)
 
-The file reads top to bottom: flags; the retention schedule; the groups; the FLOP count behind the logged MFU; main,
-which reads accelerator, model, data, optimiser and scheduler, prepare, the loop, save. The losses live in
+The file reads top to bottom: flags; the retention weight w(t); the groups; the FLOP count of the harness's estimate;
+main, which reads accelerator, model, data, optimiser and scheduler, prepare, the loop (support.train_loop, shared
+with finetune.py), save. The losses live in
 modeling_xprt.py, one function per equation; the plumbing (checkpoints, logs, the model card) in support.py.
 """
 
@@ -29,12 +30,11 @@ import torch
 from architectures import head_multiply_adds, layer_multiply_adds, load_teacher
 import baselines  # noqa: F401  (registers the comparison objectives as --objective choices)
 from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives
-from support import (EVAL_PREFIX, ArgumentParser, LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState,
-                     UserError, add_common_args, atomic_write, batch_to_device, check_batch_fits, check_common_args,
-                     check_model_name, engine_dtype, epoch_batches, explain_oom, gradient_cache_step,
-                     in_batch_negatives, load_model, local_inputs, make_accelerator, memory_estimate, optimizer_groups,
-                     positive_int, prepare_output_dir, read_json, resolve_model_path, resume, run_script,
-                     sampler_negatives, save_checkpoint, save_model, save_run, whole_weights, write_log_record, zero3)
+from support import (EVAL_PREFIX, ArgumentParser, LengthGroupedBatchSampler, UserError, adamw, add_common_args,
+                     atomic_write, check_batch_fits, check_common_args, check_model_name, engine_dtype, explain_oom,
+                     load_model, local_inputs, make_accelerator, memory_estimate, positive_int, prepare_output_dir,
+                     prepare_run, print_run, read_json, resolve_model_path, run_script, sampler_negatives, save_model,
+                     save_run, train_loop, training_loader, whole_weights, zero3)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -166,41 +166,18 @@ def check_inputs(args):
 # ----------------------------------------------------------------------------------------------------------------
 # The retention weight: 40 -> 0 over training
 # ----------------------------------------------------------------------------------------------------------------
-class RetentionSchedule:
-    """Weight of the retention term at each optimiser step: the paper's 40 -> 0 decay over training.
+def retention_weight(step: int, total: int, start: float = 40.0, end: float = 0.0, shape: str = "linear") -> float:
+    """Weight of the retention term at optimiser step t = `step` of T = `total`: the paper's 40 -> 0 decay.
 
-    w(t) = w_0 + (w_T - w_0) * shape(t / T), shape = t/T (linear), (1 - cos(pi t/T)) / 2 (cosine) or 0 (constant).
-    It keeps its own step counter and is registered with accelerator.register_for_checkpointing, so a resumed run
-    continues the decay where it stopped. Weight 0 at both ends turns the term (and the teacher pass) off.
-    """
-
-    def __init__(self, start: float, end: float, total_steps: int, shape: str = "linear"):
-        self.start, self.end, self.total_steps, self.shape, self.step_count = start, end, max(1, total_steps), shape, 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.start > 0 or self.end > 0
-
-    def value(self) -> float:
-        frac = min(self.step_count / self.total_steps, 1.0)
-        if self.shape == "constant":
-            frac = 0.0
-        elif self.shape == "cosine":
-            frac = 0.5 * (1 - math.cos(math.pi * frac))
-        return self.start + (self.end - self.start) * frac
-
-    def step(self):
-        self.step_count += 1
-
-    # plain ints / floats only, so the checkpoint loads without arbitrary unpickling concerns
-    def state_dict(self):
-        return {"start": self.start, "end": self.end, "total_steps": self.total_steps, "step_count": self.step_count}
-
-    def load_state_dict(self, state):
-        if state["total_steps"] != self.total_steps:
-            raise ValueError(f"checkpoint schedule has {state['total_steps']} steps, this run {self.total_steps}: "
-                             "resume with the same --max_train_steps / epochs")
-        self.step_count = int(state["step_count"])
+    w(t) = w_0 + (w_T - w_0) s(t / T), s(x) = x (linear), (1 - cos(pi x)) / 2 (cosine) or 0 (constant).
+    A function of the step alone: a resumed run continues the decay where it stopped. Weight 0 at both ends turns
+    the term (and the teacher pass) off."""
+    frac = min(step / max(1, total), 1.0)
+    if shape == "constant":
+        frac = 0.0
+    elif shape == "cosine":
+        frac = 0.5 * (1 - math.cos(math.pi * frac))
+    return start + (end - start) * frac
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -326,15 +303,16 @@ def load_pretraining_model(accelerator, args):
 
 
 def load_data(accelerator, args, model, tokenizer):
-    """The groups, the objective's collator (a different mask RNG per process, the same across restarts) and the
-    length-grouped sampler over what the collator sorts by (the random-span baseline: its crops' lengths, and
-    row_extras(epoch, i) hands each row its crops) -> (rows, collator, sampler, row_extras)."""
+    """The groups, the length-grouped sampler over what the objective's collator sorts by (the random-span baseline:
+    its crops' lengths, and row_extras(epoch, i) hands each row its crops) and the DataLoader whose workers collate
+    the batches ahead of the step (support.Collate: masks drawn from (seed, epoch, batch, process)) ->
+    (rows, sampler, dataloader)."""
     rows = load_groups(args.groups_dir, args.max_groups)
     collator = model.method.make_collator(tokenizer, num_related=args.num_related, max_length=args.max_length,
                                           encoder_mask_rate=args.encoder_mask_rate,
                                           decoder_mask_rate=args.decoder_mask_rate,
                                           passage_prefix=model.prompts["document"], positive=args.positive,
-                                          seed=args.seed + accelerator.process_index)
+                                          seed=args.seed)
     lengths, row_extras = collator.sort_lengths(rows, args.seed)
     spread = args.spread_documents if collator.spread_documents else 1
     bs, world = args.per_device_train_batch_size, accelerator.num_processes
@@ -351,15 +329,15 @@ def load_data(accelerator, args, model, tokenizer):
         accelerator.print(f"warning: a row keeps {neg['mean']:.2f} in-batch negatives on average (< "
                           f"--min_in_batch_negatives {floor}): few documents fill the batches; lower "
                           "--max_document_groups_per_batch or select from more documents")
-    return rows, collator, sampler, row_extras
+    make_row = None if row_extras is None else lambda epoch, i, row: {**row, **row_extras(epoch, i)}
+    return rows, sampler, training_loader(accelerator, args, rows, sampler, collator, make_row)
 
 
-def load_retention(accelerator, args):
-    """The retention term: its 40 -> 0 weight and the frozen start model (never prepared: it never trains; None when
-    the weight is 0 at both ends) -> (retention, teacher)."""
-    retention = RetentionSchedule(args.retention_weight, args.retention_final_weight, 1, args.retention_schedule)
+def load_teacher_model(accelerator, args):
+    """The retention term's frozen start model (never prepared: it never trains), or None when the weight is 0 at
+    both ends."""
     teacher = None
-    if retention.enabled:
+    if args.retention_weight > 0 or args.retention_final_weight > 0:
         with whole_weights():
             teacher_path = resolve_model_path(args.teacher_name_or_path or args.model_name_or_path)
             teacher = load_teacher(teacher_path, trust_remote_code=args.trust_remote_code)
@@ -368,7 +346,7 @@ def load_retention(accelerator, args):
         teacher.to(accelerator.device, dtype=engine_dtype(accelerator))
     accelerator.print(f"retention {args.retention_weight} -> {args.retention_final_weight} "
                       f"({args.retention_schedule}); heads lr {args.head_learning_rate or args.learning_rate}")
-    return retention, teacher
+    return teacher
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -412,7 +390,6 @@ def main(argv=None):
     check_inputs(args)
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
     from accelerate.utils import set_seed
-    from transformers import get_scheduler
 
     # ---- accelerator. Some objectives leave heads unused (random spans never read the MLM head), which DDP only
     # tolerates with find_unused_parameters.
@@ -428,121 +405,47 @@ def main(argv=None):
     # ---- model
     model, tokenizer = load_pretraining_model(accelerator, args)
 
-    # ---- data: the groups, length-grouped batches; then the retention term's frozen teacher and its weight
-    rows, collator, sampler, row_extras = load_data(accelerator, args, model, tokenizer)
-    retention, teacher = load_retention(accelerator, args)
-    # collate_fn=list: rows are collated in the loop, not in the DataLoader, whose prefetching would advance the
-    # collator's mask RNG past a checkpoint; generator: its base seed, not the global RNG that drives dropout
-    dataloader = torch.utils.data.DataLoader(RowsDataset(rows), batch_sampler=sampler, collate_fn=list,
-                                             generator=torch.Generator().manual_seed(args.seed))
+    # ---- data: the groups, length-grouped batches collated ahead of the step; the retention term's frozen teacher
+    rows, sampler, dataloader = load_data(accelerator, args, model, tokenizer)
+    teacher = load_teacher_model(accelerator, args)
 
-    # ---- optimiser (AdamW; the heads at --head_learning_rate) and, once the prepared loader gives the run's length,
-    # the scheduler (10% warmup, then linear decay)
-    param_groups = optimizer_groups(model, args.learning_rate, args.head_learning_rate, args.weight_decay)
-    trainable = sum(p.numel() for g in param_groups for p in g["params"])
-    accelerator.print(f"trainable parameters: {trainable:,} "
-                      f"({', '.join(sorted({g['name'] for g in param_groups}))})")
-    optimizer = torch.optim.AdamW(param_groups, lr=args.learning_rate)
+    # ---- optimiser (AdamW; the heads at --head_learning_rate)
+    optimizer, trainable = adamw(accelerator, model, args, args.head_learning_rate)
 
-    # ---- prepare (the prepared loader is sharded: its length is per process)
-    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
-    steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
-    if steps_per_epoch == 0:
-        raise UserError("not enough data for one step per process: lower --per_device_train_batch_size")
-    max_steps = args.max_train_steps if args.max_train_steps is not None else args.num_train_epochs * steps_per_epoch
-    world = accelerator.num_processes
-    # AcceleratedScheduler steps once per process per optimiser step: scaled like the HF no_trainer examples
-    lr_scheduler = accelerator.prepare(get_scheduler(args.lr_scheduler_type, optimizer,
-                                                     num_warmup_steps=int(args.warmup_ratio * max_steps) * world,
-                                                     num_training_steps=max_steps * world))
-    retention.total_steps = max(1, max_steps)  # the 40 -> 0 decay runs over the run's real length
-    state = TrainState()
-    for obj in (retention, state):  # the same on every process: saved once; the collator RNG by each process
-        accelerator.register_for_checkpointing(obj)
-    if args.resume_from_checkpoint is not None:
-        resume(accelerator, args, collator, state)
-    accelerator.print(
-        f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {len(rows)} "
-        f"groups, {max_steps} steps x {args.per_device_train_batch_size} per device x {world} processes x "
-        f"{args.gradient_accumulation_steps} accumulation; in-batch negatives per step = "
-        f"{args.per_device_train_batch_size * world} (accumulation adds none; the same-document mask leaves fewer: "
-        f"in_batch_negatives in the log); lr {args.learning_rate}")
-    if accelerator.is_main_process:
-        accelerator.init_trackers("xprt", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                                                  for k, v in vars(args).items()})
+    # ---- prepare; then, from the prepared (sharded) loader's length, the run's steps and the scheduler (10% warmup,
+    # then linear decay); resume
+    model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch = prepare_run(accelerator, args, model,
+                                                                                     optimizer, dataloader)
+    max_steps, world = state.max_steps, accelerator.num_processes
+    print_run(accelerator, args, f"{len(rows)} groups", max_steps)
     scorer = None
     if args.eval_tasks:  # evaluate.py's tasks and mteb's metrics, every --eval_steps and at the end
         import evaluate
 
         scorer = evaluate.TrainingScorer(accelerator, args, tokenizer)
 
-    # ---- the loop
-    model.train()
-    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops(accelerator, args))
-    stop_at = min(max_steps, args.stop_after_steps or max_steps)
-    skip_keys = () if teacher is not None else ("retain_",)  # tokens retention never reads are not counted
-    log_path, first_batch, best = Path(args.output_dir) / "train_log.jsonl", True, {}
-    for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
-        if state.completed_steps >= stop_at:
-            break
-        for indexed in epoch_batches(accelerator, dataloader, sampler, state, epoch):  # [(row index, row)]
-            rows_b = [r for _, r in indexed]
-            if row_extras is not None:  # e.g. the crops the batch sampler grouped the rows by
-                rows_b = [{**r, **row_extras(epoch, i)} for i, r in indexed]
-            batch = collator(rows_b)
-            real, proc = window.count(batch, skip_keys, step_flops(accelerator.unwrap_model(model), batch,
-                                                                   teacher is not None))
-            if first_batch:
-                first_batch = False
-                accum = args.gradient_accumulation_steps * world
-                accelerator.print(f"tokens per step: ~{real * accum} real, {proc * accum} processed (first batch); "
-                                  f"{window.flops * accum / 1e12:.3f} TFLOP per step")
-                memory_estimate(accelerator, args, accelerator.unwrap_model(model), batch, teacher, args.max_length)
-            batch = batch_to_device(batch, accelerator.device)  # on the CPU tensors above: no device sync
-            w = retention.value() if teacher is not None else 0.0
-            with accelerator.accumulate(model):
-                if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
-                    outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk,
-                                                  teacher=teacher, retention_weight=w)
-                else:
-                    outputs = model(batch, teacher=teacher, retention_weight=w)
-                if "doc_ids" in batch:  # what the same-document mask left: logged, warned on below a floor
-                    outputs = {**outputs, "in_batch_negatives": in_batch_negatives(accelerator, batch["doc_ids"])}
-                if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
-                    if not args.gradient_cache_chunk:
-                        accelerator.backward(outputs["loss"])
-                    if accelerator.sync_gradients and args.max_grad_norm > 0:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    lr_scheduler.step()
-                optimizer.zero_grad()  # a skipped micro-batch drops the step's accumulated gradients too
-            state.batches_in_epoch += 1
-            if not accelerator.sync_gradients:
-                continue
-            # ---- one optimiser step done: log, score and checkpoint on their steps
-            state.completed_steps += 1
-            retention.step()
-            scalars = {"retention_weight": w, "pair_alpha": 0.0}
-            if teacher is not None and not zero3(accelerator) and (  # the drift, on logging steps (whole weights)
-                    state.completed_steps % args.logging_steps == 0 or state.completed_steps == stop_at):
-                scalars["teacher_cosine"] = teacher_cosine(accelerator.unwrap_model(model), teacher, batch)
-            window.step_done(state, epoch, scalars)
-            if scorer and args.eval_steps and state.completed_steps % args.eval_steps == 0:
-                rec = scorer(model, state.completed_steps, epoch, window)
-                write_log_record(accelerator, log_path, rec)
-                best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
-            if args.checkpointing_steps and state.completed_steps % args.checkpointing_steps == 0:
-                save_checkpoint(accelerator, model, collator, Path(args.output_dir) / "checkpoints",
-                                state.completed_steps, args.checkpoints_total_limit)
-            if state.completed_steps >= stop_at:
-                break
-        else:
-            state.batches_in_epoch = 0  # epoch finished: the next one starts at its first batch
-    window.close()
-    if scorer and scorer.last_step != state.completed_steps:  # the final model (or where the run stopped)
-        rec = scorer(model, state.completed_steps, state.epoch, window)
-        write_log_record(accelerator, log_path, rec)
-        best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
+    # ---- the loop (support.train_loop): the step's retention weight w(t), the drift on logging steps, the best model
+    def step_inputs(step):
+        w = retention_weight(step, max_steps, args.retention_weight, args.retention_final_weight,
+                             args.retention_schedule) if teacher is not None else 0.0
+        return {"teacher": teacher, "retention_weight": w}, {"retention_weight": w, "pair_alpha": 0.0}
+
+    def drift(unwrapped, batch):  # the drift needs whole weights: not under ZeRO-3
+        return {"teacher_cosine": teacher_cosine(unwrapped, teacher, batch)} if not zero3(accelerator) else {}
+
+    best = {}  # --save_best: the best scoring so far
+
+    def on_score(rec):
+        if args.save_best:
+            best.update(keep_best(accelerator, args, model, tokenizer, rec, best))
+
+    def before_first_step(unwrapped, batch):  # the memory a step takes, printed before the first one
+        memory_estimate(accelerator, args, unwrapped, batch, teacher, args.max_length)
+
+    train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state, steps_per_epoch,
+               step_inputs, peak_flops=peak_flops(accelerator, args), scorer=scorer, on_score=on_score,
+               log_scalars=drift if teacher is not None else None, before_first_step=before_first_step,
+               skip_tokens=() if teacher is not None else ("retain_",))
     if best:
         accelerator.print(f"best {best['by']} {best['score']:.2f} at step {best['step']}: "
                           f"{Path(args.output_dir) / 'best_model'}")

@@ -100,23 +100,14 @@ def base_args(model, groups, out, **kw):
 # ---------------------------------------------------------------------------------------------------------------
 # schedules and batching
 # ---------------------------------------------------------------------------------------------------------------
-def test_retention_schedule_decays_40_to_0_and_round_trips():
-    s = train.RetentionSchedule(40.0, 0.0, total_steps=10)
-    vals = []
-    for _ in range(11):
-        vals.append(s.value())
-        s.step()
-    assert vals[0] == 40.0 and vals[5] == pytest.approx(20.0) and vals[10] == 0.0
+def test_retention_weight_decays_40_to_0():
+    vals = [train.retention_weight(t, 10) for t in range(11)]
+    assert vals[0] == 40.0 and vals[5] == pytest.approx(20.0) and vals[10] == 0.0 and vals[3] == pytest.approx(28.0)
     assert all(a > b for a, b in zip(vals, vals[1:]))
-    c = train.RetentionSchedule(40.0, 0.0, total_steps=10, shape="cosine")
-    c.step_count = 5
-    assert c.value() == pytest.approx(20.0)  # cosine passes the midpoint at half time
-    t = train.RetentionSchedule(40.0, 0.0, total_steps=10)
-    t.load_state_dict({**s.state_dict(), "step_count": 3})
-    assert t.value() == pytest.approx(28.0)
-    assert not train.RetentionSchedule(0.0, 0.0, 10).enabled
-    with pytest.raises(ValueError):
-        t.load_state_dict({**s.state_dict(), "total_steps": 11})
+    assert train.retention_weight(5, 10, shape="cosine") == pytest.approx(20.0)  # cosine passes the midpoint at T/2
+    assert train.retention_weight(2, 10, shape="cosine") == pytest.approx(20 * (1 + math.cos(math.pi * 0.2)))
+    assert train.retention_weight(7, 10, 40.0, 10.0, "constant") == 40.0
+    assert train.retention_weight(12, 10) == 0.0  # past the end: the final weight
 
 
 def test_length_grouped_batches_are_deterministic_complete_and_pad_less():
@@ -269,7 +260,7 @@ def test_groups_stay_memory_mapped_and_their_lengths_match_the_rows(groups, tmp_
     ds = train.load_groups(str(folder))
     rows = pq.read_table(folder / "shard-00000.parquet").to_pylist() + extra
     assert isinstance(ds, datasets.Dataset) and len(ds) == 27 and ds.cache_files  # backed by an Arrow file
-    dataset = train.RowsDataset(ds)
+    dataset = support.RowsDataset(ds)
     assert [dataset[i] for i in range(27)] == list(enumerate(rows))
     for num_related, batch_size in ((4, 8192), (2, 5), (6, 1)):
         want = [len(r["anchor"]) + sum(len(t) for t in r["related"][:num_related]) for r in rows]
@@ -339,16 +330,102 @@ def test_every_objective_and_ablation_loss_falls_on_a_repeated_batch(name, tiny_
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# collation off the step: a batch is a pure function of its rows and (seed, epoch, batch, process)
+# ---------------------------------------------------------------------------------------------------------------
+def _loader_batches(tok, groups, workers, process=0, epoch=0):
+    from types import SimpleNamespace
+
+    from modeling_xprt import XPRTCollator
+
+    rows = train.load_groups(str(groups))
+    sampler = support.LengthGroupedBatchSampler(group_lengths(rows, 2), 4, seed=3)
+    sampler.set_epoch(epoch)
+    args = SimpleNamespace(dataloader_num_workers=workers, seed=3)
+    loader = support.training_loader(SimpleNamespace(process_index=process), args, rows, sampler,
+                                     XPRTCollator(tok, num_related=2))
+    return [{k: v for k, v in b.items() if torch.is_tensor(v)} for b in loader]
+
+
+def test_collation_in_workers_gives_the_loops_batches(tiny_bert, groups):
+    """The DataLoader's workers build the batches the loop's own process builds (masks from the batch's key, not
+    from a generator that runs on); another process draws other masks for the same rows, and the same key the same
+    ones; another epoch seeds otherwise."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_bert)
+    here, workers = _loader_batches(tok, groups, 0), _loader_batches(tok, groups, 2)
+    assert len(here) == 6 and all(a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+                                  for a, b in zip(here, workers))
+    other = _loader_batches(tok, groups, 0, process=1)
+    assert all(torch.equal(a["retain_input_ids"], b["retain_input_ids"]) for a, b in zip(here, other))  # same rows
+    assert not any(torch.equal(a["mlm_labels"], b["mlm_labels"]) for a, b in zip(here, other))  # other masks
+    assert torch.equal(other[2]["input_ids"], _loader_batches(tok, groups, 2, process=1)[2]["input_ids"])
+    assert support.batch_seed(3, 0, 1, 0) == support.batch_seed(3, 0, 1, 0) != support.batch_seed(3, 1, 0, 0)
+
+
+def test_flop_counter_equals_the_hand_count(tiny_bert, tmp_path):
+    """support.flop_counter (torch's FlopCounterMode, run on the real step) against train.step_flops (the hand
+    formula: per token and layer 4 h^2 + 2 h I weights + 2 L h attention, the MLM head per predicted row, backward
+    twice the forward, teacher forward only). A plain BERT forward + backward (eager attention): equal to the FLOP.
+    Every objective's step (retention on): the counter is the hand count plus what the formula leaves out, the
+    similarity matrices and the attention scores that SDPA's backward recomputes, under 2% here (a 32-wide model
+    at 14 tokens, where attention weighs most)."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from architectures import load_teacher
+    from test_baselines import build_tiny_generator
+    from test_modeling import make_model, toy_rows
+
+    h, inner, n_layers = 32, 64, 2
+    cfg = BertConfig(vocab_size=100, hidden_size=h, num_hidden_layers=n_layers, num_attention_heads=2,
+                     intermediate_size=inner, attn_implementation="eager")
+    bert = BertModel(cfg, add_pooling_layer=False)
+    ids = torch.randint(100, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0  # padding is computed, and counted
+    with support.flop_counter() as counter:
+        bert(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
+    tokens, length = ids.numel(), ids.shape[1]
+    hand = 2 * 3 * n_layers * tokens * (4 * h * h + 2 * h * inner + 2 * length * h)
+    assert counter.get_total_flops() == hand == 3_179_520
+
+    tok = AutoTokenizer.from_pretrained(tiny_bert)
+    teacher = load_teacher(str(tiny_bert))
+    ratios = {}
+    for objective in train.pretraining_objectives():
+        options = {}
+        if objective == "simlm":
+            options["generator_name_or_path"] = str(build_tiny_generator(tmp_path / "generator"))
+        model = make_model(tiny_bert, objective=objective, **options)
+        collator = model.method.make_collator(tok, max_length=24)
+        rows = toy_rows(5, docs=[0, 0, 1, 2, 3])
+        if objective == "contrastive_random_span":  # its crops come with the rows (sort_lengths)
+            import datasets
+
+            _, extras = collator.sort_lengths(datasets.Dataset.from_list(rows), 0)
+            rows = [{**r, **extras(0, i)} for i, r in enumerate(rows)]
+        batch = collator(rows)
+        with support.flop_counter() as counter:
+            model(batch, teacher=teacher, retention_weight=40.0)["loss"].backward()
+        ratios[objective] = counter.get_total_flops() / train.step_flops(model, batch, retention=True)
+    print("counted / hand:", {k: round(v, 4) for k, v in ratios.items()})
+    assert all(1.0 <= r < 1.02 for r in ratios.values()), ratios
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # resume: stop at step k, resume, and the losses from k on equal an uninterrupted run's
 # ---------------------------------------------------------------------------------------------------------------
-def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(tiny_bert, groups, tmp_path):
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(tiny_bert, groups, tmp_path, workers):
     """24 groups, batch 4, accumulation 2 -> 3 steps per epoch; 7 steps cross two epoch boundaries. Run B stops
     at step 4 (mid-epoch 2, after checkpoints at 2 and 4) and resumes from 'latest'. Dropout, masks, data order,
-    optimiser moments, lr and the retention weight must all continue exactly."""
+    optimiser moments, lr and the retention weight must all continue exactly. Run A collates in the loop's process,
+    run B in `workers` DataLoader workers: the batches are the same (support.Collate)."""
     common = {"--max_train_steps": 7, "--gradient_accumulation_steps": 2, "--learning_rate": 1e-3,
               "--num_related": 2, "--max_length": 24,
               "--warmup_ratio": 0.3, "--checkpointing_steps": 2, "--checkpoints_total_limit": 2}
     run(base_args(tiny_bert, groups, tmp_path / "a", **common))
+    common["--dataloader_num_workers"] = workers
     r1 = run(base_args(tiny_bert, groups, tmp_path / "b", **common, **{"--stop_after_steps": 4}))
     assert r1["completed_steps"] == 4 and not (tmp_path / "b" / "model").exists()
     ckpts = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
@@ -560,8 +637,8 @@ def test_retention_is_zero_at_step_0_under_deepspeed_bf16(tiny_bert, groups, tmp
 @pytest.mark.slow
 def test_two_process_run_resumes_exactly(tiny_bert, groups, tmp_path):
     """torchrun with 2 CPU processes (gloo): accelerate must form a MULTI_CPU group (train.py passes cpu=True when
-    there is no GPU), negatives are gathered across both, and each process's collator RNG is checkpointed by that
-    process, so a stop at step 2 + resume equals the uninterrupted 4-step run."""
+    there is no GPU), negatives are gathered across both, and each process's masks follow from (seed, epoch, batch,
+    process), so a stop at step 2 + resume equals the uninterrupted 4-step run."""
     def launch(out, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py")]
         cmd += [str(a) for a in base_args(tiny_bert, groups, out, **{"--max_train_steps": 4, "--num_related": 2,
@@ -575,8 +652,6 @@ def test_two_process_run_resumes_exactly(tiny_bert, groups, tmp_path):
     assert "MULTI_CPU x 2" in text and "in-batch negatives per step = 8" in text
     launch(tmp_path / "b", "--stop_after_steps", "2")
     assert "resumed from" in launch(tmp_path / "b", "--resume_from_checkpoint", "latest")
-    assert {p.name for p in (tmp_path / "b" / "checkpoints" / "step_4").glob("collator_state_*")} == {
-        "collator_state_0.safetensors", "collator_state_1.safetensors"}
     a, b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
     for s in (3, 4):
         for k in ("loss", "xp_loss", "cross_fill_loss", "retention_loss"):
@@ -623,8 +698,8 @@ def test_no_host_reads_outside_logging_steps(tiny_bert, groups, tmp_path, monkey
         return orig_forward(self, *a, **kw)
 
     monkeypatch.setattr(modeling_xprt.XPRTModel, "forward", forward)
-    monkeypatch.setattr(train.LogWindow, "record", flagged(train.LogWindow.record, "log", True))
-    monkeypatch.setattr(train.LogWindow, "check_finite", flagged(train.LogWindow.check_finite, "log", True))
+    monkeypatch.setattr(support.LogWindow, "record", flagged(support.LogWindow.record, "log", True))
+    monkeypatch.setattr(support.LogWindow, "check_finite", flagged(support.LogWindow.check_finite, "log", True))
     monkeypatch.setattr(support, "plot_loss_curves", flagged(support.plot_loss_curves, "loop", False))
     monkeypatch.setattr(torch.Tensor, "item", counted(orig_item))
     monkeypatch.setattr(torch.Tensor, "tolist", counted(orig_tolist))
@@ -685,7 +760,7 @@ def test_host_syncs_in_a_training_step_are_the_listed_ones(tiny_bert, groups, tm
     monkeypatch.setattr(torch, "nonzero", counted(torch.nonzero, "nonzero"))
     monkeypatch.setattr(torch, "masked_select", counted(torch.masked_select, "masked_select"))
 
-    orig_forward, orig_add = modeling_xprt.XPRTModel.forward, train.LogWindow.add_terms
+    orig_forward, orig_add = modeling_xprt.XPRTModel.forward, support.LogWindow.add_terms
 
     def forward(self, *a, **kw):
         where["step"] = True
@@ -706,9 +781,9 @@ def test_host_syncs_in_a_training_step_are_the_listed_ones(tiny_bert, groups, tm
         return f
 
     monkeypatch.setattr(modeling_xprt.XPRTModel, "forward", forward)
-    monkeypatch.setattr(train.LogWindow, "add_terms", add_terms)
-    monkeypatch.setattr(train.LogWindow, "record", flagged(train.LogWindow.record))
-    monkeypatch.setattr(train.LogWindow, "check_finite", flagged(train.LogWindow.check_finite))
+    monkeypatch.setattr(support.LogWindow, "add_terms", add_terms)
+    monkeypatch.setattr(support.LogWindow, "record", flagged(support.LogWindow.record))
+    monkeypatch.setattr(support.LogWindow, "check_finite", flagged(support.LogWindow.check_finite))
     res = run(base_args(tiny_bert, groups, tmp_path / "s", **{"--max_train_steps": 4, "--max_groups": 8,
                                                                "--logging_steps": 2, "--max_grad_norm": 1.0,
                                                                "--no_save_model": True}))
