@@ -839,3 +839,9 @@ class SelfReconstructionCollator(GroupCollator):
                                      "dec_targets": ("dec", 0)},
                                  {"mlm": group_bounds(mlm_index, l, g), "dec": group_bounds(dec_index, l, g)})
         return batch
+
+
+# ==============================================================================================================
+# 8. Revela (the paper's fifth baseline), in a file of its own: its language model, LoRA and attention function
+# ==============================================================================================================
+import revela  # noqa: E402,F401  (registers --objective revela)
