@@ -21,7 +21,7 @@ import contextlib
 import inspect
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -459,6 +459,11 @@ class Objective(nn.Module):
     def masked_student(self, vec):
         return None
 
+    def scoring(self) -> dict:
+        """The ModelInfo fields (pooling, normalize, similarity_fn_name) this objective's setting fixes, e.g. [CLS]
+        pooling for RetroMAE as its authors run it (baselines.py, --baseline_setting); {}: the start model's."""
+        return {}
+
     def make_collator(self, tokenizer, **kw):
         """The objective's collator (section 6, or baselines.py), with the settings of the objective it needs."""
         raise NotImplementedError
@@ -633,6 +638,8 @@ class XPRTModel(nn.Module):
             raise ValueError(f"--retention_student masked: objective {objective!r} has no masked anchor and s1 "
                              "vectors to reuse; use the clean student")
         self.info = info or ModelInfo(max_seq_length=max_seq_length(mlm_model.config))
+        # the objective's setting may fix how vectors are pooled and scored: training and the saved folder follow it
+        self.info = replace(self.info, **self.method.scoring())
         self.carried_heads: dict = {}  # a folder's heads of another objective, written back unchanged (from_pretrained)
         self.carried_config: dict = {}
         self.load_message = ""  # how the weights came to be: from_pretrained says
