@@ -232,7 +232,10 @@ class Revela(Objective):
 
     def __init__(self, encoder, lm_name_or_path: str = "Qwen/Qwen2.5-0.5B", lora_rank: int = 256,
                  lora_alpha: float = 64.0, lora_dropout: float = 0.1, lora_target_modules=LORA_TARGETS,
-                 attn_temperature: float = 1e-4, extra_anchors: int = 11):
+                 attn_temperature: float = 1e-4, extra_anchors: int = 11, lm: Optional[nn.Module] = None,
+                 lm_tokenizer=None):
+        """lm, lm_tokenizer: a language model and tokenizer already built, in place of lm_name_or_path's (the
+        harness's FLOP estimate builds the model on the meta device)."""
         super().__init__(encoder)
         from peft import LoraConfig, get_peft_model
         from peft.tuners.lora import LoraLayer
@@ -244,9 +247,11 @@ class Revela(Objective):
         self.lora_rank, self.lora_alpha, self.lora_dropout = lora_rank, lora_alpha, lora_dropout
         self.lora_target_modules = list(lora_target_modules)
         register_revela_attention()
-        path = resolve_model_path(lm_name_or_path)
-        lm = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION, dtype=torch.float32)
-        self.lm_tokenizer = AutoTokenizer.from_pretrained(path)
+        if lm is None:
+            path = resolve_model_path(lm_name_or_path)
+            lm = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTENTION, dtype=torch.float32)
+            lm_tokenizer = AutoTokenizer.from_pretrained(path)
+        self.lm_tokenizer = lm_tokenizer
         if self.lm_tokenizer.pad_token is None:  # LLaMA's; the official build sets pad_token_id 0 on the config
             self.lm_tokenizer.pad_token = self.lm_tokenizer.eos_token
         get_peft_model(lm, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
