@@ -248,3 +248,26 @@ def test_saved_folder_keeps_the_adapters_only(tiny_bert, tiny_lm, tok, tmp_path)
     assert back.objective == "revela" and back.method.lora_rank == 4
     for k, v in model.method.adapters.state_dict().items():
         torch.testing.assert_close(back.method.adapters.state_dict()[k], v)
+
+
+@pytest.mark.slow
+def test_train_runs_revela_and_its_term_moves(tiny_bert, groups, tmp_path):
+    """train.py --objective revela on the test groups (select_groups.py's schema) with a tiny random Qwen2: 6 steps,
+    the LM's term logged at every step and falling (the LoRA matrices learn the passages), the model saved with its
+    adapters and setting."""
+    from test_train import base_args, read_log, run
+
+    lm = build_tiny_lm(tmp_path / "lm", tiny_bert, "qwen2")
+    kw = {"--max_train_steps": 6, "--learning_rate": 1e-2, "--objective": "revela", "--lm_name_or_path": lm,
+          "--lora_rank": 8, "--attn_temperature": 0.05, "--extra_anchors": 3}
+    run(base_args(tiny_bert, groups, tmp_path / "p", **kw))
+    log = read_log(tmp_path / "p")
+    assert sorted(log) == [1, 2, 3, 4, 5, 6]
+    print("revela_loss", [round(log[s]["revela_loss"], 4) for s in sorted(log)])
+    assert sum(log[s]["revela_loss"] for s in (5, 6)) / 2 < log[1]["revela_loss"] - 0.05
+    assert "retention_loss" in log[1]
+    back = XPRTModel.from_pretrained(str(tmp_path / "p" / "model"))
+    assert back.objective == "revela" and back.method.extra_anchors == 3 and back.method.lora_rank == 8
+
+
+from test_train import groups  # noqa: E402,F401  (a fixture)
