@@ -274,7 +274,7 @@ def train_argv(exp: dict, arm: dict, start: str, groups: dict, seed: int, steps:
     elif arm["steps_factor"] != 1:
         flags["--num_train_epochs"] = exp["train"].get("--num_train_epochs", 1) * arm["steps_factor"]
     # "{start}": the arms' start model; "{lm}": the language model Revela trains through (stage_lm)
-    return argv_of(flags) + [{"{start}": start, "{lm}": exp.get("lm_path")}.get(f, f) for f in arm["flags"]]
+    return argv_of(flags) + [{"{start}": start, "{lm}": exp.get("lm_path", f)}.get(f, f) for f in arm["flags"]]
 
 
 def stage_train(exp: dict, out: Path, arms: dict, start: str, groups: dict, seeds: list, steps: int,
