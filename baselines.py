@@ -10,7 +10,8 @@ not copied), one function per equation, with the official numbers:
                                       config.py}, simlm/scripts/train_rlm.sh
   Contriever facebookresearch/contriever  src/{data.py, inbatch.py, moco.py, contriever.py, options.py}, README's
                                       training command
-  --objective retromae | simlm | contriever; and, kept from before:
+  Revela    TRUMANCFY/Revela + TRUMANCFY/transformers (branch adapt): in revela.py, registered at the end of this file
+  --objective retromae | simlm | contriever | revela; and, kept from before:
   contrastive_random_span  the earlier Contriever-style approximation (rounded crops of >= 1 token, no word deletion,
                            cosine scores, the longer crop as the query): how it differs is listed at section 6
   self_reconstruction      the paper's Table 3 ablation: xPRT's own conditioned decoder rebuilds a passage from that

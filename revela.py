@@ -243,7 +243,8 @@ class Revela(Objective):
 
         if attn_temperature <= 0:
             raise ValueError(f"--attn_temperature must be positive, got {attn_temperature}")
-        self.lm_name_or_path, self.attn_temperature, self.extra_anchors = lm_name_or_path, attn_temperature, extra_anchors
+        self.lm_name_or_path, self.attn_temperature = lm_name_or_path, attn_temperature
+        self.extra_anchors = extra_anchors
         self.lora_rank, self.lora_alpha, self.lora_dropout = lora_rank, lora_alpha, lora_dropout
         self.lora_target_modules = list(lora_target_modules)
         register_revela_attention()

@@ -4,7 +4,8 @@ xPRT step 2: continued pre-training of the encoder on the groups that select_gro
 Read it beside the xPRT paper ("The objective", "Experiments"). The objectives (--objective) share data, steps,
 batch, schedule and the retention term (40 -> 0), as the paper gives every method the same budget:
   xprt                     L_xp + 0.1 L_cross + L_self + L_MLM + L_unif (modeling_xprt.XPRTObjective)
-  the comparison arms      random spans, RetroMAE, SimLM, the self-reconstruction ablation (baselines.py)
+  the comparison arms      random spans, RetroMAE, SimLM, Contriever, the self-reconstruction ablation (baselines.py),
+                           Revela (revela.py); --baseline_setting official runs the baselines as their authors do
 and the ablations --positive random and --no_fill_in.
 
     accelerate launch train.py --groups_dir groups/ --output_dir runs/xprt      # paper defaults (E5, lr 1e-6)

@@ -191,8 +191,8 @@ def test_enhanced_decoding_masks_follow_the_official_collator(tok):
 
 
 def official_retromae_loss(model, obj, batch, setting="paper"):
-    """RetroMAEForPretraining.forward (src/pretrain/modeling.py lines 30-70), straight-line, with the decoder's attention
-    computed row by row from the layer's weights (enhancedDecoder.py's BertLayerForDecoder): the [CLS] state of the
+    """RetroMAEForPretraining.forward (src/pretrain/modeling.py lines 30-70), straight-line, with the decoder's
+    attention computed row by row from the layer's weights (enhancedDecoder.py's BertLayerForDecoder): the [CLS] state of the
     last layer (line 40, `hidden_states[-1][:, :1]`) in the official setting, the paper setting's mean-pooled vector
     in its place."""
     lm = model.encoder
@@ -515,7 +515,8 @@ def test_official_setting_is_what_the_saved_folder_states(tok, tiny_bert, tmp_pa
     cfg = json.loads((tmp_path / "m" / "xprt_config.json").read_text())
     assert cfg["heads"]["baseline_setting"] == "official"
     pool = json.loads((tmp_path / "m" / "1_Pooling" / "config.json").read_text())
-    assert pool["pooling_mode_cls_token"] == (pooling == "cls") and pool["pooling_mode_mean_tokens"] == (pooling == "mean")
+    assert pool["pooling_mode_cls_token"] == (pooling == "cls")
+    assert pool["pooling_mode_mean_tokens"] == (pooling == "mean")
     modules = [m["type"] for m in json.loads((tmp_path / "m" / "modules.json").read_text())]
     assert ("sentence_transformers.models.Normalize" in modules) == normalize
     st = SentenceTransformer(str(tmp_path / "m"), device="cpu")

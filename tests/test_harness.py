@@ -207,7 +207,8 @@ def test_tiny_scale_end_to_end(tmp_path):
     # the page's numbers are evaluate.py's, set beside the paper's
     xprt = ev["summary"]["average"][ev["models"][1 + arms.index("xprt")]]
     md = (out / "results.md").read_text()
-    assert f"| xPRT | mean pooling, cosine | {xprt:.2f} |" in md and "47.12 (retrieval 29.21)" in md and "| -4.9 |" in md
+    assert f"| xPRT | mean pooling, cosine | {xprt:.2f} |" in md
+    assert "47.12 (retrieval 29.21)" in md and "| -4.9 |" in md
     # each arm's setting, as its saved folder states it (the from-BERT setting: the baselines as their authors run them)
     assert "| RetroMAE | official: cls pooling, cosine |" in md and "| SimLM | official: cls pooling, cosine |" in md
     assert "| Contriever | official: mean pooling, dot |" in md and "| Revela | mean pooling, cosine |" in md

@@ -98,7 +98,8 @@ def write(exp: dict, out: Path, arms: list, results: list, seconds: float) -> di
              "|---|---|---|---|" + "---|" * len(cats) + "---|"]
     for a in ["start"] + objectives:
         d = "" if a == "start" else fmt(deltas(data, a, "start", lambda r: r["average"]), True)
-        lines.append(f"| {LABELS.get(a, a)} | {arm_setting(out, a)} | {fmt(values(data, a, lambda r: r['average']))} | {d} | " +
+        lines.append(f"| {LABELS.get(a, a)} | {arm_setting(out, a)} | "
+                     f"{fmt(values(data, a, lambda r: r['average']))} | {d} | " +
                      " | ".join(fmt(values(data, a, lambda r, c=c: r["per_category"][c])) for c in cats) +
                      f" | {published_main(setting, a)} |")
     if "xprt" in arms and ablations:
