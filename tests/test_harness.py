@@ -34,7 +34,8 @@ def test_arms_are_train_py_objectives_plus_the_ablations(monkeypatch):
     own = exp.get("objective_flags", {})  # an objective's own flags (SimLM's generator)
     for o in choices:
         assert arms[o]["flags"] == ([] if o == "xprt" else ["--objective", o] + run.argv_of(own.get(o, {})))
-    assert arms["simlm"]["flags"][2:] == ["--generator_name_or_path", "{start}"]
+    assert arms["simlm"]["flags"][2:] == ["--generator_name_or_path", "{start}", "--baseline_setting", "official"]
+    assert arms["revela"]["flags"][2:4] == ["--lm_name_or_path", "{lm}"]
     assert arms["self_reconstruction_5x"]["steps_factor"] == 5 and arms["e5_ranking"]["ranking"] == "e5"
     # an objective added to train.py's parser becomes an arm with no edit to the harness
     build = train.build_parser
