@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from support import (ModelInfo, checkpoint_tensors, hub_base_model, max_seq_length, model_prompts, quiet_load_report,
-                     read_max_seq_length, read_scoring, resolve_model_path, save_model_folder)
+from support import (ModelInfo, checkpoint_tensors, hub_base_model, load_post_pooling, max_seq_length, model_prompts,
+                     quiet_load_report, read_max_seq_length, read_scoring, resolve_model_path, save_model_folder)
 
 logger = logging.getLogger("xprt")
 
@@ -518,7 +518,7 @@ def save_xprt_folder(model, out_dir: str, tokenizer, model_card: Optional[str] =
     the tokenizer, xprt_heads.safetensors and xprt_config.json: the objective, tau and what rebuilds the heads)."""
     config = {"objective": model.objective, "tau": model.tau, "heads": heads_config(model)}
     save_model_folder(out_dir, model.base, complete_base_state_dict(model), tokenizer, heads_state_dict(model),
-                      config, model.info, model_card)
+                      config, model.info, model_card, model.post_pooling)
 
 
 def load_xprt_folder(cls, path: str, objective: Optional[str] = None, mlm_head_from: Optional[str] = None,
@@ -543,6 +543,9 @@ def load_xprt_folder(cls, path: str, objective: Optional[str] = None, mlm_head_f
     scoring = read_scoring(path)
     mlm, message = load_mlm_encoder(path, mlm_head_from=None if has_heads else mlm_head_from,
                                     trust_remote_code=trust_remote_code, pooling=scoring["pooling"])
+    # the start's modules after pooling (Dense, LayerNorm, Normalize, truncate_dim, ...), kept through training and
+    # saved back; refused here, by name, when xprt cannot carry them
+    post_pooling = load_post_pooling(path, mlm.config.hidden_size, trust_remote_code)
     objective = objective or saved.get("objective", "xprt")
     heads_cfg = dict(saved.get("heads") or {})
     own_heads = heads_cfg.pop("objective", None) == objective
@@ -552,8 +555,9 @@ def load_xprt_folder(cls, path: str, objective: Optional[str] = None, mlm_head_f
     args["info"] = ModelInfo(start_model=saved.get("start_model") or name, prompts=model_prompts(name, prefixes),
                              max_seq_length=max_seq_length(mlm.config, read_max_seq_length(path)),
                              base_model=hub_base_model(name), hub_model_id=hub_model_id, lineage=lineage,
-                             **scoring)
+                             modules=post_pooling.describe(), dim=post_pooling.dim(mlm.config.hidden_size), **scoring)
     model = cls(mlm, objective=objective, **args)
+    model.post_pooling = post_pooling
     model.load_message = message
     if has_heads:
         sd = load_file(heads_file)

@@ -73,7 +73,7 @@ from support import (E5_PROMPTS, EVAL_PREFIX, MINILM_ALIASES, NO_PROMPTS, add_ev
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (docs/notes.md); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))
 import mteb  # noqa: E402
-from mteb.models.abs_encoder import AbsEncoder  # noqa: E402
+from mteb.models.abs_encoder import AbsEncoder, get_prompt  # noqa: E402
 from mteb.models.model_meta import ModelMeta, ScoringFunction  # noqa: E402
 from mteb.types import PromptType  # noqa: E402
 
@@ -201,6 +201,24 @@ def st_scoring(st_model) -> tuple:
     return mode, normalize
 
 
+def prompt_for(prompts: dict, task_metadata, prompt_type: Optional[PromptType]) -> Optional[str]:
+    """The prompt mteb's own sentence-transformers wrapper gives a text (mteb.models.abs_encoder.get_prompt, reused):
+    the first of "<task name>-<side>", "<task name>", "<task type>-<side>", "<task type>", "<side>" that the model's
+    prompts name, where the side is query or document as the task says; None when none does. A symmetric task (STS,
+    classification, clustering: no side) thus gets a prompt only from a task-name or task-type key, never the query
+    instruction of a bge-style model. Without task metadata (a direct call, not mteb's) only the side counts."""
+    if task_metadata is None:
+        return prompts.get(prompt_type.value) if prompt_type is not None else None
+    return get_prompt(prompts, task_metadata, prompt_type)
+
+
+def encode_function(model, prompt_type: Optional[PromptType]):
+    """model.encode_query / encode_document for a query / document side, model.encode for none: as mteb's wrapper
+    calls a SentenceTransformer (a Router module routes by it)."""
+    return {PromptType.query: model.encode_query, PromptType.document: model.encode_document}.get(prompt_type,
+                                                                                                   model.encode)
+
+
 class XPRTEncoder(AbsEncoder):
     """mteb wrapper: `sentence_transformers.SentenceTransformer(folder).encode`, with the repository's prefixes.
 
@@ -213,12 +231,12 @@ class XPRTEncoder(AbsEncoder):
     it at 1.04-1.07x (best of 5 interleaved repeats; its token-sorted batches save 8% of the padded tokens), under
     the 1.10x that would justify a second encoder (bench/README.md).
 
-    Prefixes (`prefixes`: auto, e5 or none, the rule support.model_prompts applies; `query_prefix` /
-    `passage_prefix` override either string): mteb tells the encoder whether it is encoding queries or documents
-    (`prompt_type`); documents get the document prompt, everything else the query prompt (symmetric tasks such as
-    STS, classification and clustering encode every text as a query, as E5's authors do). They go to encode as
-    `prompt=`, so a Pooling module that excludes the prompt (include_prompt=False) still works. The attribute
-    `prefixes` says which the rule gave: "e5", "none" or "model" (the folder's own prompts).
+    Prompts (`prefixes`: auto, e5 or none, the rule support.model_prompts applies: in auto every prompt the model
+    names; `query_prefix` / `passage_prefix` override the query / document one): picked as mteb picks them
+    (prompt_for: task name, then task type, then the query / document side mteb says the text is on), so a symmetric
+    task gets no query instruction unless the model names one for it. They go to encode as `prompt=`, so a Pooling
+    module that excludes the prompt (include_prompt=False) still works. The attribute `prefixes` says which the rule
+    gave: "e5", "none" or "model" (the folder's own prompts).
 
     The length limit (support.max_seq_length): `max_length` when given, else the one the model states, at most its
     position table.
@@ -258,6 +276,7 @@ class XPRTEncoder(AbsEncoder):
         self.prefixes = "e5" if e5 else ("none" if prompts == NO_PROMPTS else "model")
         self.query_prefix = query_prefix if query_prefix is not None else prompts["query"]
         self.passage_prefix = passage_prefix if passage_prefix is not None else prompts["document"]
+        self.prompts = {**prompts, "query": self.query_prefix, "document": self.passage_prefix}
         # A sentence-transformers model states the length it was trained and scored with (all-MiniLM-L6-v2: 256);
         # the MTEB leaderboard numbers use it, so we do too unless told. A plain checkpoint states none.
         stated = self.model.max_seq_length if has_st_config or not os.path.isdir(path) else None
@@ -278,7 +297,7 @@ class XPRTEncoder(AbsEncoder):
         self.contract = {"pooling": mode, "normalize": normalize,
                          "similarity": str(self.model.similarity_fn_name or "cosine"),
                          "query_prefix": self.query_prefix, "passage_prefix": self.passage_prefix,
-                         "max_length": self.max_length}
+                         "max_length": self.max_length, "prompts": self.prompts}
         name, revision = model_name_and_revision(name_or_path)
         self.mteb_model_meta = ModelMeta(
             loader=None, name=name, revision=revision, release_date=None, languages=None,
@@ -312,21 +331,25 @@ class XPRTEncoder(AbsEncoder):
         self.model = SentenceTransformer(modules=modules, device=str(self.device),
                                          similarity_fn_name=contract["similarity"]).eval()
         self.query_prefix, self.passage_prefix = contract["query_prefix"], contract["passage_prefix"]
+        self.prompts = {**contract.get("prompts", {}), "query": self.query_prefix, "document": self.passage_prefix}
         self.max_length = self.model.max_seq_length = int(contract["max_length"])
         self.pooling = describe_pooling(self.model)
         prompts = json.dumps([contract["query_prefix"], contract["passage_prefix"]])
         self.settings = {"scored_as": {k: contract[k] for k in ("pooling", "normalize", "similarity", "max_length")},
                          "prompts": hashlib.sha256(prompts.encode()).hexdigest()[:8]}
 
-    def prefix_for(self, prompt_type: Optional[PromptType]) -> str:
-        return self.passage_prefix if prompt_type == PromptType.document else self.query_prefix
+    def prefix_for(self, task_metadata, prompt_type: Optional[PromptType]) -> str:
+        """The prompt of a text of `task_metadata` on side `prompt_type`, "" when none (prompt_for)."""
+        return prompt_for(self.prompts, task_metadata, prompt_type) or ""
 
     def encode(self, inputs, *, task_metadata, hf_split: str, hf_subset: str,
                prompt_type: Optional[PromptType] = None, **kwargs: Any) -> np.ndarray:
         texts = [t for batch in inputs for t in batch["text"]]
         # per-batch progress: sentence-transformers' bar moves every batch while a large corpus encodes
-        return self.model.encode(texts, prompt=self.prefix_for(prompt_type) or None, batch_size=self.batch_size,
-                                 show_progress_bar=self.show_progress, convert_to_numpy=True)
+        # prompt "" rather than None: sentence-transformers would fall back to its own prompts, mteb's pick stands
+        return encode_function(self.model, prompt_type)(texts, prompt=self.prefix_for(task_metadata, prompt_type),
+                                                        batch_size=self.batch_size,
+                                                        show_progress_bar=self.show_progress, convert_to_numpy=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -862,13 +885,16 @@ class TrainingEncoder(AbsEncoder):
     --eval_limit."""
 
     def __init__(self, encoder, tokenizer, prompts: dict, max_length: int, batch_size: int, accelerator=None,
-                 pooling: str = "mean", normalize: bool = True, similarity_fn_name: str = "cosine"):
+                 pooling: str = "mean", normalize: bool = True, similarity_fn_name: str = "cosine",
+                 post_pooling=None):
         self.encoder, self.tokenizer, self.prompts, self.pooling = encoder, tokenizer, prompts, pooling
-        self.normalize = normalize
+        self.normalize, self.post_pooling = normalize, post_pooling
         self.max_length, self.batch_size, self.accelerator = max_length, batch_size, accelerator
         self.mteb_model_meta = ModelMeta(
             loader=None, name="local/training", revision="in-training", release_date=None, languages=None,
-            n_parameters=None, memory_usage_mb=None, max_tokens=max_length, embed_dim=encoder.config.hidden_size,
+            n_parameters=None, memory_usage_mb=None, max_tokens=max_length,
+            embed_dim=post_pooling.dim(encoder.config.hidden_size) if post_pooling is not None else
+            encoder.config.hidden_size,
             license=None, open_weights=True, public_training_code=None, public_training_data=None,
             framework=["PyTorch"], similarity_fn_name=scoring_function(similarity_fn_name), use_instructions=False,
             training_datasets=None)
@@ -876,21 +902,22 @@ class TrainingEncoder(AbsEncoder):
     def encode(self, inputs, *, task_metadata, hf_split: str, hf_subset: str,
                prompt_type: Optional[PromptType] = None, **kwargs: Any) -> np.ndarray:
         texts = [t for batch in inputs for t in batch["text"]]
-        prefix = self.prompts["document"] if prompt_type == PromptType.document else self.prompts["query"]
+        prefix = prompt_for(self.prompts, task_metadata, prompt_type) or ""
         acc = self.accelerator
         world = acc.num_processes if acc is not None else 1
         autocast = acc.autocast() if acc is not None else contextlib.nullcontext()
         if world == 1:
             with autocast:
                 return embed_texts(self.encoder, self.tokenizer, texts, self.batch_size, self.max_length,
-                                   prefix, pooling=self.pooling, normalize=self.normalize).numpy()
+                                   prefix, pooling=self.pooling, normalize=self.normalize,
+                                   post_pooling=self.post_pooling).numpy()
         unique = list(dict.fromkeys(texts))
         per = math.ceil(len(unique) / world)
         mine = unique[acc.process_index * per:(acc.process_index + 1) * per]
         mine += [f"[xprt eval padding {i}]" for i in range(per - len(mine))]
         with autocast:
             vecs = embed_texts(self.encoder, self.tokenizer, mine, self.batch_size, self.max_length, prefix,
-                               pooling=self.pooling, normalize=self.normalize)
+                               pooling=self.pooling, normalize=self.normalize, post_pooling=self.post_pooling)
         every = acc.gather(vecs.to(acc.device)).cpu()  # (world * per, H), in process order
         where = {t: i for i, t in enumerate(unique)}
         return every[[where[t] for t in texts]].numpy()
@@ -920,7 +947,7 @@ def score_during_training(model, tokenizer, tasks: Sequence, prompts: dict, max_
     unwrapped = accelerator.unwrap_model(model) if accelerator is not None else model
     info = unwrapped.info  # scored as its saved folder would be: its pooling, normalisation and similarity
     enc = TrainingEncoder(unwrapped.encoder, tokenizer, prompts, max_length, batch_size, accelerator, info.pooling,
-                          info.normalize, info.similarity_fn_name)
+                          info.normalize, info.similarity_fn_name, unwrapped.post_pooling)
     scores = {}
     with eval_mode_and_rng(unwrapped):
         for task in tasks:

@@ -578,7 +578,7 @@ def _distinct_texts_longest_first(tokenizer, corpus_texts, passage_prefix, passa
 @torch.no_grad()
 def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_ids, corpus_texts, rank_min, rank_max,
                         query_max_length=32, passage_max_length=128, query_prefix="", passage_prefix="",
-                        batch_size=64, chunk_size=16384, query_block=256, pooling="mean"):
+                        batch_size=64, chunk_size=16384, query_block=256, pooling="mean", post_pooling=None):
     """For each query, corpus ids ranked rank_min..rank_max (1-based) by the starting model, minus its positives.
 
     Hard negatives are what PAIR and RocketQA train on; the very top ranks are skipped because on sparsely judged
@@ -617,7 +617,8 @@ def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_id
     device = next(getattr(encoder, "base_model", encoder).parameters()).device
     # every process encodes all queries (one call, as before): short texts, and the same vectors everywhere
     q = embed_texts(encoder, tokenizer, query_texts, batch_size, query_max_length, query_prefix,
-                    desc="mining: queries", pooling=pooling).to(device)
+                    desc="mining: queries", pooling=pooling,
+                    post_pooling=post_pooling).to(device)
     chunk_size = max(1, chunk_size // batch_size) * batch_size  # whole encoding batches
 
     # ---- 1. distinct texts and their token counts (hash and tokenise a slice each, then share)
@@ -639,7 +640,8 @@ def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_id
         distinct = np.concatenate([order[b * batch_size:(b + 1) * batch_size] for b in mine[c:c + per_chunk]])
         # already in embed_texts' order, so it re-forms exactly these batches
         vecs = embed_texts(encoder, tokenizer, [corpus_texts[first[u]] for u in distinct], batch_size,
-                           passage_max_length, passage_prefix, pooling=pooling).to(device)
+                           passage_max_length, passage_prefix, pooling=pooling,
+                           post_pooling=post_pooling).to(device)
         if has_copies:  # a duplicated text scores once and is copied to each of its corpus entries
             cnt = starts[distinct + 1] - starts[distinct]
             column = np.repeat(np.arange(len(distinct)), cnt)
@@ -682,7 +684,8 @@ def mine_hard_negatives(encoder, tokenizer, query_texts, positive_ids, corpus_id
     return pools
 
 
-def negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, queries, positives, pooling="mean"):
+def negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, queries, positives, pooling="mean",
+                   post_pooling=None):
     """The mined pool of every (query, positives) row: reused from --mined_negatives, or mined by all processes
     together (mine_hard_negatives shards the corpus). Written to <output_dir>/mined_negatives.json either way."""
     cache = Path(args.output_dir) / "mined_negatives.json"
@@ -700,7 +703,8 @@ def negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, queri
             pools = mine_hard_negatives(encoder, tokenizer, queries, positives, cids, [corpus[d] for d in cids],
                                         args.negatives_rank_min, args.negatives_rank_max, args.query_max_length,
                                         args.passage_max_length, qp, pp, args.mining_batch_size,
-                                        args.mining_chunk_size, pooling=pooling)
+                                        args.mining_chunk_size, pooling=pooling,
+                                        post_pooling=post_pooling)
         if accelerator.is_main_process:
             atomic_write(cache, json.dumps(pools))
     accelerator.wait_for_everyone()
@@ -742,7 +746,7 @@ def drop_repeated_pairs(rows, accelerator) -> list:
     return kept
 
 
-def build_finetune_rows(args, accelerator, encoder, tokenizer, prompts, pooling="mean"):
+def build_finetune_rows(args, accelerator, encoder, tokenizer, prompts, pooling="mean", post_pooling=None):
     """Rows {query, positive, negative_pool | negatives} of one labelled source: --train_data's pairs (their own
     negatives, or pools mined from --beir_dir's corpus, else from the data's own passages), or the labelled
     corpus's qrels (--beir_dir, MS MARCO as --train_data: one row per (query, relevant passage), pools mined from
@@ -779,7 +783,7 @@ def build_finetune_rows(args, accelerator, encoder, tokenizer, prompts, pooling=
         mined += mine_data_rows(needy, rows + needy, corpus)
     if mined:
         pools = negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, [q for _, q, _ in mined],
-                               [pos for _, _, pos in mined], pooling)
+                               [pos for _, _, pos in mined], pooling, post_pooling)
         for (r, _, _), pool in zip(mined, pools):
             r["negative_pool"] = [corpus[d] for d in pool]
         rows += [r for r, _, _ in mined]
@@ -964,7 +968,8 @@ def main(argv=None):
 
     # ---- data: the start model mines the hard negatives, on the accelerator
     model.encoder.to(accelerator.device)
-    rows = build_finetune_rows(args, accelerator, model.encoder, tokenizer, model.prompts, model.info.pooling)
+    rows = build_finetune_rows(args, accelerator, model.encoder, tokenizer, model.prompts, model.info.pooling,
+                               model.post_pooling)  # mined with the model's own vectors (its modules after pooling)
     if args.mine_only:
         accelerator.print(f"--mine_only: wrote {mined_file}; train with --mined_negatives {mined_file}")
         return {"mined_negatives": str(mined_file), "completed_steps": 0}

@@ -81,6 +81,68 @@ def _logits_into(out, h, weight, bias):
     return out.copy_(torch.addmm(bias, h, weight.t()))
 
 
+# The vocabulary rows padded inside the kernel to a multiple of this (tensor-core tiles want leading dimensions that are
+# multiples of 8; MosaicBERT pads BERT's 30,522 words to 30,528 = 64 x 477). Padded words have a zero weight row and
+# a bias of -1e30: probability exactly 0, so they add nothing to a loss or a gradient, and their gradient rows are cut.
+_PAD = 64
+_PAD_BIAS = -1e30
+
+
+def _compute_dtype(device):
+    """The dtype the kernel's matrix products run in: autocast's (bf16 / fp16) where it is on, else None (the
+    weight's own)."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def _padded(weight, bias, dtype):
+    """(W, b) once per call: W in the compute dtype (one cast, not one per chunk) and, in low precision or on CUDA,
+    the vocabulary padded to a multiple of _PAD -> (W' (V', H), b' (V',))."""
+    w = weight.to(dtype) if dtype is not None else weight
+    v = weight.shape[0]
+    vp = -(-v // _PAD) * _PAD
+    if vp == v or (dtype is None and weight.device.type != "cuda"):  # fp32 on a CPU: no tiles to fill
+        return w, bias
+    w_pad = w.new_zeros((vp, w.shape[1]))
+    w_pad[:v] = w
+    b_pad = bias.new_full((vp,), _PAD_BIAS)
+    b_pad[:v] = bias
+    return w_pad, b_pad
+
+
+_FP32_OUT: dict = {}
+
+
+def _fp32_out_gemm(device) -> bool:
+    """Whether this device's addmm takes low-precision inputs into an fp32 output (out_dtype: CUDA; the CPU has no
+    such kernel). Probed once per device type on an 8 x 8 product."""
+    if device.type not in _FP32_OUT:
+        try:
+            a = torch.ones(8, 8, dtype=torch.bfloat16, device=device)
+            c = torch.zeros(8, 8, dtype=torch.float32, device=device)
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+            _FP32_OUT[device.type] = bool(c[0, 0].item() == 8.0)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT[device.type] = False
+    return _FP32_OUT[device.type]
+
+
+def _add_weight_grad(grad_w, g, hs, first: bool):
+    """grad_w (V', H) fp32 (+)= g^T hs: the step's largest matrix product. In fp32 (g fp32) in place, as before. In
+    low precision (g bf16, under autocast) it must not stay an in-place addmm_, which autocast never casts (an fp32
+    GEMM at a fifteenth of the bf16 rate): the product runs on bf16 inputs, accumulated in fp32 inside the GEMM, and
+    lands in the fp32 accumulator directly where the device can (CUDA's out_dtype), else through one bf16 product per
+    chunk added in fp32 (one rounding of 2^-9 per chunk, tests/test_bf16.py bounds the result)."""
+    beta = 0.0 if first else 1.0  # beta 0: the accumulator starts as uninitialised memory
+    if g.dtype == torch.float32:
+        return grad_w.addmm_(g.t(), hs.float(), beta=beta)
+    with torch.autocast(g.device.type, enabled=False):  # the dtypes are chosen here
+        hs = hs.to(g.dtype)
+        if _fp32_out_gemm(g.device):
+            return torch.addmm(grad_w, g.t(), hs, beta=beta, out_dtype=torch.float32, out=grad_w)
+        part = torch.mm(g.t(), hs)
+        return grad_w.copy_(part) if first else grad_w.add_(part)
+
+
 def _softmax_(z):
     """z (r, V) <- softmax(z) IN PLACE; returns log-sum-exp (r,) of the input rows."""
     m = z.amax(dim=-1, keepdim=True)
@@ -122,12 +184,15 @@ class _FusedLinearCE(torch.autograd.Function):
             ctx.mark_non_differentiable(row_loss)
             return hidden.new_zeros((), dtype=torch.float32), row_loss
         v = weight.shape[0]
+        lowp = _compute_dtype(hidden.device)
+        w, b = _padded(weight, bias, lowp)  # (V', H) in the compute dtype, V' a multiple of _PAD
+        vp = w.shape[0]
         grad_h = torch.empty_like(hidden) if need[0] else None
-        grad_w = torch.empty((v, weight.shape[1]), dtype=torch.float32, device=hidden.device) if need[1] else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need[2] else None
+        grad_w = torch.empty((vp, weight.shape[1]), dtype=torch.float32, device=hidden.device) if need[1] else None
+        grad_b = torch.zeros((vp,), dtype=torch.float32, device=hidden.device) if need[2] else None
         rows = min(chunk_size, n)
-        buf = _scratch("logits", rows, v, hidden.device)
-        tbuf = _scratch("teacher", rows, v, hidden.device) if teacher_hidden is not None else None
+        buf = _scratch("logits", rows, vp, hidden.device)
+        tbuf = _scratch("teacher", rows, vp, hidden.device) if teacher_hidden is not None else None
         first = True
         # chunks never straddle the hard/soft boundary
         starts = [(s, min(s + chunk_size, n_ce)) for s in range(0, n_ce, chunk_size)]
@@ -138,31 +203,33 @@ class _FusedLinearCE(torch.autograd.Function):
             scale = row_scale[s:e]
             if s < n_ce:  # hard targets: CE = lse - logit[target]
                 tgt = targets[s:e]
-                z = _logits_into(buf[:r], h, weight, bias)
+                z = _logits_into(buf[:r], h, w, b)
                 z_tgt = z.gather(1, tgt.unsqueeze(1)).squeeze(1)
                 row_loss[s:e] = _softmax_(z) - z_tgt
                 g = z  # softmax - one_hot(target)
                 g[torch.arange(r, device=g.device), tgt] -= 1.0
             else:  # soft targets p = softmax(teacher logits): KL(p || q) = sum p z_t - lse_t - (sum p z - lse)
-                zt = _logits_into(tbuf[:r], teacher_hidden[s - n_ce : e - n_ce], weight, bias)
+                zt = _logits_into(tbuf[:r], teacher_hidden[s - n_ce : e - n_ce], w, b)
                 p = buf[:r].copy_(zt)
                 lse_t = _softmax_(p)
-                kl = _row_dot(p, zt) - lse_t  # sum p log p, before tbuf is reused for the student
-                z = _logits_into(tbuf[:r], h, weight, bias)
+                # sum p log p, before tbuf is reused for the student (a padded word: p = 0 times -1e30, 0)
+                kl = _row_dot(p, zt) - lse_t
+                z = _logits_into(tbuf[:r], h, w, b)
                 kl -= _row_dot(p, z) - _softmax_(z)  # - sum p log q
                 row_loss[s:e] = kl
                 g = z.sub_(p)  # softmax(student) - p
+            if grad_b is not None:  # fp32, from the fp32 g
+                grad_b.addmv_(g.t(), scale)
+            g_mm = g if lowp is None else g.to(lowp)  # one cast of the (r, V') gradient, read by both products
             if grad_h is not None:
-                gh = g.to(weight.dtype) @ weight  # (r, H): small
+                gh = g_mm.to(w.dtype) @ w  # (r, H): small
                 grad_h[s:e] = gh * scale.unsqueeze(1).to(gh.dtype)
             if grad_w is not None:  # the rows' scales go on the small (r, H) side, never on the (r, V) one
-                grad_w.addmm_(g.t(), h.float() * scale.unsqueeze(1), beta=0.0 if first else 1.0)  # beta 0: garbage
-            if grad_b is not None:
-                grad_b.addmv_(g.t(), scale)
+                _add_weight_grad(grad_w, g_mm, h.float() * scale.unsqueeze(1), first)
             first = False
         total = (row_loss * row_scale).sum()
-        gw = None if grad_w is None else grad_w.to(weight.dtype)
-        gb = None if grad_b is None else grad_b.to(bias.dtype)
+        gw = None if grad_w is None else grad_w[:v].to(weight.dtype)  # the padded words' rows cut
+        gb = None if grad_b is None else grad_b[:v].to(bias.dtype)
         # The gradients are intermediates (neither inputs nor outputs), so they may live on ctx; backward hands
         # them over (scaled in place) instead of allocating a scaled copy of the (V, H) weight gradient.
         ctx.grads = (grad_h, gw, gb)

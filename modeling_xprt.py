@@ -32,7 +32,7 @@ from torch import nn
 from architectures import (_head_params, decoder_layers, load_xprt_folder, mlm_head, run_layers, save_xprt_folder,
                            token_embeddings)
 from fused_vocab import vocab_sweep
-from support import ModelInfo, dist_on, max_seq_length, rank_and_world, stable_doc_hash
+from support import ModelInfo, PostPooling, dist_on, max_seq_length, rank_and_world, stable_doc_hash
 
 logger = logging.getLogger("xprt")
 
@@ -640,6 +640,8 @@ class XPRTModel(nn.Module):
         self.info = info or ModelInfo(max_seq_length=max_seq_length(mlm_model.config))
         # the objective's setting may fix how vectors are pooled and scored: training and the saved folder follow it
         self.info = replace(self.info, **self.method.scoring())
+        # the start's sentence-transformers modules after pooling (from_pretrained: support.load_post_pooling), frozen
+        self.post_pooling = PostPooling()
         self.carried_heads: dict = {}  # a folder's heads of another objective, written back unchanged (from_pretrained)
         self.carried_config: dict = {}
         self.load_message = ""  # how the weights came to be: from_pretrained says
@@ -683,6 +685,13 @@ class XPRTModel(nn.Module):
         start (support.read_pooling), so fine-tuning a BGE-style folder trains and saves the vector it is used by."""
         return hidden[:, 0].float() if self.info.pooling == "cls" else mean_pool(hidden, attention_mask)
 
+    def sentence_vectors(self, vec):
+        """Pooled vectors (..., H) -> the model's sentence vectors (..., D): the start's modules after pooling (Dense,
+        Normalize, truncate_dim, ...: support.PostPooling, frozen). The similarity terms (the objective's batch terms,
+        the retention term) read these, so the encoder is trained under the modules; the decoders read the pooled
+        vector, which lives in the encoder's token space they put it in."""
+        return self.post_pooling(vec)
+
     # -- the step ----------------------------------------------------------------------------------
     def forward(self, batch: dict, teacher=None, retention_weight: float = 0.0, **step) -> dict:
         """One step's loss -> {"loss": total (with gradient), "<term>_loss": detached value per term}. step: the
@@ -690,12 +699,13 @@ class XPRTModel(nn.Module):
         obj = self.method
         batch = obj.prepare(self, batch)
         states, vec = obj.encode(self, batch)
-        loss, terms = obj.batch_terms(self, vec, batch, **step)
+        loss, terms = obj.batch_terms(self, self.sentence_vectors(vec), batch, **step)
         local, local_terms = obj.row_terms(self, batch, states, vec)
         loss, terms = loss + local, {**terms, **local_terms}
         if self.retains(teacher, retention_weight):
             student = obj.masked_student(vec) if self.retention_student == "masked" else self.clean_student(batch)
-            terms["retention_loss"] = r = self.retention(student, self.teacher_vectors(batch, teacher))
+            terms["retention_loss"] = r = self.retention(self.sentence_vectors(student),
+                                                         self.teacher_vectors(batch, teacher))
             loss = loss + retention_weight * r
         return {"loss": loss, **{k: v.detach() for k, v in terms.items()}}
 
@@ -711,7 +721,10 @@ class XPRTModel(nn.Module):
         """The retention term's student: the clean anchor and s1 encoded WITHOUT dropout (the teacher runs without
         it, so the term is the model's drift only, 0 at step 0; with dropout it would be a dropout-consistency term
         under the weight 40 that nobody chose: docs/steps.md, retention at step 0) -> (G, 2, H)."""
-        if self.encoder.is_activation_checkpointing and torch.is_grad_enabled():
+        # the layers' own flag, as transformers reads it (its property is is_gradient_checkpointing up to 5.17,
+        # is_activation_checkpointing since: the GPU machine has 5.17)
+        checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in self.encoder.modules())
+        if checkpointed and torch.is_grad_enabled():
             # eval mode (no dropout) makes transformers skip its per-layer checkpointing, so under
             # --gradient_checkpointing the pass is checkpointed whole; its recomputation runs in eval mode too
             from torch.utils.checkpoint import checkpoint
@@ -727,11 +740,13 @@ class XPRTModel(nn.Module):
 
     @torch.no_grad()
     def teacher_vectors(self, batch, teacher):
-        """The frozen start model's clean anchor and s1 vectors, pooled as the student pools -> (G, 2, H)."""
+        """The frozen start model's clean anchor and s1 sentence vectors, pooled as the student pools, through the
+        start's modules after pooling (frozen: the student's are the start's) -> (G, 2, D)."""
         ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]
         g, _, lr = ids.shape
         hidden = teacher(input_ids=ids.reshape(g * 2, lr), attention_mask=mask.reshape(g * 2, lr)).last_hidden_state
-        return self.pool(hidden, mask.reshape(g * 2, lr)).view(g, 2, -1)
+        with dropout_off(self.post_pooling):
+            return self.sentence_vectors(self.pool(hidden, mask.reshape(g * 2, lr))).view(g, 2, -1)
 
     # -- the gradient cache (train.py / finetune.py --gradient_cache_chunk) ----------------------------
     def cached_step(self, batch, chunk: int, backward, teacher=None, retention_weight: float = 0.0, **step) -> dict:
@@ -763,11 +778,11 @@ class XPRTModel(nn.Module):
                     cleans.append(self._clean_vectors(part))
         leaves = torch.cat(vecs).requires_grad_()
         clean = torch.cat(cleans).requires_grad_() if clean_student else None
-        loss, terms = obj.batch_terms(self, leaves, batch, **step)  # 2.
+        loss, terms = obj.batch_terms(self, self.sentence_vectors(leaves), batch, **step)  # 2.
         if retain:
             student = clean if clean_student else obj.masked_student(leaves)
             terms["retention_loss"] = r = self.retention(
-                student, torch.cat([self.teacher_vectors(part, teacher) for _, part in parts]))
+                self.sentence_vectors(student), torch.cat([self.teacher_vectors(part, teacher) for _, part in parts]))
             loss = loss + retention_weight * r
         wrt = [x for x in (leaves, clean) if x is not None]
         grads = torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else [None] * len(wrt)
@@ -816,9 +831,10 @@ class XPRTModel(nn.Module):
 @torch.inference_mode()
 def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, max_length: int = 512,
                 prefix: str = "", show_progress: bool = False, desc: str = "embedding",
-                pooling: str = "mean", normalize: bool = True) -> torch.Tensor:
-    """Sentence vectors of `texts` (mean-pooled, or [CLS] with pooling="cls"; L2-normalised unless normalize=False,
-    as a dot-product model's folder makes them), in input order, as a CPU float32 (N, H) tensor.
+                pooling: str = "mean", normalize: bool = True, post_pooling=None) -> torch.Tensor:
+    """Sentence vectors of `texts` (mean-pooled, or [CLS] with pooling="cls"; then the model's modules after pooling,
+    post_pooling (support.PostPooling: Dense, Normalize, truncate_dim, ...); L2-normalised unless normalize=False,
+    as a dot-product model's folder makes them), in input order, as a CPU float32 (N, D) tensor.
 
     The one batch embedder of the repository: select_groups.py (centrality and the E5 ranking), finetune.py
     (hard-negative mining) and evaluate.py's scoring during training (--eval_tasks) call it. `model` is any
@@ -835,13 +851,14 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
     unique = list(dict.fromkeys(texts))  # first-occurrence order
     if len(unique) < len(texts):
         vecs = embed_texts(model, tokenizer, unique, batch_size, max_length, prefix, show_progress, desc, pooling,
-                           normalize)
+                           normalize, post_pooling)
         where = {t: i for i, t in enumerate(unique)}
         return vecs[[where[t] for t in texts]]
     base = getattr(model, "base_model", model)
     device = next(base.parameters()).device
     n = len(texts)
-    out = torch.empty(n, base.config.hidden_size, dtype=torch.float32)
+    dim = post_pooling.dim(base.config.hidden_size) if post_pooling is not None else base.config.hidden_size
+    out = torch.empty(n, dim, dtype=torch.float32)
     if n == 0:
         return out
     ids = tokenizer([prefix + t for t in texts], truncation=True, max_length=max_length,
@@ -864,6 +881,9 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
         else:
             mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).long().to(device)
             vec = mean_pool(base(input_ids=input_ids, attention_mask=mask).last_hidden_state.float(), mask)
+        if post_pooling is not None:
+            with dropout_off(post_pooling):  # as SentenceTransformer.encode runs it: eval mode
+                vec = post_pooling(vec).float()
         out[torch.tensor(idx)] = (F.normalize(vec, dim=-1) if normalize else vec).cpu()
     return out
 

@@ -294,7 +294,8 @@ class Revela(Objective):
     def row_terms(self, model, batch: dict, states, vec):
         ids, am = batch["lm_input_ids"], batch["lm_attention_mask"]  # (G, P, L')
         g, p, l = ids.shape
-        weights = revela_attention_weights(vec, self.attn_temperature)  # (G, P, P)
+        # (G, P, P), on the sentence vectors the start's modules after pooling make, as every similarity term reads
+        weights = revela_attention_weights(model.sentence_vectors(vec), self.attn_temperature)
         loss = revela_loss(self.lm, ids.view(g * p, l), am.view(g * p, l), weights, batch["lm_index"],
                            batch["lm_targets"]) * batch["layout"].share("lm")
         return loss, {"revela_loss": loss}

@@ -48,8 +48,9 @@ from typing import Optional
 
 import numpy as np
 
-from support import (atomic_path, atomic_write, check_tokenizer_fits, iter_jsonl, iter_parquet, max_seq_length,
-                     model_prompts, pick_device_and_dtype, read_max_seq_length, resolve_model_path, stable_doc_hash)
+from support import (atomic_path, atomic_write, check_tokenizer_fits, iter_jsonl, iter_parquet, load_post_pooling,
+                     max_seq_length, model_prompts, pick_device_and_dtype, read_max_seq_length, read_pooling,
+                     resolve_model_path, stable_doc_hash)
 
 # The paper's statistics on 100K FineWeb documents with E5-base-unsupervised (printed beside ours).
 PAPER_FINEWEB_100K = {"documents_with_groups_pct": 99.0, "groups_per_document": 7.0, "passages_covered_pct": 68.0}
@@ -786,19 +787,30 @@ class Encoder:
     # Passages are packed to --passage_tokens (128) first, so at the defaults nothing reaches it.
     max_length: int
     batch_size: int  # passages per forward pass: speed only
+    # the model's own sentence vector: its pooling (support.read_pooling) and its sentence-transformers modules after
+    # pooling (support.load_post_pooling: Dense, Normalize, truncate_dim, ...), so selection embeds as the model does
+    pooling: str = "mean"
+    post_pooling: object = None
+
+
+def embed_passages(encoder: Encoder, texts, prefix: str, show_progress: bool = False, desc: str = "embedding"):
+    """The selection encoder's L2-normalised sentence vectors of `texts` (N, D): the model's own pooling and its
+    modules after pooling, as SentenceTransformer(model).encode makes them, then normalised (centrality and the E5
+    ranking are cosines)."""
+    from modeling_xprt import embed_texts
+
+    return embed_texts(encoder.model, encoder.tokenizer, texts, batch_size=encoder.batch_size,
+                       max_length=encoder.max_length, prefix=prefix, show_progress=show_progress, desc=desc,
+                       pooling=encoder.pooling, post_pooling=encoder.post_pooling)
 
 
 def select_documents(docs, encoder: Encoder, tfidf, threshold, sel: Selection, *, desc="embedding",
                      show_progress=False):
     """Passages, centralities and groups of `docs` (valid Docs). Returns one DocResult per doc."""
-    from modeling_xprt import embed_texts
-
     passages = split_passages([d.text for d in docs], encoder.tokenizer, sel.passage_tokens, sel.min_passage_tokens)
     flat = [p for ps in passages for p in ps]
     # One embedding call per chunk: length sorting works across documents, so batches stay full.
-    vecs = embed_texts(encoder.model, encoder.tokenizer, flat, batch_size=encoder.batch_size,
-                       max_length=encoder.max_length, prefix=sel.passage_prefix, show_progress=show_progress,
-                       desc=desc).numpy()
+    vecs = embed_passages(encoder, flat, sel.passage_prefix, show_progress, desc).numpy()
     results, pos = [], 0
     for d, ps in zip(docs, passages):
         v = vecs[pos : pos + len(ps)].astype(np.float64)  # (P, H)
@@ -1154,10 +1166,13 @@ def load_selection_encoder(args, sel: Selection, state) -> Encoder:
     model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=args.trust_remote_code)
     check_tokenizer_fits(tokenizer, model.config, sel.model_name_or_path)
     model = model.to(device).eval()
-    encoder = Encoder(tokenizer, model, max_seq_length(model.config, read_max_seq_length(path)), args.batch_size)
+    post = load_post_pooling(path, model.config.hidden_size, args.trust_remote_code).to(device)
+    encoder = Encoder(tokenizer, model, max_seq_length(model.config, read_max_seq_length(path)), args.batch_size,
+                      read_pooling(path), post)
+    vector = ", ".join([f"{encoder.pooling} pooling", *post.describe()])
     state.print(f"selection encoder {sel.model_name_or_path} on {device} ({dtype}), {state.num_processes} "
                 f"process(es), passage prefix {sel.passage_prefix!r}, budget {sel.passage_tokens} tokens, "
-                f"embedded up to {encoder.max_length}")
+                f"embedded up to {encoder.max_length}; vectors: {vector}, {post.dim(model.config.hidden_size)}-d")
     # A passage longer than the limit, with its prefix and special tokens, would be embedded cut: its centrality
     # and cosines would be those of its beginning. (+2: the budget counts pieces, and re-tokenising the joined
     # pieces can add a token or two.)

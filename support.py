@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -97,7 +98,10 @@ def read_json(path) -> dict:
 
 
 def model_prompts(name_or_path: str, mode: str = "auto", _depth: int = 0) -> dict:
-    """The one prefix rule of the repository: {"query": prefix, "document": prefix} for a model.
+    """The one prefix rule of the repository: {"query": prefix, "document": prefix, ...} for a model: the query and
+    document prefixes training uses, and, in mode "auto", every other prompt the model's folder names (task names
+    such as "STSBenchmark", task types, "<task>-query": the keys mteb picks from, kept so the saved folder keeps them
+    and evaluate.py picks as mteb does).
 
     mode "e5" / "none" force E5's "query: " / "passage: " or no prefix. mode "auto", in order:
       1. the folder's config_sentence_transformers.json "prompts" (where sentence-transformers keeps them, and
@@ -116,17 +120,19 @@ def model_prompts(name_or_path: str, mode: str = "auto", _depth: int = 0) -> dic
         raise ValueError(f"prefix mode must be auto, e5 or none, got {mode!r}")
     path = resolve_model_path(name_or_path)
     folder = Path(path)
+    st_config = model_file(name_or_path, "config_sentence_transformers.json")  # its folder, or its Hub repository
+    prompts = (read_json(st_config).get("prompts") or {}) if st_config else {}
+    prompts = {k: v for k, v in prompts.items() if isinstance(v, str)}
+    query = prompts.get("query")
+    document = next((prompts[k] for k in ("document", "passage", "corpus") if k in prompts), None)
+    if query is not None or document is not None:
+        return {**prompts, "query": query or "", "document": document or ""}
     if folder.is_dir():
-        prompts = read_json(folder / "config_sentence_transformers.json").get("prompts") or {}
-        query = prompts.get("query")
-        document = next((prompts[k] for k in ("document", "passage", "corpus") if k in prompts), None)
-        if query is not None or document is not None:
-            return {"query": query or "", "document": document or ""}
         start = read_json(folder / "xprt_config.json").get("start_model")
         if isinstance(start, str) and start and _depth < 8:
-            return model_prompts(start, "auto", _depth + 1)
+            return {**prompts, **model_prompts(start, "auto", _depth + 1)}
     names = [name_or_path, path, str(read_json(folder / "config.json").get("_name_or_path", ""))]
-    return dict(E5_PROMPTS) if any(_E5_NAME.search(n.lower()) for n in names) else dict(NO_PROMPTS)
+    return {**prompts, **(E5_PROMPTS if any(_E5_NAME.search(n.lower()) for n in names) else NO_PROMPTS)}
 
 
 def describe_prompts(prompts: dict) -> str:
@@ -514,9 +520,141 @@ def read_scoring(path: str) -> dict:
             "normalize": any(str(m.get("type", "")).endswith("Normalize") for m in modules)}
 
 
+class PostPooling(torch.nn.Module):
+    """The sentence-transformers modules a model applies after its Pooling module (Dense, LayerNorm, Dropout,
+    Normalize, any module that reads and writes the features' "sentence_embedding"), then its truncate_dim: the
+    rest of the pipeline that makes the model's sentence vector from the pooled one. load_post_pooling builds it from
+    a model folder with sentence-transformers' own loader; empty (the identity) for a model that has none.
+
+    forward: pooled vectors (..., H) -> the model's sentence vectors (..., D). Its parameters are frozen (our choice:
+    the start's modules are kept as they are and the encoder is trained under them; the gradients of the losses flow
+    through them into the encoder), and they are saved back unchanged (save_model_folder)."""
+
+    def __init__(self, modules=(), truncate_dim: Optional[int] = None, names: Sequence[str] = ()):
+        super().__init__()
+        self.modules_ = torch.nn.ModuleList(modules)
+        self.truncate_dim = truncate_dim
+        self.names = list(names) or [type(m).__name__ for m in modules]
+        self.requires_grad_(False)
+
+    def forward(self, vec: torch.Tensor) -> torch.Tensor:
+        if not len(self.modules_) and self.truncate_dim is None:
+            return vec
+        shape, dtype = vec.shape, vec.dtype
+        weight = next(self.parameters(), None)  # bf16 under DeepSpeed's bf16, which runs without autocast
+        # sentence-transformers modules read and write a features dict of (N, H) rows
+        features = {"sentence_embedding": vec.reshape(-1, shape[-1]).to(weight.dtype if weight is not None else dtype)}
+        for module in self.modules_:
+            features = module(features)
+        out = features["sentence_embedding"]
+        if self.truncate_dim is not None:  # as SentenceTransformer.encode truncates: after every module
+            out = out[..., : self.truncate_dim]
+        return out.reshape(*shape[:-1], out.shape[-1]).to(dtype)
+
+    def dim(self, hidden_size: int) -> int:
+        """The sentence vector's dimension for pooled vectors of hidden_size (a probe through the modules)."""
+        with torch.no_grad():
+            p = next(self.parameters(), None)
+            return self.forward(torch.zeros(2, hidden_size, device=p.device if p is not None else "cpu")).shape[-1]
+
+    def describe(self) -> list:
+        """["Dense(384 -> 128, Tanh)", "truncate_dim 64"]: one phrase per module, for the log and card; a Normalize
+        module is said by describe_scoring's "L2-normalised" (read_scoring finds it), so a model with Normalize alone
+        (all-MiniLM-L6-v2) is described as before."""
+        out = []
+        for m in self.modules_:
+            name = type(m).__name__
+            if name == "Normalize":
+                continue
+            cfg = m.get_config_dict() if hasattr(m, "get_config_dict") else {}
+            if "in_features" in cfg and "out_features" in cfg:
+                act = str(cfg.get("activation_function", "")).rpartition(".")[2]
+                out.append(f"{name}({cfg['in_features']} -> {cfg['out_features']}{', ' + act if act else ''})")
+            else:
+                out.append(name)
+        return out + ([f"truncate_dim {self.truncate_dim}"] if self.truncate_dim is not None else [])
+
+
+def _module_folder(name_or_path: str, subfolders: Sequence[str]) -> Optional[Path]:
+    """A local folder holding the model's modules.json, config_sentence_transformers.json and `subfolders`: its own
+    folder, else its Hub snapshot (those files only), else None."""
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        return Path(path)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path, allow_patterns=["modules.json", "config_sentence_transformers.json",
+                                                            *[f"{s}/*" for s in subfolders]]))
+    except Exception:  # noqa: BLE001 - not on the Hub, or no Hub (offline): the model states no modules
+        return None
+
+
+def load_post_pooling(name_or_path: str, hidden_size: int, trust_remote_code: bool = False) -> PostPooling:
+    """The PostPooling of a model: the modules its modules.json lists after its Pooling module, loaded by
+    sentence-transformers itself (a SentenceTransformer over those modules alone, so the transformer is not loaded
+    twice), and config_sentence_transformers.json's truncate_dim. Refused here, by the module's name, before any
+    work: a module between the transformer and the pooling (xprt pools the encoder's token states itself), a module
+    after pooling whose output depends on the input's kind (Router / Asym: `forward_kwargs` such as task, or
+    modules.json "kwargs"; the losses do not tell queries from documents), and a module that does not map
+    (N, hidden_size) sentence vectors to sentence vectors."""
+    f = model_file(name_or_path, "modules.json")
+    modules = read_json(f) if f else None
+    if not isinstance(modules, list) or not modules:
+        return PostPooling()
+    pooling = [i for i, m in enumerate(modules) if str(m.get("type", "")).rpartition(".")[2] == "Pooling"]
+    if not pooling:
+        raise ValueError(f"{name_or_path}: modules.json has no Pooling module; xprt makes mean or [CLS] vectors "
+                         "with one")
+    between = modules[1:pooling[0]]
+    if between:
+        raise ValueError(f"{name_or_path}: module {between[0].get('path') or between[0].get('name')} "
+                         f"({between[0].get('type')}) sits between the transformer and the pooling; xprt pools the "
+                         "encoder's token states itself and cannot carry it")
+    post = modules[pooling[0] + 1:]
+    folder = _module_folder(name_or_path, [m.get("path", "") for m in post])
+    truncate = read_json(folder / "config_sentence_transformers.json").get("truncate_dim") if folder else None
+    if not post:
+        return PostPooling(truncate_dim=truncate)
+    if folder is None:
+        raise ValueError(f"{name_or_path}: its modules after pooling ({', '.join(m.get('path', '') for m in post)}) "
+                         "could not be read (offline?)")
+    for m in post:
+        if m.get("kwargs"):
+            raise ValueError(f"{name_or_path}: module {m.get('path')} ({m.get('type')}) takes {m['kwargs']} per "
+                             "call; xprt's losses encode every text alike and cannot carry it")
+    import tempfile
+
+    from sentence_transformers import SentenceTransformer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # a model folder of the post-pooling modules alone (links to the start's subfolders), loaded by
+        # sentence-transformers' own modules.json reader: any module type it can load, loaded as it loads it
+        for m in post:
+            (Path(tmp) / m["path"]).symlink_to((folder / m["path"]).resolve(), target_is_directory=True)
+        (Path(tmp) / "modules.json").write_text(json.dumps(post))
+        st = SentenceTransformer(tmp, device="cpu", trust_remote_code=trust_remote_code)
+        loaded = list(st)
+    for m, module in zip(post, loaded):
+        if getattr(module, "forward_kwargs", None):
+            raise ValueError(f"{name_or_path}: module {m['path']} ({type(module).__name__}) routes by "
+                             f"{sorted(module.forward_kwargs)}; xprt's losses encode every text alike and cannot "
+                             "carry it")
+    pipeline = PostPooling(loaded, truncate, [m["path"] for m in post])
+    try:
+        pipeline.eval().dim(hidden_size)
+    except Exception as err:  # noqa: BLE001 - any failure of a module on sentence vectors refuses the model
+        raise ValueError(f"{name_or_path}: its modules after pooling ({', '.join(pipeline.names)}) do not map "
+                         f"{hidden_size}-d sentence vectors to sentence vectors ({type(err).__name__}: {err}); xprt "
+                         "cannot carry them") from None
+    return pipeline.train()
+
+
 def describe_scoring(info) -> str:
-    """One phrase for the log and the card: "mean pooling, L2-normalised, cosine similarity"."""
-    return (f"{info.pooling} pooling, {'L2-normalised' if info.normalize else 'not normalised'}, "
+    """One phrase for the log and the card: "mean pooling, L2-normalised, cosine similarity", with the modules after
+    pooling when there are any ("mean pooling, then 2_Dense(384 -> 128, Tanh), 3_Normalize, 128-d, ...")."""
+    modules = f", then {', '.join(info.modules)}, {info.dim}-d" if info.modules else ""
+    return (f"{info.pooling} pooling{modules}, {'L2-normalised' if info.normalize else 'not normalised'}, "
             f"{info.similarity_fn_name} similarity")
 
 
@@ -576,39 +714,55 @@ class ModelInfo:
     # how the saved folder compares vectors (read_scoring: the start's; the losses always train cosines)
     normalize: bool = True
     similarity_fn_name: str = "cosine"
+    # the start's modules after pooling (PostPooling.describe) and the sentence vector's dimension they make
+    modules: list = field(default_factory=list)
+    dim: Optional[int] = None
 
 
 def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, xprt_config: dict, info: ModelInfo,
-                      model_card: Optional[str] = None):
+                      model_card: Optional[str] = None, post_pooling: Optional[PostPooling] = None):
     """A complete sentence-transformers model folder, written to a temporary sibling and renamed into place (an
     existing out_dir is replaced; refusing it unless --overwrite is the script's job): the encoder `base` with
     `state_dict` as safetensors (loadable by transformers.AutoModel), the tokenizer, modules.json (Transformer,
-    Pooling, and Normalize when info.normalize: like all-MiniLM-L6-v2, or like the dot-product start it came from),
+    Pooling, the start's modules after pooling (post_pooling, each saved by its own sentence-transformers `save`, with
+    its truncate_dim), and Normalize when info.normalize and none of those is one: like all-MiniLM-L6-v2, or like the
+    dot-product start it came from),
     config_sentence_transformers.json (the prompts, which encode_query / encode_document apply and evaluate.py
     reads, and info.similarity_fn_name), sentence_bert_config.json
     (the length limit), xprt_heads.safetensors (heads: the decoder and MLM head, so training can continue),
     xprt_config.json (xprt_config plus `info`) and the card README.md."""
     from safetensors.torch import save_file
 
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ][:3 if info.normalize else 2]
+    from sentence_transformers.sentence_transformer.modules import Normalize
+
+    post = list(post_pooling.modules_) if post_pooling is not None else []
+    if info.normalize and not any(isinstance(m, Normalize) for m in post):
+        post.append(Normalize())
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    modules += [{"idx": i, "name": str(i), "path": f"{i}_{type(m).__name__}",
+                 "type": f"{type(m).__module__}.{type(m).__name__}"} for i, m in enumerate(post, start=2)]
     pooling = {"word_embedding_dimension": base.config.hidden_size,
                "pooling_mode_cls_token": info.pooling == "cls", "pooling_mode_mean_tokens": info.pooling == "mean",
                "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}
     xprt_config = {**xprt_config, "start_model": info.start_model, "prompts": info.prompts,
                    "base_model": info.base_model, "hub_model_id": info.hub_model_id, "lineage": info.lineage,
                    "pooling": info.pooling, "normalize": info.normalize,
-                   "similarity_fn_name": info.similarity_fn_name}
+                   "similarity_fn_name": info.similarity_fn_name, "modules": info.modules, "dim": info.dim}
     st_config = {"prompts": info.prompts, "default_prompt_name": None,
                  "similarity_fn_name": info.similarity_fn_name}
+    if post_pooling is not None and post_pooling.truncate_dim is not None:
+        st_config["truncate_dim"] = post_pooling.truncate_dim
     with atomic_path(os.path.abspath(out_dir)) as tmp:
         base.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
         tokenizer.save_pretrained(tmp)
         for m in modules[1:]:
             (tmp / m["path"]).mkdir()
+        for m, module in zip(modules[2:], post):
+            try:  # sentence-transformers' own save of the module (safetensors where it takes the flag)
+                module.save(str(tmp / m["path"]), safe_serialization=True)
+            except TypeError:
+                module.save(str(tmp / m["path"]))
         for name, obj in [("modules.json", modules), ("1_Pooling/config.json", pooling),
                           ("sentence_bert_config.json", {"max_seq_length": info.max_seq_length,
                                                          "do_lower_case": False}),
@@ -814,7 +968,10 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
                      "embeddings = (hidden * mask).sum(1) / mask.sum(1)  # mean pooling")
         flag_note = ("\nFlagEmbedding's `FlagModel` pools [CLS] unless told otherwise: load this model with "
                      f'`FlagModel("{model_id}", pooling_method="mean")`.\n')
-    if info.normalize:
+    if info.modules:  # Dense, truncate_dim, ...: plain transformers would need each module's own code
+        pool_code += ("\n# then the modules after pooling, as sentence-transformers applies them: "
+                      f"{', '.join(info.modules)} (use sentence-transformers)")
+    elif info.normalize:
         pool_code += "\nembeddings = F.normalize(embeddings, dim=-1)  # L2, as the Normalize module does"
     score_code = {"cosine": "F.cosine_similarity(embeddings[0], embeddings[1], dim=0)",
                   "dot": "embeddings[0] @ embeddings[1]",
@@ -832,6 +989,9 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
                 "`document` prompts, so "
                 "`encode_query` / `encode_document` add them; with plain transformers, add them yourself."
                 if q or d else "No prefixes (the start model uses none).")
+    modules_note = (f" The modules after pooling ({', '.join(info.modules)}) are the start model's, kept frozen: the "
+                    "encoder was trained under them (the similarity losses read the vectors they make) and they are "
+                    "saved unchanged." if info.modules else "")
     last = summary.get("last_logged_step") or {}
     terms = {k: v for k, v in last.items() if k == "loss" or k.endswith("_loss")}
     loss_rows = "\n".join(f"| {k} | {v:.4f} |" for k, v in terms.items())
@@ -841,7 +1001,7 @@ def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[st
 
 {title}, trained from {start} with this repository's `{script}`. Lineage: {lineage}.
 A sentence-transformers model: {scoring} (`modules.json`, `config_sentence_transformers.json`), at most
-{max_len} tokens.{trained_note} {prefixes}
+{max_len} tokens.{trained_note}{modules_note} {prefixes}
 
 ## Usage (sentence-transformers)
 
@@ -1027,6 +1187,20 @@ def check_common_args(args):
         raise SystemExit("--push_to_hub uploads the saved model: drop --no_save_model")
 
 
+def matmul_precision_policy():
+    """The TF32 policy, set here once per run (make_accelerator): fp32 matrix products stay IEEE fp32, TF32 off. The
+    bulk of a step runs in bf16 under --mixed_precision bf16 (autocast), where TF32 plays no part; what runs in fp32
+    does so on purpose: the similarity terms' cosines over tau = 0.05 (logits of 16-20), computed with autocast off,
+    would get from TF32's 10-bit mantissa the error bf16 gives them (tests/test_bf16.py). Set explicitly because
+    another library in the process may have turned TF32 on."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.fp32_precision = "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
 def make_accelerator(args, find_unused_parameters: bool):
     """The Accelerator of a run: trackers in <output_dir>/logs, DDP told whether some parameters go unused
     (objectives without a decoder pass), DeepSpeed given the micro-batch size it cannot infer."""
@@ -1035,6 +1209,7 @@ def make_accelerator(args, find_unused_parameters: bool):
     # Without a GPU, accelerate only forms a multi-process (gloo) group when told cpu=True; DeepSpeed's own CPU
     # path must not get it (cpu=True would silently turn DeepSpeed off).
     deepspeed_on = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    matmul_precision_policy()
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available() and not deepspeed_on,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -1285,6 +1460,10 @@ def load_model(accelerator, args, model_class, **kw):
                       "the losses train cosines (L2-normalised vectors, the paper's); the saved folder states "
                       f"{describe_scoring(model.info)} (--saved_similarity {saved_similarity}), as the scores during "
                       "training (--eval_tasks) are")
+    if model.info.modules:
+        accelerator.print(f"modules after pooling: {', '.join(model.info.modules)} ({model.info.dim}-d vectors): the "
+                          "start's, frozen and saved back unchanged; the similarity losses read the vectors they make, "
+                          "so the encoder is trained under them; the decoders read the pooled vector")
     register_tied_projection(accelerator, model)
     if args.gradient_checkpointing:
         model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -1300,11 +1479,155 @@ def gradient_cache_step(accelerator, model, batch, chunk: int, **kw) -> dict:
     with accelerator.no_sync(model), accelerator.autocast():
         outputs = unwrapped.cached_step(batch, chunk, accelerator.backward, **kw)
     if accelerator.sync_gradients and accelerator.num_processes > 1:
-        for p in model.parameters():
-            if p.grad is not None:
-                torch.distributed.all_reduce(p.grad)
-                p.grad.div_(accelerator.num_processes)
+        all_reduce_mean([p.grad for p in model.parameters() if p.grad is not None], accelerator.num_processes)
     return outputs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory: what a step holds, said before the first step, and in the message of an out-of-memory error
+# ----------------------------------------------------------------------------------------------------------------
+_MEMORY_NOTE: dict = {}  # the last estimate printed, for explain_oom's message
+
+
+def activation_bytes_per_token_layer(encoder, length: int, device, dtype=torch.bfloat16) -> float:
+    """Bytes autograd saves for backward per token per encoder layer, measured: encoders of this config with one and
+    two layers (random weights, on `device`) run forward under autocast(dtype) on 2 and on 4 sequences of `length`
+    tokens, every tensor saved for backward counted once (saved_tensors_hooks, by storage); the differences (two
+    layers less one, four sequences less two) leave one layer's per-token share, without what does not grow with
+    the tokens (the weights' low-precision copies). BERT-base width at 128 tokens, CPU bf16 autocast: 55 KiB
+    (tests/test_device_env.py)."""
+    from transformers import AutoModel
+
+    def saved(layers, seqs):
+        cfg = copy.deepcopy(encoder.config)
+        for name in ("num_hidden_layers", "n_layers", "num_layers"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, layers)
+        with torch.random.fork_rng(devices=[]):
+            enc = AutoModel.from_config(cfg).to(device).train()
+        seen, total = set(), [0]
+
+        def pack(t):
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            if key not in seen:
+                seen.add(key)
+                total[0] += key[1]
+            return t
+
+        ids = torch.full((seqs, length), 100, dtype=torch.long, device=device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            enc(input_ids=ids, attention_mask=torch.ones_like(ids))
+        return total[0]
+
+    per_layer = {seqs: saved(2, seqs) - saved(1, seqs) for seqs in (2, 4)}
+    return (per_layer[4] - per_layer[2]) / (2 * length)
+
+
+def layer_tokens_per_group(model, batch, retention: bool) -> float:
+    """Token x layer products a step runs WITH gradient, per group: every encoder pass of the batch (its *input_ids
+    tensors but the frozen retention teacher's), the clean retention student, the decoder's passes (their layers)."""
+    cfg = model.encoder.config
+    n_enc = next((getattr(cfg, k) for k in ("num_hidden_layers", "n_layers", "num_layers") if hasattr(cfg, k)), 1)
+    dec = getattr(model.method, "decoder", None)
+    n_dec = len(dec.layers) if dec is not None and hasattr(dec, "layers") else n_enc
+    groups, total = None, 0
+    for k, v in batch.items():
+        if not (k.endswith("input_ids") and torch.is_tensor(v)) or k.startswith("retain_"):
+            continue
+        groups = groups or v.shape[0]
+        total += v.numel() * (n_dec if k.startswith("dec_") else n_enc)
+    if retention and "retain_input_ids" in batch and getattr(model, "retention_student", "clean") == "clean":
+        total += batch["retain_input_ids"].numel() * n_enc
+    return total / max(groups or 1, 1)
+
+
+def memory_estimate(accelerator, args, model, batch, teacher, max_length: int) -> dict:
+    """Printed before the first step: the activation memory of a step of --per_device_train_batch_size groups at this
+    length (layer_tokens_per_group x the measured bytes per token per layer), the fixed memory (fp32 weights, their
+    gradients and AdamW's two moments: 16 bytes a parameter, 2 more for autocast's copy; the frozen teacher; the
+    vocabulary kernel's two fp32
+    (1024, V) buffers), and, where the device says its memory (CUDA), the groups that fit and the
+    --gradient_cache_chunk that would (the cache holds one chunk's activations at a time)."""
+    import math
+
+    if zero3(accelerator):  # the measuring copies would be partitioned too; ZeRO-3 plans its memory itself
+        return {}
+    dev = accelerator.device
+    dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else (
+        torch.float16 if accelerator.mixed_precision == "fp16" else torch.float32)
+    try:
+        per_tl = activation_bytes_per_token_layer(model.encoder, max_length, dev, dtype)
+    except Exception as err:  # an encoder AutoModel cannot rebuild from its config: the run goes on without it
+        accelerator.print(f"memory: no estimate ({type(err).__name__}: {str(err)[:120]})")
+        return {}
+    per_group = per_tl * layer_tokens_per_group(model, batch, teacher is not None)
+    vocab = model.encoder.get_input_embeddings().weight.shape[0]
+    fixed = ((16 + (dtype != torch.float32) * 2) * sum(p.numel() for p in model.parameters() if p.requires_grad)
+             + 4 * sum(p.numel() for p in (teacher.parameters() if teacher is not None else []))
+             + 2 * 4 * 1024 * vocab)
+    b = args.per_device_train_batch_size
+    note = {"bytes_per_token_layer": per_tl, "gib_per_group": per_group / 2**30, "fixed_gib": fixed / 2**30,
+            "batch_gib": (fixed + b * per_group) / 2**30, "batch": b}
+    line = (f"memory: ~{note['batch_gib']:.1f} GiB for {b} groups per device at {max_length} tokens "
+            f"({note['gib_per_group'] * 1024:.0f} MiB of activations a group from {per_tl / 1024:.1f} KiB per token "
+            f"per layer, measured; {note['fixed_gib']:.1f} GiB of weights, gradients, AdamW and the teacher)")
+    if dev.type == "cuda":
+        free, total = torch.cuda.mem_get_info(dev)
+        fit = max(int((0.9 * free - fixed) // per_group), 0)
+        chunk = 2 ** int(math.log2(fit)) if fit >= 1 else 0
+        note.update({"device_gib": total / 2**30, "groups_that_fit": fit, "cache_chunk": min(chunk, b)})
+        cached = (fixed + chunk * per_group) / 2**30
+        line += (f"; this device: {free / 2**30:.0f} of {total / 2**30:.0f} GiB free -> at most ~{fit} groups per "
+                 f"step" + ("" if fit >= b else f": {b} do not fit; --gradient_cache_chunk {note['cache_chunk']} "
+                                                f"keeps the batch (its negatives) in ~{cached:.0f} GiB"))
+    accelerator.print(line)
+    _MEMORY_NOTE.clear()
+    _MEMORY_NOTE.update(note)
+    return note
+
+
+def explain_oom(main):
+    """A script's main, with a device out-of-memory error turned into one line that names the flags to change and
+    the estimate printed before the first step (memory_estimate)."""
+    import functools
+
+    @functools.wraps(main)
+    def wrapped(*a, **kw):
+        try:
+            return main(*a, **kw)
+        except torch.OutOfMemoryError as err:
+            n = _MEMORY_NOTE
+            hint = (f" (estimated before the first step: ~{n['batch_gib']:.0f} GiB for {n['batch']} groups, "
+                    f"~{n['gib_per_group'] * 1024:.0f} MiB a group; about {n.get('groups_that_fit', '?')} fit)"
+                    if n else "")
+            raise SystemExit(f"out of device memory at --per_device_train_batch_size {n.get('batch', '?')}{hint}: "
+                             f"lower it, or keep the batch with --gradient_cache_chunk "
+                             f"{n.get('cache_chunk') or 'N'} (or --gradient_checkpointing); "
+                             f"{str(err).splitlines()[0][:160]}") from None
+    return wrapped
+
+
+def all_reduce_mean(grads: list, world: int, bucket_bytes: int = 25 * 2**20):
+    """The gradients averaged over the processes in place, in buckets of about bucket_bytes (DDP's default, 25 MiB):
+    each bucket flattened into one buffer, one all-reduce, copied back. One collective per bucket instead of one per
+    parameter (about 200 for BERT-base), each of which pays the collective's latency."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    buckets, size = [], 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if not buckets or size + nbytes > bucket_bytes or g.dtype != buckets[-1][0].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += nbytes
+    for bucket in buckets:
+        flat = _flatten_dense_tensors(bucket)
+        torch.distributed.all_reduce(flat)
+        flat.div_(world)
+        for g, v in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            g.copy_(v)
 
 
 def register_tied_projection(accelerator, model):

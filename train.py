@@ -28,10 +28,10 @@ import torch
 from architectures import head_multiply_adds, layer_multiply_adds, load_teacher
 from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives
 from support import (EVAL_PREFIX, LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args,
-                     atomic_write, batch_to_device, check_common_args, engine_dtype, epoch_batches,
-                     gradient_cache_step, load_model, make_accelerator, optimizer_groups, prepare_output_dir,
-                     read_json, resolve_model_path, resume, save_checkpoint, save_model, save_run, whole_weights,
-                     write_log_record, zero3)
+                     atomic_write, batch_to_device, check_common_args, engine_dtype, epoch_batches, explain_oom,
+                     gradient_cache_step, load_model, make_accelerator, memory_estimate, optimizer_groups,
+                     prepare_output_dir, read_json, resolve_model_path, resume, save_checkpoint, save_model, save_run,
+                     whole_weights, write_log_record, zero3)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -362,7 +362,7 @@ def teacher_cosine(model, teacher, batch) -> torch.Tensor:
     gradient). 1.0 at step 0. Computed on logging steps only (one extra forward of 2 x groups passages) and left on
     the device: the logging step's one read-back (LogWindow.record) averages it over the processes' batches."""
     with torch.no_grad():
-        s, t = model._clean_vectors(batch), model.teacher_vectors(batch, teacher)
+        s, t = model.sentence_vectors(model._clean_vectors(batch)), model.teacher_vectors(batch, teacher)
     return torch.nn.functional.cosine_similarity(s.float(), t.float(), dim=-1).mean()
 
 
@@ -388,6 +388,7 @@ def keep_best(accelerator, args, model, tokenizer, rec: dict, best: dict) -> dic
 # ----------------------------------------------------------------------------------------------------------------
 # Main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
 # ----------------------------------------------------------------------------------------------------------------
+@explain_oom
 def main(argv=None):
     args = parse_args(argv)
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
@@ -471,6 +472,7 @@ def main(argv=None):
                 accum = args.gradient_accumulation_steps * world
                 accelerator.print(f"tokens per step: ~{real * accum} real, {proc * accum} processed (first batch); "
                                   f"{window.flops * accum / 1e12:.3f} TFLOP per step")
+                memory_estimate(accelerator, args, accelerator.unwrap_model(model), batch, teacher, args.max_length)
             batch = batch_to_device(batch, accelerator.device)  # on the CPU tensors above: no device sync
             w = retention.value() if teacher is not None else 0.0
             with accelerator.accumulate(model):

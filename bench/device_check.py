@@ -7,9 +7,11 @@ same code at toy size on a CPU (`--toy`, kept working by tests/test_device_check
 
 It prints, in order:
   1. torch / CUDA / transformers / accelerate versions and the device;
-  2. the bf16 xPRT step of a BERT-base config (random weights, the bundled tokenizer bench/tokenizer): groups per
-     step doubled until the device's memory is full, the largest that fits with its time, peak memory, tokens/s,
-     TFLOP/s (train.step_flops) and MFU against the device's dense bf16 peak (train.PEAK_BF16_TFLOPS);
+  2. the paper's bf16 xPRT step (BERT-base config, random weights, the bundled tokenizer bench/tokenizer, 128 tokens,
+     retention on) as train.py runs it: real length-grouped batches of data/docs.jsonl with their padding, collated
+     inside the timed step; groups per step doubled until the device's memory is full, the largest that fits with
+     its time, collation's share, peak memory, tokens/s, TFLOP/s (train.step_flops, padding counted) and MFU
+     against the device's dense bf16 peak (train.PEAK_BF16_TFLOPS);
   3. the vocabulary loss of that step's rows three ways in bf16 autocast: ours fused (vocab_sweep), torch's chunked
      F.linear_cross_entropy (where that torch has it), plain full logits: time and agreement with plain;
   4. host syncs in one optimiser step (torch.cuda.set_sync_debug_mode; CUDA only);
@@ -18,11 +20,13 @@ It prints, in order:
 
 A GPU machine without datasets or mteb (the lent one has torch, transformers, accelerate, sentence-transformers):
 run `bash bench/device_wheels.sh` here first and carry bench/wheels; this check installs them offline
-(pip --no-index) when it finds them missing. Last line `ratio: <MFU of the largest step>` (TFLOP/s on CPU).
+(pip --no-index --no-deps) when it finds them missing. Proven here first in the device's own environment:
+`python -m bench.device_env run -- python -m bench.device_check --toy` (tests/test_device_env.py). Last line `ratio: <MFU of the largest step>` (TFLOP/s on CPU).
 """
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -45,17 +49,25 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/xprt_device_check"),
                    help="folder for the end-to-end run's outputs and device_check.json (default: $OUT)")
     p.add_argument("--skip_e2e", action="store_true", help="skip part 5 (select -> train -> evaluate)")
+    p.add_argument("--wheels", default=str(HERE / "wheels"),
+                   help="carried wheels installed (--no-deps) when datasets / mteb are missing "
+                        "(bench/device_wheels.sh)")
     return p.parse_args(argv)
 
 
-def ensure_packages():
-    """datasets and mteb from the carried wheelhouse (bench/wheels) when this machine lacks them."""
+def ensure_packages(wheels: Path):
+    """datasets and mteb from the carried wheelhouse (bench/wheels) when this machine lacks them: every wheel installed
+    into <wheels>/../site without dependency resolution (--no-index --no-deps: the machine's own packages stand, and one
+    pin of a carried package that they do not meet, e.g. datasets 5.2's fsspec<=2026.9.0, cannot abort the check)."""
     missing = [m for m in ("datasets", "mteb") if importlib.util.find_spec(m) is None]
-    wheels = HERE / "wheels"
-    if missing and wheels.is_dir():
-        print(f"installing {missing} offline from {wheels}", flush=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
-                        *missing], check=True)
+    found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    if missing and found:
+        site = wheels.parent / "site"
+        print(f"installing {missing} offline from {wheels} into {site} (--no-deps)", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--upgrade", "--target", str(site), *map(str, found)], check=True)
+        sys.path.insert(0, str(site))  # this process; the subprocesses of part 5 through PYTHONPATH
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         importlib.invalidate_caches()
     return [m for m in ("datasets", "mteb") if importlib.util.find_spec(m) is None]
 
@@ -86,18 +98,44 @@ def build_model(toy: bool, device):
     return tok, model, teacher
 
 
-def make_batch(tok, groups, max_length, seed=0):
-    """Random word passages that fill max_length tokens, one group per document."""
-    import torch
+def real_rows(max_length, seed=0):
+    """Groups of real text, as train.py reads them: the bundled documents (data/docs.jsonl) cut into passages at
+    paragraph ends, each at most about max_length words (so passages have their real, uneven lengths and batches their
+    real padding); a group = a passage, 4 other passages of its document (related), one of another document."""
+    import random
 
-    import modeling_xprt as mx
+    rng = random.Random(seed)
+    docs = []
+    for line in (ROOT_DIR / "data" / "docs.jsonl").read_text(encoding="utf-8").splitlines():
+        words, passages = [], []
+        for para in json.loads(line)["text"].split("\n"):
+            w = para.split()
+            if words and len(words) + len(w) > max_length:
+                passages.append(" ".join(words))
+                words = []
+            words += w[:max_length]
+        if words:
+            passages.append(" ".join(words))
+        if len(passages) >= 5:
+            docs.append(passages)
+    rows = []
+    for d, passages in enumerate(docs):
+        for i, anchor in enumerate(passages):
+            others = passages[:i] + passages[i + 1:]
+            rows.append({"doc_id": f"d{d}", "anchor": anchor, "related": rng.sample(others, 4),
+                         "random_passage": rng.choice(docs[(d + 1) % len(docs)])})
+    return rows
 
-    g = torch.Generator().manual_seed(seed)
-    words = [w for w in tok.get_vocab() if w.isalpha() and len(w) > 2][:5000]
-    pick = lambda: " ".join(words[i] for i in torch.randint(len(words), (max_length,), generator=g).tolist())  # noqa
-    rows = [{"doc_id": f"d{i}", "anchor": pick(), "related": [pick() for _ in range(4)], "random_passage": pick()}
-            for i in range(groups)]
-    return mx.XPRTCollator(tok, max_length=max_length, seed=seed)(rows)
+
+def batches(rows, groups, seed=0):
+    """Batches of `groups` rows as train.py draws them (support.LengthGroupedBatchSampler over the anchor and related
+    passages' characters: similar lengths together, as little padding as the data allows), repeated when the data is
+    smaller than the batch."""
+    import support
+
+    rows = rows * -(-groups * 4 // len(rows))  # at least four batches
+    lengths = [len(r["anchor"]) + sum(len(x) for x in r["related"]) for r in rows]
+    return [[rows[i] for i in b] for b in support.LengthGroupedBatchSampler(lengths, groups, seed)]
 
 
 def sync(device):
@@ -108,55 +146,70 @@ def sync(device):
 
 
 def step_bench(tok, model, teacher, device, args, peak):
-    """Part 2: the bf16 step at doubling groups per step until memory runs out -> the largest that fits."""
+    """Part 2: what train.py runs, a step at doubling groups until memory runs out -> the largest that fits: real
+    batches (length-grouped, their padding), collated inside the timed step (train.py collates in its loop), moved to
+    the device, forward, backward, optimiser; MFU from train.step_flops, which counts the padded tokens the device
+    computes, over the whole step's time, collation included."""
     import torch
 
+    import modeling_xprt as mx
     import support
     import train
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    collator = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)
+    rows = real_rows(args.max_length)
     best, groups = None, 8 if not args.toy else 2
     print(f"== 2. the bf16 xPRT step (autocast, fp32 weights), {'toy config' if args.toy else 'BERT-base config'}, "
-          f"{args.max_length} tokens per passage, retention on", flush=True)
+          f"at most {args.max_length} tokens per passage, retention on; real batches of data/docs.jsonl "
+          f"({len(rows)} groups), length-grouped, collated inside the step", flush=True)
     while groups <= args.max_groups:
+        todo = batches(rows, groups)
         try:
-            batch = support.batch_to_device(make_batch(tok, groups, args.max_length), device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            clock = {"collate": 0.0}
 
-            def step():
+            def step(rows_b):
+                t0 = time.perf_counter()
+                cpu_batch = collator(rows_b)
+                clock["collate"] += time.perf_counter() - t0
+                batch = support.batch_to_device(cpu_batch, device)
                 with amp:
                     out = model(batch, teacher=teacher, retention_weight=40.0)
                 out["loss"].backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                return out
+                return cpu_batch, out
 
-            step()  # warm-up
+            step(todo[0])  # warm-up
             sync(device)
-            times = []
-            for _ in range(3):
+            clock["collate"], times, flops, real, proc = 0.0, [], 0.0, 0, 0
+            for rows_b in todo[1:4]:
                 t0 = time.perf_counter()
-                out = step()
+                cpu_batch, out = step(rows_b)
                 sync(device)
                 times.append(time.perf_counter() - t0)
+                flops += train.step_flops(model, cpu_batch, retention=True)
+                r, p = support.padding_efficiency(cpu_batch)
+                real, proc = real + r, proc + p
         except torch.cuda.OutOfMemoryError:
             print(f"  {groups:5d} groups: out of memory", flush=True)
             break
-        t = min(times)
-        flops = train.step_flops(model, batch, retention=True)
-        real = sum(int(v.sum()) for k, v in batch.items() if k.endswith("attention_mask"))
+        t, n = sum(times), len(times)
         mem = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
         mfu = flops / t / peak if peak else None  # None: the device's peak is not known (a CPU)
-        best = {"groups": groups, "step_s": t, "tokens_per_s": real / t, "tflops_per_s": flops / t / 1e12,
-                "mfu": mfu, "peak_memory_gib": mem, "loss": out["loss"].item()}
-        print(f"  {groups:5d} groups: {t:7.3f} s/step, {real / t:10.0f} tokens/s, {flops / t / 1e12:7.2f} TFLOP/s, "
+        best = {"groups": groups, "step_s": t / n, "collate_s": clock["collate"] / n, "tokens_per_s": real / t,
+                "padding_efficiency": real / proc, "tflops_per_s": flops / t / 1e12, "mfu": mfu,
+                "peak_memory_gib": mem, "loss": out["loss"].item()}
+        print(f"  {groups:5d} groups: {t / n:7.3f} s/step (collation {clock['collate'] / n:6.3f} s of it), "
+              f"{real / t:10.0f} real tokens/s ({real / proc:.0%} of the processed), {flops / t / 1e12:7.2f} TFLOP/s, "
               f"MFU {'n/a' if mfu is None else f'{mfu:.3f}'}, peak memory "
               f"{'n/a' if mem is None else f'{mem:.1f} GiB'}, loss {best['loss']:.4f}", flush=True)
-        del batch, out
+        del out, cpu_batch
         groups *= 2
-    return best, make_batch(tok, min(best["groups"], 64 if not args.toy else 4), args.max_length)
+    return best, collator(batches(rows, min(best["groups"], 64 if not args.toy else 4))[0])
 
 
 def vocab_three_ways(model, batch, device):
@@ -289,12 +342,15 @@ def main(argv=None):
     args = parse_args(argv)
     args.max_length = args.max_length or (16 if args.toy else 128)
     args.max_groups = args.max_groups or (8 if args.toy else 2048)
-    still_missing = ensure_packages()
+    still_missing = ensure_packages(Path(args.wheels))
     import torch
 
     import train
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import support
+
+    support.matmul_precision_policy()  # train.py's (make_accelerator): fp32 products IEEE, TF32 off
     name = versions(device)
     peak = next((t * 1e12 for k, t in train.PEAK_BF16_TFLOPS.items() if k in name), None)
     tok, model, teacher = build_model(args.toy, device)
@@ -303,7 +359,9 @@ def main(argv=None):
               "vocab": vocab_three_ways(model, batch, device), "host_syncs": host_syncs(model, teacher, batch, device)}
     if not args.skip_e2e:
         if still_missing:
-            print(f"== 5. skipped: {still_missing} missing and no bench/wheels (bash bench/device_wheels.sh)")
+            print(f"== 5. skipped: {still_missing} missing from this machine and from {args.wheels} "
+                  "(bash bench/device_wheels.sh)")
+            report["e2e"] = {"skipped": f"{still_missing} missing"}
         else:
             report["e2e"] = end_to_end(args, device)
     Path(args.out).mkdir(parents=True, exist_ok=True)

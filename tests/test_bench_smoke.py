@@ -12,7 +12,8 @@ from unittest import mock
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
+TOOLS = {"device_env"}  # not benchmarks: the device's environment simulated (tests/test_device_env.py)
+BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__" and p.stem not in TOOLS)
 OWN_TEST = {"device_check": "tests/test_device_check.py"}
 RATIO = re.compile(r"ratio: (-?\d+\.\d+|nan|inf)")
 

@@ -6,6 +6,7 @@ import math
 import os
 from pathlib import Path
 
+import mteb
 import numpy as np
 import pytest
 
@@ -396,8 +397,10 @@ def test_wrapper_end_to_end_on_tiny_bert(tiny_bert, beir, tmp_path):
     assert enc.mteb_model_meta.similarity_fn_name == ScoringFunction.COSINE
     e5 = ev.XPRTEncoder(str(tiny_bert), prefixes="e5", max_length=32)
     from mteb.types import PromptType
-    assert e5.prefix_for(PromptType.query) == "query: " and e5.prefix_for(PromptType.document) == "passage: "
-    assert e5.prefix_for(None) == "query: "  # symmetric tasks: "query: " on every text
+    sts, scifact = mteb.get_task("STSBenchmark").metadata, mteb.get_task("SciFact").metadata
+    assert e5.prefix_for(scifact, PromptType.query) == "query: "
+    assert e5.prefix_for(scifact, PromptType.document) == "passage: "
+    assert e5.prefix_for(sts, None) == ""  # symmetric tasks: none, as mteb gives E5 (its query / document prompts)
     assert enc.settings == {} and e5.settings == {"query_prefix": "query: ", "passage_prefix": "passage: ",
                                                    "max_length": 32}  # forced settings: an mteb experiment
     rep = ev.main(["--models", str(tiny_bert), "--local_tasks", f"SciFact={beir}", "--output_dir",

@@ -314,3 +314,26 @@ def test_cached_accumulated_step_equals_the_plain_one(tiny_bert, tok, positional
     err = relative_error(cached, plain)
     print(f"{objective} ga={ga} scale={scale}: relative gradient error {err:.3g}")
     assert err < 1e-5, err
+
+
+def test_all_reduce_is_bucketed(tmp_path, monkeypatch):
+    """support.all_reduce_mean: one collective per bucket (not per parameter), every gradient averaged over the
+    processes, buckets never mixing dtypes. One gloo process: the sum is the tensor itself, the mean divides by the
+    world size given."""
+    import torch.distributed as dist
+
+    import support
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        calls = []
+        real = dist.all_reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k)))
+        torch.manual_seed(0)
+        grads = [torch.randn(n) for n in (100, 200, 50, 300, 10)] + [torch.randn(40, dtype=torch.float64)]
+        want = [g / 4 for g in grads]
+        support.all_reduce_mean(grads, 4, bucket_bytes=1600)  # 400 fp32 values a bucket
+        assert calls == [350, 310, 40]  # [100, 200, 50] | [300, 10] | the float64 one
+        assert all(torch.equal(g, w) for g, w in zip(grads, want))
+    finally:
+        dist.destroy_process_group()

@@ -43,8 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--inputs", nargs="+", required=True, help="JSONL files of documents with a 'text' field")
     p.add_argument("--output_dir", required=True, help="folder for the model, tokenizer, log and curve")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
-    p.add_argument("--base_tokenizer", default="all-MiniLM-L6-v2",
-                   help="BERT tokenizer whose normalisation and special tokens the new vocabulary keeps")
+    p.add_argument("--base_tokenizer", default=str(ROOT / "bench" / "tokenizer"),
+                   help="BERT tokenizer whose normalisation and special tokens the new vocabulary keeps (default: "
+                        "the shipped bench/tokenizer, all-MiniLM-L6-v2's, which needs no package: the GPU machine "
+                        "has none of the offline model)")
     p.add_argument("--vocab_size", type=int, default=8192, help="WordPiece entries trained on --inputs")
     p.add_argument("--hidden_size", type=int, default=256, help="model width")
     p.add_argument("--num_layers", type=int, default=4, help="transformer layers")

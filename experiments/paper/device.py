@@ -114,23 +114,93 @@ def print_minutes(exp: dict, plan: dict):
 
 
 def install_wheels(carry: Path):
-    """datasets & co. from the carried wheels into /tmp/site, for this process and the ones it launches."""
+    """datasets & co. from the carried wheels into a site folder (no dependency resolution: the machine's packages
+    stand), for this process and the ones it launches."""
     import importlib.util
+    import tempfile
 
     if importlib.util.find_spec("datasets") is not None:
         return
-    site = "/tmp/site"
+    site = str(Path(tempfile.gettempdir()) / "xprt_site")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--target", site, *map(str, sorted((carry / "wheels").glob("*.whl")))], check=True)
+                    "--upgrade", "--target", site, *map(str, sorted((carry / "wheels").glob("*.whl")))], check=True)
     sys.path.insert(0, site)
     os.environ["PYTHONPATH"] = os.pathsep.join([site, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
 
 
+def budget_of(exp: dict, args) -> float:
+    """The device stage's wall-clock budget in seconds: --budget_seconds, else the config's "steps": {"budget_seconds"}
+    (the gpu scale: 540, the 10-minute command less a margin for the transfers)."""
+    return float(getattr(args, "budget_seconds", None) or exp["steps"].get("budget_seconds", 540))
+
+
+def plan_arms(exp: dict, arms: dict, seeds: list, flops: dict, a: float, b: float, startup: float,
+              left: float) -> dict:
+    """The arms' plan against the time left: steps per arm (the config's rule, its "fit_seconds" shortened to what is
+    left after each run's start-up), each run's expected seconds (startup + steps x (a + b x FLOPs)) and its expected
+    end; a run that would end past the budget is planned out, with the reason. Arms run in the config's order (xPRT
+    first), so what a short budget drops is the last arms."""
+    from experiments.paper import run
+
+    runs = [(seed, name) for seed in seeds for name in arms]
+    rule = dict(exp["steps"])
+    rule["fit_seconds"] = max(0.0, min(rule["fit_seconds"], left - startup * len(runs)))
+    steps = run.fit_steps({**exp, "steps": rule}, arms, seeds, lambda f: a + b * f, flops=flops)
+    plan, end, skipped = [], 0.0, {}
+    for seed, name in runs:
+        secs = startup + steps * arms[name]["steps_factor"] * (a + b * flops[name])
+        key = f"s{seed}/{name}"
+        if end + secs > left:
+            skipped[key] = (f"planned out: expected {secs:.0f} s ({steps * arms[name]['steps_factor']} steps), "
+                            f"{max(left - end, 0):.0f} s of the budget left after the arms before it")
+            continue
+        end += secs
+        plan.append({"run": key, "seed": seed, "arm": name, "steps": steps * arms[name]["steps_factor"],
+                     "expected_s": round(secs, 1), "expected_end_s": round(end, 1)})
+    return {"steps_per_arm": steps, "runs": plan, "skipped": skipped}
+
+
+def print_plan(plan: dict, t_plan: float, budget: float):
+    print(f"plan: {plan['steps_per_arm']} steps per arm, budget {budget:.0f} s, planned at {t_plan:.0f} s", flush=True)
+    for r in plan["runs"]:
+        end = t_plan + r["expected_end_s"]
+        print(f"  {r['run']:<32}{r['steps']:>7} steps  ~{r['expected_s']:7.1f} s  ends ~{end:6.0f} s", flush=True)
+    for k, why in plan["skipped"].items():
+        print(f"  {k:<32}skipped: {why}", flush=True)
+
+
+def print_expected(exp: dict, arms: dict, seeds: list, args, stop_at: float = 300.0):
+    """Before any GPU (--dry_run): the device stage's plan under the config's assumptions ("estimate": per-step
+    overhead, MFU, the start's and each run's start-up seconds), with each run's expected end, and what a stop at
+    `stop_at` seconds would bring back (every run that ended before it; the start model always). The device replaces
+    the assumptions by its probes."""
+    from experiments.paper import run
+
+    est = exp.get("estimate", {})
+    budget = budget_of(exp, args)
+    flops = {n: run.estimate_flops(exp, arm) for n, arm in arms.items()}
+    a, startup = est.get("step_overhead_s", 0.0), est.get("run_startup_s", 15.0)
+    for mfu in est.get("mfu", [0.1, 0.25]):
+        b = 1.0 / (est.get("peak_tflops", 989.0) * 1e12 * mfu)
+        # before the arms: set-up and the start's pre-training, then the two probes
+        probes = 2 * (startup + exp["steps"]["probe_steps"] * (a + b * max(flops.values())))
+        t_plan = est.get("start_s", 120.0) + probes
+        plan = plan_arms(exp, arms, seeds, flops, a, b, startup, budget - t_plan - PACK_RESERVE_S)
+        print(f"\nat {mfu:.0%} MFU, {a * 1e3:.0f} ms per step, {startup:.0f} s to start a run, the start model ready "
+              f"at ~{est.get('start_s', 120.0):.0f} s, the probes done at ~{t_plan:.0f} s (assumed, not measured):")
+        print_plan(plan, t_plan, budget)
+        back = [r["run"] for r in plan["runs"] if t_plan + r["expected_end_s"] <= stop_at]
+        print(f"  stopped at {stop_at:.0f} s: the start model and {len(back)} arms come back ({', '.join(back)})")
+
+
 def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
-    """The one command on the GPU: start, probe, every arm, pack into $OUT (run.json says what happened)."""
+    """The one command on the GPU: start, probe, plan the arms against the wall-clock budget, run them; each finished
+    model (the start first) goes to $OUT at once, with run.json saying what came back, what was skipped and why, so a
+    run stopped at its limit still brings back every arm it finished."""
     from experiments.paper import run
 
     t0 = time.time()
+    budget = budget_of(exp, args)
     carry = carry_dir(Path(exp.get("carry_from", out)))
     dest = Path(os.environ.get("OUT") or out / "returned")
     dest.mkdir(parents=True, exist_ok=True)
@@ -140,6 +210,12 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     print("versions: " + ", ".join(f"{m} {version(m)}" for m in ("torch", "transformers", "accelerate", "pyarrow",
                                                                 "datasets")), flush=True)
     clock = {"setup": time.time() - t0}
+    report = {"status": "started", "budget_seconds": budget, "arms": list(arms), "seeds": seeds, "seconds": clock,
+              "finished": [], "skipped": {}, "failed": {}}
+
+    def lap(name):
+        clock[name] = round(time.time() - t0 - sum(v for k, v in clock.items() if k != name), 1)
+
     # the start: the carried texts unpacked, then masked-language-model pre-training on this machine
     texts = out / "texts"
     texts.mkdir(parents=True, exist_ok=True)
@@ -151,49 +227,87 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
         inputs.append(str(path))
     start_exp = {**exp, "start": {**exp["start"], "flags": {**exp["start"]["flags"], "--inputs": inputs}}}
     start = run.stage_start(start_exp, out, False)
-    clock["start"] = time.time() - t0 - sum(clock.values())
+    lap("start")
+    folders = {"start": Path(start)}
+    report.update(pack(folders, out, dest))
+    write_report(dest, report)
     groups = {r: str(carry / ("groups" if r == "rrf" else f"groups_{r}"))
               for r in {a["ranking"] for a in arms.values()}}
     # the probes: the heaviest and the lightest arm for a few steps each; their second logging windows (after the
-    # warm-up) give a step's time as a + b x FLOPs (a: the per-step cost a small model's step pays whatever its FLOPs)
+    # warm-up) give a step's time as a + b x FLOPs (a: the per-step cost a small model's step pays whatever its FLOPs);
+    # a probe's wall time beyond its steps is what each train.py run costs to start (load, data, save)
     rule = exp["steps"]
     flops = {a: run.estimate_flops(exp, arm) for a, arm in arms.items()}
-    probes = {}
+    probes, startup = {}, []
     for name in dict.fromkeys([max(flops, key=flops.get), min(flops, key=flops.get)]):
         probe = out / f"probe_{name}"
         argv = run.train_argv(exp, {**arms[name], "steps_factor": 1}, start, groups, seeds[0], rule["probe_steps"],
                               probe)
+        tp = time.time()
         run.run_script(exp, "train", argv + ["--no_save_model", "--logging_steps", str(rule["probe_steps"] // 2)],
                        False)
         rec = [json.loads(line) for line in open(probe / "train_log.jsonl")][-1]
+        startup.append(max(time.time() - tp - rec["time_per_step_s"] * rule["probe_steps"], 0.0))
         probes[name] = {"time_per_step_s": rec["time_per_step_s"], "tflops_per_s": rec.get("tflops_per_s"),
-                        "estimated_tflop_per_step": flops[name] / 1e12}
+                        "estimated_tflop_per_step": flops[name] / 1e12, "wall_s": round(time.time() - tp, 1)}
     (hi, p_hi), (lo, p_lo) = list(probes.items())[0], list(probes.items())[-1]
     b = (p_hi["time_per_step_s"] - p_lo["time_per_step_s"]) / max(flops[hi] - flops[lo], 1.0) if hi != lo else 0.0
     b = max(b, 0.0) or p_hi["time_per_step_s"] / flops[hi]
     a = max(p_hi["time_per_step_s"] - b * flops[hi], 0.0)
-    steps = run.fit_steps(exp, arms, seeds, lambda f: a + b * f)
-    clock["probe"] = time.time() - t0 - sum(clock.values())
-    print(f"probes {json.dumps(probes)}: a step takes {a * 1e3:.1f} ms + FLOPs at {1 / b / 1e12:.3g} TFLOP/s -> "
-          f"{steps} steps per arm to fit {rule['fit_seconds']} s", flush=True)
-    models = run.stage_train(exp, out, arms, start, groups, seeds, steps, False)
-    clock["train"] = time.time() - t0 - sum(clock.values())
-    folders = {"start": Path(start), **{f"s{s}/{a}": Path(m) for s, ms in models.items() for a, m in ms.items()}}
-    packed = pack(folders, out, dest)
-    clock["pack"] = time.time() - t0 - sum(clock.values())
-    report = {"steps_per_arm": steps, "probes": probes, "step_time_model": {"a_s": a, "tflops_per_s": 1 / b / 1e12},
-              "seconds": clock, "arms": list(arms), "seeds": seeds, **packed}
-    atomic_write(dest / "run.json", json.dumps(report, indent=1))
+    lap("probe")
+    t_plan = time.time() - t0
+    plan = plan_arms(exp, arms, seeds, flops, a, b, max(startup), budget - t_plan - PACK_RESERVE_S)
+    print(f"probes {json.dumps(probes)}: a step takes {a * 1e3:.1f} ms + FLOPs at {1 / b / 1e12:.3g} TFLOP/s, a run "
+          f"starts in {max(startup):.1f} s", flush=True)
+    print_plan(plan, t_plan, budget)
+    report.update({"steps_per_arm": plan["steps_per_arm"], "probes": probes, "plan": plan["runs"],
+                   "step_time_model": {"a_s": a, "tflops_per_s": 1 / b / 1e12, "startup_s": max(startup)},
+                   "skipped": dict(plan["skipped"]), "status": "training"})
+    write_report(dest, report)
+    for r in plan["runs"]:
+        left = budget - (time.time() - t0) - PACK_RESERVE_S
+        if r["expected_s"] > left:  # the runs before it took longer than planned
+            report["skipped"][r["run"]] = f"expected {r['expected_s']:.0f} s, {max(left, 0):.0f} s of the budget left"
+            print(f"skip {r['run']}: {report['skipped'][r['run']]}", flush=True)
+            write_report(dest, report)
+            continue
+        try:
+            run.stage_train(exp, out, {r["arm"]: arms[r["arm"]]}, start, groups, [r["seed"]], plan["steps_per_arm"],
+                            False)
+        except (Exception, SystemExit) as err:  # one arm's failure costs that arm only
+            report["failed"][r["run"]] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            print(f"FAILED {r['run']}: {report['failed'][r['run']]}", flush=True)
+            write_report(dest, report)
+            continue
+        folders[r["run"]] = out / r["run"] / "model"
+        report.update(pack(folders, out, dest))  # this arm's model and log in $OUT now
+        report["finished"].append(r["run"])
+        write_report(dest, report)
+    lap("train")
+    report["status"] = "done"
+    write_report(dest, report)
     print(json.dumps(report, indent=1))
     return report
+
+
+# seconds kept at the end of the budget for the last pack and run.json
+PACK_RESERVE_S = 15.0
+
+
+def write_report(dest: Path, report: dict):
+    """dest/run.json, atomically: what is in dest now (run.json is written after the files it names)."""
+    atomic_write(dest / "run.json", json.dumps(report, indent=1))
 
 
 def pack(folders: dict, out: Path, dest: Path) -> dict:
     """Model folders -> dest/models_<k>.safetensors (each encoder's tensors in fp16, named "<folder>::<tensor>", as
     many bundles as the return limits allow) and dest/folders.tar.gz (every other file of each folder, the training
-    logs beside them). A model whose tensors do not fit is left out whole and named in "not_returned"."""
+    logs beside them). A model whose tensors do not fit is left out whole and named in "not_returned". Called again
+    after each arm with every folder so far: each file is replaced atomically, so what dest holds is always whole."""
     import torch
     from safetensors.torch import load_file, save_file
+
+    from support import atomic_path
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
@@ -224,9 +338,11 @@ def pack(folders: dict, out: Path, dest: Path) -> dict:
     if current:
         bundles.append(current)
     for k, b in enumerate(bundles, 1):
-        save_file({n: v.contiguous() for n, v in b.items()}, str(dest / f"models_{k}.safetensors"))
+        with atomic_path(dest / f"models_{k}.safetensors") as tmp:
+            save_file({n: v.contiguous() for n, v in b.items()}, str(tmp))
     return {"returned": returned, "not_returned": left, "bundles": len(bundles),
-            "bytes": {p.name: p.stat().st_size for p in sorted(dest.iterdir())}}
+            "bytes": {p.name: p.stat().st_size for p in sorted(dest.iterdir()) if p.name != "run.json" and
+                      not p.name.startswith(".tmp-")}}
 
 
 def unpack(returned: Path, out: Path):
@@ -244,7 +360,10 @@ def unpack(returned: Path, out: Path):
             per_model.setdefault(folder, {})[name] = v.to(torch.float32) if v.is_floating_point() else v
     for folder, tensors in per_model.items():
         save_file(tensors, str(out / folder / "model.safetensors"))
-    if report["not_returned"]:
-        raise SystemExit(f"the device run could not bring back {report['not_returned']}: score the rest with --arms")
-    print(f"unpacked {len(per_model)} models from {returned} into {out} (steps per arm {report['steps_per_arm']})")
+    missing = {**{k: "over the return limits" for k in report.get("not_returned", [])}, **report.get("skipped", {}),
+               **report.get("failed", {})}
+    print(f"unpacked {len(per_model)} models from {returned} into {out} (steps per arm {report.get('steps_per_arm')}; "
+          f"the device run's status: {report.get('status')})")
+    for k, why in missing.items():
+        print(f"  not brought back: {k}: {why}")
     atomic_write(out / "device_run.json", json.dumps(report, indent=1))

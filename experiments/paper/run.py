@@ -62,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--returned", default=None, help="--stage score of a device run: the folder its files came to")
     p.add_argument("--dry_run", action="store_true",
                    help="print every command and the GPU-hour estimate (train.step_flops), run nothing")
+    p.add_argument("--budget_seconds", type=float, default=None,
+                   help="--stage device: its wall-clock budget (default: the config's steps.budget_seconds, 540 at the "
+                        "gpu scale); arms that would end past it are skipped, and say so in run.json")
     p.add_argument("--toy", action="store_true",
                    help="the gpu config's device stage at toy size on a CPU (tests/test_harness.py): same commands, "
                         "tiny model, few steps")
@@ -345,7 +348,6 @@ def estimate_flops(exp: dict, arm: dict) -> float:
 
     import modeling_xprt as mx
     import train
-    from support import resolve_model_path
 
     flags = arm["flags"]
     objective = flags[flags.index("--objective") + 1] if "--objective" in flags else "xprt"
@@ -363,7 +365,7 @@ def estimate_flops(exp: dict, arm: dict) -> float:
     with torch.device("meta"):  # the encoder without weights; the objective's heads are built from its shapes
         encoder = BertForMaskedLM(model_config(exp))
     model = mx.XPRTModel(encoder, objective=objective, **options)
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))  # shapes only: one token a word
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "bench" / "tokenizer"))  # shapes only (one token a word); shipped
     text = " ".join(["word"] * t.get("--max_length", 128))
     rows = [{"doc_id": str(i), "anchor": text, "related": [text] * 4, "random_passage": text}
             for i in range(t.get("--per_device_train_batch_size", 32))]
@@ -456,6 +458,10 @@ def run_experiment(exp: dict, out: Path, args) -> dict:
         stage_score(exp, out, start, models, True)
         if not fit:
             print_estimate(exp, gpu_hours(exp, arms, seeds, steps))
+        else:  # the device stage's plan against its wall-clock budget
+            from experiments.paper import device
+
+            device.print_expected(exp, arms, seeds, args)
         return {}
     from experiments.paper import page
 
@@ -481,9 +487,14 @@ def run_experiment(exp: dict, out: Path, args) -> dict:
         stage_train(exp, out, arms, start, groups, seeds, steps, False)
     if "score" not in stages:
         return {}
+    if (out / "device_run.json").is_file():  # the steps the device set, and the arms it brought back
+        dev = read_json(out / "device_run.json")
+        exp = {**exp, "steps_used": dev.get("steps_per_arm")}
+        back = {a: arm for a, arm in arms.items() if all(f"s{s}/{a}" in dev["returned"] for s in seeds)}
+        if len(back) < len(arms):
+            print(f"scoring the {len(back)} arms the device run brought back; not: {sorted(set(arms) - set(back))}")
+        arms = back
     models = {s: {a: str(out / f"s{s}" / a / "model") for a in arms} for s in seeds}
-    if (out / "device_run.json").is_file():  # the steps the device set
-        exp = {**exp, "steps_used": read_json(out / "device_run.json")["steps_per_arm"]}
     results = stage_score(exp, out, start, models, False)
     res = page.write(exp, out, list(arms), results, time.time() - t0)
     print((out / "results.md").read_text())

