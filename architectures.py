@@ -4,18 +4,21 @@ support only).
 
 xPRT reuses three parts of its start model besides the encoder pass itself: the token embeddings (the decoder reads
 the encoder's own), the Transformer layer (the one-layer decoder is one more layer of the encoder's own kind) and the
-MLM head (split into its transform and the vocabulary projection, which the vocabulary sweep computes chunk by chunk).
+MLM head (split into its transform and the vocabulary projection, which the vocabulary terms compute chunk by chunk).
 Each architecture arranges these differently (ELECTRA projects its embeddings up to the hidden size, ModernBERT and
 DeBERTa-v2 hand their layers rotary or relative positions, DistilBERT keeps its MLM head in four loose modules,
 DeBERTa-v2 projects with a bare matmul), so each part is found by one general rule, measured against the encoder's
-own forward when the model loads, and a model the rule does not fit is refused there, naming what failed:
-  - token_embeddings: what the encoder hands its first layer (a forward stopped at that layer);
+own forward when the model loads, and a model the rule does not fit is refused there, naming what failed. The rules
+run once, at load (encoder_pieces): a training step calls the modules and callables they return, never the rules.
+  - token_embeddings: what the encoder hands its first layer (a forward stopped at that layer); embedding_module:
+    the encoder's own modules that compute it;
   - run_layers: a stack of layers run the way the encoder runs its own (the encoder's forward with its layer list
     swapped for them and the first layer's input replaced), so masks, rotary and relative positions, final norms
     are the encoder's; decoder_layers (fresh copies of the encoder's first layer) and copy_last_layers (SimLM's
     decoder) build such stacks;
-  - mlm_head: the transform is what the MLM model feeds into its vocabulary matrix (its own forward, started from
-    given hidden states, stopped at the first operation that reads that matrix);
+  - mlm_head: the transform, a module of the head's own modules that gives what the MLM model feeds into its
+    vocabulary matrix (its own forward, started from given hidden states, stopped at the first operation that reads
+    that matrix), the matrix and its bias;
   - load_mlm_encoder / load_teacher: the loaders, with SDPA attention where the architecture has it and the
     architecture's own attention where not (said in the load message);
   - save_xprt_folder / load_xprt_folder: the model folder XPRTModel.save_pretrained / from_pretrained write and read.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import logging
 import os
@@ -107,15 +111,56 @@ def token_embeddings(base: nn.Module, input_ids: torch.Tensor, attention_mask: O
     raise RuntimeError(f"{type(base).__name__} never called its first layer")
 
 
-def run_layers(base: nn.Module, layers: nn.ModuleList, hidden: torch.Tensor, attention_mask: torch.Tensor):
+def embedding_module(base: nn.Module) -> nn.Module:
+    """token_embeddings as a module of the encoder's own: the chain of its direct children, each fed the previous
+    one's output, from the one fed the ids to the one whose output the first layer reads (BERT's embeddings;
+    ELECTRA's embeddings, then embeddings_project; not ModernBERT's rotary embedding, which feeds the layers' other
+    arguments). Found on a probe batch and refused unless it gives what the encoder hands its first layer at the real
+    tokens (DeBERTa-v2's embeddings also zero the padded ones when given the mask; the attention mask hides those)."""
+    _, _, stack = layer_stack(base)
+    ran = {}  # id(output) -> (module, its first tensor input)
+
+    def record(module, args, kwargs, out):
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if isinstance(out, torch.Tensor):
+            ran[id(out)] = (module, first)
+
+    hooks = [child.register_forward_hook(record, with_kwargs=True) for child in base.children()
+             if not any(m is stack[0] for m in child.modules())]
+    ids, mask = _probe_ids(base)
+    was_training = base.training
+    base.eval()
+    try:
+        with torch.no_grad():
+            want = token_embeddings(base, ids, mask)
+            chain, x = [], want
+            while id(x) in ran and x is not ids:
+                module, x = ran.pop(id(x))
+                chain.insert(0, module)
+            module = chain[0] if len(chain) == 1 else nn.Sequential(*chain)
+            got = module(ids) if chain and x is ids else None
+    finally:
+        base.train(was_training)
+        for h in hooks:
+            h.remove()
+    real = mask.bool()
+    if got is None or got.shape != want.shape or not torch.allclose(got[real], want[real], atol=1e-5):
+        raise ValueError(f"{type(base).__name__}: what it hands its first layer is not the output of its modules "
+                         "that run before it; xprt's decoder embeds its input with them")
+    return module
+
+
+def run_layers(base: nn.Module, layers: nn.ModuleList, hidden: torch.Tensor, attention_mask: torch.Tensor,
+               stack: Optional[tuple] = None):
     """Run `layers` on hidden (N, L, H) with attention_mask (N, L) exactly as `base` runs its own layers -> (N, L, H).
+    stack: (owner, attribute name) of the encoder's layer list (layer_stack), when already found.
 
     The encoder's forward runs with its layer list swapped for `layers` and the first layer's input replaced by
     `hidden` (the embedding layer runs on zeros of the right shape and its output is dropped), so everything the
     encoder hands its layers besides the hidden states (the attention mask in its prepared form, rotary position
     embeddings for ModernBERT, relative positions for DeBERTa-v2 and MPNet) and everything after them (ModernBERT's
     final norm) is the encoder's own. check_layers measures that this reproduces the encoder."""
-    owner, name, _ = layer_stack(base)
+    owner, name = stack or layer_stack(base)[:2]
 
     def replace(_module, args, kwargs):
         if args:
@@ -278,33 +323,117 @@ def _vocab_bias(mlm, weight) -> torch.Tensor:
 def mlm_head(mlm) -> MLMHead:
     """The MLM head of any *ForMaskedLM model as (transform, weight, bias), logits = transform(h) @ weight.T + bias.
 
-    transform(h) is the model's own forward started from the hidden states h (its base model answers with h instead
-    of running) and stopped where it first reads the vocabulary matrix (_ProjectionInput): BERT's
-    cls.predictions.transform, RoBERTa's and MPNet's lm_head up to its decoder, DistilBERT's vocab_transform /
-    activation / vocab_layer_norm, ELECTRA's generator_predictions (down to the embedding size), ModernBERT's head,
-    DeBERTa-v2's cls or lm_predictions, all by the one rule. check_mlm_head measures it against the model's logits."""
+    transform is a module built once from the head's own modules (_transform_module): BERT's cls with its decoder
+    left out, RoBERTa's and MPNet's lm_head likewise, DistilBERT's vocab_transform / activation / vocab_layer_norm,
+    ELECTRA's generator_predictions (down to the embedding size), ModernBERT's head, DeBERTa-v2's lm_head up to its
+    matmul, all by the one rule. check_mlm_head measures it against the model's logits."""
     weight = _vocab_matrix(mlm)
-    bias = _vocab_bias(mlm, weight)
+    return MLMHead(_transform_module(mlm, weight), weight, _vocab_bias(mlm, weight))
+
+
+def _projection_input(mlm, weight, h3: torch.Tensor):
+    """What the MLM model's own forward, started from the hidden states h3 (its base model answers with h3 instead of
+    running), feeds into its vocabulary matrix: the reference the transform module is measured against."""
+    from transformers.modeling_outputs import BaseModelOutput
+
     base = mlm.base_model
+    base.forward = lambda *a, **k: BaseModelOutput(last_hidden_state=h3)  # shadows the class's forward, this call
+    try:
+        with _ProjectionInput(weight):
+            mlm(input_ids=torch.zeros(h3.shape[:2], dtype=torch.long, device=h3.device))
+    except _Stop as s:
+        return s.value
+    finally:
+        del base.forward
+    raise ValueError(f"{type(mlm).__name__}: its forward never read its vocabulary matrix")
 
-    def transform(h: torch.Tensor) -> torch.Tensor:
-        from transformers.modeling_outputs import BaseModelOutput
 
-        squeeze = h.dim() == 2
-        h3 = h.unsqueeze(0) if squeeze else h
-        # the base model answers with h: an instance attribute shadows its class's forward for this call only
-        base.forward = lambda *a, **k: BaseModelOutput(last_hidden_state=h3)
-        try:
-            with _ProjectionInput(weight):
-                mlm(input_ids=torch.zeros(h3.shape[:2], dtype=torch.long, device=h3.device))
-        except _Stop as s:
-            t = s.value
-            return t.reshape(h.shape[:-1] + t.shape[-1:])
-        finally:
-            del base.forward
-        raise ValueError(f"{type(mlm).__name__}: its forward never read its vocabulary matrix")
+def _without(module: nn.Module, path: str) -> nn.Module:
+    """A shallow copy of `module` with its submodule at the dotted `path` replaced by an identity; every other
+    submodule and parameter is the original's (shared, so training moves both)."""
+    first, _, rest = path.partition(".")
+    out = copy.copy(module)
+    out._modules = dict(module._modules)
+    out._modules[first] = _without(module._modules[first], rest) if rest else nn.Identity()
+    return out
 
-    return MLMHead(transform, weight, bias)
+
+def _transform_module(mlm, weight) -> nn.Module:
+    """The head's modules (outside the base model) that run before the vocabulary matrix is read, as one module, found
+    on a probe: a module that finishes first is kept whole; the one inside which the matrix is read is kept with the
+    submodule holding the matrix replaced by an identity (its functional activations stay: RoBERTa's gelu), or, when
+    the matrix is read by a bare matmul (DeBERTa-v2), opened into its own submodules by the same rule. Refused unless
+    it gives what the forward feeds into the matrix."""
+    base = mlm.base_model
+    inside = {id(m) for m in base.modules()}
+    started, finished = [], set()
+    hooks = []
+    for m in mlm.modules():
+        if m is not mlm and id(m) not in inside:
+            hooks.append(m.register_forward_pre_hook(lambda m, _a: started.append(m)))
+            hooks.append(m.register_forward_hook(lambda m, _a, _o: finished.add(id(m))))
+    ids, mask = _probe_ids(base)
+    was_training = mlm.training
+    mlm.eval()
+    try:
+        with torch.no_grad():
+            h3 = base(input_ids=ids, attention_mask=mask)[0]
+            want = _projection_input(mlm, weight, h3)
+    finally:
+        for h in hooks:
+            h.remove()
+
+    def chain(parent) -> list:
+        kids = {id(k) for k in parent.children()}
+        out = []
+        for m in [m for m in started if id(m) in kids]:
+            if id(m) in finished:
+                out.append(m)
+                continue
+            holder = next((n for n, sub in m.named_modules() if any(p is weight for p in sub._parameters.values())),
+                          None)
+            if holder is None:
+                return out + chain(m)
+            return out + ([_without(m, holder)] if holder else [])
+        return out
+
+    parts = chain(mlm)
+    module = parts[0] if len(parts) == 1 else nn.Sequential(*parts)
+    try:
+        with torch.no_grad():
+            good = module(h3).shape == want.shape and torch.allclose(module(h3), want, atol=1e-5)
+    finally:
+        mlm.train(was_training)
+    if not good:
+        raise ValueError(f"{type(mlm).__name__}: its MLM head before the vocabulary matrix is not a chain of its own "
+                         "modules; xprt's vocabulary terms need that form")
+    return module
+
+
+class EncoderPieces(NamedTuple):
+    """What a training step calls, resolved once when the model is built (encoder_pieces): embed (N, L) ids ->
+    (N, L, H), what the encoder hands its first layer (embedding_module); run_layers(layers, hidden, mask), layers run
+    as the encoder runs its own (run_layers); the MLM head as transform, vocab_weight (V, D), vocab_bias (V,):
+    logits = transform(h) @ vocab_weight.T + vocab_bias (mlm_head)."""
+
+    embed: nn.Module
+    run_layers: Callable
+    transform: nn.Module
+    vocab_weight: torch.Tensor
+    vocab_bias: torch.Tensor
+
+
+def layer_runner(encoder) -> Callable:
+    """run_layers bound to the encoder, its layer list found once: (layers, hidden, mask) -> (N, L, H)."""
+    base = getattr(encoder, "base_model", encoder)
+    return functools.partial(run_layers, base, stack=layer_stack(base)[:2])
+
+
+def encoder_pieces(mlm) -> EncoderPieces:
+    """The pieces of an AutoModelForMaskedLM a step calls, each found by its rule and checked against the encoder's
+    own forward here, at load, so a step never searches for them."""
+    head = mlm_head(mlm)
+    return EncoderPieces(embedding_module(mlm.base_model), layer_runner(mlm), head.transform, head.weight, head.bias)
 
 
 def check_mlm_head(mlm, name: str = ""):

@@ -66,9 +66,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from architectures import copy_last_layers, decoder_layers, layer_multiply_adds, run_layers
-from modeling_xprt import (ConditionedDecoder, GroupCollator, Layout, Objective, VocabSweep, gather_with_grad,
-                           group_bounds, group_lengths, info_nce, mlm_loss, register_objective)
+from architectures import copy_last_layers, decoder_layers, layer_multiply_adds
+from fused_vocab import linear_cross_entropy
+from modeling_xprt import (ConditionedDecoder, GroupCollator, Layout, Objective, gather_with_grad, group_bounds,
+                           group_lengths, info_nce, mlm_loss, register_objective)
 from support import rank_and_world, resolve_model_path
 
 SETTINGS = ("paper", "official")
@@ -281,16 +282,15 @@ def enhanced_decoding(layer: nn.Module, query: torch.Tensor, content: torch.Tens
     return layer.output(layer.intermediate(att), att)
 
 
-def retromae_decoder_loss(sweep: VocabSweep, hidden: torch.Tensor, targets: torch.Tensor, weight: float,
-                          share: float = 1.0) -> None:
+def retromae_decoder_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """RetroMAE's reconstruction term: the enhanced decoder predicts EVERY token of the passage ([CLS] and [SEP]
     excepted, data.py's decoder_labels) through the encoder's MLM head,
 
         L_dec = mean over the batch's tokens i of -log softmax(head(h_i))[x_i]
 
-    and RetroMAE's loss is L_dec + L_MLM (weights 1 and 1, modeling.py). One cross-entropy of the step's VocabSweep
-    (share: the rows' part of the batch's, Layout.share)."""
-    sweep.cross_entropy("decoder_loss", hidden, targets, weight, share)
+    and RetroMAE's loss is L_dec + L_MLM (weights 1 and 1, modeling.py). hidden (M, H) at the batch's tokens."""
+    return linear_cross_entropy(model.transform(hidden), model.vocab_weight, model.vocab_bias, targets,
+                                fused=model.fused_vocab_loss)
 
 
 class RetroMAECollator(AnchorCollator):
@@ -374,17 +374,14 @@ class RetroMAE(Objective):
         emb = model.base.embeddings
         l = batch["clean_ids"].shape[1]
         v = sent.to(hidden.dtype).unsqueeze(1)  # (G, 1, H): the [CLS] state (official) or the start's pooled vector
-        content = torch.cat([v, model.token_embeddings(batch["clean_ids"], batch["attention_mask"])[:, 1:]],
-                            dim=1)  # (G, L, H)
+        content = torch.cat([v, model.embed(batch["clean_ids"])[:, 1:]], dim=1)  # (G, L, H)
         query = emb.position_embeddings(emb.position_ids[:, :l]) + v  # (G, L, H)
         dec = enhanced_decoding(self.decoder, query, content, batch["visible"])
-        layout, sweep = batch["layout"], VocabSweep(model)
-        h = hidden.shape[-1]
-        mlm_loss(sweep, hidden.reshape(-1, h).index_select(0, batch["mlm_index"]), batch["mlm_targets"], 1.0,
-                 layout.share("mlm"))
-        retromae_decoder_loss(sweep, dec.reshape(-1, h).index_select(0, batch["dec_index"]), batch["dec_targets"],
-                              1.0, layout.share("dec"))
-        return sweep.run()
+        share, h = batch["layout"].share, hidden.shape[-1]
+        return {"mlm_loss": share("mlm") * mlm_loss(model, hidden.reshape(-1, h).index_select(0, batch["mlm_index"]),
+                                                    batch["mlm_targets"]),
+                "decoder_loss": share("dec") * retromae_decoder_loss(
+                    model, dec.reshape(-1, h).index_select(0, batch["dec_index"]), batch["dec_targets"])}
 
 
 # ==============================================================================================================
@@ -423,8 +420,7 @@ def replace_tokens(generator: nn.Module, input_ids: torch.Tensor, attention_mask
     return out
 
 
-def simlm_replaced_lm_loss(sweep: VocabSweep, name: str, hidden: torch.Tensor, targets: torch.Tensor,
-                           weight: float, share: float = 1.0) -> None:
+def simlm_replaced_lm_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """SimLM's replaced language modelling: the encoder (on its 30%-replaced text) and the decoder (on its 50%-replaced
     text, after the sentence vector) each predict the ORIGINAL token at every position, replaced or not, through the
     shared MLM head (every special token excepted, rlm_collator.py's labels):
@@ -432,9 +428,9 @@ def simlm_replaced_lm_loss(sweep: VocabSweep, name: str, hidden: torch.Tensor, t
         L_enc = mean_i -log softmax(head(h^enc_i))[x_i],   L_dec = mean_i -log softmax(head(h^dec_i))[x_i]
         L = L_dec + L_enc        (rlm.py; its generator MLM term has weight 0.2 but is 0: the generator is frozen)
 
-    One cross-entropy of the step's VocabSweep per call (name: encoder_rlm_loss or decoder_rlm_loss; share: the rows'
-    part of the batch's, Layout.share)."""
-    sweep.cross_entropy(name, hidden, targets, weight, share)
+    One call per term (L_enc: the encoder's states, L_dec: the decoder's), hidden (M, H) at the batch's tokens."""
+    return linear_cross_entropy(model.transform(hidden), model.vocab_weight, model.vocab_bias, targets,
+                                fused=model.fused_vocab_loss)
 
 
 class SimLMCollator(AnchorCollator):
@@ -539,15 +535,14 @@ class SimLM(Objective):
     def row_terms(self, model, batch: dict, states, vec):
         hidden, sent = states
         am = batch["attention_mask"]
-        emb = model.token_embeddings(batch["dec_input_ids"], am)  # (G, L, H)
+        emb = model.embed(batch["dec_input_ids"])  # (G, L, H)
         x = torch.cat([sent.to(emb.dtype).unsqueeze(1), emb[:, 1:]], dim=1)  # the vector in place of [CLS]
-        x = run_layers(model.base, self.decoder, x, am)  # the copied layers, run as the encoder runs its own
-        layout, sweep, h = batch["layout"], VocabSweep(model), hidden.shape[-1]
-        index, targets, share = batch["tok_index"], batch["tok_targets"], layout.share("tok")
-        simlm_replaced_lm_loss(sweep, "encoder_rlm_loss", hidden.reshape(-1, h).index_select(0, index), targets, 1.0,
-                               share)
-        simlm_replaced_lm_loss(sweep, "decoder_rlm_loss", x.reshape(-1, h).index_select(0, index), targets, 1.0, share)
-        return sweep.run()
+        x = model.run_layers(self.decoder, x, am)  # the copied layers, run as the encoder runs its own
+        index, targets, share, h = batch["tok_index"], batch["tok_targets"], batch["layout"].share("tok"), x.shape[-1]
+        return {"encoder_rlm_loss": share * simlm_replaced_lm_loss(model, hidden.reshape(-1, h).index_select(0, index),
+                                                                   targets),
+                "decoder_rlm_loss": share * simlm_replaced_lm_loss(model, x.reshape(-1, h).index_select(0, index),
+                                                                   targets)}
 
 
 # ==============================================================================================================
@@ -663,8 +658,7 @@ class Contriever(Objective):
 
     def batch_terms(self, model, vec, batch: dict, **step):
         normalize = self.normalize if self.normalize is not None else model.info.similarity_fn_name != "dot"
-        c = contriever_loss(vec[:, 0], vec[:, 1], self.temperature, normalize)
-        return c, {"contrastive_loss": c}
+        return {"contrastive_loss": contriever_loss(vec[:, 0], vec[:, 1], self.temperature, normalize)}
 
 
 # ==============================================================================================================
@@ -715,8 +709,7 @@ class RandomSpanObjective(Objective):
         return None, torch.stack([v_long, v_short], dim=1)
 
     def batch_terms(self, model, vec, batch, **step):
-        c = contrastive_random_span(vec[:, 0], vec[:, 1], model.tau)  # the longer crop is the query
-        return c, {"contrastive_loss": c}
+        return {"contrastive_loss": contrastive_random_span(vec[:, 0], vec[:, 1], model.tau)}  # the longer crop: query
 
 
 class RandomSpanCollator(GroupCollator):
@@ -837,15 +830,16 @@ def crop_spans(num_tokens, seed: int, epoch: int, crop_ratio: tuple = (0.1, 0.5)
 # ==============================================================================================================
 
 
-def self_reconstruction(sweep: VocabSweep, dec_hidden: torch.Tensor, dec_targets: torch.Tensor,
-                        enc_hidden: torch.Tensor, enc_targets: torch.Tensor, shares=(1.0, 1.0)) -> None:
+def self_reconstruction(model, dec_hidden: torch.Tensor, dec_targets: torch.Tensor, enc_hidden: torch.Tensor,
+                        enc_targets: torch.Tensor, shares=(1.0, 1.0)) -> dict:
     """The paper's self-reconstruction ablation: L = L_recon + L_MLM, weights 1 and 1. The encoder reads the passage
     30%-masked (L_MLM, mlm_loss); xPRT's one-layer conditioned decoder rebuilds the passage, 50%-masked, from the
-    passage's own vector (L_recon: cross-entropy at the decoder's masked positions). Both terms go to the step's
-    VocabSweep, whose weighted sum is this loss. shares: (L_recon's, L_MLM's) share of the batch's rows when the rows
-    are a chunk of it (Layout.share). RetroMAE proper (two-stream decoding) is its own objective."""
-    sweep.cross_entropy("recon_loss", dec_hidden, dec_targets, 1.0, shares[0])
-    mlm_loss(sweep, enc_hidden, enc_targets, 1.0, shares[1])
+    passage's own vector (L_recon: cross-entropy at the decoder's masked positions). -> {"recon_loss", "mlm_loss"},
+    each times its share of the batch's rows when the rows are a chunk of it (shares: Layout.share); L is their sum
+    (Objective.total). RetroMAE proper (two-stream decoding) is its own objective."""
+    recon = linear_cross_entropy(model.transform(dec_hidden), model.vocab_weight, model.vocab_bias, dec_targets,
+                                 fused=model.fused_vocab_loss)
+    return {"recon_loss": shares[0] * recon, "mlm_loss": shares[1] * mlm_loss(model, enc_hidden, enc_targets)}
 
 
 @register_objective
@@ -873,13 +867,12 @@ class SelfReconstructionObjective(Objective):
 
     def row_terms(self, model, batch, states, vec):
         ids, am = batch["dec_input_ids"], batch["attention_mask"]  # (G, L)
-        emb = model.token_embeddings(ids, am)
+        emb = model.embed(ids)
         dec_flat = self.decoder(vec[:, 0].to(emb.dtype), emb, am).reshape(-1, emb.shape[-1])
-        layout, sweep = batch["layout"], VocabSweep(model)
-        self_reconstruction(sweep, dec_flat.index_select(0, batch["dec_rows"]), batch["dec_targets"],
+        layout = batch["layout"]
+        return self_reconstruction(model, dec_flat.index_select(0, batch["dec_rows"]), batch["dec_targets"],
                             states.index_select(0, batch["mlm_index"]), batch["mlm_targets"],
                             shares=(layout.share("dec"), layout.share("mlm")))
-        return sweep.run()
 
 
 class SelfReconstructionCollator(GroupCollator):

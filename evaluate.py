@@ -66,9 +66,11 @@ import numpy as np
 
 from architectures import attention_kwargs
 from modeling_xprt import embed_texts
-from support import (E5_PROMPTS, EVAL_PREFIX, MINILM_ALIASES, NO_PROMPTS, add_eval_results_to_card, atomic_path,
-                     atomic_write, check_tokenizer_fits, gathered_params, load_beir, max_seq_length, model_prompts,
-                     pick_device_and_dtype, read_json, resolve_model_path)
+from support import (E5_PROMPTS, EVAL_PREFIX, MINILM_ALIASES, NO_PROMPTS, ArgumentParser, UserError,
+                     add_eval_results_to_card, atomic_path, atomic_write, check_model_name, check_tokenizer_fits,
+                     claim_output_folder, gathered_params, hub_cached, hub_offline, load_beir, local_inputs,
+                     max_seq_length, model_prompts, pick_device_and_dtype, positive_int, read_json, record_outputs,
+                     resolve_model_path, run_script)
 
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (docs/notes.md); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))
@@ -93,17 +95,13 @@ PER_QUERY_KEY = "xprt_per_query"  # our key in a retrieval result's scores: {que
 # 1. The mteb model wrapper: sentence-transformers' encode with the model's own modules and prompts
 # ---------------------------------------------------------------------------------------------------
 
-def check_model_folder(name_or_path: str) -> str:
-    """Resolve a model name and fail early, in words, on a folder that is not a model."""
-    path = resolve_model_path(name_or_path)
-    if os.path.isdir(path):
-        if not (Path(path) / "config.json").is_file():
-            raise ValueError(
-                f"{name_or_path!r} is a folder but not a model: no config.json in {path}. Pass a folder "
-                "saved by train.py (or save_pretrained), a hub id, or 'all-MiniLM-L6-v2'."
-            )
-    elif os.sep in name_or_path and (name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1):
-        raise FileNotFoundError(f"model folder not found: {name_or_path!r}")
+def check_model_folder(name_or_path: str, flag: str = "--models") -> str:
+    """Resolve a model name and fail early, in words, on a folder that is not a model, a path that does not exist
+    or a name the offline Hub cannot give (support.check_model_name)."""
+    path = check_model_name(name_or_path, flag)
+    if os.path.isdir(path) and not (Path(path) / "config.json").is_file():
+        raise UserError(f"{flag} {name_or_path}: a folder but not a model (no config.json in {path}); pass a folder "
+                        "saved by train.py (or save_pretrained), a hub id, or 'all-MiniLM-L6-v2'")
     return path
 
 
@@ -264,7 +262,7 @@ class XPRTEncoder(AbsEncoder):
                                              model_kwargs={"dtype": self.dtype,
                                                            **attention_kwargs(path, None, trust_remote_code)[0]})
         except (OSError, ValueError) as err:
-            raise ValueError(f"could not load a model from {name_or_path!r} ({path}): {err}") from err
+            raise UserError(f"could not load a model from {name_or_path!r} ({path}): {err}") from err
         self.model.eval()
         check_tokenizer_fits(self.model.tokenizer, self.model[0].auto_model.config, name_or_path)
         self.pooling = describe_pooling(self.model)
@@ -373,7 +371,7 @@ def _sts_rows_semeval(folder: Path) -> list[tuple[str, str, float]]:
         inputs = inputs[:-1] if inputs and inputs[-1] == "" else inputs
         golds = golds[:-1] if golds and golds[-1] == "" else golds
         if len(inputs) != len(golds):
-            raise ValueError(f"{inp}: {len(inputs)} pairs but {len(golds)} gold lines in {gs.name}")
+            raise UserError(f"{inp}: {len(inputs)} pairs but {len(golds)} gold lines in {gs.name}")
         for line, gold in zip(inputs, golds):
             if gold.strip():
                 s1, s2 = line.split("\t")[:2]
@@ -405,7 +403,7 @@ def load_sts_folder(folder: Path) -> tuple[str, list[tuple[str, str, float]]]:
     if list(folder.glob("*.input.*.txt")):
         m = re.search(r"sts(\d\d)", folder.name.lower())
         return (f"STS{m.group(1)}" if m else ""), _sts_rows_semeval(folder)
-    raise ValueError(f"{folder}: no known STS file")
+    raise UserError(f"{folder}: no known STS file")
 
 
 def load_classification_folder(folder: Path) -> dict:
@@ -417,20 +415,20 @@ def load_classification_folder(folder: Path) -> dict:
             header = next(reader)
             splits[split] = [(r[0], r[1]) for r in reader if r]
         if header[0] != "text":
-            raise ValueError(f"{folder}/{split}.csv: expected a header 'text,<label>', got {header}")
+            raise UserError(f"{folder}/{split}.csv: expected a header 'text,<label>', got {header}")
     cats_file = folder / "categories.json"
     names = json.loads(cats_file.read_text()) if cats_file.is_file() else sorted({c for _, c in splits["train"]})
     label = {c: i for i, c in enumerate(names)}
     unknown = {c for s in splits.values() for _, c in s if c not in label}
     if unknown:
-        raise ValueError(f"{folder}: labels not in categories.json: {sorted(unknown)[:5]}")
+        raise UserError(f"{folder}: labels not in categories.json: {sorted(unknown)[:5]}")
     return {s: {"text": [t for t, _ in rows], "label": [label[c] for _, c in rows]} for s, rows in splits.items()}
 
 
 def detect_local_format(folder: Path) -> tuple[str, str]:
     """(kind, default mteb task name) for a local folder; kind is retrieval, sts or classification."""
     if not folder.is_dir():
-        raise FileNotFoundError(f"local task folder not found: {folder}")
+        raise UserError(f"local task folder not found: {folder}")
     if (folder / "corpus.jsonl").is_file() or (folder / "qrels").is_dir():
         name = {t.metadata.name.lower(): t.metadata.name for t in mteb.get_tasks(task_types=["Retrieval"])}.get(
             folder.name.lower(), "")
@@ -441,18 +439,70 @@ def detect_local_format(folder: Path) -> tuple[str, str]:
         name, _ = load_sts_folder(folder)
         return "sts", name
     except ValueError:
-        raise ValueError(f"{folder}: not a known task layout (BEIR corpus.jsonl/queries.jsonl/qrels, STS-B "
-                         "sts-test.csv, SICK.txt, STS.input/STS.gs, biosses.tsv, or train.csv+test.csv)") from None
+        raise UserError(f"{folder}: not a known task layout (BEIR corpus.jsonl/queries.jsonl/qrels, STS-B "
+                        "sts-test.csv, SICK.txt, STS.input/STS.gs, biosses.tsv, or train.csv+test.csv)") from None
+
+
+def mteb_task(name: str, flag: str = "--tasks"):
+    """mteb.get_task(name), a name mteb does not know refused in one line (with mteb's closest name)."""
+    try:
+        return mteb.get_task(name)
+    except KeyError as err:
+        raise UserError(f"{flag} {name}: {str(err.args[0]).removeprefix('KeyError: ')}") from None
+
+
+def check_task_data(task, flag: str = "--tasks"):
+    """An mteb task by name reads its data from the Hub: while the Hub is offline (HF_HUB_OFFLINE), a task none of
+    whose data is cached (the Hub's cache or datasets') is refused now, before any model loads, pointing to
+    --local_tasks."""
+    path = task.metadata.dataset.get("path", "")
+    if not hub_offline() or not path or hub_cached(path, "dataset"):
+        return
+    import datasets
+
+    if (Path(datasets.config.HF_DATASETS_CACHE) / path.replace("/", "___")).is_dir():
+        return
+    raise UserError(f"{flag} {task.metadata.name}: mteb reads its data from the Hub ({path}), which is offline "
+                    f"(HF_HUB_OFFLINE) with no cached copy: give a local copy, --local_tasks {task.metadata.name}=DIR "
+                    "(data/eval/README.md)")
+
+
+def local_retrieval_split(folder: Path, wanted: str) -> str:
+    """The qrels split a local BEIR folder is scored on: `wanted` (the mteb task's evaluation split) when the folder
+    has it, else its one split other than train (a dev-only folder: qrels/dev.tsv)."""
+    splits = sorted(p.stem for p in (folder / "qrels").glob("*.tsv"))
+    if wanted in splits:
+        return wanted
+    scored = [s for s in splits if s != "train"]
+    if len(scored) != 1:
+        raise UserError(f"{folder}: no qrels/{wanted}.tsv to score, and qrels/ holds {splits or 'no .tsv'}: name the "
+                        "split to score qrels/test.tsv")
+    return scored[0]
+
+
+# the stock task whose class scores a local BEIR folder that is no mteb task (every retrieval task computes the same
+# metrics; the metadata is the folder's: its name and split)
+GENERIC_RETRIEVAL = "SciFact"
 
 
 def parse_local_spec(spec: str) -> tuple[str, Path, str]:
-    """"DIR" or "TaskName=DIR" -> (mteb task name, folder, kind)."""
+    """"DIR" or "TaskName=DIR" -> (mteb task name, folder, kind). A BEIR folder that holds no qrels split of the task
+    (a dev-only copy: qrels/dev.tsv) is scored on its own split under its own name (the folder's, or the name given
+    when it is no mteb task), not reported as the task's evaluation."""
     name, _, path = spec.rpartition("=") if "=" in spec and not os.path.exists(spec) else ("", "", spec)
     folder = Path(path).expanduser()
     kind, default = detect_local_format(folder)
     name = name or default
+    if kind == "retrieval":
+        try:
+            known, wanted = name, mteb.get_task(name).metadata.eval_splits[0] if name else "test"
+        except KeyError:  # a name of the user's own, no mteb task
+            known, wanted = "", "test"
+        split = local_retrieval_split(folder, wanted)
+        if split != wanted:
+            name = folder.name if known or not name else name
     if not name:
-        raise ValueError(f"{folder}: cannot tell which mteb task this is; name it: --local_tasks TaskName={folder}")
+        raise UserError(f"{folder}: cannot tell which mteb task this is; name it: --local_tasks TaskName={folder}")
     return name, folder, kind
 
 
@@ -532,7 +582,7 @@ class _XPRTTaskMixin:
         elif kind == "sts":
             _, rows = load_sts_folder(folder)
             if not rows:
-                raise ValueError(f"{folder}: no scored sentence pairs")
+                raise UserError(f"{folder}: no scored sentence pairs")
             if lim:
                 rows = rng.sample(rows, min(lim, len(rows)))
             s1, s2, sc = zip(*rows)
@@ -596,13 +646,29 @@ def build_task(name: str, local: Optional[tuple[Path, str]] = None, limit: Optio
                corpus_limit: Optional[int] = None, seed: int = 0, task=None):
     """The stock mteb task `name` (or the instance `task`, e.g. from a benchmark, with its language
     filters) with `_XPRTTaskMixin` put in front of its class: mteb's metadata and metric, our loader."""
-    stock = task if task is not None else mteb.get_task(name)
+    local_split = None
+    if task is not None:
+        stock = task
+    elif local is not None and local[1] == "retrieval":
+        try:
+            stock = mteb.get_task(name)
+        except KeyError:  # a BEIR folder under its own name (parse_local_spec)
+            stock = mteb.get_task(GENERIC_RETRIEVAL)
+        local_split = local_retrieval_split(local[0], stock.metadata.eval_splits[0])
+    else:
+        stock = mteb_task(name)
     base = type(stock)
-    cls = type(base.__name__, (_XPRTTaskMixin, base), {})
+    own = {}
+    if local_split is not None and (stock.metadata.name != name or local_split != stock.metadata.eval_splits[0]):
+        # the folder's own data: its name and split, not the stock task's (whose scores it would pass for); on the
+        # class, as mteb's unload_data drops an instance's own metadata
+        own["metadata"] = stock.metadata.model_copy(update={
+            "name": name, "eval_splits": [local_split], "dataset": {"path": str(local[0]), "revision": "local"}})
+    cls = type(base.__name__, (_XPRTTaskMixin, base), own)
     # A new instance of the subclass with the stock instance's state (a benchmark's language and split
     # filters live there); __class__ assignment is refused by some task classes' layouts.
     task = cls.__new__(cls)
-    task.__dict__.update(stock.__dict__)
+    task.__dict__.update({k: v for k, v in stock.__dict__.items() if not (own and k == "metadata")})
     task._xprt_local, task._xprt_limit, task._xprt_corpus_limit, task._xprt_seed = local, limit, corpus_limit, seed
     return task
 
@@ -764,7 +830,11 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     for name in tasks:
         specs.append((name, None, None))
     if benchmark:
-        for t in mteb.get_benchmark(benchmark).tasks:
+        try:
+            bench = mteb.get_benchmark(benchmark)
+        except KeyError as err:
+            raise UserError(f"--benchmark {benchmark}: {err.args[0]}") from None
+        for t in bench.tasks:
             specs.append((t.metadata.name, None, t))
     if not specs:
         raise ValueError("no task: give --local_tasks, --tasks or --benchmark")
@@ -773,8 +843,10 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     out = {"models": list(models), "results": {}, "tasks": [], "model_meta": {},
            "results_dir": str(cache.cache_path) if cache else None,
            "sample": {"limit": limit, "corpus_limit": corpus_limit, "seed": seed} if limit else None}
-    for name, local, _ in specs:
-        t = mteb.get_task(name)
+    for name, local, bench_task in specs:
+        t = build_task(name, local=local, task=bench_task)
+        if local is None:
+            check_task_data(t, "--benchmark" if bench_task is not None else "--tasks")
         out["tasks"].append({"name": name, "type": t.metadata.type,
                              "source": str(local[0]) if local else "mteb (online)",
                              "data": "local copy" if local else "mteb", "sample": bool(limit)})
@@ -963,7 +1035,9 @@ def check_task_specs(specs: Sequence[str]):
             try:
                 parse_local_spec(spec)
             except (ValueError, FileNotFoundError) as err:
-                raise SystemExit(f"--eval_tasks {spec}: {err}") from None
+                raise UserError(f"--eval_tasks {spec}: {err}") from None
+        else:  # an mteb task by name: known to mteb, and its data reachable
+            check_task_data(mteb_task(spec, "--eval_tasks"), "--eval_tasks")
 
 
 class TrainingScorer:
@@ -1145,13 +1219,16 @@ def plot_bars(summ: dict, models: Sequence[str], path: Path):
     plt.close(fig)
 
 
+REPORT_FILES = ("results.md", "results.json", "results.png")  # what evaluate.py writes in --output_dir
+
+
 def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (), overwrite: bool = False) -> dict:
-    """results.md, results.json and results.png in output_dir (refused if present, unless overwrite)."""
-    names = ("results.md", "results.json", "results.png")
-    existing = [n for n in names if (output_dir / n).exists()]
+    """results.md, results.json and results.png in output_dir (refused if present, unless overwrite), each replaced
+    in one rename (support.atomic_write)."""
+    existing = [n for n in REPORT_FILES if (output_dir / n).exists()]
     if existing and not overwrite:
-        raise FileExistsError(f"{output_dir} already has {existing}; pass --overwrite (the results folder keeps "
-                              "finished tasks)")
+        raise UserError(f"{output_dir} already has {existing}; pass --overwrite (the results folder keeps "
+                        "finished tasks)")
     output_dir.mkdir(parents=True, exist_ok=True)
     summ = summarize(out)
     overlaps = [overlap_analysis(out, t) for t in overlap_tasks]
@@ -1173,7 +1250,7 @@ def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (),
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", required=True,
                    help="model folders (train.py output), hub ids or 'all-MiniLM-L6-v2'; the first is the "
                         "baseline every other model's difference is taken to")
@@ -1201,13 +1278,13 @@ def parse_args(argv=None):
     p.add_argument("--overlap_analysis", nargs="*", default=None, metavar="TASK",
                    help="the paper's overlap analysis (nDCG@10 per third of queries by word overlap); no "
                         "names = every retrieval task")
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--limit", type=positive_int, default=None,
                    help="quick check: at most this many queries / pairs / test texts per task (seeded sample)")
-    p.add_argument("--corpus_limit", type=int, default=None,
+    p.add_argument("--corpus_limit", type=positive_int, default=None,
                    help="with --limit: corpus size (relevant documents always kept); default 10 x --limit")
     p.add_argument("--seed", type=int, default=0, help="seed of the --limit sample")
-    p.add_argument("--batch_size", type=int, default=64, help="texts per forward pass")
-    p.add_argument("--max_length", type=int, default=None,
+    p.add_argument("--batch_size", type=positive_int, default=64, help="texts per forward pass")
+    p.add_argument("--max_length", type=positive_int, default=None,
                    help="token limit; default: the one the model states (sentence-transformers' "
                         "max_seq_length), else 512, at most its position table (support.max_seq_length)")
     p.add_argument("--score_as", default=None, metavar="MODEL",
@@ -1222,21 +1299,26 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.tasks and not args.local_tasks and not args.benchmark:
         args.benchmark = DEFAULT_BENCHMARK
-    if args.limit is not None and args.limit < 1:
-        p.error("--limit must be >= 1")
-    if args.batch_size < 1:
-        p.error("--batch_size must be >= 1")
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    for name in args.models:  # a model that is not here, before any task or model loads
+        check_model_folder(name, "--models")
+    if args.score_as:
+        check_model_folder(args.score_as, "--score_as")
     out_dir = Path(args.output_dir)
-    existing = [n for n in ("results.md", "results.json", "results.png") if (out_dir / n).exists()]
-    if existing and not args.overwrite:  # refuse before hours of encoding, not after
-        raise SystemExit(f"{out_dir} already has {existing}; pass --overwrite (finished tasks come from the "
-                         "results folder)")
+    # refused before hours of encoding, not after: inputs inside the folder, a stranger's results.*, earlier
+    # results without --overwrite, a folder that cannot be written (support.claim_output_folder)
+    inputs = local_inputs(models=args.models, local_tasks=[t.rpartition("=")[2] for t in args.local_tasks],
+                          score_as=args.score_as)
+    existing = claim_output_folder(out_dir, "evaluate.py", REPORT_FILES, inputs)
+    if existing and not args.overwrite:
+        raise UserError(f"{out_dir} already has {[p.name for p in existing]}; pass --overwrite (finished tasks come "
+                        "from the results folder)")
+    record_outputs(out_dir, "evaluate.py", REPORT_FILES)
     out = run_evaluation(args.models, tasks=args.tasks, local_tasks=args.local_tasks, benchmark=args.benchmark,
                          limit=args.limit, corpus_limit=args.corpus_limit, seed=args.seed,
                          prefixes=args.prefixes, batch_size=args.batch_size, max_length=args.max_length,
@@ -1249,11 +1331,11 @@ def main(argv=None):
     overlap = [] if args.overlap_analysis is None else (args.overlap_analysis or retrieval)
     bad = [t for t in overlap if t not in retrieval]
     if bad:
-        raise SystemExit(f"--overlap_analysis needs retrieval tasks that were run; not: {bad}")
+        raise UserError(f"--overlap_analysis needs retrieval tasks that were run; not: {bad}")
     rep = write_report(out, out_dir, overlap, overwrite=args.overwrite)
     print((out_dir / "results.md").read_text())
     return rep
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

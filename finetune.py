@@ -32,10 +32,12 @@ import numpy as np
 import torch
 
 from modeling_xprt import PairCollator, XPRTModel, embed_texts, pair_false_negatives, pair_text_ids
-from support import (LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args, atomic_write,
-                     batch_to_device, check_common_args, epoch_batches, gradient_cache_step, iter_jsonl, iter_parquet,
-                     load_beir, load_model, make_accelerator, optimizer_groups, prepare_output_dir, rank_and_world,
-                     resume, save_checkpoint, save_run, whole_weights, write_log_record)
+from support import (ArgumentParser, LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, UserError,
+                     add_common_args, atomic_write, batch_to_device, check_batch_fits, check_common_args,
+                     check_model_name, epoch_batches, gradient_cache_step, iter_jsonl, iter_parquet, load_beir,
+                     load_model, local_inputs, make_accelerator, non_negative_int, optimizer_groups, positive_int,
+                     prepare_output_dir, rank_and_world, resume, run_script, save_checkpoint, save_run, whole_weights,
+                     write_log_record)
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 
@@ -44,8 +46,8 @@ DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 # 1. Flags
 # ----------------------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("fine-tuning data")
     g.add_argument("--beir_dir", default=None,
                    help="BEIR-layout folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv): trained on its qrels; "
@@ -70,24 +72,24 @@ def parse_args(argv=None):
                    help="--train_data's schema; auto = detected from the first record's fields (an unknown layout is "
                         "refused); sentence-transformers reads any column names by position (anchor, positive, "
                         "negatives)")
-    g.add_argument("--num_negatives", type=int, default=1, help="hard negatives per query in each step")
-    g.add_argument("--negatives_rank_min", type=int, default=10,
+    g.add_argument("--num_negatives", type=non_negative_int, default=1, help="hard negatives per query in each step")
+    g.add_argument("--negatives_rank_min", type=positive_int, default=10,
                    help="mined negatives come from ranks [min, max] of the starting model (1-based); skipping the "
                         "very top avoids unlabelled true positives (false negatives)")
-    g.add_argument("--negatives_rank_max", type=int, default=100, help="last rank of the mining window")
+    g.add_argument("--negatives_rank_max", type=positive_int, default=100, help="last rank of the mining window")
     g.add_argument("--mined_negatives", default=None,
                    help="mined_negatives.json of an earlier run (same start model and data) to reuse instead of "
                         "mining, e.g. one written by --mine_only")
     g.add_argument("--mine_only", action="store_true",
                    help="mine the hard negatives (all processes share the corpus), write "
                         "<output_dir>/mined_negatives.json and exit without training: mining as its own step")
-    g.add_argument("--mining_batch_size", type=int, default=64, help="batch size when embedding for mining")
-    g.add_argument("--mining_chunk_size", type=int, default=16384,
+    g.add_argument("--mining_batch_size", type=positive_int, default=64, help="batch size when embedding for mining")
+    g.add_argument("--mining_chunk_size", type=positive_int, default=16384,
                    help="corpus passages each process encodes and scores at a time (rounded to whole batches): "
                         "memory per process grows with it (its vectors; its scores against 256 queries at a time, "
                         "about 0.1 GB at 16384), the pools do not depend on it")
-    g.add_argument("--query_max_length", type=int, default=32, help="max query tokens (PAIR: 32)")
-    g.add_argument("--passage_max_length", type=int, default=128, help="max passage tokens (PAIR: 128)")
+    g.add_argument("--query_max_length", type=positive_int, default=32, help="max query tokens (PAIR: 32)")
+    g.add_argument("--passage_max_length", type=positive_int, default=128, help="max passage tokens (PAIR: 128)")
 
     g = p.add_argument_group("PAIR's loss")
     g.add_argument("--pair_alpha", type=float, default=0.0,
@@ -103,11 +105,11 @@ def parse_args(argv=None):
                         "accepts")
     g.add_argument("--generator_model", default=None, help="seq2seq generator (e.g. a doc2query T5)")
     g.add_argument("--cross_encoder_model", default=None, help="sequence-classification cross-encoder for denoising")
-    g.add_argument("--pseudo_queries_per_passage", type=int, default=1, help="queries sampled per passage")
-    g.add_argument("--max_pseudo_passages", type=int, default=1000, help="passages used for generation")
+    g.add_argument("--pseudo_queries_per_passage", type=positive_int, default=1, help="queries sampled per passage")
+    g.add_argument("--max_pseudo_passages", type=positive_int, default=1000, help="passages used for generation")
     g.add_argument("--denoise_threshold", type=float, default=0.5,
                    help="keep a pseudo pair when the cross-encoder's relevance probability is at least this")
-    g.add_argument("--pseudo_query_max_length", type=int, default=32, help="max generated query tokens")
+    g.add_argument("--pseudo_query_max_length", type=positive_int, default=32, help="max generated query tokens")
     add_common_args(p, DEFAULT_LR)
     args = p.parse_args(argv)
 
@@ -118,22 +120,30 @@ def parse_args(argv=None):
 
         evaluate.check_task_specs(args.eval_tasks)
     if not (args.beir_dir or args.train_data or args.generate_pseudo_queries):
-        raise SystemExit("finetune.py needs --beir_dir, --train_data or --generate_pseudo_queries")
+        raise UserError("finetune.py needs --beir_dir, --train_data or --generate_pseudo_queries")
     if args.generate_pseudo_queries and not (args.generator_model and args.cross_encoder_model):
-        raise SystemExit("--generate_pseudo_queries needs --generator_model and --cross_encoder_model")
+        raise UserError("--generate_pseudo_queries needs --generator_model and --cross_encoder_model")
     if not 0.0 <= args.pair_alpha <= 1.0:
-        raise SystemExit("--pair_alpha must be in [0, 1]")
+        raise UserError("--pair_alpha must be in [0, 1]")
     if not 1 <= args.negatives_rank_min <= args.negatives_rank_max:
-        raise SystemExit("need 1 <= --negatives_rank_min <= --negatives_rank_max")
-    if args.num_negatives < 0:
-        raise SystemExit("--num_negatives must be >= 0")
+        raise UserError("need 1 <= --negatives_rank_min <= --negatives_rank_max")
     if args.mine_only and (args.mined_negatives or not (args.beir_dir or args.generate_pseudo_queries or (
             args.train_data and msmarco_files(args.train_data, args.train_split)))):
-        raise SystemExit("--mine_only needs a corpus to mine (--beir_dir, or MS MARCO as --train_data) and no "
-                         "--mined_negatives")
-    if args.mining_batch_size < 1 or args.mining_chunk_size < 1:
-        raise SystemExit("--mining_batch_size and --mining_chunk_size must be >= 1")
+        raise UserError("--mine_only needs a corpus to mine (--beir_dir, or MS MARCO as --train_data) and no "
+                        "--mined_negatives")
     return args
+
+
+def check_inputs(args):
+    """What the flags point to, checked before anything loads: the models exist here (or in the offline Hub's
+    cache), an MS MARCO layout is complete, a --mined_negatives file exists."""
+    for flag in ("model_name_or_path", "generator_model", "cross_encoder_model"):
+        if getattr(args, flag):
+            check_model_name(getattr(args, flag), f"--{flag}")
+    if args.train_data:
+        msmarco_files(args.train_data, args.train_split)  # an incomplete MS MARCO layout, refused before loading
+    if args.mined_negatives and not Path(args.mined_negatives).is_file():
+        raise UserError(f"--mined_negatives {args.mined_negatives}: no such file")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -207,12 +217,12 @@ def _as_pairs(schema: str, r: dict, where: str):
         if isinstance(v, str):
             v = [v]
         if not isinstance(v, list) or not all(isinstance(t, str) for t in v):
-            raise ValueError(f"{where}: {name} must be a list of strings ({PAIR_SCHEMAS[schema]})")
+            raise UserError(f"{where}: {name} must be a list of strings ({PAIR_SCHEMAS[schema]})")
         return v
 
     def passages(v, name):  # tevatron: [{docid, title, text}] -> 'title text', as BEIR passages are read
         if not isinstance(v, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in v):
-            raise ValueError(f"{where}: {name} must be a list of {{docid, title, text}} ({PAIR_SCHEMAS[schema]})")
+            raise UserError(f"{where}: {name} must be a list of {{docid, title, text}} ({PAIR_SCHEMAS[schema]})")
         return [passage_text(p.get("title") or "", p["text"]) for p in v]
 
     cols = list(r)
@@ -224,25 +234,25 @@ def _as_pairs(schema: str, r: dict, where: str):
     if schema == "labeled-pair":
         label = r[cols[2]]
         if label not in (0, 1, "0", "1"):
-            raise ValueError(f"{where}: label must be 1 or 0, got {label!r} ({PAIR_SCHEMAS[schema]})")
+            raise UserError(f"{where}: label must be 1 or 0, got {label!r} ({PAIR_SCHEMAS[schema]})")
         passage = texts(r[cols[1]], cols[1])
         return r[cols[0]], passage if int(label) == 1 else [], [] if int(label) == 1 else passage
     if schema == "labeled-list":
         items, labels = r[cols[1]], r[cols[2]]
         if isinstance(labels, str) or isinstance(items, str):  # a list column written to CSV is its Python repr
-            raise ValueError(f"{where}: {cols[1]} / {cols[2]} hold the text {str(labels)[:30]!r}, not lists: a list "
-                             "column saved as CSV cannot be read back as the list it was; save the dataset as JSONL "
-                             "or parquet")
+            raise UserError(f"{where}: {cols[1]} / {cols[2]} hold the text {str(labels)[:30]!r}, not lists: a list "
+                            "column saved as CSV cannot be read back as the list it was; save the dataset as JSONL "
+                            "or parquet")
         items = texts(items, cols[1])
         if not isinstance(labels, list) or len(labels) != len(items) or any(x not in (0, 1) for x in labels):
-            raise ValueError(f"{where}: {cols[2]} must be one 1 / 0 per passage ({PAIR_SCHEMAS[schema]})")
+            raise UserError(f"{where}: {cols[2]} must be one 1 / 0 per passage ({PAIR_SCHEMAS[schema]})")
         return r[cols[0]], [t for t, y in zip(items, labels) if y == 1], [t for t, y in zip(items, labels) if y == 0]
     if schema == "sentence-transformers":  # by position: anchor, positive, negatives
         negs = [r[c] for c in cols[2:] if r[c] is not None]
         return r[cols[0]], texts(r[cols[1]], cols[1]), texts(negs, "negative columns")
     negs = r["negatives"] if "negatives" in r else [r["negative"]] if "negative" in r else []
     if not isinstance(negs, list):
-        raise ValueError(f"{where}: negatives is not a list ({PAIR_SCHEMAS[schema]})")
+        raise UserError(f"{where}: negatives is not a list ({PAIR_SCHEMAS[schema]})")
     return r.get("query"), [r.get("positive")], negs
 
 
@@ -281,14 +291,14 @@ def _pair_records(source: str, split: str, config=None, by_position: bool = Fals
         records = json.loads(p.read_text(encoding="utf-8-sig"))  # a JSON array: read whole
         for i, r in enumerate(records, 1):
             if not isinstance(r, dict):
-                raise ValueError(f"{source}: item {i} of the JSON array is a {type(r).__name__}, not an object")
+                raise UserError(f"{source}: item {i} of the JSON array is a {type(r).__name__}, not an object")
             yield f"{source}:item {i}", r
     elif p.is_file() and source.endswith((".jsonl", ".json", ".jsonl.gz")):
         for where, r, problem in iter_jsonl(source):
             if problem:
-                raise ValueError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
+                raise UserError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
             if not isinstance(r, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(r).__name__}")
+                raise UserError(f"{where}: expected a JSON object, got {type(r).__name__}")
             yield where, r
     elif p.is_file() and source.endswith((".csv", ".tsv")):
         with open(source, encoding="utf-8-sig", newline="") as f:
@@ -304,12 +314,12 @@ def _pair_records(source: str, split: str, config=None, by_position: bool = Fals
                     header = parts if pair_schema(parts) else []
                     if header or delim == ",":
                         if not header:
-                            raise ValueError(f"{source}:{line_no}: CSV header {parts} matches no accepted schema "
-                                             f"(accepted: {'; '.join(PAIR_SCHEMAS.values())})")
+                            raise UserError(f"{source}:{line_no}: CSV header {parts} matches no accepted schema "
+                                            f"(accepted: {'; '.join(PAIR_SCHEMAS.values())})")
                         continue
                     layout = None if by_position else id_columns(parts)
                     if layout:
-                        raise ValueError(
+                        raise UserError(
                             f"{source}:{line_no}: a headerless TSV is read as triples (query, positive[, negatives] "
                             f"as texts), but its first row {parts[:4]} is {layout}. MS MARCO: pass the folder holding "
                             "collection.tsv, queries.train.tsv and qrels.train.tsv, or its qrels.train.tsv, as "
@@ -322,7 +332,7 @@ def _pair_records(source: str, split: str, config=None, by_position: bool = Fals
     elif p.is_file() and source.endswith(".parquet"):
         yield from iter_parquet(source)
     elif p.exists() and not p.is_dir():
-        raise ValueError(f"{source}: unknown file type; accepted: {PAIR_FORMATS}")
+        raise UserError(f"{source}: unknown file type; accepted: {PAIR_FORMATS}")
     else:
         import datasets
 
@@ -330,7 +340,7 @@ def _pair_records(source: str, split: str, config=None, by_position: bool = Fals
             ds = datasets.load_from_disk(source)  # a save_to_disk folder
             if isinstance(ds, datasets.DatasetDict):
                 if split not in ds:
-                    raise ValueError(f"{source}: no split {split!r} (it has {list(ds)}): pass --train_split")
+                    raise UserError(f"{source}: no split {split!r} (it has {list(ds)}): pass --train_split")
                 ds = ds[split]
         else:  # a Hub dataset name, or a local dataset folder: datasets resolves both the same way
             ds = datasets.load_dataset(source, config, split=split)
@@ -351,13 +361,13 @@ def read_pairs(source: str, split: str = "train", config=None, schema: str | Non
         if schema is None:
             schema = pair_schema(r)
             if schema is None:
-                raise ValueError(f"{where}: fields {list(r)} match no accepted schema; accepted: "
-                                 f"{'; '.join(PAIR_SCHEMAS.values())} (--train_format sentence-transformers reads "
-                                 "any column names by position)")
+                raise UserError(f"{where}: fields {list(r)} match no accepted schema; accepted: "
+                                f"{'; '.join(PAIR_SCHEMAS.values())} (--train_format sentence-transformers reads "
+                                "any column names by position)")
         elif pair_schema(r) not in (schema, None if schema == "sentence-transformers" else schema) \
                 and not (schema == "triples" and {"query", "positive"} <= set(r)):
-            raise ValueError(f"{where}: fields {list(r)} do not fit the file's schema, {PAIR_SCHEMAS[schema]} "
-                             f"(from its first record; accepted: {'; '.join(PAIR_SCHEMAS.values())})")
+            raise UserError(f"{where}: fields {list(r)} do not fit the file's schema, {PAIR_SCHEMAS[schema]} "
+                            f"(from its first record; accepted: {'; '.join(PAIR_SCHEMAS.values())})")
         extra = set(r) & FLAGEMBEDDING_UNUSED if schema == "flagembedding" else set()
         unused, unused_fields = unused + bool(extra), unused_fields | extra
         query, positives, negatives = _as_pairs(schema, r, where)
@@ -370,13 +380,13 @@ def read_pairs(source: str, split: str = "train", config=None, schema: str | Non
         if not positives or any(not isinstance(t, str) or not t.strip() for t in positives):
             bad.append("positive")
         if bad:
-            raise ValueError(f"{where}: empty or missing {' and '.join(bad)} (expected {PAIR_SCHEMAS[schema]})")
+            raise UserError(f"{where}: empty or missing {' and '.join(bad)} (expected {PAIR_SCHEMAS[schema]})")
         for pos in positives:
             n += 1
             yield {"query": query, "positive": pos, "negatives": list(negatives)}
     for query, (positives, negatives) in grouped.items():
         if not positives:
-            raise ValueError(f"{source}: query {query[:60]!r} has no passage labelled 1 ({PAIR_SCHEMAS[schema]})")
+            raise UserError(f"{source}: query {query[:60]!r} has no passage labelled 1 ({PAIR_SCHEMAS[schema]})")
         for pos in positives:
             n += 1
             yield {"query": query, "positive": pos, "negatives": list(negatives)}
@@ -385,7 +395,7 @@ def read_pairs(source: str, split: str = "train", config=None, schema: str | Non
               "does not use (the model's own prefixes stand for prompt; pos_scores / neg_scores are distillation "
               "targets, and PAIR's losses have none)", flush=True)
     if not n:
-        raise ValueError(f"no (query, positive) rows in {source}")
+        raise UserError(f"no (query, positive) rows in {source}")
 
 
 load_triples = read_pairs  # the triples reader's name in scripts that read TSV / JSONL triples only
@@ -410,8 +420,8 @@ def msmarco_files(source: str, split: str = "train") -> dict | None:
              "qrels": p / f"qrels.{split}.tsv"}
     missing = [f.name for f in files.values() if not f.is_file()]
     if missing:
-        raise ValueError(f"{source}: MS MARCO's layout needs {missing} in {p} (collection.tsv, queries.{split}.tsv, "
-                         f"qrels.{split}.tsv; --train_split names the split)")
+        raise UserError(f"{source}: MS MARCO's layout needs {missing} in {p} (collection.tsv, queries.{split}.tsv, "
+                        f"qrels.{split}.tsv; --train_split names the split)")
     return files
 
 
@@ -425,11 +435,11 @@ def read_id_text_tsv(path: Path, what: str, keep=None) -> dict:
                 continue
             rid, sep, text = line.rstrip("\n").partition("\t")
             if not sep or not rid.strip() or not text.strip():
-                raise ValueError(f"{path}:{line_no}: expected {what} id<TAB>text, found {line.strip()[:80]!r}")
+                raise UserError(f"{path}:{line_no}: expected {what} id<TAB>text, found {line.strip()[:80]!r}")
             if keep is not None and rid not in keep:
                 continue
             if rid in out:
-                raise ValueError(f"{path}:{line_no}: {what} id {rid!r} appears twice")
+                raise UserError(f"{path}:{line_no}: {what} id {rid!r} appears twice")
             out[rid] = text
     return out
 
@@ -448,10 +458,10 @@ def read_msmarco(files: dict) -> dict:
     corpus = {pid: ("", t) for pid, t in read_id_text_tsv(files["collection"], "passage").items()}
     for q, ds in qrels.items():
         if q not in queries:
-            raise ValueError(f"{files['qrels']}: query {q!r} is absent from {files['queries']}")
+            raise UserError(f"{files['qrels']}: query {q!r} is absent from {files['queries']}")
         bad = next((d for d in ds if d not in corpus), None)
         if bad is not None:
-            raise ValueError(f"{files['qrels']}: passage {bad!r} (query {q!r}) is absent from {files['collection']}")
+            raise UserError(f"{files['qrels']}: passage {bad!r} (query {q!r}) is absent from {files['collection']}")
     return {"corpus": corpus, "queries": queries, "qrels": qrels}
 
 
@@ -692,8 +702,8 @@ def negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, queri
     if args.mined_negatives:  # reuse pools mined by an earlier run with the same start model and data
         pools = json.loads(Path(args.mined_negatives).read_text())
         if len(pools) != len(queries):
-            raise SystemExit(f"{args.mined_negatives}: {len(pools)} pools for {len(queries)} queries: "
-                             "mined for other data; drop --mined_negatives to mine again")
+            raise UserError(f"{args.mined_negatives}: {len(pools)} pools for {len(queries)} queries: "
+                            "mined for other data; drop --mined_negatives to mine again")
         if accelerator.is_main_process and Path(args.mined_negatives).resolve() != cache.resolve():
             atomic_write(cache, json.dumps(pools))
     else:
@@ -710,8 +720,8 @@ def negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, queri
     accelerator.wait_for_everyone()
     short = sum(len(p) < args.num_negatives for p in pools)
     if short:
-        raise SystemExit(f"{short} queries have fewer than {args.num_negatives} mined negatives in ranks "
-                         f"{args.negatives_rank_min}-{args.negatives_rank_max}: widen the window")
+        raise UserError(f"{short} queries have fewer than {args.num_negatives} mined negatives in ranks "
+                        f"{args.negatives_rank_min}-{args.negatives_rank_max}: widen the window")
     return pools
 
 
@@ -722,8 +732,8 @@ def labelled_source(args):
     the data's rows, as the README says)."""
     ms = msmarco_files(args.train_data, args.train_split) if args.train_data else None
     if ms and args.beir_dir:
-        raise SystemExit(f"--train_data {args.train_data} is MS MARCO, which brings its own corpus (collection.tsv): "
-                         "drop --beir_dir")
+        raise UserError(f"--train_data {args.train_data} is MS MARCO, which brings its own corpus (collection.tsv): "
+                        "drop --beir_dir")
     if ms:
         return read_msmarco(ms), True, f"MS MARCO {ms['qrels'].name}"
     if args.beir_dir:
@@ -774,13 +784,16 @@ def build_finetune_rows(args, accelerator, encoder, tokenizer, prompts, pooling=
                           f"corpus {len(corpus):,} passages")
     if args.generate_pseudo_queries:
         if not corpus:
-            raise SystemExit("--generate_pseudo_queries needs a corpus: pass --beir_dir")
+            raise UserError("--generate_pseudo_queries needs a corpus: pass --beir_dir")
         with whole_weights():  # the generator and cross-encoder are ours to run, never prepared
             kept = pseudo_query_pairs(args, accelerator, corpus)
         mined += [({"query": q, "positive": corpus[pid]}, q, {pid}) for pid, q in kept]
     if needy:
         corpus = corpus or data_corpus(rows + needy)
         mined += mine_data_rows(needy, rows + needy, corpus)
+    if not args.mine_only:  # too little data for one step: said before the mining, not after
+        check_batch_fits(len(rows) + len(mined), args.per_device_train_batch_size, accelerator.num_processes,
+                         "(query, positive) rows", len({r["query"] for r in rows} | {q for _, q, _ in mined}))
     if mined:
         pools = negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, [q for _, q, _ in mined],
                                [pos for _, _, pos in mined], pooling, post_pooling)
@@ -932,8 +945,9 @@ class NoDuplicatesBatchSampler(LengthGroupedBatchSampler):
                         held.add(keys[taken])
                         break
             if len(batch) < bs:
-                raise ValueError(f"cannot cut {len(self.lengths)} rows into {len(self)} batches of {bs} without "
-                                 "repeating a key (a key with more rows than batches?): lower the batch size")
+                raise UserError(f"cannot cut {len(self.lengths)} rows into {len(self)} batches of {bs} without "
+                                "repeating a key (a key with more rows than batches?): lower "
+                                "--per_device_train_batch_size")
             out.append(batch)
             queue.extendleft(reversed(waiting))  # first in line for the next batch
         return np.asarray(out, dtype=np.int64).reshape(-1, bs)
@@ -945,6 +959,7 @@ class NoDuplicatesBatchSampler(LengthGroupedBatchSampler):
 # ----------------------------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
+    check_inputs(args)
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
     from accelerate.utils import set_seed
     from transformers import get_scheduler
@@ -952,10 +967,15 @@ def main(argv=None):
     # ---- accelerator. The idle heads are frozen below, so every trainable parameter gets a gradient: no
     # unused-parameter search.
     accelerator = make_accelerator(args, find_unused_parameters=False)
-    # --overwrite clears the run folder, but not the mined_negatives.json that --mined_negatives reads from it
+    # --mined_negatives may be this folder's own mined_negatives.json (--mine_only, then train): read back, kept
     mined_file = Path(args.output_dir) / "mined_negatives.json"
     reused = args.mined_negatives and Path(args.mined_negatives).resolve() == mined_file.resolve()
-    prepare_output_dir(accelerator, args, extra_outputs=() if reused else ("mined_negatives.json",))
+    resumed = args.resume_from_checkpoint if args.resume_from_checkpoint != "latest" else None
+    prepare_output_dir(accelerator, args, "finetune.py", local_inputs(
+        model_name_or_path=args.model_name_or_path, beir_dir=args.beir_dir, train_data=args.train_data,
+        mined_negatives=args.mined_negatives, generator_model=args.generator_model,
+        cross_encoder_model=args.cross_encoder_model, eval_tasks=[t.rpartition("=")[2] for t in args.eval_tasks],
+        resume_from_checkpoint=resumed), extra_outputs=("mined_negatives.json",), reuse=[mined_file] if reused else [])
     set_seed(args.seed)
 
     # ---- model: loaded whole, even under ZeRO-3 (the start model mines negatives before prepare)
@@ -998,8 +1018,8 @@ def main(argv=None):
     model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
     steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
     if steps_per_epoch == 0:
-        raise SystemExit("not enough data for one step per process: lower the batch size")
-    max_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
+        raise UserError("not enough data for one step per process: lower --per_device_train_batch_size")
+    max_steps = args.max_train_steps if args.max_train_steps is not None else args.num_train_epochs * steps_per_epoch
     world = accelerator.num_processes
     lr_scheduler = accelerator.prepare(get_scheduler(args.lr_scheduler_type, optimizer,
                                                      num_warmup_steps=int(args.warmup_ratio * max_steps) * world,
@@ -1086,4 +1106,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -1,8 +1,8 @@
 """
-How the vocabulary terms compute (not in the paper): modeling_xprt.VocabSweep hands L_MLM's, L_cross's and L_self's
-rows to vocab_sweep, which projects them onto the vocabulary chunk by chunk in one fused pass (_FusedLinearCE),
-never holding the (rows x V) logits. The math is that of plain F.linear + cross-entropy / KL per term
-(tests/test_modeling.py compares them with allclose).
+How the vocabulary terms compute (not in the paper): L_MLM, L_cross and L_self (modeling_xprt.py) each project their
+rows onto the vocabulary and take a cross-entropy or a KL; linear_cross_entropy and linear_kl_div do it chunk by chunk
+in one fused pass (_FusedLinearCE), never holding the (rows x V) logits. The math is that of plain F.linear +
+F.cross_entropy / F.kl_div (fused=False; tests/test_modeling.py compares them with allclose).
 """
 
 from __future__ import annotations
@@ -11,49 +11,37 @@ import torch
 import torch.nn.functional as F
 
 
-def vocab_sweep(weight, bias, ce=(), kl=(), fused: bool = True, chunk_size: int = 1024) -> tuple:
-    """Several vocabulary terms that share one projection (W, b), in one sweep -> (sum_k w_k * term_k, [term_k]).
+def linear_cross_entropy(hidden, weight, bias, targets, fused: bool = True, chunk_size: int = 1024):
+    """mean_i -log softmax(hidden_i W^T + b)[targets_i] = F.cross_entropy(F.linear(hidden, W, b), targets).
 
-    ce: [(hidden (N_k, H), targets (N_k,), w_k)] hard-target terms (L_MLM and L_cross: the same MLM head);
-    kl: [(hidden (N_k, H), teacher_hidden (N_k, H), w_k)] soft-target terms (L_self). Each term is the mean over
-    its own rows; the first output carries the gradient, the list holds the terms' values
-    (detached when fused). Why one sweep: one (V, H) weight gradient accumulated for all terms instead of one per
-    term (each 94 MB for BERT-base, summed by autograd afterwards), one set of (chunk, V) buffers, and the
-    hard-target terms chunked together (fewer partial chunks). The math is that of one sweep per term: each
-    row's loss and gradient are scaled by w_k / N_k (tests: test_vocab_sweep_equals_separate_plain_terms).
-    """
-    terms = [(h, t, w, None) for h, t, w in ce] + [(h, None, w, th) for h, th, w in kl]
-    if not terms:
-        raise ValueError("vocab_sweep needs at least one term")
-    h0 = terms[0][0]
-    if not fused:
-        vals = []
-        for h, t, _, th in terms:
-            if h.shape[0] == 0:
-                vals.append(h.sum() * 0.0)
-                continue
-            logits = F.linear(h, weight, bias).float()
-            if th is None:
-                vals.append(F.cross_entropy(logits, t))
-                continue
-            with torch.no_grad():
-                t_logp = F.log_softmax(F.linear(th.detach(), weight, bias).float(), dim=-1)
-            vals.append(F.kl_div(F.log_softmax(logits, -1), t_logp, log_target=True, reduction="batchmean"))
-        return sum(w * v for (_, _, w, _), v in zip(terms, vals)), vals
-    # Rows in one tensor: the hard-target rows first, then the soft ones; row_scale = d total / d row loss.
-    sizes = [h.shape[0] for h, *_ in terms]
-    hidden = torch.cat([h for h, *_ in terms]) if len(terms) > 1 else h0
-    targets = torch.cat([t for _, t, _, _ in terms if t is not None]) if ce else None
-    teacher = torch.cat([th for *_, th in terms if th is not None]).detach() if kl else None
-    row_scale = torch.cat([hidden.new_full((n,), w / max(n, 1), dtype=torch.float32)
-                           for n, (_, _, w, _) in zip(sizes, terms)])
-    total, row_loss = _FusedLinearCE.apply(hidden, weight, bias, targets, teacher, row_scale, chunk_size,
-                                           torch.is_grad_enabled())
-    vals, s = [], 0
-    for n in sizes:  # each term's mean over its rows (0 for an empty term)
-        vals.append(row_loss[s : s + n].sum() / max(n, 1))
-        s += n
-    return total, vals
+    hidden (N, D), weight (V, D), bias (V,), targets (N,). 0 (with a zero gradient) for N = 0."""
+    if fused:
+        return _fused(hidden, weight, bias, targets, None, chunk_size)
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0
+    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets)
+
+
+def linear_kl_div(hidden, teacher_hidden, weight, bias, fused: bool = True, chunk_size: int = 1024):
+    """mean_i KL(softmax(t_i W^T + b) || softmax(hidden_i W^T + b)), t = teacher_hidden (a target: no gradient).
+
+    hidden, teacher_hidden (N, D), weight (V, D), bias (V,). 0 (with a zero gradient) for N = 0."""
+    if fused:
+        return _fused(hidden, weight, bias, None, teacher_hidden.detach(), chunk_size)
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0
+    with torch.no_grad():
+        t_logp = F.log_softmax(F.linear(teacher_hidden.detach(), weight, bias).float(), dim=-1)
+    return F.kl_div(F.log_softmax(F.linear(hidden, weight, bias).float(), -1), t_logp, log_target=True,
+                    reduction="batchmean")
+
+
+def _fused(hidden, weight, bias, targets, teacher_hidden, chunk_size):
+    """The mean over the rows through _FusedLinearCE: each row weighs 1 / N in the total."""
+    row_scale = torch.full((hidden.shape[0],), 1.0 / max(hidden.shape[0], 1), dtype=torch.float32,
+                           device=hidden.device)
+    return _FusedLinearCE.apply(hidden, weight, bias, targets, teacher_hidden, row_scale, chunk_size,
+                                torch.is_grad_enabled())[0]
 
 
 # Scratch (chunk, V) fp32 buffers kept across calls and steps, per device and slot: on CPU a fresh 125 MB tensor costs
@@ -166,7 +154,7 @@ class _FusedLinearCE(torch.autograd.Function):
     less memory traffic on (tokens x 30,522) tensors: every chunk reuses one fp32 (chunk, V) buffer
     (two for KL, kept across calls: _scratch) and the softmax runs in place in it.
     Rows: hidden[:len(targets)] have hard targets, the rest soft ones (teacher_hidden); row_scale (N,) is each row's
-    weight in the total (w_k / N_k: vocab_sweep). Returns (total, per-row losses (N,), no gradient).
+    weight in the total (1 / N: _fused). Returns (total, per-row losses (N,), no gradient).
 
     Why our own and not torch's chunked F.linear_cross_entropy: it has no KL form (L_self), and on CPU ours measured
     faster on the step's own rows (`python -m bench.bench_step --vocab`; figures in bench/README.md).

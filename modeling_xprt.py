@@ -10,7 +10,6 @@ Read it top to bottom beside the paper:
   5. the model: the encoder with its MLM head, XPRTModel (the step and the gradient cache, written once), the batch
      embedder
   6. the collators: rows -> one batch of tensors (all masking and index building) and its Layout
-  7. the vocabulary sweep: L_MLM, L_cross and L_self registered and computed together (fused_vocab.py: how)
 The comparison objectives (random spans, RetroMAE, SimLM, the self-reconstruction ablation) are in baselines.py; the
 plumbing (names and prefixes, files, the model folder and its card) is in support.py, which this file imports.
 """
@@ -29,9 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from architectures import (_head_params, decoder_layers, load_xprt_folder, mlm_head, run_layers, save_xprt_folder,
-                           token_embeddings)
-from fused_vocab import vocab_sweep
+from architectures import _head_params, decoder_layers, encoder_pieces, layer_runner, load_xprt_folder, save_xprt_folder
+from fused_vocab import linear_cross_entropy, linear_kl_div
 from support import ModelInfo, PostPooling, dist_on, max_seq_length, rank_and_world, stable_doc_hash
 
 logger = logging.getLogger("xprt")
@@ -100,8 +98,7 @@ def gather_no_grad(t: torch.Tensor) -> torch.Tensor:
 # ==============================================================================================================
 # 2. The equations, in the paper's order
 # L_xp (the main term), L_cross (fill-in), L_self, L_MLM, L_unif, the retention KL; then PAIR's L_Q, L_P and their
-# mix. L_cross, L_self and L_MLM hand their rows to the step's VocabSweep (section 7), which computes all three in one
-# pass over the vocabulary.
+# mix. Each returns its value.
 # ==============================================================================================================
 
 
@@ -142,45 +139,45 @@ def xp_loss(anchors: torch.Tensor, s1: torch.Tensor, doc_ids: torch.Tensor, tau:
     return 0.5 * (a_to_s + s_to_a)
 
 
-def cross_fill_loss(sweep: "VocabSweep", hidden: torch.Tensor, targets: torch.Tensor, weight: float,
-                    share: float = 1.0) -> None:
+def cross_fill_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """L_cross (weight 0.1): masked-token cross-entropy of the conditioned one-layer decoder.
 
-        L_cross = mean over masked positions m of -log softmax(head(h_dec[m]))[x_m]
+        L_cross = mean over masked positions m of -log softmax(W transform(h_dec[m]) + b)[x_m]
 
     The anchor's vector -> one linear map -> 4 conditioning vectors inserted after [CLS] of a related passage whose
-    tokens are 60% masked; the decoder predicts the masked words through the encoder's own MLM head. Both
-    directions: the anchor fills each of the 4 related passages, each related passage fills the anchor (8 of the
-    10 passes of decoder_pass_plan). hidden: (M, H) decoder states at the masked positions of all cross passes of
-    all groups (before the MLM head), targets (M,) the original tokens. The term is one cross-entropy of the
-    step's VocabSweep: its value and gradient come out of sweep.run(), with L_MLM's and L_self's. share: the rows'
-    part of the batch's rows when they are a chunk of it (the gradient cache: Layout.share), 1 otherwise."""
-    sweep.cross_entropy("cross_fill_loss", hidden, targets, weight, share)
+    tokens are 60% masked; the decoder predicts the masked words through the encoder's own MLM head (transform, then
+    the vocabulary projection W, b). Both directions: the anchor fills each of the 4 related passages, each related
+    passage fills the anchor (8 of the 10 passes of decoder_pass_plan). hidden: (M, H) decoder states at the masked
+    positions of all cross passes of all groups, targets (M,) the original tokens."""
+    # the (M, V) logits are never held: linear_cross_entropy projects and takes the cross-entropy chunk by chunk
+    return linear_cross_entropy(model.transform(hidden), model.vocab_weight, model.vocab_bias, targets,
+                                fused=model.fused_vocab_loss)
 
 
-def self_fill_loss(sweep: "VocabSweep", hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: float,
-                   share: float = 1.0) -> None:
+def self_fill_loss(model, hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
     """L_self: the decoder fills a passage's own masked words from that passage's own vector; the target is the
     encoder's word distribution at the same positions of its 15%-masked pass (detached: a teacher):
 
-        L_self = mean over masked positions m of KL( softmax(head(h_enc[m])) || softmax(head(h_dec[m])) )
+        L_self = mean over masked positions m of KL( softmax(z_enc[m]) || softmax(z_dec[m]) ),
+        z = W transform(h) + b   (the logits over the vocabulary)
 
     Anchor and s1 only (the 2 self passes of decoder_pass_plan). hidden: (M, H) decoder states, teacher_hidden:
-    (M, H) encoder states at the same tokens (both before the MLM head). One KL term of the step's VocabSweep
-    (share: as in cross_fill_loss)."""
-    sweep.kl_to_teacher("self_fill_loss", hidden, teacher_hidden, weight, share)
+    (M, H) encoder states at the same tokens."""
+    with torch.no_grad():
+        teacher = model.transform(teacher_hidden.detach())
+    return linear_kl_div(model.transform(hidden), teacher, model.vocab_weight, model.vocab_bias,
+                         fused=model.fused_vocab_loss)
 
 
-def mlm_loss(sweep: "VocabSweep", hidden: torch.Tensor, targets: torch.Tensor, weight: float, share: float = 1.0,
-             name: str = "mlm_loss") -> None:
+def mlm_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """L_MLM: the encoder's masked-LM cross-entropy on the 15%-masked passes that also give the sentence vectors
     (BERT's 80/10/10 masking, XPRTCollator); it keeps the teacher of L_self from drifting.
 
-        L_MLM = mean over masked positions m of -log softmax(head(h_enc[m]))[x_m]
+        L_MLM = mean over masked positions m of -log softmax(W transform(h_enc[m]) + b)[x_m]
 
-    hidden: (M, H) encoder states at the masked positions (before the MLM head), targets (M,) the original tokens.
-    One cross-entropy of the step's VocabSweep (share: as in cross_fill_loss)."""
-    sweep.cross_entropy(name, hidden, targets, weight, share)
+    hidden: (M, H) encoder states at the masked positions, targets (M,) the original tokens."""
+    return linear_cross_entropy(model.transform(hidden), model.vocab_weight, model.vocab_bias, targets,
+                                fused=model.fused_vocab_loss)
 
 
 def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
@@ -355,7 +352,7 @@ class ConditionedDecoder(nn.Module):
         self.layers = decoder_layers(encoder, num_layers)
         # the encoder runs the layers (its masks and positions); held outside the module tree: its weights are not
         # the decoder's
-        object.__setattr__(self, "encoder_base", encoder.base_model)
+        object.__setattr__(self, "run_layers", layer_runner(encoder))
         # The encoder's init (BERT: N(0, 0.02) linear weights, LayerNorm 1/0) for the fresh decoder, as RetroMAE does.
         self.apply(encoder._init_weights)
         # Our choice: start the linear map as C stacked identities (+ the N(0, 0.02) noise above, so the C vectors
@@ -375,7 +372,7 @@ class ConditionedDecoder(nn.Module):
         cond = self.condition(vectors).view(n, c, h)  # (N, C, H)
         x = torch.cat([token_embeddings[:, :1], cond, token_embeddings[:, 1:]], dim=1)  # (N, L + C, H)
         mask = torch.cat([attention_mask[:, :1], attention_mask.new_ones(n, c), attention_mask[:, 1:]], dim=1)
-        return run_layers(self.encoder_base, self.layers, x, mask)
+        return self.run_layers(self.layers, x, mask)
 
     @staticmethod
     def output_rows(index: torch.Tensor, length: int, num_condition_vectors: int) -> torch.Tensor:
@@ -404,9 +401,8 @@ def register_objective(cls):
 
 
 def objective_class(name: str):
-    """The Objective class registered under `name` (the baselines register when baselines.py is imported)."""
-    import baselines  # noqa: F401  (registers the comparison objectives; it imports this module)
-
+    """The Objective class registered under `name` (the baselines register when the script that offers them imports
+    baselines.py)."""
     if name not in OBJECTIVES:
         raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, got {name!r}")
     return OBJECTIVES[name]
@@ -414,7 +410,6 @@ def objective_class(name: str):
 
 def pretraining_objectives() -> list:
     """The train.py --objective choices: every registered objective that pre-trains on groups."""
-    objective_class("xprt")  # imports the baselines
     return [n for n, c in OBJECTIVES.items() if c.pretraining]
 
 
@@ -428,9 +423,11 @@ class Objective(nn.Module):
       row_terms(model, batch, states, vec)  the terms each row computes from its own states (decoders, vocabulary
                                          terms): each a mean over the WHOLE batch's rows, also when `batch` is a
                                          chunk of it (Layout.share)
+      total(terms, retention_weight)     the loss: the terms' weighted sum, linear, a missing term counting 0 (the
+                                         gradient cache sums it over the batch terms and over each chunk's row terms)
       masked_student(vec)                the anchor and s1 vectors the retention term may reuse (G, 2, H), or None
 
-    Each returns (weighted sum, {term name: value}). The objective owns the trainable heads it adds (submodules:
+    batch_terms and row_terms return {term name: value}. The objective owns the trainable heads it adds (submodules:
     saved in xprt_heads.safetensors); the encoder and its MLM head are the model's. `config()` is what
     xprt_config.json records to rebuild it."""
 
@@ -450,11 +447,16 @@ class Objective(nn.Module):
     def encode(self, model, batch: dict):
         raise NotImplementedError
 
-    def batch_terms(self, model, vec, batch: dict, **step):
-        return vec.new_zeros(()), {}
+    def batch_terms(self, model, vec, batch: dict, **step) -> dict:
+        return {}
 
-    def row_terms(self, model, batch: dict, states, vec):
-        return vec.new_zeros(()), {}
+    def row_terms(self, model, batch: dict, states, vec) -> dict:
+        return {}
+
+    def total(self, terms: dict, retention_weight: float = 0.0, **step):
+        """Every term with weight 1, the retention term with its scheduled weight (the baselines' losses)."""
+        return sum(v for k, v in terms.items() if k != "retention_loss") + retention_weight * terms.get(
+            "retention_loss", 0.0)
 
     def masked_student(self, vec):
         return None
@@ -469,12 +471,14 @@ class Objective(nn.Module):
         raise NotImplementedError
 
 
+TERMS = ("xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity_loss", "retention_loss")
+
+
 @register_objective
 class XPRTObjective(Objective):
-    """xPRT (the paper's "The objective"):
-        L = w_xp L_xp + w_unif L_unif  (batch terms: the groups meet only through their vectors)
-          + w_mlm L_MLM + w_cross L_cross + w_self L_self  (row terms: one decoder call, one vocabulary sweep)
-    One encoder call on all G x (1 + num_related) passages, one ConditionedDecoder call on all G x D passes.
+    """xPRT (the paper's "The objective"), its total loss in `total`: the batch terms L_xp and L_unif (the groups meet
+    only through their vectors) and the row terms L_MLM, L_cross, L_self. One encoder call on all G x (1 +
+    num_related) passages, one ConditionedDecoder call on all G x D passes.
     fill_in=False is the paper's "without the fill-in loss" ablation (L_cross off, L_self stays)."""
 
     name = "xprt"
@@ -503,26 +507,30 @@ class XPRTObjective(Objective):
         return hidden.reshape(g * p * l, -1), vec.view(g, p, -1)
 
     def batch_terms(self, model, vec, batch, **step):
-        w = self.weights
         anchors, s1 = vec[:, 0], vec[:, 1]
-        terms = {"xp_loss": xp_loss(anchors, s1, batch["doc_ids"], model.tau),
-                 "uniformity_loss": uniformity_loss(anchors)}
-        return w.xp * terms["xp_loss"] + w.unif * terms["uniformity_loss"], terms
+        return {"xp_loss": xp_loss(anchors, s1, batch["doc_ids"], model.tau),
+                "uniformity_loss": uniformity_loss(anchors)}
 
     def row_terms(self, model, batch, states, vec):
-        w, layout = self.weights, batch["layout"]
-        g, p, l = batch["input_ids"].shape
-        dec_flat = self.decode(model, vec, batch, batch["attention_mask"])  # every pass: one decoder call
-        # The vocabulary terms read the rows the collator picked (index tensors: no data-dependent shapes, so no
-        # device-to-host sync) and hand them to one sweep over the vocabulary.
-        sweep = VocabSweep(model)
-        mlm_loss(sweep, states.index_select(0, batch["mlm_index"]), batch["mlm_targets"], w.mlm, layout.share("mlm"))
+        """L_MLM, L_cross, L_self at the rows the collator picked (index tensors: no data-dependent shapes, so no
+        device-to-host sync), each times its rows' share of the batch's (1 for a whole batch; Layout.share)."""
+        share = batch["layout"].share
+        dec = self.decode(model, vec, batch, batch["attention_mask"])  # every pass: one decoder call
+        terms = {"mlm_loss": share("mlm") * mlm_loss(model, states.index_select(0, batch["mlm_index"]),
+                                                     batch["mlm_targets"])}
         if self.fill_in:
-            cross_fill_loss(sweep, dec_flat.index_select(0, batch["cross_rows"]), batch["cross_targets"], w.cross,
-                            layout.share("cross"))
-        self_fill_loss(sweep, dec_flat.index_select(0, batch["self_rows"]),
-                       states.index_select(0, batch["self_enc_index"]), w.self_fill, layout.share("self"))
-        return sweep.run()
+            terms["cross_fill_loss"] = share("cross") * cross_fill_loss(
+                model, dec.index_select(0, batch["cross_rows"]), batch["cross_targets"])
+        terms["self_fill_loss"] = share("self") * self_fill_loss(
+            model, dec.index_select(0, batch["self_rows"]), states.index_select(0, batch["self_enc_index"]))
+        return terms
+
+    def total(self, terms: dict, retention_weight: float = 0.0, **step):
+        """L = L_xp + 0.1 L_cross + w_self L_self + w_mlm L_MLM + w_unif L_unif + w(t) L_retain (LossWeights; w(t) the
+        retention weight's schedule, train.py); a term not in `terms` counts 0."""
+        w, t = self.weights, {k: terms.get(k, 0.0) for k in TERMS}
+        return (w.xp * t["xp_loss"] + w.cross * t["cross_fill_loss"] + w.self_fill * t["self_fill_loss"]
+                + w.mlm * t["mlm_loss"] + w.unif * t["uniformity_loss"] + retention_weight * t["retention_loss"])
 
     def decode(self, model, vectors, batch, attention_mask):
         """Every decoder pass of the batch in one call -> the flat (G * D * (L + C), H) output rows.
@@ -533,7 +541,7 @@ class XPRTObjective(Objective):
         g, d, l = ids.shape
         h = vectors.shape[-1]
         mask = attention_mask[:, batch["dec_target"]].reshape(g * d, l)
-        emb = model.token_embeddings(ids.reshape(g * d, l), mask)  # the encoder's own embedding layer
+        emb = model.embed(ids.reshape(g * d, l))  # the encoder's own embedding layer
         # (G*D, H); mean_pool's fp32 vectors in the weights' dtype (bf16 under DeepSpeed's bf16)
         cond = vectors[:, batch["dec_source"]].reshape(g * d, h).to(emb.dtype)
         return self.decoder(cond, emb, mask).reshape(-1, h)
@@ -564,15 +572,15 @@ class PairObjective(Objective):
     def batch_terms(self, model, vec, batch, pair_alpha: float = 0.0, **step):
         q, pv = vec[:, 0], vec[:, 1:]  # (B, H), (B, 1 + n, H)
         ids = {"passage_ids": batch.get("passage_ids"), "relevant_ids": batch.get("relevant_ids")}  # None: no mask
-        lq = pair_q_loss(q, pv, model.tau, **ids)
-        terms = {"pair_q_loss": lq}
+        terms = {"pair_q_loss": pair_q_loss(q, pv, model.tau, **ids)}
         if pv.shape[1] > 1:
-            terms["pair_p_loss"] = lp_ = pair_p_loss(q, pv, model.tau, **ids)
+            terms["pair_p_loss"] = pair_p_loss(q, pv, model.tau, **ids)
         elif pair_alpha > 0:
             raise ValueError("pair_alpha > 0 needs hard negatives (PairCollator num_negatives >= 1)")
-        else:
-            lp_ = lq.new_zeros(())
-        return pair_loss(lq, lp_, pair_alpha), terms
+        return terms
+
+    def total(self, terms: dict, retention_weight: float = 0.0, pair_alpha: float = 0.0, **step):
+        return pair_loss(terms.get("pair_q_loss", 0.0), terms.get("pair_p_loss", 0.0), pair_alpha)
 
 
 # ==============================================================================================================
@@ -595,12 +603,11 @@ def dropout_off(module: nn.Module):
         module.train(was_training)
 
 
-def _rng_state(device):
-    """The random state dropout draws from (CPU, and the device's on CUDA): kept for a chunk's replay."""
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng_state(state, device):
+def _rng_state(device, state=None):
+    """The random state dropout draws from (CPU, and the device's on CUDA), kept for a chunk's replay: returned, or
+    set to `state` when given."""
+    if state is None:
+        return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
@@ -626,6 +633,10 @@ class XPRTModel(nn.Module):
         if retention_student not in ("clean", "masked"):
             raise ValueError(f"retention_student must be 'clean' or 'masked', got {retention_student!r}")
         self.encoder = mlm_model
+        # embed, run_layers, transform, vocab_weight, vocab_bias: found once, here (architectures.encoder_pieces);
+        # held outside the module tree, since their parameters are the encoder's
+        for k, v in encoder_pieces(mlm_model)._asdict().items():
+            object.__setattr__(self, k, v)
         self.objective, self.tau, self.retention_student = objective, tau, retention_student
         self.fused_vocab_loss = fused_vocab_loss
         method_class = objective_class(objective)
@@ -661,19 +672,9 @@ class XPRTModel(nn.Module):
         """The length limit the model is saved and scored with (support.max_seq_length)."""
         return self.info.max_seq_length
 
-    def head_transform(self, h):
-        """The MLM head up to (not including) the vocabulary projection (architectures.mlm_head)."""
-        return mlm_head(self.encoder).transform(h)
-
     def projection(self):
         """(weight (V, D), bias (V,)): the vocabulary projection, weight = the word embeddings when tied."""
-        head = mlm_head(self.encoder)
-        return head.weight, head.bias
-
-    def token_embeddings(self, input_ids, attention_mask):
-        """(N, L) -> (N, L, H): what the encoder hands its first layer (its embedding layer, and any projection up
-        to the hidden size: architectures.token_embeddings); the decoders embed their inputs with it."""
-        return token_embeddings(self.base, input_ids, attention_mask)
+        return self.vocab_weight, self.vocab_bias
 
     def encode(self, input_ids, attention_mask):
         """(N, L) -> hidden (N, L, H), sentence vectors (N, H)."""
@@ -699,14 +700,13 @@ class XPRTModel(nn.Module):
         obj = self.method
         batch = obj.prepare(self, batch)
         states, vec = obj.encode(self, batch)
-        loss, terms = obj.batch_terms(self, self.sentence_vectors(vec), batch, **step)
-        local, local_terms = obj.row_terms(self, batch, states, vec)
-        loss, terms = loss + local, {**terms, **local_terms}
+        terms = {**obj.batch_terms(self, self.sentence_vectors(vec), batch, **step),
+                 **obj.row_terms(self, batch, states, vec)}
         if self.retains(teacher, retention_weight):
             student = obj.masked_student(vec) if self.retention_student == "masked" else self.clean_student(batch)
-            terms["retention_loss"] = r = self.retention(self.sentence_vectors(student),
-                                                         self.teacher_vectors(batch, teacher))
-            loss = loss + retention_weight * r
+            terms["retention_loss"] = self.retention(self.sentence_vectors(student),
+                                                     self.teacher_vectors(batch, teacher))
+        loss = obj.total(terms, retention_weight, **step)
         return {"loss": loss, **{k: v.detach() for k, v in terms.items()}}
 
     def retains(self, teacher, retention_weight: float) -> bool:
@@ -778,22 +778,23 @@ class XPRTModel(nn.Module):
                     cleans.append(self._clean_vectors(part))
         leaves = torch.cat(vecs).requires_grad_()
         clean = torch.cat(cleans).requires_grad_() if clean_student else None
-        loss, terms = obj.batch_terms(self, self.sentence_vectors(leaves), batch, **step)  # 2.
+        terms = obj.batch_terms(self, self.sentence_vectors(leaves), batch, **step)  # 2.
         if retain:
             student = clean if clean_student else obj.masked_student(leaves)
-            terms["retention_loss"] = r = self.retention(
+            terms["retention_loss"] = self.retention(
                 self.sentence_vectors(student), torch.cat([self.teacher_vectors(part, teacher) for _, part in parts]))
-            loss = loss + retention_weight * r
+        loss = torch.as_tensor(obj.total(terms, retention_weight, **step), device=device)
         wrt = [x for x in (leaves, clean) if x is not None]
         grads = torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else [None] * len(wrt)
         vec_grad, clean_grad = grads[0], (grads[1] if clean is not None else None)
         total = loss.detach()
         decoder_state = _rng_state(device)  # the row terms' own dropout stream, after every encoder draw of step 1
         for ((a, b), part), state in zip(parts, states):  # 3.
-            _set_rng_state(state, device)
+            _rng_state(device, state)
             part_states, vec = obj.encode(self, part)
-            _set_rng_state(decoder_state, device)
-            local, local_terms = obj.row_terms(self, part, part_states, vec)
+            _rng_state(device, decoder_state)
+            local_terms = obj.row_terms(self, part, part_states, vec)
+            local = torch.as_tensor(obj.total(local_terms), device=device)
             decoder_state = _rng_state(device)
             surrogate = local
             if vec_grad is not None:
@@ -1205,47 +1206,3 @@ class PairCollator:
                 "passage_input_ids": p["input_ids"].view(b, k, lp),
                 "passage_attention_mask": p["attention_mask"].view(b, k, lp),
                 "passage_ids": passage_ids, "relevant_ids": relevant_ids, "layout": Layout(b)}
-
-
-# ==============================================================================================================
-# 7. The vocabulary sweep
-# L_MLM, L_cross and L_self each project hidden states onto the 30K-word vocabulary through the same MLM head. They
-# hand their rows to one VocabSweep per step, which computes them only at the positions a loss uses, all in one pass
-# over the vocabulary, chunk by chunk, never holding the (tokens x V) logits (fused_vocab.py).
-# ==============================================================================================================
-
-
-class VocabSweep:
-    """The vocabulary terms of one training step, computed together (L_MLM, L_cross and L_self register here).
-
-    mlm_loss / cross_fill_loss register cross-entropy terms (hidden rows, target tokens, weight), self_fill_loss a
-    KL term (hidden rows, teacher rows, weight); run() puts every student row through the MLM head's transform
-    once, the teacher rows once without gradient, and computes all terms in one vocab_sweep:
-    -> (sum_k w_k share_k term_k with gradient, {name: share_k term_k, detached}). share_k: the rows' part of the
-    batch's rows when they are a chunk of it (the gradient cache), so that the chunks' totals and values add up to
-    the batch's. Terms are computed in registration order, cross-entropies first (the chunking, hence the
-    floating-point sums, depend on it)."""
-
-    def __init__(self, model: "XPRTModel"):
-        self.model, self.ce, self.kl = model, [], []
-
-    def cross_entropy(self, name: str, hidden: torch.Tensor, targets: torch.Tensor, weight: float, share: float = 1.0):
-        self.ce.append((name, hidden, targets, weight, share))
-
-    def kl_to_teacher(self, name: str, hidden: torch.Tensor, teacher_hidden: torch.Tensor, weight: float,
-                      share: float = 1.0):
-        self.kl.append((name, hidden, teacher_hidden, weight, share))
-
-    def run(self) -> tuple:
-        m = self.model
-        w, b = m.projection()
-        named = self.ce + self.kl
-        rows = [x[1] for x in named]
-        student = m.head_transform(torch.cat(rows) if len(rows) > 1 else rows[0]).split([r.shape[0] for r in rows])
-        with torch.no_grad():
-            teachers = [m.head_transform(t.detach()) for _, _, t, _, _ in self.kl]
-        total, vals = vocab_sweep(w, b, ce=[(s, t, wt * sh) for s, (_, _, t, wt, sh) in zip(student, self.ce)],
-                                  kl=[(s, t, wt * sh) for s, t, (*_, wt, sh) in zip(student[len(self.ce):], teachers,
-                                                                                    self.kl)],
-                                  fused=m.fused_vocab_loss)
-        return total, {name: v * sh for (name, *_, sh), v in zip(named, vals)}

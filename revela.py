@@ -296,9 +296,8 @@ class Revela(Objective):
         g, p, l = ids.shape
         # (G, P, P), on the sentence vectors the start's modules after pooling make, as every similarity term reads
         weights = revela_attention_weights(model.sentence_vectors(vec), self.attn_temperature)
-        loss = revela_loss(self.lm, ids.view(g * p, l), am.view(g * p, l), weights, batch["lm_index"],
-                           batch["lm_targets"]) * batch["layout"].share("lm")
-        return loss, {"revela_loss": loss}
+        return {"revela_loss": batch["layout"].share("lm") * revela_loss(
+            self.lm, ids.view(g * p, l), am.view(g * p, l), weights, batch["lm_index"], batch["lm_targets"])}
 
     def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
         """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the retriever on every

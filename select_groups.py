@@ -40,17 +40,17 @@ import itertools
 import json
 import os
 import re
-import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 import numpy as np
+import regex  # Unicode properties (scripts, sentence terminals), which re lacks; a dependency of transformers
 
-from support import (atomic_path, atomic_write, check_tokenizer_fits, iter_jsonl, iter_parquet, load_post_pooling,
-                     max_seq_length, model_prompts, pick_device_and_dtype, read_max_seq_length, read_pooling,
-                     resolve_model_path, stable_doc_hash)
+from support import (ArgumentParser, UserError, atomic_path, atomic_write, check_model_name, check_tokenizer_fits,
+                     claim_output_folder, iter_jsonl, iter_parquet, load_post_pooling, local_inputs, max_seq_length,
+                     model_prompts, non_negative_int, pick_device_and_dtype, positive_int, read_max_seq_length,
+                     read_pooling, record_outputs, remove_outputs, resolve_model_path, run_script, stable_doc_hash)
 
 # The paper's statistics on 100K FineWeb documents with E5-base-unsupervised (printed beside ours).
 PAPER_FINEWEB_100K = {"documents_with_groups_pct": 99.0, "groups_per_document": 7.0, "passages_covered_pct": 68.0}
@@ -93,6 +93,10 @@ class Selection:
     rrf_weight_e5: float = 2.0
     rrf_weight_tfidf: float = 1.0
     tfidf_features: int = 2**20
+    # how TF-IDF cuts text into terms (tfidf_terms): words, and character bigrams inside unspaced scripts
+    tfidf_terms: str = "script"
+    max_groups_per_document: int = 0  # 0: every anchor makes a group, as in the paper
+    per_script_anchor_share: bool = False
     seed: int = 0
 
     @classmethod
@@ -126,7 +130,8 @@ def _input_flags(g):
     g.add_argument("--dataset_config", default=None, help="Config of --dataset (e.g. sample-10BT).")
     g.add_argument("--dataset_split", default="train",
                    help="Split of --dataset, or of a save_to_disk DatasetDict given to --input.")
-    g.add_argument("--max_docs", type=int, default=0, help="Read at most this many input records (0 = all).")
+    g.add_argument("--max_docs", type=non_negative_int, default=0,
+                   help="Read at most this many input records (0 = all).")
     g.add_argument("--id_field", default="id",
                    help="Field holding the document id. A corpus whose first record has no such field (text only: "
                         "the RetroMAE / FlagEmbedding pre-training format, many Hub corpora) gets row numbers as ids "
@@ -140,7 +145,7 @@ def _input_flags(g):
     g.add_argument("--url_field", default="url", help="Optional field shown in the --inspect report only.")
     g.add_argument("--skip_bad_lines", action="store_true",
                    help="Count and skip bad records (per reason in stats.json) instead of stopping with file:line.")
-    g.add_argument("--max_doc_chars", type=int, default=1_000_000,
+    g.add_argument("--max_doc_chars", type=positive_int, default=1_000_000,
                    help="A longer document is a bad record ('huge_document'): one page should not hold "
                         "millions of characters.")
 
@@ -155,11 +160,11 @@ def _embedding_flags(g):
                         "prefix (its sentence-transformers prompts, else 'passage: ' for an E5 model, else none: "
                         "support.model_prompts, the rule train.py and evaluate.py follow); e5 / none force "
                         "'passage: ' / no prefix. stats.json records the prefix used (passage_prefix).")
-    g.add_argument("--passage_tokens", type=int, default=PAPER.passage_tokens,
+    g.add_argument("--passage_tokens", type=positive_int, default=PAPER.passage_tokens,
                    help="Token budget of one passage (tokenizer of the selection encoder, without special tokens).")
-    g.add_argument("--min_passage_tokens", type=int, default=PAPER.min_passage_tokens,
+    g.add_argument("--min_passage_tokens", type=non_negative_int, default=PAPER.min_passage_tokens,
                    help="A shorter packed passage is merged into a neighbour when that stays within the budget.")
-    g.add_argument("--batch_size", type=int, default=64,
+    g.add_argument("--batch_size", type=positive_int, default=64,
                    help="Passages per embedding batch (batches are sorted by length).")
     g.add_argument("--device", default=None,
                    help="cpu / cuda / cuda:1 (default: this process's GPU if any, else CPU).")
@@ -176,9 +181,9 @@ def _selection_flags(g):
                    help="Instead of a fixed threshold: set it so this share of passages are anchors, from the "
                         "centralities of the first --calibration_docs documents (e.g. 0.6 for another encoder "
                         "or corpus).")
-    g.add_argument("--calibration_docs", type=int, default=PAPER.calibration_docs,
+    g.add_argument("--calibration_docs", type=positive_int, default=PAPER.calibration_docs,
                    help="Documents used by --anchor_share.")
-    g.add_argument("--num_related", type=int, default=PAPER.num_related,
+    g.add_argument("--num_related", type=positive_int, default=PAPER.num_related,
                    help="Related passages per anchor (a document needs num_related + 1 passages to form a group).")
     g.add_argument("--ranking", default=PAPER.ranking, choices=["rrf", "e5", "tfidf", "random"],
                    help="How related passages are ranked (paper Table 3 ablations).")
@@ -188,8 +193,21 @@ def _selection_flags(g):
                    help="Weight of the embedding-cosine rank in RRF.")
     g.add_argument("--rrf_weight_tfidf", type=float, default=PAPER.rrf_weight_tfidf,
                    help="Weight of the TF-IDF rank in RRF.")
-    g.add_argument("--tfidf_features", type=int, default=PAPER.tfidf_features,
+    g.add_argument("--tfidf_features", type=positive_int, default=PAPER.tfidf_features,
                    help="Hashing space of the TF-IDF vectorizer.")
+    g.add_argument("--tfidf_terms", default=PAPER.tfidf_terms, choices=list(TFIDF_TERMS),
+                   help="How TF-IDF cuts text into terms: 'script' = scikit-learn's words, and character bigrams "
+                        "inside runs of scripts written without spaces (Chinese, Japanese, Thai, ...), where a 'word' "
+                        "would be a whole clause; 'words' = scikit-learn's words only (the former rule); 'encoder' = "
+                        "the selection encoder's subword tokens (its unknown token left out). Measured in the README.")
+    g.add_argument("--max_groups_per_document", type=int, default=PAPER.max_groups_per_document,
+                   help="Keep at most N groups of one document (its N most central anchors; 0 = all, as in the "
+                        "paper): one long page can otherwise hold most of the groups, and training masks a document's "
+                        "groups out of each other's negatives. stats.json and the log count what was capped.")
+    g.add_argument("--per_script_anchor_share", action="store_true",
+                   help="With --anchor_share: calibrate one threshold per script (Latin, Cyrillic, Han, ...), so each "
+                        "script of a mixed corpus gets that share of anchors; one threshold can favour one script "
+                        "(stats.json's by_script shows each script's anchor share).")
     g.add_argument("--seed", type=int, default=PAPER.seed,
                    help="Seeds random_passage and --ranking random, per document (same under any sharding).")
 
@@ -200,21 +218,22 @@ def _output_flags(g):
     g.add_argument("--overwrite", action="store_true",
                    help="Replace an existing output folder (otherwise a finished one is refused; an unfinished "
                         "one with the same settings is resumed).")
-    g.add_argument("--chunk_docs", type=int, default=1000,
+    g.add_argument("--chunk_docs", type=positive_int, default=1000,
                    help="Input records per chunk (one parquet file each, none for a chunk without groups); bounds "
                         "memory and the work lost to a crash.")
-    g.add_argument("--inspect", type=int, default=0,
+    g.add_argument("--inspect", type=non_negative_int, default=0,
                    help="Also write inspect.md: every passage of the first N documents with centrality, anchors, "
                         "excluded passages and related scores.")
     g.add_argument("--inspect_only", action="store_true",
                    help="Write only the --inspect report (IDF pass + N documents), no groups: check the filter "
                         "before a long run.")
-    g.add_argument("--inspect_chars", type=int, default=400, help="Characters of each passage shown in the report.")
+    g.add_argument("--inspect_chars", type=positive_int, default=400,
+                   help="Characters of each passage shown in the report.")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _input_flags(p.add_argument_group("input"))
     _embedding_flags(p.add_argument_group("passages and embedding"))
     _selection_flags(p.add_argument_group("selection (paper: threshold 0.825, RRF k = 10 with weights 2 / 1, "
@@ -227,14 +246,16 @@ def parse_args(argv=None):
         p.error("give exactly one of --input (local files) or --dataset (a Hugging Face dataset)")
     if args.passage_tokens < 8 or not 0 <= args.min_passage_tokens < args.passage_tokens:
         p.error("need --passage_tokens >= 8 and 0 <= --min_passage_tokens < --passage_tokens")
-    if args.num_related < 1:
-        p.error("--num_related must be >= 1")
     if args.anchor_share is not None and not 0.0 < args.anchor_share <= 1.0:
         p.error("--anchor_share must be in (0, 1]")
     if args.inspect_only and args.inspect < 1:
         p.error("--inspect_only needs --inspect N with N >= 1")
-    if args.chunk_docs < 1 or args.rrf_k <= 0:
-        p.error("--chunk_docs must be >= 1 and --rrf_k > 0")
+    if args.rrf_k <= 0:
+        p.error("--rrf_k must be > 0")
+    if args.max_groups_per_document < 0:
+        p.error("--max_groups_per_document must be >= 0 (0 = no cap)")
+    if args.per_script_anchor_share and args.anchor_share is None:
+        p.error("--per_script_anchor_share needs --anchor_share")
     return args
 
 
@@ -242,7 +263,7 @@ def parse_args(argv=None):
 # 1. Reading: every input record gets a global index and a "file:line" so errors can name it.
 # ----------------------------------------------------------------------------------------------
 
-class BadInput(ValueError):
+class BadInput(UserError):
     """A bad input record when --skip_bad_lines is off."""
 
 
@@ -257,10 +278,11 @@ def is_saved_dataset(path) -> bool:
         os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(os.path.join(path, "dataset_info.json"))))
 
 
-def input_files(patterns):
+def input_files(patterns, skipped=None):
     """The inputs of --input in order: files, and save_to_disk folders (is_saved_dataset) as one input each. A
     folder gives, sorted, every INPUT_SUFFIXES file and every saved dataset under it (a saved dataset's own .json
-    files are its metadata, not records)."""
+    files are its metadata, not records); `skipped`, a list, receives the other files of such a folder (a .csv, a
+    .txt: not a format read), so that they can be named."""
     files = []
     for pat in patterns:
         found = []
@@ -276,12 +298,15 @@ def input_files(patterns):
                 dirs[:] = [d for d in dirs if not d.startswith(".")]
                 found += [os.path.join(root, n) for n in names if n.endswith(INPUT_SUFFIXES)
                           and not n.startswith(".")]
+                if skipped is not None:
+                    skipped += [os.path.join(root, n) for n in sorted(names)
+                                if not n.endswith(INPUT_SUFFIXES) and not n.startswith(".")]
             found.sort()
         else:
             found = sorted(glob.glob(pat)) or ([pat] if os.path.exists(pat) else [])
         if not found:
-            raise FileNotFoundError(f"--input {pat!r}: no such file (or no {'/'.join(INPUT_SUFFIXES)} file or "
-                                    "datasets save_to_disk folder in that folder)")
+            raise UserError(f"--input {pat!r}: no such file (or no {'/'.join(INPUT_SUFFIXES)} file or "
+                            "datasets save_to_disk folder in that folder)")
         files += found
     return files
 
@@ -485,7 +510,22 @@ def first_valid_records(args, n):
 # 2. Passages: paragraph-aware packing under a token budget (our rule; the paper gives none).
 # ----------------------------------------------------------------------------------------------
 
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+def _wide_sentence_terminals() -> str:
+    """Unicode's sentence terminals (property Sentence_Terminal) of full or wide width: 。！？ and the like, which
+    Chinese and Japanese write with no space after them."""
+    import unicodedata
+
+    stop = regex.compile(r"\p{Sentence_Terminal}")
+    return "".join(c for c in map(chr, range(0x3000, 0x10000))
+                   if stop.match(c) and unicodedata.east_asian_width(c) in ("W", "F"))
+
+
+# A sentence ends after any script's terminal (Unicode Sentence_Terminal: . ! ? 。 ！ ？ । ؟ ። ...), with the closing
+# quotes and brackets that follow it, where a space follows; after a wide terminal (。！？) also where none does.
+# "3.14" and "e.g.x" are not cut.
+_CLOSERS = r"[\p{Pe}\p{Pf}\"']*"
+_SENTENCE_END = regex.compile(rf"(?<=\p{{Sentence_Terminal}}{_CLOSERS})\s+"
+                              rf"|(?<=[{_wide_sentence_terminals()}]{_CLOSERS})(?![\s\p{{Pe}}\p{{Pf}}\"'])")
 
 
 def _token_counts(tokenizer, texts):
@@ -497,7 +537,7 @@ def _token_counts(tokenizer, texts):
 
 def _cut_long(para, tokenizer, max_tokens):
     """A paragraph over the budget -> sentences, and over-long sentences -> token windows."""
-    sents = [s for s in _SENTENCE_END.split(para) if s]
+    sents = [s.strip() for s in _SENTENCE_END.split(para) if s.strip()]
     res = []
     for s, n in zip(sents, _token_counts(tokenizer, sents)):
         if n <= max_tokens:
@@ -552,7 +592,13 @@ def _pack(pieces, max_tokens, min_tokens):
     return [_join_parts(parts) for parts, _ in packs]
 
 
-def split_passages(texts, tokenizer, max_tokens=128, min_tokens=16):
+def unknown_tokens(tokenizer, ids) -> int:
+    """How many of these token ids are the tokenizer's unknown token (0 for a byte-level tokenizer, which has none)."""
+    unk = tokenizer.unk_token_id
+    return 0 if unk is None else sum(x.count(unk) for x in ids)
+
+
+def split_passages(texts, tokenizer, max_tokens=128, min_tokens=16, tokens=None):
     """Documents -> lists of passages, each at most `max_tokens` tokens of `tokenizer` (no specials).
 
     Rule: paragraphs are the non-empty lines (whitespace collapsed). A paragraph over the budget is
@@ -561,11 +607,20 @@ def split_passages(texts, tokenizer, max_tokens=128, min_tokens=16):
     so a paragraph is split only when it alone exceeds the budget. A passage under `min_tokens`
     (a lone heading, a "Share this" line) is merged into the shorter neighbour it fits into;
     otherwise it stays. Pieces of one paragraph are joined by a space, paragraphs by a newline.
+    tokens: a list that gets, per document, (tokens, unknown tokens) of its text (the encoder's vocabulary coverage).
     """
     paras = [[" ".join(line.split()) for line in t.split("\n")] for t in texts]
     paras = [[p for p in ps if p] for ps in paras]
     # One batched call for the whole chunk: the fast tokenizer runs in Rust, in parallel.
-    lengths = iter(_token_counts(tokenizer, [p for ps in paras for p in ps]))
+    flat = [p for ps in paras for p in ps]
+    ids = tokenizer(flat, add_special_tokens=False, verbose=False)["input_ids"] if flat else []
+    lengths = iter([len(x) for x in ids])
+    if tokens is not None:
+        pos = 0
+        for ps in paras:
+            doc = ids[pos:pos + len(ps)]
+            tokens.append((sum(len(x) for x in doc), unknown_tokens(tokenizer, doc)))
+            pos += len(ps)
     out = []
     for ps in paras:
         pieces = []  # (text, tokens, paragraph number)
@@ -652,6 +707,48 @@ def derived_rng(seed, doc_id, salt):
 # 4. Corpus-level TF-IDF: IDF from document frequencies over the whole corpus, streamed.
 # ----------------------------------------------------------------------------------------------
 
+# Scripts written without spaces between words: a run of them is one "word" to a space- or \w-based tokenizer, a
+# whole clause, which shares no term with any other passage. Unicode's script property names them, not a list of
+# code points.
+_UNSPACED = r"\p{Han}\p{Hiragana}\p{Katakana}\p{Thai}\p{Lao}\p{Khmer}\p{Myanmar}\p{Tibetan}"
+_UNSPACED_RUN = regex.compile(rf"[{_UNSPACED}\u30fc]+")  # ー (prolonged sound mark) is Common, inside katakana words
+_WORD = re.compile(r"(?u)\b\w\w+\b")  # scikit-learn's token_pattern
+
+
+def script_terms(text: str) -> list:
+    """TF-IDF terms of any script (--tfidf_terms script): scikit-learn's words (lowercased, 2+ word characters) in
+    spaced scripts, and the character bigrams of each run of an unspaced script (a lone character as itself), as
+    Lucene's CJK bigram filter does. Text without unspaced characters gets exactly scikit-learn's terms.
+    '数学是一门学科' -> 数学 学是 是一 一门 门学 学科."""
+    text = text.lower()
+    runs = _UNSPACED_RUN.findall(text)
+    terms = _WORD.findall(_UNSPACED_RUN.sub(" ", text) if runs else text)
+    for r in runs:
+        terms += [r] if len(r) == 1 else [r[i:i + 2] for i in range(len(r) - 1)]
+    return terms
+
+
+class EncoderTerms:
+    """TF-IDF terms = the selection encoder's subword tokens (--tfidf_terms encoder), its unknown token left out (a
+    term every unknown word would share)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list:
+        unk = self.tokenizer.unk_token
+        return [t for t in self.tokenizer.tokenize(text.lower()) if t != unk]
+
+
+TFIDF_TERMS = {"script": "words, and character bigrams in unspaced scripts", "words": "scikit-learn's words",
+               "encoder": "the selection encoder's subword tokens"}
+
+
+def tfidf_analyzer(terms: str, tokenizer=None):
+    """The HashingVectorizer analyzer of --tfidf_terms (None: scikit-learn's own word analyzer)."""
+    return {"script": script_terms, "words": None, "encoder": EncoderTerms(tokenizer) if tokenizer else None}[terms]
+
+
 class CorpusTfidf:
     """scikit-learn's TF-IDF with the IDF fitted on the corpus, not per document, in bounded memory.
 
@@ -661,10 +758,12 @@ class CorpusTfidf:
     L2-normalised, so the dot product of two passages is their TF-IDF cosine.
     """
 
-    def __init__(self, n_features=2**20):
+    def __init__(self, n_features=2**20, analyzer=None):
         from sklearn.feature_extraction.text import HashingVectorizer
 
-        self.vec = HashingVectorizer(n_features=n_features, alternate_sign=False, norm=None)
+        # analyzer: text -> terms (tfidf_analyzer); None: scikit-learn's words
+        self.vec = HashingVectorizer(n_features=n_features, alternate_sign=False, norm=None,
+                                     **({"analyzer": analyzer} if analyzer is not None else {}))
         self.df = np.zeros(n_features, dtype=np.int64)
         self.n_docs = 0
         self.idf = None
@@ -717,6 +816,29 @@ def group_schema():
     ])
 
 
+_LETTER = regex.compile(r"\p{L}")
+
+
+def dominant_script(text: str, sample_chars: int = 4000) -> str:
+    """The Unicode script of most letters in the document's first `sample_chars` characters (Latin, Cyrillic, Han,
+    Arabic, ...; kana with Han is 'Japanese', Hangul with Han 'Korean'): what the per-script report and
+    --per_script_anchor_share group documents by. A script, not a language: German and English are both Latin."""
+    import unicodedata
+
+    counts = {}
+    for c in _LETTER.findall(text[:sample_chars]):
+        name = unicodedata.name(c, "")
+        script = name.split(" ")[0] if name else "?"
+        script = {"CJK": "Han", "HIRAGANA": "Japanese", "KATAKANA": "Japanese", "HANGUL": "Korean"}.get(
+            script, script.title())
+        counts[script] = counts.get(script, 0) + 1
+    if not counts:
+        return "none"
+    if counts.get("Japanese", 0) >= 0.1 * sum(counts.values()):  # kana among Han: Japanese
+        return "Japanese"
+    return max(counts, key=counts.get)
+
+
 @dataclass
 class DocResult:
     doc: Doc
@@ -725,6 +847,9 @@ class DocResult:
     groups: list = field(default_factory=list)
     status: str = ""  # "groups", "too_few_passages", "no_anchor"
     repeats: dict = field(default_factory=dict)  # document_groups' repeat counters
+    script: str = ""  # dominant_script of the text
+    tokens: tuple = (0, 0)  # (tokens, unknown tokens) of the text under the selection encoder's tokenizer
+    threshold: float = 0.0  # the centrality threshold its anchors met
 
 
 def document_groups(doc_id, passages, vectors, cent, tfidf, threshold, sel: Selection):
@@ -736,14 +861,19 @@ def document_groups(doc_id, passages, vectors, cent, tfidf, threshold, sel: Sele
     "no_anchor". A passage with the anchor's exact text (whitespace aside: a page that repeats a block) is never
     its related or random passage: the pair would teach nothing (cosine 1.0) and the fill-in would be a copy.
     repeats: {"repeat_pairs_excluded": such (anchor, passage) pairs, "anchors_without_distinct_related": anchors
-    left with fewer than num_related other passages, so without a group}.
+    left with fewer than num_related other passages, so without a group, "groups_capped": anchors left out by
+    sel.max_groups_per_document (the least central)}.
     """
-    repeats = {"repeat_pairs_excluded": 0, "anchors_without_distinct_related": 0}
+    repeats = {"repeat_pairs_excluded": 0, "anchors_without_distinct_related": 0, "groups_capped": 0}
     if len(passages) < sel.num_related + 1:
         return "too_few_passages", [], repeats
     anchors = np.flatnonzero(cent >= threshold)
     if len(anchors) == 0:
         return "no_anchor", [], repeats
+    if sel.max_groups_per_document and len(anchors) > sel.max_groups_per_document:
+        # the most central anchors, in passage order (--max_groups_per_document); counted in stats.json
+        repeats["groups_capped"] = len(anchors) - sel.max_groups_per_document
+        anchors = np.sort(anchors[np.argsort(-cent[anchors], kind="stable")[: sel.max_groups_per_document]])
     cos = vectors @ vectors.T  # (P, P) cosines: vectors are unit length
     tf = tfidf.cosines(passages)  # (P, P)
     rank_rng = derived_rng(sel.seed, doc_id, "ranking")
@@ -807,16 +937,20 @@ def embed_passages(encoder: Encoder, texts, prefix: str, show_progress: bool = F
 def select_documents(docs, encoder: Encoder, tfidf, threshold, sel: Selection, *, desc="embedding",
                      show_progress=False):
     """Passages, centralities and groups of `docs` (valid Docs). Returns one DocResult per doc."""
-    passages = split_passages([d.text for d in docs], encoder.tokenizer, sel.passage_tokens, sel.min_passage_tokens)
+    tokens = []
+    passages = split_passages([d.text for d in docs], encoder.tokenizer, sel.passage_tokens, sel.min_passage_tokens,
+                              tokens)
     flat = [p for ps in passages for p in ps]
     # One embedding call per chunk: length sorting works across documents, so batches stay full.
     vecs = embed_passages(encoder, flat, sel.passage_prefix, show_progress, desc).numpy()
     results, pos = [], 0
-    for d, ps in zip(docs, passages):
+    for d, ps, tok in zip(docs, passages, tokens):
         v = vecs[pos : pos + len(ps)].astype(np.float64)  # (P, H)
         pos += len(ps)
-        r = DocResult(d, ps, centrality(v) if len(ps) else np.zeros(0))
-        r.status, r.groups, r.repeats = document_groups(d.doc_id, ps, v, r.centrality, tfidf, threshold, sel)
+        r = DocResult(d, ps, centrality(v) if len(ps) else np.zeros(0), script=dominant_script(d.text), tokens=tok)
+        # threshold: one number, or {script: number} with "*" for the rest (--per_script_anchor_share)
+        r.threshold = threshold.get(r.script, threshold["*"]) if isinstance(threshold, dict) else threshold
+        r.status, r.groups, r.repeats = document_groups(d.doc_id, ps, v, r.centrality, tfidf, r.threshold, sel)
         results.append(r)
     return results
 
@@ -829,7 +963,11 @@ def empty_counts():
     return {"records": 0, "valid": 0, "skipped": {}, "with_groups": 0, "too_few_passages": 0, "no_anchor": 0,
             "groups": 0, "passages": 0, "covered": 0, "anchors": 0, "above_threshold": 0,
             "centrality_hist": [0] * HIST_BINS, "repeat_pairs_excluded": 0, "anchors_without_distinct_related": 0,
-            "html_documents": 0}
+            "html_documents": 0, "groups_capped": 0, "documents_capped": 0, "most_groups_one_document": 0,
+            "tokens": 0, "unknown_tokens": 0, "by_script": {}}
+
+
+SCRIPT_COUNTS = ("documents", "passages", "anchors", "groups", "tokens", "unknown_tokens")
 
 
 # Markup a web page's raw HTML holds and extracted text does not: a document with several such tags was not
@@ -844,9 +982,17 @@ def looks_like_html(text: str, min_tags: int = 3) -> bool:
     return sum(1 for _ in itertools.islice(_HTML_TAG.finditer(text), min_tags)) >= min_tags
 
 
-def count_results(counts, results, threshold):
+def count_results(counts, results):
     for r in results:
-        counts["above_threshold"] += int((r.centrality >= threshold).sum())
+        counts["above_threshold"] += int((r.centrality >= r.threshold).sum())
+        by = counts["by_script"].setdefault(r.script, dict.fromkeys(SCRIPT_COUNTS, 0))
+        for k, v in zip(SCRIPT_COUNTS, (1, len(r.passages), int((r.centrality >= r.threshold).sum()), len(r.groups),
+                                        *r.tokens)):
+            by[k] += v
+        counts["tokens"] += r.tokens[0]
+        counts["unknown_tokens"] += r.tokens[1]
+        counts["documents_capped"] += r.repeats.get("groups_capped", 0) > 0
+        counts["most_groups_one_document"] = max(counts["most_groups_one_document"], len(r.groups))
         counts["valid"] += 1
         counts["passages"] += len(r.passages)
         counts[STATUS_KEY[r.status]] += 1
@@ -871,6 +1017,13 @@ def sum_counts(chunk_counts):
                     total["skipped"][r] = total["skipped"].get(r, 0) + n
             elif k == "centrality_hist":
                 total[k] = [a + b for a, b in zip(total[k], v)]
+            elif k == "by_script":
+                for script, c in v.items():
+                    t = total[k].setdefault(script, dict.fromkeys(SCRIPT_COUNTS, 0))
+                    for name, n in c.items():
+                        t[name] += n
+            elif k == "most_groups_one_document":
+                total[k] = max(total[k], v)
             elif k in total:
                 total[k] += v
     return total
@@ -882,6 +1035,13 @@ def _pct(a, b):
 
 def _ratio(a, b):
     return round(a / b, 3) if b else 0.0
+
+
+def threshold_text(threshold) -> str:
+    """A threshold as the log prints it: one number, or the corpus's with each script's (--per_script_anchor_share)."""
+    if not isinstance(threshold, dict):
+        return f"{threshold:.4f}"
+    return f"{threshold['*']:.4f} (" + ", ".join(f"{k} {v:.4f}" for k, v in threshold.items() if k != "*") + ")"
 
 
 def summary_stats(total, threshold, source):
@@ -913,16 +1073,43 @@ def summary_stats(total, threshold, source):
         "repeat_pairs_excluded": total.get("repeat_pairs_excluded", 0),
         "anchors_without_distinct_related": total.get("anchors_without_distinct_related", 0),
         "documents_with_html": total.get("html_documents", 0),
+        # --max_groups_per_document: anchors left out (the least central of their document) and their documents
+        "groups_capped": total.get("groups_capped", 0),
+        "documents_capped": total.get("documents_capped", 0),
+        "most_groups_one_document": total.get("most_groups_one_document", 0),
+        # the selection encoder's vocabulary on this corpus: a high share means it reads much of it as one token
+        "tokens": total.get("tokens", 0),
+        "unknown_token_pct": _pct(total.get("unknown_tokens", 0), total.get("tokens", 0)),
+        # per dominant script of a document: one threshold can give scripts very different anchor shares
+        "by_script": {k: {**v, "anchor_share_pct": _pct(v["anchors"], v["passages"]),
+                          "unknown_token_pct": _pct(v["unknown_tokens"], v["tokens"])}
+                      for k, v in sorted(total.get("by_script", {}).items(), key=lambda kv: -kv[1]["documents"])},
         "passages_covered": total["covered"],
         "passages_covered_pct": _pct(total["covered"], total["passages"]),
         "anchor_share_pct": _pct(total["anchors"], total["passages"]),
         # passages with centrality >= threshold, including those of documents too short to form a group
         "passages_above_threshold_pct": _pct(total["above_threshold"], total["passages"]),
-        "centrality_threshold": threshold,
+        "centrality_threshold": threshold["*"] if isinstance(threshold, dict) else threshold,
+        "centrality_threshold_by_script": threshold if isinstance(threshold, dict) else None,
         "threshold_source": source,
         "anchor_share_pct_at_threshold": share_at,
         "centrality_histogram": {"bin_edges": [round(e, 3) for e in edges], "counts": total["centrality_hist"]},
     }
+
+
+UNKNOWN_TOKEN_WARN_PCT = 5.0  # above this share of [UNK] tokens the encoder cannot read the corpus
+
+
+def unknown_token_warning(pct: float, model: str, by_script=None) -> list:
+    """The log's warning when the selection encoder reads more than UNKNOWN_TOKEN_WARN_PCT of the corpus's tokens as
+    its unknown token: their passages' vectors, so the centralities and the related ranks, carry little of the text."""
+    if pct <= UNKNOWN_TOKEN_WARN_PCT:
+        return []
+    worst = ", ".join(f"{k} {v['unknown_token_pct']:.1f}%" for k, v in (by_script or {}).items()
+                      if v["unknown_token_pct"] > UNKNOWN_TOKEN_WARN_PCT)
+    return [f"warning: {model} reads {pct:.1f}% of this corpus's tokens as its unknown token"
+            + (f" ({worst})" if worst else "") + ": its vocabulary does not cover the corpus's script; choose an "
+            "encoder that does (e.g. intfloat/multilingual-e5-base) with --model_name_or_path"]
 
 
 def format_stats(s):
@@ -931,7 +1118,8 @@ def format_stats(s):
     lines = [
         f"documents read {s['documents_read']:,}: valid {s['documents_valid']:,}, "
         f"skipped {s['documents_skipped']:,} { skipped or ''}",
-        f"centrality threshold {s['centrality_threshold']:.4f} ({s['threshold_source']}); "
+        f"centrality threshold {threshold_text(s['centrality_threshold_by_script'] or s['centrality_threshold'])} "
+        f"({s['threshold_source']}); "
         f"anchors {s['anchor_share_pct']}% of passages",
         f"{'':34s}{'this run':>12s}{'paper (FineWeb-100K, E5)':>28s}",
         f"{'documents with >= 1 group':34s}{s['documents_with_groups_pct']:>11.1f}%"
@@ -945,6 +1133,25 @@ def format_stats(s):
     if s.get("repeat_pairs_excluded"):
         lines.append(f"repeated blocks: {s['repeat_pairs_excluded']:,} (anchor, exact copy) pairs kept out of the "
                      f"groups; {s['anchors_without_distinct_related']:,} anchors had too few other passages")
+    if s.get("groups_capped"):
+        lines.append(f"--max_groups_per_document {s['max_groups_per_document']}: {s['groups_capped']:,} groups of "
+                     f"{s['documents_capped']:,} documents left out (their least central anchors)")
+    if s["groups"] and s.get("most_groups_one_document", 0) > 0.25 * s["groups"]:
+        lines.append(f"warning: one document holds {s['most_groups_one_document']:,} of the {s['groups']:,} groups: "
+                     "training masks a document's groups out of each other's negatives, so batches of it teach L_xp "
+                     "nothing; pass --max_groups_per_document (train.py also caps a document's groups per batch)")
+    scripts = s.get("by_script", {})
+    if len(scripts) > 1:
+        lines.append("per script (of each document's letters; --per_script_anchor_share: one threshold each):")
+        lines += [f"  {k:12s} {v['documents']:>7,} documents {v['passages']:>9,} passages {v['groups']:>8,} groups, "
+                  f"anchors {v['anchor_share_pct']:5.1f}% of passages, unknown tokens {v['unknown_token_pct']:.1f}%"
+                  for k, v in scripts.items()]
+        shares = [v["anchor_share_pct"] for v in scripts.values() if v["documents"] >= 10]
+        if len(shares) > 1 and max(shares) > 2 * max(min(shares), 0.1):
+            lines.append("warning: the scripts' anchor shares differ by more than 2x under one threshold: centrality "
+                         "depends on the script and the encoder; --anchor_share with --per_script_anchor_share gives "
+                         "each script the same share")
+    lines += unknown_token_warning(s.get("unknown_token_pct", 0.0), s["model_name_or_path"], s.get("by_script"))
     if s.get("documents_with_html"):
         lines.append(f"warning: {s['documents_with_html']:,} documents hold raw HTML tags, which went into their "
                      "passages as text: extract the text first (e.g. trafilatura)")
@@ -960,7 +1167,8 @@ def inspect_markdown(results, *, threshold, source, model_name, ranking, max_cha
     n_p = sum(len(r.passages) for r in results)
     n_a = sum(len(r.groups) for r in results)
     out = [f"# Group selection report: {len(results)} documents", "",
-           f"Encoder `{model_name}`, ranking `{ranking}`, centrality threshold **{threshold:.4f}** ({source}). "
+           f"Encoder `{model_name}`, ranking `{ranking}`, centrality threshold **{threshold_text(threshold)}** "
+           f"({source}). "
            f"{n_p} passages, {n_a} anchors ({100 * n_a / max(n_p, 1):.1f}%). Roles: **ANCHOR** (centrality >= "
            "threshold), *related* (in some anchor's top related), ~~excluded~~ (in no group). Look for "
            "navigation, footers and boilerplate among the excluded and body text among the anchors.", ""]
@@ -1003,32 +1211,46 @@ def run_config(args, sel: Selection):
     return {**{k: getattr(args, k) for k in RECORD_FLAGS}, **asdict(sel)}
 
 
+# What select_groups.py writes in --output_dir (support.claim_output_folder: nothing else there is ever removed)
+SELECTION_OUTPUTS = ("stats.json", "inspect.md", "groups-*.parquet", f"{META_DIR}/run_config.json",
+                     f"{META_DIR}/chunk-*.json", f"{META_DIR}/df-r*-w*.npz", f"{META_DIR}/calibration.json")
+
+
 def prepare_selection_dir(args, sel: Selection, state):
-    """Make --output_dir ready for this run: refuse a finished output unless --overwrite; resume an unfinished one
-    only when run_config matches (its finished chunks are then reused); otherwise start it afresh. Leftover
-    temporaries of a crash are removed. (train.py / finetune.py have support.prepare_output_dir, for run folders.)"""
+    """Make --output_dir ready for this run, deleting nothing select_groups.py did not write there: inputs kept out
+    of it and the folder checked for writing before any work (support.claim_output_folder). A finished selection is
+    refused unless --overwrite; an unfinished one is resumed only when run_config matches (its finished chunks are
+    then reused); otherwise this script's own outputs are replaced, stats.json first (train.py reads a folder only
+    once stats.json says it is finished), and a stranger's files are left. Leftover temporaries of a crash go too.
+    (train.py / finetune.py have support.prepare_output_dir, for run folders.)"""
     out, meta = args.output_dir, os.path.join(args.output_dir, META_DIR)
     cfg_path = os.path.join(meta, "run_config.json")
     config = run_config(args, sel)
+    inputs = local_inputs(input=[*args.input, *input_files(args.input)] if args.input else [],
+                          model_name_or_path=args.model_name_or_path)
+    previous = claim_output_folder(out, "select_groups.py", SELECTION_OUTPUTS, inputs)
     finished = os.path.exists(os.path.join(out, "stats.json"))
-    fresh = args.overwrite or not os.path.exists(out) or not os.listdir(out)
+    fresh = args.overwrite or not previous
     if not fresh:
         if finished:
-            raise FileExistsError(f"{out} holds a finished run (stats.json): pass --overwrite to replace it, "
-                                  "or choose another --output_dir")
+            raise UserError(f"{out} holds a finished selection (stats.json): pass --overwrite to replace it (only "
+                            "select_groups.py's own outputs are removed), or choose another --output_dir")
         # compared as saved, through JSON (a tuple field would come back a list)
         old = json.load(open(cfg_path)) if os.path.exists(cfg_path) else None
-        if old != json.loads(json.dumps(config)):
-            raise FileExistsError(f"{out} exists and was not made by this exact command (see {cfg_path}): "
-                                  "pass --overwrite or another --output_dir")
+        if old is not None and old != json.loads(json.dumps(config)):
+            changed = sorted(k for k in set(old) | set(config) if old.get(k) != json.loads(json.dumps(config)).get(k))
+            raise UserError(f"{out} holds an unfinished selection made with other settings ({', '.join(changed)} "
+                            f"differ; {cfg_path}): rerun that command to finish it, pass --overwrite to replace it, "
+                            "or choose another --output_dir")
+        fresh = old is None  # killed before its settings were written: nothing to resume
     state.wait_for_everyone()  # every process checked before process 0 changes anything
     if state.is_main_process:
-        if fresh and os.path.exists(out):
-            shutil.rmtree(out)
+        record_outputs(out, "select_groups.py", SELECTION_OUTPUTS)
+        if fresh:  # stats.json first: the folder stops being a finished selection before its shards go
+            remove_outputs(out, "select_groups.py", sorted(previous, key=lambda p: p.name != "stats.json"))
+        else:
+            remove_outputs(out, "select_groups.py", [])  # the '.tmp-' leftovers of a crash mid-write
         os.makedirs(meta, exist_ok=True)
-        for f in os.listdir(out) + [os.path.join(META_DIR, f) for f in os.listdir(meta)]:
-            if os.path.basename(f).startswith(".tmp-"):
-                os.remove(os.path.join(out, f))  # leftovers of a crash mid-write
         if fresh:
             atomic_write(cfg_path, json.dumps(config, indent=1))
         else:
@@ -1072,10 +1294,16 @@ def calibrate_threshold(args, sel: Selection, state, encoder, tfidf):
         res = select_documents(docs, encoder, tfidf, 1.0, sel, desc="calibration", show_progress=True)
         c = np.concatenate([r.centrality for r in res])
         thr = anchor_share_threshold(c, sel.anchor_share, default=sel.centrality_threshold)
-        atomic_write(path, json.dumps({"threshold": thr, "passages": int(len(c)), "documents": len(docs)}))
+        cal = {"threshold": thr, "passages": int(len(c)), "documents": len(docs)}
+        if sel.per_script_anchor_share:  # one quantile per script; "*": the corpus's, for scripts not seen here
+            scripts = sorted({r.script for r in res})
+            cal["threshold"] = {"*": thr, **{k: anchor_share_threshold(
+                np.concatenate([r.centrality for r in res if r.script == k]), sel.anchor_share, thr) for k in scripts}}
+        atomic_write(path, json.dumps(cal))
     state.wait_for_everyone()
     cal = json.load(open(path))
-    source = f"--anchor_share {sel.anchor_share} over {cal['documents']} documents ({cal['passages']} passages)"
+    source = (f"--anchor_share {sel.anchor_share}{' per script' if sel.per_script_anchor_share else ''} over "
+              f"{cal['documents']} documents ({cal['passages']} passages)")
     return cal["threshold"], source
 
 
@@ -1088,7 +1316,7 @@ def select_chunk(args, sel: Selection, c, recs, encoder, tfidf, threshold):
             counts["skipped"][d.skip] = counts["skipped"].get(d.skip, 0) + 1
     res = select_documents([d for d in recs if not d.skip], encoder, tfidf, threshold, sel,
                            desc=f"embedding chunk {c}", show_progress=False)
-    count_results(counts, res, threshold)
+    count_results(counts, res)
     rows = [g for r in res for g in r.groups]
     if rows:
         write_group_shard(os.path.join(args.output_dir, f"groups-{c:06d}.parquet"), rows)
@@ -1112,6 +1340,24 @@ def selection_pass(args, sel: Selection, state, encoder, tfidf, threshold):
     bar.close()
 
 
+def no_groups_reason(s) -> str:
+    """Why a selection found no group, read off its stats.json counts, and which flag to change."""
+    need = s["num_related"] + 1
+    if not s["documents_valid"]:
+        return (f"none of the {s['documents_read']:,} records read is a valid document (skipped: "
+                f"{ {k: v for k, v in s['documents_skipped_by_reason'].items() if v} })")
+    if s["documents_too_few_passages"] == s["documents_valid"]:
+        return (f"each of the {s['documents_valid']:,} documents splits into fewer than {need} passages (a group is an "
+                f"anchor and --num_related {s['num_related']} others): give longer documents, or lower "
+                "--passage_tokens or --num_related")
+    hist = s["centrality_histogram"]
+    top = max((hist["bin_edges"][i + 1] for i, c in enumerate(hist["counts"]) if c), default=0.0)
+    return (f"{s['documents_too_few_passages']:,} documents split into fewer than {need} passages and "
+            f"{s['documents_no_anchor']:,} have no passage with centrality >= {s['centrality_threshold']:.4f} "
+            f"({s['threshold_source']}; every centrality is below {top:.3f}): lower --centrality_threshold, or set "
+            "--anchor_share")
+
+
 def merge_stats(args, sel: Selection, threshold, source, state, wall):
     """stats.json: the chunks' counters summed, with the paper's numbers and the settings beside them."""
     meta = os.path.join(args.output_dir, META_DIR)
@@ -1132,12 +1378,16 @@ def merge_stats(args, sel: Selection, threshold, source, state, wall):
         "rrf_weights": [sel.rrf_weight_e5, sel.rrf_weight_tfidf],
         "passage_tokens": sel.passage_tokens,
         "min_passage_tokens": sel.min_passage_tokens,
+        "tfidf_terms": f"{sel.tfidf_terms}: {TFIDF_TERMS[sel.tfidf_terms]}",
+        "max_groups_per_document": sel.max_groups_per_document,
         "idf": "corpus-level: document frequencies of every valid document (HashingVectorizer, smooth idf)",
         "seed": sel.seed,
         "world_size": state.num_processes,
         "chunks": len(files),
         "wall_seconds": round(wall, 1),
     })
+    if not stats["groups"]:
+        stats["no_groups_reason"] = no_groups_reason(stats)
     atomic_write(os.path.join(args.output_dir, "stats.json"), json.dumps(stats, indent=1))
     return stats
 
@@ -1162,7 +1412,7 @@ def load_selection_encoder(args, sel: Selection, state) -> Encoder:
     path = resolve_model_path(sel.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     if not tokenizer.is_fast:
-        raise ValueError(f"{path}: selection needs a fast tokenizer (offsets) to cut long paragraphs")
+        raise UserError(f"{path}: selection needs a fast tokenizer (offsets) to cut long paragraphs")
     model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=args.trust_remote_code)
     check_tokenizer_fits(tokenizer, model.config, sel.model_name_or_path)
     model = model.to(device).eval()
@@ -1185,8 +1435,20 @@ def load_selection_encoder(args, sel: Selection, state) -> Encoder:
     return encoder
 
 
+def first_documents_unknown_tokens(args, encoder: Encoder, model_name: str, n_docs: int = 200) -> list:
+    """The unknown-token warning (unknown_token_warning) from the first `n_docs` documents, said before the long
+    passes; stats.json and the closing log count every document."""
+    tokens = []
+    docs = first_valid_records(args, n_docs)
+    split_passages([d.text for d in docs], encoder.tokenizer, 1 << 30, 0, tokens)  # counts only: no cutting
+    total, unknown = sum(t for t, _ in tokens), sum(u for _, u in tokens)
+    return [line.replace("this corpus's tokens", f"the tokens of the first {len(docs)} documents")
+            for line in unknown_token_warning(_pct(unknown, total), model_name)]
+
+
 def main(argv=None):
     args = parse_args(argv)
+    check_model_name(args.model_name_or_path, "--model_name_or_path")  # before anything loads
     sel = Selection.from_args(args)  # the one object every selecting function reads its settings from
     import torch
     from accelerate import PartialState
@@ -1196,6 +1458,11 @@ def main(argv=None):
     # cpu=True is what makes accelerate see several CPU processes instead of one process each.
     state = PartialState(cpu=not torch.cuda.is_available() or (args.device or "").startswith("cpu"))
     prepare_selection_dir(args, sel, state)
+    skipped = []
+    input_files(args.input, skipped)
+    if skipped:  # a folder of mixed formats: what is not read is said, not silently left out
+        state.print(f"--input: {len(skipped)} file(s) of a format not read ({'/'.join(INPUT_SUFFIXES)} are), skipped: "
+                    f"{', '.join(skipped[:10])}{' ...' if len(skipped) > 10 else ''}")
     encoder = load_selection_encoder(args, sel, state)
     state.print(f"document ids: {doc_id_source(args)}; text: {args.text_field!r}"
                 + (f"; title: {args.title_field!r}, joined as the first line where a record has one" if args.title_field
@@ -1205,9 +1472,12 @@ def main(argv=None):
         state.print(f"input fields not used: {unused} (--id_field, --text_field, --title_field and --url_field "
                     "name the fields read)")
 
-    tfidf = document_frequency_pass(args, state, CorpusTfidf(sel.tfidf_features))
+    analyzer = tfidf_analyzer(sel.tfidf_terms, encoder.tokenizer)
+    for line in first_documents_unknown_tokens(args, encoder, sel.model_name_or_path):  # before the long passes
+        state.print(line)
+    tfidf = document_frequency_pass(args, state, CorpusTfidf(sel.tfidf_features, analyzer))
     threshold, source = calibrate_threshold(args, sel, state, encoder, tfidf)
-    state.print(f"IDF over {tfidf.n_docs:,} documents; centrality threshold {threshold:.4f} ({source})")
+    state.print(f"IDF over {tfidf.n_docs:,} documents; centrality threshold {threshold_text(threshold)} ({source})")
 
     if not args.inspect_only:
         selection_pass(args, sel, state, encoder, tfidf, threshold)
@@ -1216,6 +1486,8 @@ def main(argv=None):
         if not args.inspect_only:
             stats = merge_stats(args, sel, threshold, source, state, time.time() - t0)
             print(format_stats(stats))
+            if not stats["groups"]:
+                raise UserError(f"no groups in {args.output_dir}: {stats['no_groups_reason']}")
             shards = sum(f.endswith(".parquet") for f in os.listdir(args.output_dir))
             print(f"groups: {args.output_dir} ({stats['groups']:,} rows in {shards} parquet shards)")
         if args.inspect:
@@ -1224,8 +1496,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (BadInput, FileExistsError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main)

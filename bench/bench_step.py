@@ -36,9 +36,11 @@ import time
 import torch
 
 import architectures
+import baselines  # noqa: F401  (registers the comparison objectives --objectives times)
 import modeling_xprt as mx
 import support as sp
 from bench import add_toy_flag, toy_sized
+from fused_vocab import linear_cross_entropy
 
 
 def parse_args(argv=None):
@@ -54,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--no_plain", action="store_true", help="skip the plain (unfused) vocabulary-loss comparison")
     p.add_argument("--vocab", action="store_true",
                    help="only compare the vocabulary cross-entropy three ways on the step's own L_MLM + L_cross rows: "
-                        "ours fused (vocab_sweep), plain full logits, torch's chunked F.linear_cross_entropy")
+                        "ours fused (linear_cross_entropy), plain full logits, torch's chunked F.linear_cross_entropy")
     p.add_argument("--baseline", default=None,
                    help="another tree's modeling_xprt.py (e.g. main's before a change): its step is timed interleaved "
                         "with this one's and the floor, same weights and batch, paper's (masked) retention student; "
@@ -216,9 +218,7 @@ def bench_model(name, args, device):
     def term_mlm():
         model.zero_grad(set_to_none=True)
         x = mlm_h.clone().requires_grad_(True)
-        sweep = mx.VocabSweep(model)
-        mx.mlm_loss(sweep, x, mlm_t, 1.0)
-        sweep.run()[0].backward()
+        mx.mlm_loss(model, x, mlm_t).backward()
 
     def decoder_term(which):
         idx = [i for i, k in enumerate(kind) if k == which]
@@ -237,13 +237,11 @@ def bench_model(name, args, device):
         def run():
             model.zero_grad(set_to_none=True)
             v = cond.clone().requires_grad_(True)
-            out = model.method.decoder(v, model.token_embeddings(ids, am), am).reshape(-1, h).index_select(0, rows)
-            sweep = mx.VocabSweep(model)
+            out = model.method.decoder(v, model.embed(ids), am).reshape(-1, h).index_select(0, rows)
             if which == "cross":
-                mx.cross_fill_loss(sweep, out, labels[labels != -100], 1.0)
+                mx.cross_fill_loss(model, out, labels[labels != -100]).backward()
             else:
-                mx.self_fill_loss(sweep, out, enc_h, 1.0)
-            sweep.run()[0].backward()
+                mx.self_fill_loss(model, out, enc_h).backward()
 
         return run
 
@@ -296,8 +294,8 @@ def bench_model(name, args, device):
 def bench_vocab(name, args, device):
     """The step's hard-target vocabulary rows (L_MLM's and L_cross's, from one real xPRT forward of this batch) through
     the tied projection, forward + backward, three ways, interleaved, fastest of --repeats: ours fused
-    (vocab_sweep), plain (full logits), torch's chunked F.linear_cross_entropy (LinearCrossEntropyOptions; torch
-    has no KL form, so L_self is left out of all three). Returns each time over ours."""
+    (linear_cross_entropy), plain (full logits), torch's chunked F.linear_cross_entropy (LinearCrossEntropyOptions;
+    torch has no KL form, so L_self is left out of all three). Returns each time over ours."""
     import torch.nn.functional as F
 
     tok, mlm, _, msg = build(name)
@@ -311,7 +309,7 @@ def bench_vocab(name, args, device):
         dec = model.method.decode(model, vec.view(g, p, -1), batch, batch["attention_mask"])
         rows = torch.cat([hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["mlm_index"]),
                           dec.index_select(0, batch["cross_rows"])])
-        rows = model.head_transform(rows)
+        rows = model.transform(rows)
     targets = torch.cat([batch["mlm_targets"], batch["cross_targets"]])
     w, b = model.projection()
     x = rows.clone().requires_grad_(True)
@@ -323,7 +321,7 @@ def bench_vocab(name, args, device):
             if how == "torch chunked":
                 loss = F.linear_cross_entropy(x, w, targets, linear_bias=b, options=chunked)
             else:
-                loss = mx.vocab_sweep(w, b, ce=[(x, targets, 1.0)], fused=how == "ours fused")[0]
+                loss = linear_cross_entropy(x, w, b, targets, fused=how == "ours fused")
             loss.backward()
             return loss.detach(), x.grad.clone()
         return fn

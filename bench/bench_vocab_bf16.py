@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--rows", type=int, default=1024, help="rows through the vocabulary (3/4 hard, 1/4 soft)")
     p.add_argument("--hidden", type=int, default=768, help="hidden width")
     p.add_argument("--vocab", type=int, default=30522, help="vocabulary size (BERT's 30,522: not a multiple of 64)")
-    p.add_argument("--chunk_size", type=int, default=1024, help="rows per chunk of the sweep (vocab_sweep's default)")
+    p.add_argument("--chunk_size", type=int, default=1024, help="rows per chunk of the kernel (its default)")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (the fastest is reported)")
     add_toy_flag(p, "256 rows x 64 wide x 1,000 words, chunks of 64")
     return toy_sized(p.parse_args(argv), rows=256, hidden=64, vocab=1000, chunk_size=64, repeats=2)
@@ -65,12 +65,17 @@ def inputs(args):
 
 
 def run(mod, data, args, bf16: bool):
-    """vocab_sweep of `mod` (fused) forward + backward -> (loss, grads of rows, weight, bias)."""
+    """The hard-target term plus the soft-target term through `mod`'s fused kernel (linear_cross_entropy +
+    linear_kl_div; an older tree's vocab_sweep), forward + backward -> (loss, grads of rows, weight, bias)."""
     hidden, teacher, weight, bias, targets, n_ce = data
     h, w, b = (t.clone().requires_grad_(True) for t in (hidden, weight, bias))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        total, _ = mod.vocab_sweep(w, b, ce=[(h[:n_ce], targets, 1.0)], kl=[(h[n_ce:], teacher, 1.0)],
-                                   chunk_size=args.chunk_size)
+        if hasattr(mod, "linear_cross_entropy"):
+            total = (mod.linear_cross_entropy(h[:n_ce], w, b, targets, chunk_size=args.chunk_size)
+                     + mod.linear_kl_div(h[n_ce:], teacher, w, b, chunk_size=args.chunk_size))
+        else:
+            total, _ = mod.vocab_sweep(w, b, ce=[(h[:n_ce], targets, 1.0)], kl=[(h[n_ce:], teacher, 1.0)],
+                                       chunk_size=args.chunk_size)
     total.backward()
     return total.detach().float(), h.grad, w.grad, b.grad
 

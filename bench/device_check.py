@@ -12,8 +12,9 @@ It prints, in order:
      inside the timed step; groups per step doubled until the device's memory is full, the largest that fits with
      its time, collation's share, peak memory, tokens/s, TFLOP/s (train.step_flops, padding counted) and MFU
      against the device's dense bf16 peak (train.PEAK_BF16_TFLOPS);
-  3. the vocabulary loss of that step's rows three ways in bf16 autocast: ours fused (vocab_sweep), torch's chunked
-     F.linear_cross_entropy (where that torch has it), plain full logits: time and agreement with plain;
+  3. the vocabulary loss of that step's rows three ways in bf16 autocast: ours fused (linear_cross_entropy),
+     torch's chunked F.linear_cross_entropy (where that torch has it), plain full logits: time and agreement with
+     plain;
   4. host syncs in one optimiser step (torch.cuda.set_sync_debug_mode; CUDA only);
   5. select_groups.py -> `accelerate launch --mixed_precision bf16 train.py` -> evaluate.py on the bundled SciFact
      sample, with a small random model: the pipeline end to end in bf16, ending in a scored model folder.
@@ -219,14 +220,15 @@ def vocab_three_ways(model, batch, device):
 
     import modeling_xprt as mx
     import support
+    from fused_vocab import linear_cross_entropy
 
     batch = support.batch_to_device(batch, device)
     g, p, l = batch["input_ids"].shape
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         hidden, vec = model.encode(batch["input_ids"].view(g * p, l), batch["attention_mask"].view(g * p, l))
         dec = model.method.decode(model, vec.view(g, p, -1), batch, batch["attention_mask"])
-        rows = model.head_transform(torch.cat([hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["mlm_index"]),
-                                               dec.index_select(0, batch["cross_rows"])]))
+        rows = model.transform(torch.cat([hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["mlm_index"]),
+                                          dec.index_select(0, batch["cross_rows"])]))
     targets = torch.cat([batch["mlm_targets"], batch["cross_targets"]])
     w, b = model.projection()
     x = rows.detach().clone().requires_grad_(True)
@@ -239,7 +241,7 @@ def vocab_three_ways(model, batch, device):
                 opts = torch.nn.LinearCrossEntropyOptions() if hasattr(torch.nn, "LinearCrossEntropyOptions") else None
                 loss = F.linear_cross_entropy(x, w, targets, linear_bias=b, options=opts)
             else:
-                loss = mx.vocab_sweep(w, b, ce=[(x, targets, 1.0)], fused=how == "ours fused")[0]
+                loss = linear_cross_entropy(x, w, b, targets, fused=how == "ours fused")
         loss.float().backward()
         return loss.item(), x.grad.float().clone()
 

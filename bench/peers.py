@@ -179,9 +179,7 @@ def bench_mlm(args, texts, path):
             model.zero_grad(set_to_none=True)
             hidden, _ = model.encode(ids, am)
             flat = hidden.reshape(-1, hidden.shape[-1])
-            sweep = mx.VocabSweep(model)
-            mx.mlm_loss(sweep, flat.index_select(0, b["mlm_index"]), b["mlm_targets"], 1.0)
-            sweep.run()[0].backward()
+            mx.mlm_loss(model, flat.index_select(0, b["mlm_index"]), b["mlm_targets"]).backward()
 
         def stock_fn(ids=ids, am=am, labels=labels):
             mlm.zero_grad(set_to_none=True)
@@ -191,9 +189,8 @@ def bench_mlm(args, texts, path):
     with torch.no_grad():
         model.eval()
         hidden, _ = model.encode(ids, am)
-        sweep = mx.VocabSweep(model)
-        mx.mlm_loss(sweep, hidden.reshape(-1, hidden.shape[-1]).index_select(0, b["mlm_index"]), b["mlm_targets"], 1.0)
-        mine = sweep.run()[0]
+        mine = mx.mlm_loss(model, hidden.reshape(-1, hidden.shape[-1]).index_select(0, b["mlm_index"]),
+                           b["mlm_targets"])
         stock = mlm(input_ids=ids, attention_mask=am, labels=labels).loss
         model.train()
     print(f"MLM: {args.batches} batches x {g * p} passages (15% masked); loss on the last batch ours "

@@ -237,7 +237,8 @@ def test_retromae_loss_and_gradients_equal_the_official_forward(tok, tiny_bert, 
     assert dense(batch, "dec")[:, 0].eq(-100).all()  # [CLS] is no decoder target
     states, vec = obj.encode(model, batch)
     assert vec.shape[1] == 0
-    loss, terms = obj.row_terms(model, batch, states, vec)
+    terms = obj.row_terms(model, batch, states, vec)
+    loss = obj.total(terms)
     loss.backward()
     params = list(model.parameters())
     got = grads(params)
@@ -399,7 +400,8 @@ def test_simlm_loss_and_gradients_equal_the_official_forward(tok, tiny_bert, tin
     is_mask = raw["enc_masked"].long()
     assert torch.equal(batch["enc_input_ids"], raw["enc_input_ids"] * (1 - is_mask) + sampled * is_mask)
     states, vec = obj.encode(model, batch)
-    loss, terms = obj.row_terms(model, batch, states, vec)
+    terms = obj.row_terms(model, batch, states, vec)
+    loss = obj.total(terms)
     loss.backward()
     params = list(model.parameters())
     got = grads(params)
@@ -454,10 +456,10 @@ def test_contriever_scores_as_the_start_model_does(tok, tiny_bert):
     model = make(tiny_bert, "contriever")
     batch = model.method.make_collator(tok, max_length=32)(rows_from_docs(8))
     _, vec = model.method.encode(model, batch)
-    loss = model.method.batch_terms(model, vec, batch)[0]
+    loss = model.method.batch_terms(model, vec, batch)["contrastive_loss"]
     torch.testing.assert_close(loss, B.contriever_loss(vec[:, 0], vec[:, 1], 0.05, normalize=True))
     model.info.similarity_fn_name = "dot"
-    torch.testing.assert_close(model.method.batch_terms(model, vec, batch)[0],
+    torch.testing.assert_close(model.method.batch_terms(model, vec, batch)["contrastive_loss"],
                                B.contriever_loss(vec[:, 0], vec[:, 1], 0.05, normalize=False))
 
 
@@ -469,7 +471,8 @@ def test_contriever_loss_and_gradients_equal_a_loop(tok, tiny_bert):
     obj = model.method
     batch = obj.make_collator(tok, max_length=32)(rows_from_docs(8))
     _, vec = obj.encode(model, batch)
-    loss, terms = obj.batch_terms(model, vec, batch)
+    terms = obj.batch_terms(model, vec, batch)
+    loss = obj.total(terms)
     loss.backward()
     got = grads(model.parameters())
     for p in model.parameters():
@@ -552,7 +555,8 @@ def test_row_terms_of_chunks_add_up_to_the_batch(name, tok, tiny_bert, tiny_gene
 
     def run(part):
         states, vec = obj.encode(model, part)
-        loss, terms = obj.row_terms(model, part, states, vec)
+        terms = obj.row_terms(model, part, states, vec)
+        loss = obj.total(terms)
         loss.backward()
         return loss.detach(), terms
 

@@ -14,7 +14,7 @@ import evaluate as ev
 import torch
 from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
-from support import E5_PROMPTS, NO_PROMPTS, load_beir, model_prompts, resolve_model_path
+from support import E5_PROMPTS, NO_PROMPTS, UserError, load_beir, model_prompts, resolve_model_path
 
 # ---------------------------------------------------------------- fake data and a controllable model
 
@@ -184,7 +184,7 @@ def test_multi_model_table_markdown_json_png(beir, tmp_path):
     assert js["summary"]["per_task"]["wrong"]["SciFact"] == pytest.approx(wrong_ndcg, abs=1e-3)
     png = (tmp_path / "report" / "results.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    with pytest.raises(FileExistsError):  # outputs are not overwritten silently
+    with pytest.raises(UserError):  # outputs are not overwritten silently
         ev.write_report(out, tmp_path / "report")
 
 
@@ -314,7 +314,7 @@ def test_sts_formats(tmp_path):
 
 
 def test_bad_input_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not found"):
+    with pytest.raises(UserError, match="not found"):
         ev.parse_local_spec(str(tmp_path / "missing"))
     (tmp_path / "weird").mkdir()
     with pytest.raises(ValueError, match="not a known task layout"):
@@ -333,7 +333,7 @@ def test_bad_input_errors(tmp_path):
     # a folder that is not a model
     with pytest.raises(ValueError, match="not a model"):
         ev.XPRTEncoder(str(tmp_path / "weird"))
-    with pytest.raises(FileNotFoundError, match="model folder not found"):
+    with pytest.raises(UserError, match="no such folder"):
         ev.XPRTEncoder(str(tmp_path / "no" / "such" / "model"))
 
 
@@ -408,7 +408,7 @@ def test_wrapper_end_to_end_on_tiny_bert(tiny_bert, beir, tmp_path):
     score = rep["summary"]["per_task"][str(tiny_bert)]["SciFact"]
     assert 0.0 < score <= 100.0
     assert rep["overlap_analysis"][0]["task"] == "SciFact"
-    with pytest.raises(SystemExit, match="overwrite"):
+    with pytest.raises(UserError, match="overwrite"):
         ev.main(["--models", str(tiny_bert), "--local_tasks", f"SciFact={beir}", "--output_dir",
                  str(tmp_path / "out")])
 
@@ -452,13 +452,13 @@ def test_cli_defaults_to_mteb_eng_v2():
     assert ev.parse_args(["--models", "m"]).benchmark == "MTEB(eng, v2)"
     assert ev.parse_args(["--models", "m", "--local_tasks", "d"]).benchmark is None
     assert len(mteb.get_benchmark(ev.DEFAULT_BENCHMARK).tasks) == 41  # the paper's 41 tasks
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError):
         ev.parse_args(["--models", "m", "--limit", "0"])
     # the prefix flag is spelled as train.py / finetune.py spell it; the strings override it
     args = ev.parse_args(["--models", "m"])
     assert args.prefixes == "auto" and args.query_prefix is None and args.passage_prefix is None
     assert ev.parse_args(["--models", "m", "--prefixes", "e5"]).prefixes == "e5"
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError):
         ev.parse_args(["--models", "m", "--prefixes", "E5"])
 
 

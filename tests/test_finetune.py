@@ -10,7 +10,7 @@ from conftest import cli_args
 import torch
 
 import finetune
-from support import load_beir
+from support import UserError, load_beir
 from test_train import read_log
 from test_train import run as run_main
 
@@ -332,7 +332,7 @@ def test_pair_alpha_schedule_values():
 
 
 def test_flags_fail_early():
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError):
         finetune.parse_args(["--output_dir", "x"])  # no data
     ft = finetune.parse_args(["--output_dir", "x", "--beir_dir", "b"])
     assert ft.learning_rate == 3e-5 and ft.warmup_ratio == 0.1
@@ -428,7 +428,7 @@ def test_mine_only_then_a_run_that_reuses_the_pools(tiny_bert, beir, tmp_path):
     assert json.loads(pools) == json.loads((ref / "mined_negatives.json").read_text())
     a, b = read_log(out), read_log(ref)
     assert [a[s]["loss"] for s in (1, 2)] == [b[s]["loss"] for s in (1, 2)]
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError):
         finetune.parse_args(["--output_dir", "x", "--triples_file", "t.tsv", "--mine_only"])  # nothing to mine
 
 

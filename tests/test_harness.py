@@ -17,6 +17,7 @@ from conftest import build_tiny_bert, cli_args
 
 import train
 from experiments.paper import device, page, run
+from support import UserError
 from test_train import make_groups
 from test_train import run as run_train
 
@@ -173,7 +174,7 @@ def test_save_best_keeps_the_best_scored_model_and_the_drift_is_logged(tmp_path,
     assert all(torch.equal(a[k], b[k]) for k in a) == (best_step == 4)
     drift = [r["teacher_cosine"] for r in recs if "teacher_cosine" in r]
     assert len(drift) == 4 and all(-1.0 <= d <= 1.0 + 1e-6 for d in drift) and drift[-1] < 1.0 - 1e-4
-    with pytest.raises(SystemExit, match="needs --eval_tasks"):
+    with pytest.raises(UserError, match="needs --eval_tasks"):
         train.parse_args(cli_args({"--groups_dir": groups, "--output_dir": out, "--save_best": "SciFact"}))
 
 

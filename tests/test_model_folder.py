@@ -138,7 +138,7 @@ def test_push_to_hub_creates_the_repo_and_uploads_the_final_folder(runs):
     assert (u_name, u_repo, u_folder) == ("upload_folder", HUB_ID, runs["model"])
     assert {"README.md", "model.safetensors", "modules.json", "config_sentence_transformers.json",
             "xprt_heads.safetensors", "1_Pooling"} <= set(u_files)
-    with pytest.raises(SystemExit, match="--hub_model_id"):
+    with pytest.raises(sp.UserError, match="--hub_model_id"):
         finetune.parse_args(["--output_dir", "x", "--beir_dir", "b", "--push_to_hub"])
 
 

@@ -15,6 +15,7 @@ import baselines
 import architectures
 import modeling_xprt as mx
 import support as sp
+from fused_vocab import linear_cross_entropy, linear_kl_div
 from support import read_max_seq_length
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -297,10 +298,10 @@ def test_contrastive_random_span_is_one_direction_infonce():
 
 
 def one_vocab_term(hidden, w, b, targets=None, teacher_hidden=None, **kw):
-    """One vocabulary term through vocab_sweep, the function VocabSweep.run hands a step's terms to."""
+    """One vocabulary term through the functions the equations call (fused_vocab)."""
     if teacher_hidden is None:
-        return mx.vocab_sweep(w, b, ce=[(hidden, targets, 1.0)], **kw)[0]
-    return mx.vocab_sweep(w, b, kl=[(hidden, teacher_hidden, 1.0)], **kw)[0]
+        return linear_cross_entropy(hidden, w, b, targets, **kw)
+    return linear_kl_div(hidden, teacher_hidden, w, b, **kw)
 
 
 @pytest.mark.parametrize("soft", [False, True])
@@ -329,35 +330,33 @@ def test_fused_vocab_loss_equals_plain(soft):
         assert one_vocab_term(teacher, w, b, teacher_hidden=teacher).abs().item() < 1e-5
 
 
-def test_vocab_sweep_equals_separate_plain_terms():
-    """L_MLM, L_cross (hard targets) and L_self (soft targets) in one fused sweep == three plain full-logit terms:
-    every term's value, and the gradients of the weighted sum w.r.t. all hidden rows, W and b. Chunks of 8 with 13 + 21 + 9 rows: partial chunks, and no chunk straddles the
-    hard/soft boundary."""
+def test_vocabulary_terms_are_the_paper_formulas(tiny_bert):
+    """L_MLM, L_cross (hard targets) and L_self (soft targets) as the equation functions compute them (the head's
+    transform resolved at load, the fused kernel) == the paper's formulas on the logits of the encoder's own MLM head
+    module (F.cross_entropy, F.kl_div): values, and gradients w.r.t. the rows and the vocabulary matrix."""
     torch.manual_seed(10)
-    h, v = 16, 101
-    w = torch.randn(v, h, requires_grad=True)
-    b = torch.randn(v, requires_grad=True)
-    mlm_h, cross_h, self_h = (torch.randn(n, h, requires_grad=True) for n in (13, 21, 9))
-    mlm_t, cross_t = torch.randint(v, (13,)), torch.randint(v, (21,))
-    teacher = torch.randn(9, h)
-    weights = (1.0, 0.1, 0.7)
-    results = []
-    for fused in (False, True):
-        for t in (w, b, mlm_h, cross_h, self_h):
-            t.grad = None
-        total, vals = mx.vocab_sweep(w, b, ce=[(mlm_h, mlm_t, weights[0]), (cross_h, cross_t, weights[1])],
-                                     kl=[(self_h, teacher, weights[2])], fused=fused, chunk_size=8)
-        (3.0 * total).backward()
-        results.append([total.detach(), *[x.detach() for x in vals]] + [t.grad.clone() for t in (w, b, mlm_h, cross_h, self_h)])
-    plain, fused = results
-    for x, y in zip(plain, fused):
+    model = make_model(tiny_bert).eval()
+    head, v, h = model.encoder.cls, model.encoder.config.vocab_size, model.encoder.config.hidden_size
+    rows = {k: torch.randn(n, h, requires_grad=True) for k, n in (("mlm", 13), ("cross", 21), ("self", 9))}
+    mlm_t, cross_t, teacher = torch.randint(v, (13,)), torch.randint(v, (21,)), torch.randn(9, h)
+    w = model.vocab_weight
+    got, want = [], []
+    for out, terms in ((got, lambda: [mx.mlm_loss(model, rows["mlm"], mlm_t),
+                                      mx.cross_fill_loss(model, rows["cross"], cross_t),
+                                      mx.self_fill_loss(model, rows["self"], teacher)]),
+                       (want, lambda: [F.cross_entropy(head(rows["mlm"]), mlm_t),
+                                       F.cross_entropy(head(rows["cross"]), cross_t),
+                                       F.kl_div(F.log_softmax(head(rows["self"]), -1),
+                                                F.log_softmax(head(teacher), -1).detach(), log_target=True,
+                                                reduction="batchmean")])):
+        model.zero_grad(set_to_none=True)
+        for x in rows.values():
+            x.grad = None
+        vals = terms()
+        sum(c * x for c, x in zip((1.0, 0.1, 0.7), vals)).backward()
+        out += [x.detach() for x in vals] + [x.grad.clone() for x in rows.values()] + [w.grad.clone()]
+    for x, y in zip(got, want):
         assert torch.allclose(x, y, atol=1e-5, rtol=1e-4)
-    # the terms are those of separate one-term sweeps, and the total their weighted sum
-    sep = [one_vocab_term(mlm_h, w, b, targets=mlm_t, fused=False), one_vocab_term(cross_h, w, b, targets=cross_t, fused=False),
-           one_vocab_term(self_h, w, b, teacher_hidden=teacher, fused=False)]
-    for x, y in zip(fused[1:4], sep):
-        assert torch.allclose(x, y.detach(), atol=1e-5)
-    assert torch.allclose(fused[0], sum(c * x for c, x in zip(weights, sep)).detach(), atol=1e-5)
 
 
 def test_fused_vocab_loss_refuses_a_second_backward():
@@ -502,9 +501,7 @@ def test_decoder_really_uses_the_conditioning(tiny_bert, tok):
             x = model.method.decoder(anchors.repeat_interleave(len(cross), 0), model.base.embeddings(input_ids=ids), am)
             rows = mx.ConditionedDecoder.output_rows((labels != -100).reshape(-1).nonzero().squeeze(1), l,
                                                      model.method.num_condition_vectors)
-            sweep = mx.VocabSweep(model)
-            mx.cross_fill_loss(sweep, x.reshape(-1, x.shape[-1]).index_select(0, rows), labels[labels != -100], 1.0)
-            return sweep.run()[1]["cross_fill_loss"]
+            return mx.cross_fill_loss(model, x.reshape(-1, x.shape[-1]).index_select(0, rows), labels[labels != -100])
 
     true, shuffled = fill_loss(torch.arange(g)), fill_loss(torch.roll(torch.arange(g), 1))
     assert true < shuffled - 0.3, (true, shuffled)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import select_groups as sg
+from support import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "data" / "docs.jsonl"
@@ -220,7 +221,7 @@ def test_prefixes_flag_gives_the_passage_prefix():
     assert _selection(*minilm).passage_prefix == ""
     assert _selection(*minilm, "--prefixes", "e5").passage_prefix == "passage: "
     assert _selection("--prefixes", "none").passage_prefix == ""
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError):
         sg.parse_args(["--input", "x", "--output_dir", "o", "--passage_prefix", "p: "])
 
 
@@ -331,7 +332,8 @@ def test_resume_after_crash_gives_identical_output(tmp_path, tiny_bert, small_co
     def crashing(path, rows):
         calls.append(path)
         if len(calls) == 3:
-            open(os.path.join(os.path.dirname(path), ".tmp-123-half-written"), "w").close()
+            # what support.atomic_path leaves of a shard when the process dies mid-write
+            open(os.path.join(os.path.dirname(path), ".tmp-123-" + os.path.basename(path)), "w").close()
             raise RuntimeError("simulated crash")
         real(path, rows)
 
@@ -344,9 +346,9 @@ def test_resume_after_crash_gives_identical_output(tmp_path, tiny_bert, small_co
     assert len(finished) == 2
     monkeypatch.setattr(sg, "write_group_shard", real)
     # a different command is refused rather than mixed into the unfinished run
-    with pytest.raises(FileExistsError, match="not made by this exact command"):
+    with pytest.raises(UserError, match="made with other settings"):
         _run(tiny_bert, small_corpus, tmp_path / "out", "--chunk_docs", "5", "--centrality_threshold", "0.0")
-    with pytest.raises(FileExistsError, match="not made by this exact command"):  # a selection setting too
+    with pytest.raises(UserError, match="made with other settings"):  # a selection setting too
         _run(tiny_bert, small_corpus, tmp_path / "out", *extra, "--rrf_weight_tfidf", "0.5")
     stats = _run(tiny_bert, small_corpus, tmp_path / "out", *extra)  # the same command again
     assert [p.stat().st_mtime_ns for p in finished] == mtimes  # finished chunks were reused, not redone
@@ -356,7 +358,7 @@ def test_resume_after_crash_gives_identical_output(tmp_path, tiny_bert, small_co
     drop = lambda s: {k: v for k, v in s.items() if k != "wall_seconds"}
     assert drop(stats) == drop(ref)
     # a finished output is refused without --overwrite, replaced with it
-    with pytest.raises(FileExistsError, match="--overwrite"):
+    with pytest.raises(UserError, match="--overwrite"):
         _run(tiny_bert, small_corpus, tmp_path / "out", *extra)
     again = _run(tiny_bert, small_corpus, tmp_path / "out", *extra, "--overwrite")
     assert drop(again) == drop(ref)

@@ -21,6 +21,7 @@ import support
 import train
 from modeling_xprt import group_lengths
 from select_groups import group_schema
+from support import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,7 +159,7 @@ def test_groups_are_read_only_from_a_finished_selection(tiny_bert, tmp_path):
         train.load_groups(str(groups))
     (groups / "groups-999999.parquet").unlink()
     (groups / "stats.json").unlink()
-    with pytest.raises(FileNotFoundError, match="no stats.json"):
+    with pytest.raises(UserError, match="no stats.json"):
         train.load_groups(str(groups))
 
 
@@ -284,9 +285,9 @@ def test_padding_efficiency_counts_every_attention_mask():
 
 
 def test_flags_fail_early():
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError):
         train.parse_args(["--output_dir", "x"])  # pretrain without groups
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserError):
         train.parse_args(["--output_dir", "x", "--groups_dir", "g", "--encoder_mask_rate", "1.5"])
     a = train.parse_args(["--output_dir", "x", "--groups_dir", "g"])
     assert a.learning_rate == 1e-6 and a.model_name_or_path == "intfloat/e5-base-unsupervised"
@@ -374,7 +375,7 @@ def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(tiny_bert, grou
 def test_existing_output_is_refused_without_overwrite(tiny_bert, groups, tmp_path):
     argv = base_args(tiny_bert, groups, tmp_path / "o", **{"--max_train_steps": 1, "--max_groups": 4})
     run(argv)
-    with pytest.raises(SystemExit, match="--overwrite"):
+    with pytest.raises(UserError, match="--overwrite"):
         run(argv)
     run(argv + ["--overwrite"])
     assert (tmp_path / "o" / "model" / "model.safetensors").exists()
@@ -770,7 +771,7 @@ def test_eval_steps_scores_the_model_during_training(tiny_bert, groups, tmp_path
 
 
 def test_eval_flags_fail_early(tiny_bert, groups, tmp_path):
-    with pytest.raises(SystemExit, match="--eval_tasks"):
+    with pytest.raises(UserError, match="--eval_tasks"):
         train.parse_args(base_args(tiny_bert, groups, tmp_path / "x", **{"--eval_steps": 2}))
 
 
