@@ -10,11 +10,23 @@ not copied), one function per equation, with the official numbers:
                                       config.py}, simlm/scripts/train_rlm.sh
   Contriever facebookresearch/contriever  src/{data.py, inbatch.py, moco.py, contriever.py, options.py}, README's
                                       training command
-  --objective retromae | simlm | contriever; and, kept from before:
+  Revela    TRUMANCFY/Revela + TRUMANCFY/transformers (branch adapt): in revela.py, registered at the end of this file
+  --objective retromae | simlm | contriever | revela; and, kept from before:
   contrastive_random_span  the earlier Contriever-style approximation (rounded crops of >= 1 token, no word deletion,
                            cosine scores, the longer crop as the query): how it differs is listed at section 6
   self_reconstruction      the paper's Table 3 ablation: xPRT's own conditioned decoder rebuilds a passage from that
                            passage's own vector (no related passages)
+
+Two settings (--baseline_setting; the one table of what each changes: BASELINE_SETTINGS below):
+  official  each baseline as its authors' code runs it: RetroMAE and SimLM condition their decoders on the encoder's
+            last-layer [CLS] state and the saved folder pools [CLS] (so evaluate.py scores the vector that was
+            trained); Contriever scores dot products of unnormalised mean-pooled vectors / 0.05 and its folder scores
+            by dot product without Normalize; SimLM's frozen generator samples in train mode (dropout on).
+  paper     the shared setting of the comparison (the default): every arm pooled and scored as the start model is
+            (E5: mean pooling, cosine), in-batch negatives, the generator without dropout.
+Both settings mask as the official collators do ([UNK] never masked: never_unk). The setting is recorded in the
+saved folder (xprt_config.json "heads": baseline_setting; its pooling and similarity in the sentence-transformers
+files and xprt_config.json "info").
 
 What the paper's setting changes, for every arm (choices the official code does not make are marked "ours"):
   - The text an arm trains on is the anchor passage of each group (select_groups.py, 128 tokens), as the paper gives
@@ -34,13 +46,15 @@ What the paper's setting changes, for every arm (choices the official code does 
 Departures from the official code (each named where it is made):
   - RetroMAE: the decoder's per-row attention masks are drawn on the device, in the training step, by the same rule
     (enhanced_decoding_masks), instead of in the data loader with Python lists; the same distribution, other draws.
-  - SimLM: the frozen generator runs in eval mode (no dropout). In the official code it is a registered submodule
-    of the trained model, so the Trainer's model.train() turns its dropout back on after `generator.eval()`.
+  - SimLM (paper setting): the frozen generator runs in eval mode (no dropout). In the official code it is a
+    registered submodule of the trained model, so the Trainer's model.train() turns its dropout back on after
+    `generator.eval()` (rlm.py line 40); the official setting does the same.
   - Contriever: in-batch negatives (the official --contrastive_mode inbatch, src/inbatch.py), not the MoCo queue of
-    the README's run (the default mode: 131,072 keys from a momentum encoder, momentum 0.9995, no gradient through
-    the keys): the paper's setting gives every arm the same batch. Its scores follow the start model's similarity
-    (ours): the official dot products of unnormalised vectors for a dot-product start, cosines for a cosine start
-    (E5, MiniLM: dot products put MiniLM's logits in the hundreds and its loss climbed from 0.6 to 7 in 20 demo steps).
+    the README's run (--contrastive_mode moco, options.py's default: a queue of 65,536 keys, as the README's flags
+    parse (its --moco_queue is no flag of options.py); momentum 0.9995 in example_scripts, which also pass
+    --queue_size 131072; no gradient through the keys), in both settings: not implemented here. In the paper
+    setting its scores follow the start model's similarity (ours): cosines for a cosine start (E5, MiniLM: dot
+    products put MiniLM's logits in the hundreds and its loss climbed from 0.6 to 7 in 20 demo steps).
 """
 
 from __future__ import annotations
@@ -57,6 +71,34 @@ from fused_vocab import linear_cross_entropy
 from modeling_xprt import (ConditionedDecoder, GroupCollator, Layout, Objective, gather_with_grad, group_bounds,
                            group_lengths, info_nce, mlm_loss, register_objective)
 from support import rank_and_world, resolve_model_path
+
+SETTINGS = ("paper", "official")
+# What --baseline_setting official changes, per objective (the paper setting changes nothing: the start's pooling
+# and similarity, the generator in eval mode). ModelInfo fields go to XPRTModel.info (Objective.scoring): training
+# pools with them and the saved folder records them.
+BASELINE_SETTINGS = {
+    # RetroMAE src/pretrain/modeling.py line 40: cls_hiddens = lm_out.hidden_states[-1][:, :1]
+    "retromae": {"pooling": "cls"},
+    # SimLM simlm/src/models/rlm.py line 76: cls_hidden = encoder_out.hidden_states[-1][:, :1]; line 40:
+    # generator.eval(), undone by the Trainer's model.train() (the generator is a registered submodule)
+    "simlm": {"pooling": "cls", "generator_train_mode": True},
+    # Contriever src/inbatch.py lines 64-73: encoder(..., normalize=norm_query / norm_doc), both off in the README's
+    # run; scores = einsum(q / temperature, k); src/contriever.py: "average" pooling (the mean)
+    "contriever": {"pooling": "mean", "normalize": False, "similarity_fn_name": "dot"},
+}
+
+
+def setting_of(objective: str, setting: str) -> dict:
+    """What `setting` fixes for `objective` (BASELINE_SETTINGS): {} for "paper"."""
+    if setting not in SETTINGS:
+        raise ValueError(f"--baseline_setting must be one of {', '.join(SETTINGS)}, got {setting!r}")
+    return dict(BASELINE_SETTINGS[objective]) if setting == "official" else {}
+
+
+def scoring_of(choices: dict) -> dict:
+    """The ModelInfo fields among a setting's choices (pooling, normalize, similarity_fn_name)."""
+    return {k: v for k, v in choices.items() if k in ("pooling", "normalize", "similarity_fn_name")}
+
 
 # ==============================================================================================================
 # 1. Whole-word masking (RetroMAE and SimLM: the rule of BERT's DataCollatorForWholeWordMask, which both use)
@@ -110,6 +152,14 @@ def whole_word_mask(word_ids: torch.Tensor, num_tokens: torch.Tensor, rate: floa
         total += sorted_len[:, k] * fits
     word_taken = torch.zeros_like(taken).scatter_(1, order, taken)  # back from shuffled order to word ids
     return word_taken.gather(1, word) & valid
+
+
+def never_unk(masked: torch.Tensor, ids: torch.Tensor, unk_token_id: Optional[int]) -> torch.Tensor:
+    """[UNK] is never masked: the official collators draw whole words first (an [UNK] may be drawn and spend its
+    budget) and then zero the mask at every special token, [UNK] included (transformers' torch_mask_tokens, copied in
+    SimLM's collator_utils.py lines 78-81: get_special_tokens_mask(already_has_special_tokens=True) marks every id in
+    all_special_ids). masked, ids (N, L) -> masked without the [UNK] positions."""
+    return masked if unk_token_id is None else masked & (ids != unk_token_id)
 
 
 def bert_corruption(ids: torch.Tensor, masked: torch.Tensor, mask_token_id: int, vocab_size: int,
@@ -255,6 +305,7 @@ class RetroMAECollator(AnchorCollator):
         batch = self.anchors(rows)
         ids = batch["input_ids"]
         masked = whole_word_mask(batch["word_ids"], batch["num_tokens"], self.encoder_mask_rate, self.generator)
+        masked = never_unk(masked, ids, self.tokenizer.unk_token_id)
         batch["clean_ids"] = ids
         batch["input_ids"] = bert_corruption(ids, masked, self.tokenizer.mask_token_id, len(self.tokenizer),
                                              self.generator)
@@ -272,8 +323,9 @@ class RetroMAE(Objective):
     name = "retromae"
     trains_every_head = True  # the decoder layer and the MLM head (both terms)
 
-    def __init__(self, encoder):
+    def __init__(self, encoder, baseline_setting: str = "paper"):
         super().__init__(encoder)
+        self.baseline_setting, self.choices = baseline_setting, setting_of(self.name, baseline_setting)
         # enhanced decoding splits a layer's attention into its query and key / value streams (BERT's layer layout,
         # as RetroMAE's enhancedDecoder.py) and adds absolute position embeddings to the query stream: an encoder
         # without either is refused here, before any data is read
@@ -289,6 +341,12 @@ class RetroMAE(Objective):
             raise ValueError(f"--objective retromae: {type(base).__name__} lacks {' and '.join(lacks)}, which "
                              "RetroMAE's enhanced decoding needs")
         self.decoder = layer
+
+    def config(self) -> dict:
+        return {"baseline_setting": self.baseline_setting}
+
+    def scoring(self) -> dict:
+        return scoring_of(self.choices)
 
     def make_collator(self, tokenizer, **kw):
         return RetroMAECollator(tokenizer, **kw)
@@ -315,7 +373,7 @@ class RetroMAE(Objective):
         hidden, sent = states
         emb = model.base.embeddings
         l = batch["clean_ids"].shape[1]
-        v = sent.to(hidden.dtype).unsqueeze(1)  # (G, 1, H): the pooled vector, in place of the [CLS] state
+        v = sent.to(hidden.dtype).unsqueeze(1)  # (G, 1, H): the [CLS] state (official) or the start's pooled vector
         content = torch.cat([v, model.embed(batch["clean_ids"])[:, 1:]], dim=1)  # (G, L, H)
         query = emb.position_embeddings(emb.position_ids[:, :l]) + v  # (G, L, H)
         dec = enhanced_decoding(self.decoder, query, content, batch["visible"])
@@ -393,6 +451,7 @@ class SimLMCollator(AnchorCollator):
         enc, dec = simlm_masks(batch["word_ids"], batch["num_tokens"], self.encoder_mask_rate,
                                self.decoder_mask_rate, self.generator)
         tok = self.tokenizer
+        enc, dec = never_unk(enc, ids, tok.unk_token_id), never_unk(dec, ids, tok.unk_token_id)
         corrupt = [bert_corruption(ids, m, tok.mask_token_id, len(tok), self.generator, self.all_mask_token)
                    for m in (enc, dec)]
         # every special token is no target, [UNK] included (rlm_collator.py: labels[labels == special_id] = -100)
@@ -414,10 +473,11 @@ class SimLM(Objective):
     trains_every_head = True  # the decoder and the MLM head (both terms)
 
     def __init__(self, encoder, generator_name_or_path: str = "google/electra-base-generator",
-                 decoder_layers: int = 2):
+                 decoder_layers: int = 2, baseline_setting: str = "paper"):
         super().__init__(encoder)
         from transformers import AutoModelForMaskedLM
 
+        self.baseline_setting, self.choices = baseline_setting, setting_of(self.name, baseline_setting)
         self.generator_name_or_path, self.decoder_layers = generator_name_or_path, decoder_layers
         self.decoder = copy_last_layers(encoder, decoder_layers)
         self.encoder_config = encoder.config
@@ -425,7 +485,8 @@ class SimLM(Objective):
         if gen.config.vocab_size != encoder.config.vocab_size:
             raise ValueError(f"generator {generator_name_or_path} has {gen.config.vocab_size} words, the encoder "
                              f"{encoder.config.vocab_size}: SimLM's generator must share the encoder's vocabulary")
-        # eval mode (no dropout): the official generator is a submodule that model.train() puts back in train mode
+        # frozen; its mode follows the objective's in the official setting (the Trainer's model.train() reaches it),
+        # eval mode (no dropout) in the paper's (prepare)
         gen.eval().requires_grad_(False)
         self._generator = (gen,)  # a tuple: nn.Module does not register what it holds
 
@@ -434,7 +495,11 @@ class SimLM(Objective):
         return self._generator[0]
 
     def config(self) -> dict:
-        return {"generator_name_or_path": self.generator_name_or_path, "decoder_layers": self.decoder_layers}
+        return {"generator_name_or_path": self.generator_name_or_path, "decoder_layers": self.decoder_layers,
+                "baseline_setting": self.baseline_setting}
+
+    def scoring(self) -> dict:
+        return scoring_of(self.choices)
 
     def make_collator(self, tokenizer, **kw):
         return SimLMCollator(tokenizer, **kw)
@@ -445,6 +510,7 @@ class SimLM(Objective):
         ids = batch["enc_input_ids"]
         if next(gen.parameters()).device != ids.device:
             gen.to(ids.device)
+        gen.train(self.training and self.choices.get("generator_train_mode", False))
         am = batch["attention_mask"]
         return {**batch, "enc_input_ids": replace_tokens(gen, ids, am, batch["enc_masked"]),
                 "dec_input_ids": replace_tokens(gen, batch["dec_input_ids"], am, batch["dec_masked"])}
@@ -558,16 +624,23 @@ class Contriever(Objective):
     (ours) scores as the start model does: dot products of unnormalised vectors, as the official run, for a
     dot-product start; cosines for a cosine start (E5, MiniLM), whose vectors' norms (MiniLM: 3.9-8.3) would
     otherwise put the logits in the hundreds, and whose contract (the similarity it is scored with) the comparison
-    must keep."""
+    must keep. baseline_setting "official" (BASELINE_SETTINGS): dot products of unnormalised vectors, and a saved
+    folder that scores them so."""
 
     name = "contriever"
 
-    def __init__(self, encoder, temperature: float = 0.05, normalize: Optional[bool] = None):
+    def __init__(self, encoder, temperature: float = 0.05, normalize: Optional[bool] = None,
+                 baseline_setting: str = "paper"):
         super().__init__(encoder)
-        self.temperature, self.normalize = temperature, normalize
+        self.baseline_setting, self.choices = baseline_setting, setting_of(self.name, baseline_setting)
+        self.temperature = temperature
+        self.normalize = self.choices.get("normalize", normalize)  # official: the README run's, unnormalised
 
     def config(self) -> dict:
-        return {"temperature": self.temperature, "normalize": self.normalize}
+        return {"temperature": self.temperature, "normalize": self.normalize, "baseline_setting": self.baseline_setting}
+
+    def scoring(self) -> dict:
+        return scoring_of(self.choices)
 
     def make_collator(self, tokenizer, **kw):
         return ContrieverCollator(tokenizer, **kw)
@@ -832,3 +905,9 @@ class SelfReconstructionCollator(GroupCollator):
                                      "dec_targets": ("dec", 0)},
                                  {"mlm": group_bounds(mlm_index, l, g), "dec": group_bounds(dec_index, l, g)})
         return batch
+
+
+# ==============================================================================================================
+# 8. Revela (the paper's fifth baseline), in a file of its own: its language model, LoRA and attention function
+# ==============================================================================================================
+import revela  # noqa: E402,F401  (registers --objective revela)

@@ -20,7 +20,7 @@ import contextlib
 import inspect
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -461,6 +461,11 @@ class Objective(nn.Module):
     def masked_student(self, vec):
         return None
 
+    def scoring(self) -> dict:
+        """The ModelInfo fields (pooling, normalize, similarity_fn_name) this objective's setting fixes, e.g. [CLS]
+        pooling for RetroMAE as its authors run it (baselines.py, --baseline_setting); {}: the start model's."""
+        return {}
+
     def make_collator(self, tokenizer, **kw):
         """The objective's collator (section 6, or baselines.py), with the settings of the objective it needs."""
         raise NotImplementedError
@@ -644,6 +649,8 @@ class XPRTModel(nn.Module):
             raise ValueError(f"--retention_student masked: objective {objective!r} has no masked anchor and s1 "
                              "vectors to reuse; use the clean student")
         self.info = info or ModelInfo(max_seq_length=max_seq_length(mlm_model.config))
+        # the objective's setting may fix how vectors are pooled and scored: training and the saved folder follow it
+        self.info = replace(self.info, **self.method.scoring())
         # the start's sentence-transformers modules after pooling (from_pretrained: support.load_post_pooling), frozen
         self.post_pooling = PostPooling()
         self.carried_heads: dict = {}  # a folder's heads of another objective, written back unchanged (from_pretrained)

@@ -4,7 +4,8 @@ xPRT step 2: continued pre-training of the encoder on the groups that select_gro
 Read it beside the xPRT paper ("The objective", "Experiments"). The objectives (--objective) share data, steps,
 batch, schedule and the retention term (40 -> 0), as the paper gives every method the same budget:
   xprt                     L_xp + 0.1 L_cross + L_self + L_MLM + L_unif (modeling_xprt.XPRTObjective)
-  the comparison arms      random spans, RetroMAE, SimLM, the self-reconstruction ablation (baselines.py)
+  the comparison arms      random spans, RetroMAE, SimLM, Contriever, the self-reconstruction ablation (baselines.py),
+                           Revela (revela.py); --baseline_setting official runs the baselines as their authors do
 and the ablations --positive random and --no_fill_in.
 
     accelerate launch train.py --groups_dir groups/ --output_dir runs/xprt      # paper defaults (E5, lr 1e-6)
@@ -65,6 +66,28 @@ def build_parser():
     g.add_argument("--generator_name_or_path", default=None,
                    help="simlm: the frozen generator that samples the replaced tokens (default: SimLM's, "
                         "google/electra-base-generator); it must share the start model's vocabulary")
+
+    g.add_argument("--baseline_setting", choices=["paper", "official"], default=None,
+                   help="retromae, simlm, contriever: 'official' runs each as its authors' code does ([CLS] vector "
+                        "for RetroMAE and SimLM, saved as the folder's pooling; dot products of unnormalised vectors "
+                        "for Contriever; SimLM's generator with dropout), 'paper' pools and scores every arm as the "
+                        "start model (default; baselines.BASELINE_SETTINGS lists every choice)")
+    g = p.add_argument_group("revela (revela.py; defaults: the official run's, TRUMANCFY/Revela train.sh)")
+    g.add_argument("--lm_name_or_path", default=None,
+                   help="revela: the causal language model the retriever trains through (default Qwen/Qwen2.5-0.5B, "
+                        "as the xPRT paper runs Revela)")
+    g.add_argument("--lora_rank", type=int, default=None, help="revela: LoRA rank of the language model (default 256)")
+    g.add_argument("--lora_alpha", type=float, default=None, help="revela: LoRA alpha (default 64)")
+    g.add_argument("--lora_dropout", type=float, default=None, help="revela: LoRA dropout (default 0.1)")
+    g.add_argument("--lora_target_modules", default=None,
+                   help="revela: comma-separated module names LoRA adapts (default every linear layer of the "
+                        "blocks: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
+    g.add_argument("--attn_temperature", type=float, default=None,
+                   help="revela: temperature of the softmax over the retriever's cosines that weights the in-batch "
+                        "attention (default 1e-4)")
+    g.add_argument("--extra_anchors", type=int, default=None,
+                   help="revela: anchors of other documents added to each group's anchor and related passages "
+                        "(default 11: 16 passages per group, as the xPRT paper runs it)")
 
     g = p.add_argument_group("pre-training data")
     g.add_argument("--groups_dir", required=True, help="folder of parquet shards written by select_groups.py")
@@ -298,6 +321,13 @@ def load_pretraining_model(accelerator, args):
         options["fill_in"] = False
     if args.generator_name_or_path:
         options["generator_name_or_path"] = args.generator_name_or_path
+    # an objective's own flags, given only when set (an option its objective does not take is refused, naming it)
+    for flag in ("baseline_setting", "lm_name_or_path", "lora_rank", "lora_alpha", "lora_dropout", "attn_temperature",
+                 "extra_anchors"):
+        if getattr(args, flag) is not None:
+            options[flag] = getattr(args, flag)
+    if args.lora_target_modules:
+        options["lora_target_modules"] = args.lora_target_modules.split(",")
     return load_model(accelerator, args, XPRTModel, objective=args.objective, mlm_head_from=args.mlm_head_from,
                       retention_student=args.retention_student, **options)
 

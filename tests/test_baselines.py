@@ -190,16 +190,19 @@ def test_enhanced_decoding_masks_follow_the_official_collator(tok):
     assert abs(sum(fracs) / len(fracs) - 0.5) < 0.02
 
 
-def official_retromae_loss(model, obj, batch):
-    """RetroMAEForPretraining.forward, straight-line, with the decoder's attention computed row by row from the layer's
-    weights (enhancedDecoder.py's BertLayerForDecoder), and the paper's setting's one change: the mean-pooled vector
-    in place of the [CLS] state."""
+def official_retromae_loss(model, obj, batch, setting="paper"):
+    """RetroMAEForPretraining.forward (src/pretrain/modeling.py lines 30-70), straight-line, with the decoder's
+    attention computed row by row from the layer's weights (enhancedDecoder.py's BertLayerForDecoder): the [CLS] state of the
+    last layer (line 40, `hidden_states[-1][:, :1]`) in the official setting, the paper setting's mean-pooled vector
+    in its place."""
     lm = model.encoder
     out = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=dense(batch, "mlm"),
              output_hidden_states=True)
     last = out.hidden_states[-1]
     am = batch["attention_mask"]
     cls = ((last * am[..., None]).sum(1) / am.sum(1, keepdim=True))[:, None]  # (G, 1, H)
+    if setting == "official":
+        cls = last[:, :1]  # modeling.py line 40
     emb = lm.bert.embeddings
     l = batch["clean_ids"].shape[1]
     hiddens = torch.cat([cls, emb(input_ids=batch["clean_ids"])[:, 1:]], dim=1)
@@ -223,8 +226,10 @@ def official_retromae_loss(model, obj, batch):
     return dec_loss + out.loss, dec_loss, out.loss
 
 
-def test_retromae_loss_and_gradients_equal_the_official_forward(tok, tiny_bert):
-    model = make(tiny_bert, "retromae")
+@pytest.mark.parametrize("setting", ["paper", "official"])
+def test_retromae_loss_and_gradients_equal_the_official_forward(tok, tiny_bert, setting):
+    model = make(tiny_bert, "retromae", baseline_setting=setting)
+    assert model.info.pooling == ("cls" if setting == "official" else "mean")
     obj = model.method
     c = obj.make_collator(tok, max_length=24, seed=3)
     torch.manual_seed(0)
@@ -239,8 +244,9 @@ def test_retromae_loss_and_gradients_equal_the_official_forward(tok, tiny_bert):
     got = grads(params)
     for p in params:
         p.grad = None
-    ref, ref_dec, ref_mlm = official_retromae_loss(model, obj, batch)
+    ref, ref_dec, ref_mlm = official_retromae_loss(model, obj, batch, setting)
     ref.backward()
+    print("retromae", setting, loss.item(), ref.item())
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(terms["decoder_loss"], ref_dec.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(terms["mlm_loss"], ref_mlm.detach(), atol=1e-5, rtol=1e-5)
@@ -252,12 +258,24 @@ def test_retromae_loss_and_gradients_equal_the_official_forward(tok, tiny_bert):
 
 
 def test_retromae_decoder_is_fresh_and_owned(tiny_bert):
+    """The decoder layer is built from the encoder's layer 0 (architectures.decoder_layers) and re-initialised as
+    RetroMAE's c_head.apply(lm._init_weights): not layer 0's weights, and its weight matrices spread as BERT's init
+    (normal, std initializer_range 0.02; biases 0, LayerNorm 1)."""
     model = make(tiny_bert, "retromae")
     obj = model.method
     names = [n for n, _ in obj.named_parameters()]
     assert names and all(n.startswith("decoder.") for n in names)
-    enc_layer = model.encoder.bert.encoder.layer[-1]
-    assert not torch.equal(obj.decoder.attention.self.query.weight, enc_layer.attention.self.query.weight)
+    first = dict(model.encoder.bert.encoder.layer[0].named_parameters())
+    std = model.encoder.config.initializer_range
+    for n, p in obj.decoder.named_parameters():
+        assert p.shape == first[n].shape, n
+        if p.dim() == 2:
+            assert not torch.equal(p, first[n]), n
+            assert abs(p.std().item() - std) < 0.25 * std and abs(p.mean().item()) < 0.25 * std, (n, p.std())
+        elif n.endswith("LayerNorm.weight"):
+            assert torch.equal(p, torch.ones_like(p))
+        else:
+            assert torch.equal(p, torch.zeros_like(p)), n
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -307,8 +325,17 @@ def test_simlm_generator_is_frozen_and_not_registered(tiny_bert, tiny_generator)
     assert all(n.startswith("decoder.") for n, _ in obj.named_parameters())
     assert not any("generator" in k for k in model.state_dict())
     assert not any("generator" in k for k in architectures.heads_state_dict(model))
-    assert obj.config() == {"generator_name_or_path": tiny_generator, "decoder_layers": 2}
+    assert obj.config() == {"generator_name_or_path": tiny_generator, "decoder_layers": 2, "baseline_setting": "paper"}
     assert not obj.generator.training and not any(p.requires_grad for p in obj.generator.parameters())
+    # the official setting: the generator samples in train mode while the model trains (rlm.py line 40 undone by
+    # the Trainer's model.train()), in eval mode while it does not; the paper's: eval mode always
+    batch = obj.make_collator(AutoTokenizer.from_pretrained(tiny_bert), max_length=16)(rows_from_docs(2))
+    for setting, train_mode in (("paper", False), ("official", True)):
+        m = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator, baseline_setting=setting).train()
+        m.method.prepare(m, batch)
+        assert m.method.generator.training == train_mode
+        m.eval().method.prepare(m, batch)
+        assert not m.method.generator.training
     # the decoder is a copy of the encoder's last two layers, not the layers themselves
     last = model.encoder.bert.encoder.layer[-2:]
     for a, b in zip(obj.decoder.parameters(), last.parameters()):
@@ -336,15 +363,19 @@ def test_simlm_replacements_are_samples_of_the_generator(tok, tiny_bert, tiny_ge
     assert (out["enc_input_ids"][m] != batch["input_ids"][m]).float().mean() > 0.9  # a random generator rarely keeps
 
 
-def official_simlm_loss(model, obj, batch):
-    """ReplaceLM.forward (rlm.py), straight-line, after the replacements: the encoder's MLM loss with labels at every
-    position, the decoder (the copied layers) on [vector; embeddings of the decoder's text], the shared MLM head."""
+def official_simlm_loss(model, obj, batch, setting="paper"):
+    """ReplaceLM.forward (simlm/src/models/rlm.py lines 48-93), straight-line, after the replacements: the encoder's MLM
+    loss with labels at every position, the decoder (the copied layers) on [vector; embeddings of the decoder's text]
+    (line 79), the shared MLM head (line 116). The vector: the last layer's [CLS] state (line 76) in the official
+    setting, the mean-pooled vector in the paper's."""
     lm = model.encoder
     am = batch["attention_mask"]
     targets = dense(batch, "tok")
     out = lm(input_ids=batch["enc_input_ids"], attention_mask=am, labels=targets, output_hidden_states=True)
     last = out.hidden_states[-1]
     cls = ((last * am[..., None]).sum(1) / am.sum(1, keepdim=True))[:, None]
+    if setting == "official":
+        cls = last[:, :1]  # rlm.py line 76
     h = torch.cat([cls, lm.bert.embeddings(batch["dec_input_ids"])[:, 1:]], dim=1)
     ext = (1.0 - am[:, None, None, :].float()) * torch.finfo(h.dtype).min  # get_extended_attention_mask
     for layer in obj.decoder:
@@ -353,8 +384,9 @@ def official_simlm_loss(model, obj, batch):
     return dec_loss + out.loss, dec_loss, out.loss
 
 
-def test_simlm_loss_and_gradients_equal_the_official_forward(tok, tiny_bert, tiny_generator):
-    model = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator)
+@pytest.mark.parametrize("setting", ["paper", "official"])
+def test_simlm_loss_and_gradients_equal_the_official_forward(tok, tiny_bert, tiny_generator, setting):
+    model = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator, baseline_setting=setting)
     obj = model.method
     c = obj.make_collator(tok, max_length=32, seed=5)
     raw = c(rows_from_docs(6))
@@ -375,8 +407,9 @@ def test_simlm_loss_and_gradients_equal_the_official_forward(tok, tiny_bert, tin
     got = grads(params)
     for p in params:
         p.grad = None
-    ref, ref_dec, ref_enc = official_simlm_loss(model, obj, batch)
+    ref, ref_dec, ref_enc = official_simlm_loss(model, obj, batch, setting)
     ref.backward()
+    print("simlm", setting, loss.item(), ref.item())
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(terms["decoder_rlm_loss"], ref_dec.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(terms["encoder_rlm_loss"], ref_enc.detach(), atol=1e-5, rtol=1e-5)
@@ -431,8 +464,10 @@ def test_contriever_scores_as_the_start_model_does(tok, tiny_bert):
 
 
 def test_contriever_loss_and_gradients_equal_a_loop(tok, tiny_bert):
-    """The official run's scores (--norm_query / --norm_doc off): dot products / 0.05."""
-    model = make(tiny_bert, "contriever", normalize=False)
+    """The official setting: the README run's scores (--norm_query / --norm_doc off), InBatch.forward
+    (src/inbatch.py lines 59-75): dot products / 0.05 of the mean-pooled vectors, cross-entropy to j = i."""
+    model = make(tiny_bert, "contriever", baseline_setting="official")
+    assert model.method.normalize is False and model.info.similarity_fn_name == "dot" and not model.info.normalize
     obj = model.method
     batch = obj.make_collator(tok, max_length=32)(rows_from_docs(8))
     _, vec = obj.encode(model, batch)
@@ -449,8 +484,54 @@ def test_contriever_loss_and_gradients_equal_a_loop(tok, tiny_bert):
         s = torch.stack([(q[i] / 0.05) @ k[j] for j in range(8)])
         ref = ref - torch.log_softmax(s, 0)[i] / 8
     ref.backward()
-    torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)
+    print("contriever official", loss.item(), ref.item())
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-6)
     assert_same_grads(got, grads(model.parameters()), atol=1e-4)  # dot products / 0.05: logits in the hundreds
+
+
+def test_unk_is_never_masked(tok):
+    """[UNK] is never masked (never_unk: the official collators zero the mask at every special token), at any rate."""
+    rows = [{**r, "anchor": "\u2603 " + r["anchor"].replace(" ", " \u2603 ", 3)} for r in rows_from_docs(8)]
+    unk = tok.unk_token_id
+    for rate in (0.3, 0.9):
+        for cls, keys in ((B.RetroMAECollator, ["mlm"]), (B.SimLMCollator, ["enc_masked", "dec_masked"])):
+            c = cls(tok, max_length=32, encoder_mask_rate=rate, decoder_mask_rate=max(rate, 0.5), seed=1)
+            for _ in range(5):
+                b = c(rows)
+                ids = b.get("clean_ids", b["input_ids"])
+                assert (ids == unk).sum() >= 8
+                for k in keys:
+                    masked = dense(b, k) >= 0 if k == "mlm" else b[k]
+                    assert masked.any() and not masked[ids == unk].any(), (cls, k)
+
+
+@pytest.mark.parametrize("objective,pooling,normalize,similarity", [("retromae", "cls", True, "cosine"),
+                                                                    ("contriever", "mean", False, "dot")])
+def test_official_setting_is_what_the_saved_folder_states(tok, tiny_bert, tmp_path, objective, pooling, normalize,
+                                                          similarity):
+    """A folder saved under --baseline_setting official pools and scores as the objective trained: the [CLS] vector
+    for RetroMAE (SimLM the same), dot products without Normalize for Contriever; its setting recorded."""
+    from sentence_transformers import SentenceTransformer
+
+    model = make(tiny_bert, objective, baseline_setting="official")
+    model.save_pretrained(str(tmp_path / "m"), tok)
+    cfg = json.loads((tmp_path / "m" / "xprt_config.json").read_text())
+    assert cfg["heads"]["baseline_setting"] == "official"
+    pool = json.loads((tmp_path / "m" / "1_Pooling" / "config.json").read_text())
+    assert pool["pooling_mode_cls_token"] == (pooling == "cls")
+    assert pool["pooling_mode_mean_tokens"] == (pooling == "mean")
+    modules = [m["type"] for m in json.loads((tmp_path / "m" / "modules.json").read_text())]
+    assert any(m.endswith("Normalize") for m in modules) == normalize
+    st = SentenceTransformer(str(tmp_path / "m"), device="cpu")
+    assert st.similarity_fn_name == similarity
+    text = rows_from_docs(1)[0]["anchor"]
+    enc = tok(text, return_tensors="pt")
+    with torch.no_grad():
+        ours = model.encode(enc["input_ids"], enc["attention_mask"])[1][0]
+    ours = F.normalize(ours, dim=-1) if normalize else ours
+    torch.testing.assert_close(torch.as_tensor(st.encode([text]))[0], ours, atol=1e-5, rtol=1e-5)
+    back = XPRTModel.from_pretrained(str(tmp_path / "m"))
+    assert back.method.baseline_setting == "official" and back.info.pooling == pooling
 
 
 def test_collators_emit_the_retention_fields(tok):

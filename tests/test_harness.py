@@ -35,7 +35,8 @@ def test_arms_are_train_py_objectives_plus_the_ablations(monkeypatch):
     own = exp.get("objective_flags", {})  # an objective's own flags (SimLM's generator)
     for o in choices:
         assert arms[o]["flags"] == ([] if o == "xprt" else ["--objective", o] + run.argv_of(own.get(o, {})))
-    assert arms["simlm"]["flags"][2:] == ["--generator_name_or_path", "{start}"]
+    assert arms["simlm"]["flags"][2:] == ["--generator_name_or_path", "{start}", "--baseline_setting", "official"]
+    assert arms["revela"]["flags"][2:4] == ["--lm_name_or_path", "{lm}"]
     assert arms["self_reconstruction_5x"]["steps_factor"] == 5 and arms["e5_ranking"]["ranking"] == "e5"
     # an objective added to train.py's parser becomes an arm with no edit to the harness
     build = train.build_parser
@@ -208,7 +209,11 @@ def test_tiny_scale_end_to_end(tmp_path):
     # the page's numbers are evaluate.py's, set beside the paper's
     xprt = ev["summary"]["average"][ev["models"][1 + arms.index("xprt")]]
     md = (out / "results.md").read_text()
-    assert f"| xPRT | {xprt:.2f} |" in md and "47.12 (retrieval 29.21)" in md and "| -4.9 |" in md
+    assert f"| xPRT | mean pooling, cosine | {xprt:.2f} |" in md
+    assert "47.12 (retrieval 29.21)" in md and "| -4.9 |" in md
+    # each arm's setting, as its saved folder states it (the from-BERT setting: the baselines as their authors run them)
+    assert "| RetroMAE | official: cls pooling, cosine |" in md and "| SimLM | official: cls pooling, cosine |" in md
+    assert "| Contriever | official: mean pooling, dot |" in md and "| Revela | mean pooling, cosine |" in md
     for a in arms:
         assert json.loads((out / f"s1/{a}/model/xprt_config.json").read_text())
         steps = [json.loads(line)["step"] for line in (out / f"s1/{a}/train_log.jsonl").read_text().splitlines()]

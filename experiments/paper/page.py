@@ -14,7 +14,20 @@ LABELS = {"start": "start", "xprt": "xPRT", "contrastive_random_span": "random s
           "self_reconstruction": "self-reconstruction", "retromae": "RetroMAE", "simlm": "SimLM",
           "no_fill_in": "xPRT without fill-in", "random_positive": "xPRT, random positive",
           "e5_ranking": "xPRT, E5-only ranking", "tfidf_ranking": "xPRT, TF-IDF-only ranking",
-          "self_reconstruction_5x": "self-reconstruction, 5x steps (as much text as xPRT)"}
+          "self_reconstruction_5x": "self-reconstruction, 5x steps (as much text as xPRT)", "revela": "Revela",
+          "contriever": "Contriever"}
+
+
+def arm_setting(out: Path, arm: str) -> str:
+    """How an arm ran, as its saved folder states it (the first seed's xprt_config.json): the baselines' setting
+    (--baseline_setting) and the vector it pools and scores."""
+    folders = sorted(out.glob(f"s*/{arm}/model/xprt_config.json"))
+    if not folders:
+        return ""
+    cfg = json.loads(folders[0].read_text())
+    info, heads = cfg, cfg.get("heads", {})
+    how = f"{info.get('pooling', 'mean')} pooling, {info.get('similarity_fn_name', 'cosine')}"
+    return f"{heads['baseline_setting']}: {how}" if heads.get("baseline_setting") else how
 
 
 def collect(arms: list, results: list) -> dict:
@@ -60,7 +73,7 @@ def published_main(setting: str, arm: str) -> str:
         return f"{avg[0]:.2f} (retrieval {ret[0]:.2f})" if avg else ""
     if arm == "start":
         return ""
-    key = "xprt" if arm == "xprt" else "baselines"
+    key = arm if arm in ("xprt", "revela") else "baselines"
     return f"{E5_SETTING['average_delta'][key][0]} (Δ start, 41 tasks)"
 
 
@@ -81,11 +94,12 @@ def write(exp: dict, out: Path, arms: list, results: list, seconds: float) -> di
              f"(evaluate.py {' '.join(f'{k} {v}' for k, v in exp['eval'].items() if k != '--local_tasks' and v)}"
              f"); wall time {seconds:.0f} s. Scores x100" + ("; mean ± sd over seeds." if n > 1 else "."), "",
              f"## Objectives from the same start (paper Table 1; the paper's column: {paper})", "",
-             "| method | average | Δ start | " + " | ".join(cats) + " | paper |",
-             "|---|---|---|" + "---|" * len(cats) + "---|"]
+             "| method | setting | average | Δ start | " + " | ".join(cats) + " | paper |",
+             "|---|---|---|---|" + "---|" * len(cats) + "---|"]
     for a in ["start"] + objectives:
         d = "" if a == "start" else fmt(deltas(data, a, "start", lambda r: r["average"]), True)
-        lines.append(f"| {LABELS.get(a, a)} | {fmt(values(data, a, lambda r: r['average']))} | {d} | " +
+        lines.append(f"| {LABELS.get(a, a)} | {arm_setting(out, a)} | "
+                     f"{fmt(values(data, a, lambda r: r['average']))} | {d} | " +
                      " | ".join(fmt(values(data, a, lambda r, c=c: r["per_category"][c])) for c in cats) +
                      f" | {published_main(setting, a)} |")
     if "xprt" in arms and ablations:

@@ -214,6 +214,32 @@ def stage_start(exp: dict, out: Path, dry_run: bool) -> str:
     raise SystemExit(f"{exp['name']}: unknown start kind {start['kind']!r}")
 
 
+def stage_lm(exp: dict, out: Path, dry_run: bool):
+    """Revela's language model, where a config names one as "lm" -> its path or name (None without one). kinds:
+    "model" (a name or folder: Qwen/Qwen2.5-0.5B, from the Hub or carried), "random_causal_lm" (a causal LM built
+    from a config with a given tokenizer: the tiny scale's stand-in)."""
+    lm = exp.get("lm")
+    if not lm:
+        return None
+    if lm["kind"] == "model":
+        return lm["name"]
+    dest = out / "lm"
+    print(f"+ (random {lm['architecture']} {lm['config']} with {lm['tokenizer']}'s vocabulary -> {dest})")
+    if not dry_run and not (dest / "config.json").is_file():
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from support import resolve_model_path
+
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(lm["tokenizer"]))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(lm.get("seed", 0))
+            config = AutoConfig.for_model(lm["architecture"], vocab_size=len(tok), **lm["config"])
+            AutoModelForCausalLM.from_config(config).save_pretrained(dest)
+        tok.save_pretrained(dest)
+    return str(dest)
+
+
 def stage_groups(exp: dict, out: Path, arms: dict, dry_run: bool, docs_dir: Path = None) -> dict:
     """select_groups.py once per ranking the arms need -> {ranking: groups folder}. A config's "documents" ([[path,
     first N], ...]) become one JSONL input (in docs_dir, default out); otherwise its "selection" flags name the input
@@ -250,7 +276,8 @@ def train_argv(exp: dict, arm: dict, start: str, groups: dict, seed: int, steps:
         flags["--max_train_steps"] = steps * arm["steps_factor"]
     elif arm["steps_factor"] != 1:
         flags["--num_train_epochs"] = exp["train"].get("--num_train_epochs", 1) * arm["steps_factor"]
-    return argv_of(flags) + [start if f == "{start}" else f for f in arm["flags"]]
+    # "{start}": the arms' start model; "{lm}": the language model Revela trains through (stage_lm)
+    return argv_of(flags) + [{"{start}": start, "{lm}": exp.get("lm_path", f)}.get(f, f) for f in arm["flags"]]
 
 
 def stage_train(exp: dict, out: Path, arms: dict, start: str, groups: dict, seeds: list, steps: int,
@@ -332,6 +359,8 @@ def estimate_flops(exp: dict, arm: dict) -> float:
         with torch.random.fork_rng(devices=[]):
             BertForMaskedLM(model_config(exp)).save_pretrained(gen_dir)
         options["generator_name_or_path"] = gen_dir
+    if objective == "revela":  # its language model: the config's "lm" built on the meta device (shapes only)
+        options.update(revela_estimate_options(exp, flags))
     t = exp["train"]
     with torch.device("meta"):  # the encoder without weights; the objective's heads are built from its shapes
         encoder = BertForMaskedLM(model_config(exp))
@@ -343,6 +372,29 @@ def estimate_flops(exp: dict, arm: dict) -> float:
     collator = model.method.make_collator(tok, max_length=t.get("--max_length", 128),
                                           positive="random" if "random" in flags else "s1")
     return train.step_flops(model, collator(rows), t.get("--retention_weight", 40.0) > 0)
+
+
+def revela_estimate_options(exp: dict, flags: list) -> dict:
+    """Revela's options for the FLOP estimate: its language model built without weights (meta device) from the
+    config's "lm_config" (the real model's published shapes; the harness reads no Hub) or the tiny "lm", its
+    tokenizer MiniLM's (shapes only: one token a word), LoRA as the arm's flags set it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from support import resolve_model_path
+
+    spec = exp.get("lm_config") or {"architecture": exp["lm"]["architecture"], **exp["lm"]["config"]}
+    spec = dict(spec)
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    config = AutoConfig.for_model(spec.pop("architecture"), **{"vocab_size": len(tok), **spec})
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config)
+    options = {"lm": lm, "lm_tokenizer": tok}
+    for flag, key, kind in (("--lora_rank", "lora_rank", int), ("--lora_target_modules", "lora_target_modules", str)):
+        if flag in flags:
+            value = kind(flags[flags.index(flag) + 1])
+            options[key] = value.split(",") if key == "lora_target_modules" else value
+    return options
 
 
 def processes(exp: dict) -> int:
@@ -396,6 +448,8 @@ def run_experiment(exp: dict, out: Path, args) -> dict:
     seeds = args.seeds or exp.get("seeds", [1])
     steps = exp["steps"] if isinstance(exp.get("steps"), int) else None
     print(f"\n=== {exp['name']}: {exp.get('about', '')}\narms: {', '.join(arms)}; seeds {seeds}; out {out}")
+    if "revela" in arms:
+        exp = {**exp, "lm_path": stage_lm(exp, out, args.dry_run or args.stage in ("score", "build", "device"))}
     if args.dry_run:
         start = stage_start(exp, out, True)
         groups = stage_groups(exp, out, arms, True)
