@@ -540,7 +540,7 @@ def test_head_learning_rate_groups_every_parameter_once(tiny_bert):
     from modeling_xprt import XPRTModel
 
     model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0])
-    groups = train.optimizer_groups(model, learning_rate=1e-6, head_learning_rate=1e-4, weight_decay=0.01)
+    groups = support.optimizer_groups(model, learning_rate=1e-6, head_learning_rate=1e-4, weight_decay=0.01)
     where = {id(p): (g["lr"], g["weight_decay"]) for g in groups for p in g["params"]}
     assert sum(len(g["params"]) for g in groups) == len(where) == len(list(model.parameters()))
     named = dict(model.named_parameters())
@@ -552,7 +552,7 @@ def test_head_learning_rate_groups_every_parameter_once(tiny_bert):
     assert where[id(named["encoder.cls.predictions.transform.dense.weight"])] == (1e-4, 0.01)
     assert where[id(named["encoder.cls.predictions.bias"])] == (1e-4, 0.0)
     # default: one lr for all, as in the paper
-    same = train.optimizer_groups(model, learning_rate=1e-6, head_learning_rate=None, weight_decay=0.01)
+    same = support.optimizer_groups(model, learning_rate=1e-6, head_learning_rate=None, weight_decay=0.01)
     assert {g["lr"] for g in same} == {1e-6}
 
 
