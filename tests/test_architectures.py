@@ -178,16 +178,16 @@ def test_an_encoder_that_reads_its_embeddings_outside_its_layers_is_refused(tmp_
     """DeBERTa-v2 with a convolution (conv_kernel_size > 0: deberta-v2-xlarge) adds a convolution of its embedding
     output after its first layer: a decoder layer run on the decoder's input cannot be run as the encoder runs its
     own, so loading refuses, naming the architecture and what fails; train.py refuses before it reads any data (its
-    groups folder does not even exist here)."""
+    groups are only counted before the model loads)."""
     import train
-    from test_train import base_args
+    from test_train import base_args, make_groups
 
     path = build_tiny("deberta-v2", tmp_path / "conv", conv_kernel_size=3)
     refusal = r"DebertaV2Model does not run its layers on what it hands its first layer alone .*cannot be built for it"
     with pytest.raises(ValueError, match=refusal):
         A.load_mlm_encoder(str(path))
     with pytest.raises(ValueError, match=refusal):
-        train.main(base_args(str(path), tmp_path / "no_groups_here", tmp_path / "out"))
+        train.main(base_args(str(path), make_groups(tmp_path / "groups", 8), tmp_path / "out"))
 
 
 def test_non_legacy_deberta_head_projects_with_a_bare_matmul(tmp_path):
