@@ -84,9 +84,11 @@ TERMS = {"xprt": {"xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "u
          "self_reconstruction": {"recon_loss", "mlm_loss", "retention_loss"},
          "retromae": {"decoder_loss", "mlm_loss", "retention_loss"},
          "simlm": {"encoder_rlm_loss", "decoder_rlm_loss", "retention_loss"},
-         "contriever": {"contrastive_loss", "retention_loss"}}
+         "contriever": {"contrastive_loss", "retention_loss"},
+         "revela": {"revela_loss", "retention_loss"}}
 MAIN_TERM = {"xprt": "xp_loss", "contrastive_random_span": "contrastive_loss", "self_reconstruction": "recon_loss",
-             "retromae": "decoder_loss", "simlm": "decoder_rlm_loss", "contriever": "contrastive_loss"}
+             "retromae": "decoder_loss", "simlm": "decoder_rlm_loss", "contriever": "contrastive_loss",
+             "revela": "revela_loss"}
 # RetroMAE's enhanced decoding splits BERT's attention layout into two streams and adds absolute position embeddings of
 # the hidden size to the query stream: the families without them (ELECTRA's are embedding-sized) are refused at load
 RETROMAE_REFUSED = {"distilbert", "electra", "modernbert", "mpnet", "deberta-v2"}
@@ -222,15 +224,18 @@ def test_every_objective_trains_and_the_folder_round_trips(tiny, groups, kind, t
     from transformers import AutoModel, AutoTokenizer
 
     from test_baselines import build_tiny_generator
+    from test_revela import build_tiny_lm
 
     generator = build_tiny_generator(tmp_path / "generator")
+    lm = build_tiny_lm(tmp_path / "lm", tiny[kind])  # Revela's language model, with the encoder's tokenizer
     assert set(mx.pretraining_objectives()) <= set(TERMS)
     for objective in mx.pretraining_objectives():
         out = tmp_path / objective
         argv = base_args(tiny[kind], groups, out, **{"--objective": objective, "--max_train_steps": 1,
                                                       "--no_save_model": objective != "xprt",
                                                       "--generator_name_or_path": generator if objective == "simlm"
-                                                      else None})
+                                                      else None,
+                                                      "--lm_name_or_path": lm if objective == "revela" else None})
         if objective == "retromae" and kind in RETROMAE_REFUSED:
             with pytest.raises(ValueError, match="RetroMAE's enhanced decoding needs"):
                 train.main(argv)
