@@ -905,9 +905,10 @@ class NoDuplicatesBatchSampler(LengthGroupedBatchSampler):
 
     def __init__(self, lengths, batch_size: int, seed: int, keys, group_by_length: bool = True):
         super().__init__(lengths, batch_size, seed, group_by_length)
-        self.keys = list(keys)
-        if len(self.keys) != len(self.lengths):
-            raise ValueError(f"{len(self.keys)} keys for {len(self.lengths)} examples")
+        # not self.keys: the parent's per-batch cap reads that name (train.py's documents), which this rule replaces
+        self.query_keys = list(keys)
+        if len(self.query_keys) != len(self.lengths):
+            raise ValueError(f"{len(self.query_keys)} keys for {len(self.lengths)} examples")
 
     def cut(self, order):
         """Cut `order` into len(self) full batches in which no key repeats, keeping close to the order (so to the
@@ -919,7 +920,7 @@ class NoDuplicatesBatchSampler(LengthGroupedBatchSampler):
         `order`."""
         from collections import deque
 
-        keys, bs = self.keys, self.batch_size
+        keys, bs = self.query_keys, self.batch_size
         queue, out = deque(order.tolist()), []
 
         def trade(i, b, held):  # put row i into earlier batch b for b's last row the current batch can take

@@ -196,7 +196,14 @@ _E5_NAME = re.compile(r"(^|[^a-z0-9])(m?e5)([^a-z0-9]|$)")
 NO_PROMPTS = {"query": "", "document": ""}
 
 
-E5_PROMPTS = {"query": E5_QUERY_PREFIX, "document": E5_PASSAGE_PREFIX}
+# E5's model card: "query: " on every text of a symmetric task (semantic similarity, bitext mining) and where the
+# vectors are features (classification, clustering). Written as mteb task-type keys, mteb's own prompt choice
+# (evaluate.prompt_for: task name, then task type, then side) picks it; mteb's registry gives E5 only the query /
+# document prompts, so there an STS text gets no prefix at all.
+E5_SYMMETRIC_TASK_TYPES = ("STS", "BitextMining", "Classification", "MultilabelClassification", "Clustering",
+                           "PairClassification", "Summarization")
+E5_PROMPTS = {"query": E5_QUERY_PREFIX, "document": E5_PASSAGE_PREFIX,
+              **{task_type: E5_QUERY_PREFIX for task_type in E5_SYMMETRIC_TASK_TYPES}}
 
 
 def read_json(path) -> dict:

@@ -400,7 +400,7 @@ def test_wrapper_end_to_end_on_tiny_bert(tiny_bert, beir, tmp_path):
     sts, scifact = mteb.get_task("STSBenchmark").metadata, mteb.get_task("SciFact").metadata
     assert e5.prefix_for(scifact, PromptType.query) == "query: "
     assert e5.prefix_for(scifact, PromptType.document) == "passage: "
-    assert e5.prefix_for(sts, None) == ""  # symmetric tasks: none, as mteb gives E5 (its query / document prompts)
+    assert e5.prefix_for(sts, None) == "query: "  # symmetric tasks: E5's card, through mteb's task-type keys
     assert enc.settings == {} and e5.settings == {"query_prefix": "query: ", "passage_prefix": "passage: ",
                                                    "max_length": 32}  # forced settings: an mteb experiment
     rep = ev.main(["--models", str(tiny_bert), "--local_tasks", f"SciFact={beir}", "--output_dir",
