@@ -33,9 +33,10 @@ import baselines  # noqa: F401  (registers the comparison objectives as --object
 from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives
 from support import (EVAL_PREFIX, ArgumentParser, LengthGroupedBatchSampler, UserError, adamw, add_common_args,
                      atomic_write, check_batch_fits, check_common_args, check_model_name, engine_dtype, explain_oom,
-                     load_model, local_inputs, make_accelerator, memory_estimate, positive_int, prepare_output_dir,
-                     prepare_run, print_run, read_json, resolve_model_path, run_script, sampler_negatives, save_model,
-                     save_run, train_loop, training_loader, whole_weights, zero3)
+                     load_model, local_inputs, make_accelerator, memory_estimate, non_negative_float, non_negative_int,
+                     positive_int, prepare_output_dir, prepare_run, print_run, read_json, resolve_model_path,
+                     run_script, sampler_negatives, save_model, save_run, train_loop, training_loader, whole_weights,
+                     zero3)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -107,12 +108,12 @@ def build_parser():
                         "(nearly equal lengths: they share its passages) land in different batches, where they would "
                         "be masked out of each other's negatives; 1 = off (figures: bench/README.md). Objectives whose "
                         "collator groups by other lengths (random spans: the crops') ignore it")
-    g.add_argument("--max_document_groups_per_batch", type=int, default=None,
+    g.add_argument("--max_document_groups_per_batch", type=non_negative_int, default=None,
                    help="at most N groups of one document in a batch (default: half the per-device batch; 0 = no "
                         "cap): L_xp masks a document's groups out of each other's negatives, so a document that "
                         "fills a batch leaves its rows none and L_xp exactly 0. Groups over the cap wait out the epoch "
                         "(the log says how many)")
-    g.add_argument("--min_in_batch_negatives", type=float, default=None,
+    g.add_argument("--min_in_batch_negatives", type=non_negative_float, default=None,
                    help="warn when the in-batch negatives a row keeps after the same-document mask (logged as "
                         "in_batch_negatives, the mean over rows) fall below this (default: half the global batch)")
 
