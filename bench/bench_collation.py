@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bench import ROOT, add_toy_flag, toy_sized
+from bench.bench_step import tiny_causal_lm
 
 SIZES = {  # (hidden, layers, heads, intermediate, max_length, retention weight)
     "gpu": (192, 4, 3, 768, 64, 0.0),
@@ -88,8 +89,10 @@ def main(argv=None):
         tok.save_pretrained(folder)
         teacher = architectures.load_teacher(str(folder)) if retention else None
         rows = datasets.Dataset.from_list(passage_rows(max_length, args.groups * (args.steps + 1)))
+        lm = tiny_causal_lm(folder / "lm", tok)  # Revela's language model
         for objective in objectives:
-            options = {"generator_name_or_path": str(folder)} if objective == "simlm" else {}
+            options = ({"generator_name_or_path": str(folder)} if objective == "simlm" else
+                       {"lm_name_or_path": lm} if objective == "revela" else {})
             mlm, _ = architectures.load_mlm_encoder(str(folder))
             model = mx.XPRTModel(mlm, objective=objective, **options).train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)

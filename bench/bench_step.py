@@ -32,6 +32,7 @@ is a tiny random ELECTRA here (no hub): its passes sit inside the step, not the 
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -112,6 +113,20 @@ def make_rows(tokenizer, groups, max_length, seed=0):
 
     return [{"doc_id": f"d{i}", "anchor": pick(), "related": [pick() for _ in range(4)], "random_passage": pick()}
             for i in range(groups)]
+
+
+def tiny_causal_lm(dest, tokenizer) -> str:
+    """Revela's language model at bench size: a random 2-layer Qwen2 (grouped-query attention, as Qwen2.5's) with the
+    encoder's vocabulary, saved to dest (what the harness's tiny scale builds too)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                     max_position_embeddings=512)).save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return str(dest)
 
 
 def build(name):
@@ -365,8 +380,10 @@ def bench_objectives(name, args, device) -> dict:
             ElectraForMaskedLM(ElectraConfig(vocab_size=mlm.config.vocab_size, embedding_size=64, hidden_size=64,
                                              num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                                              max_position_embeddings=512)).save_pretrained(generator)
+        lm = tiny_causal_lm(Path(generator) / "lm", tok)  # Revela's language model
         for objective in mx.pretraining_objectives():
-            options = {"generator_name_or_path": generator} if objective == "simlm" else {}
+            options = ({"generator_name_or_path": generator} if objective == "simlm" else
+                       {"lm_name_or_path": lm} if objective == "revela" else {})
             try:
                 model = mx.XPRTModel(copy.deepcopy(mlm), objective=objective, **options).to(device).train()
             except ValueError as e:
