@@ -2283,11 +2283,27 @@ def flop_counter():
         formula._get_raw = True
         return formula
 
-    return fc.FlopCounterMode(display=False, custom_mapping={
+    counter = fc.FlopCounterMode(display=False, custom_mapping={
         aten.addmm_: as_torch_counts(aten.addmm),
         aten._scaled_dot_product_flash_attention_for_cpu: as_torch_counts(aten._scaled_dot_product_flash_attention),
         aten._scaled_dot_product_flash_attention_for_cpu_backward:
             as_torch_counts(aten._scaled_dot_product_flash_attention_backward)})
+    # Only the total is read. Its per-module tracker hooks every module's backward, which torch refuses inside
+    # torch.autograd.grad (the gradient cache's): count everything under "Global" instead.
+    counter.mod_tracker = _GlobalOnly()
+    return counter
+
+
+class _GlobalOnly:
+    """A stand-in for FlopCounterMode's module tracker: every count goes to "Global", no module hooks."""
+
+    parents = {"Global"}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return None
 
 
 def train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state: "TrainState",
