@@ -436,6 +436,7 @@ def test_online_task_path_with_limit(monkeypatch):
         self.data_loaded = True
 
     monkeypatch.setattr(AbsTaskRetrieval, "load_data", fake_hub_load)
+    monkeypatch.setattr(ev, "hub_offline", lambda: False)  # the simulated Hub is reachable
     out = ev.run_evaluation(["wrong"], tasks=["SciFact"], limit=1, corpus_limit=3, encoder_factory=factory("wrong"),
                             show_progress=False)
     r = out["results"]["wrong"]["SciFact"]
