@@ -279,7 +279,8 @@ def test_end_to_end(tiny, tmp_path, kind):
     docs = _write_jsonl(tmp_path / "docs.jsonl", _docs(12))
     select_groups.main(["--input", str(docs), "--model_name_or_path", start, "--output_dir", str(tmp_path / "groups"),
                         "--centrality_threshold", "-1"])
-    train.main(base_args(start, tmp_path / "groups", tmp_path / "pre", **{"--max_train_steps": 2,
+    train.main(base_args(start, tmp_path / "groups", tmp_path / "pre", **{"--max_document_groups_per_batch": 0,
+                                                                          "--max_train_steps": 2,
                                                                           "--max_groups": 8}))
     pre = tmp_path / "pre" / "model"
     beir = make_beir(tmp_path / "beir")

@@ -297,6 +297,10 @@ def test_cached_accumulated_step_equals_the_plain_one(tiny_bert, tok, positional
         from test_baselines import build_tiny_generator
 
         options["generator_name_or_path"] = build_tiny_generator(tmp_path / "generator")
+    if objective == "revela":
+        from test_revela import build_tiny_lm
+
+        options["lm_name_or_path"] = build_tiny_lm(tmp_path / "lm", tiny_bert)
     model = make_model(tiny_bert, objective, **options).train()
     teacher = architectures.load_teacher(str(tiny_bert))
     with torch.no_grad():

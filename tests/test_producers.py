@@ -139,9 +139,11 @@ def _ft_args(**kw):
 
 
 class _Printer:
-    """The two things build_finetune_rows asks of an accelerator when nothing is mined."""
+    """What build_finetune_rows asks of an accelerator when nothing is mined: its printing, whether it is the main
+    process and how many there are (the batch-size check)."""
 
     is_main_process = True
+    num_processes = 1
 
     def __init__(self):
         self.lines = []
@@ -197,7 +199,7 @@ def test_train_data_with_beir_dir_trains_on_one_source_and_each_pair_once(tmp_pa
     beir = make_beir(tmp_path / "beir")
     pairs = [{"query": f"query {i}", "positive": f"passage {i}", "negatives": [f"other {i}"]} for i in range(5)]
     data = _write_jsonl(tmp_path / "pairs.jsonl", pairs + pairs[:2])
-    args = _ft_args(**{"--train_data": data, "--beir_dir": beir})
+    args = _ft_args(**{"--train_data": data, "--beir_dir": beir, "--per_device_train_batch_size": 4})
     printer = _Printer()
     rows = finetune.build_finetune_rows(args, printer, None, None, support.NO_PROMPTS)
     assert [(r["query"], r["positive"]) for r in rows] == [(p["query"], p["positive"]) for p in pairs]
