@@ -1350,7 +1350,8 @@ def add_common_args(p, default_lr: float):
                         "world size")
     g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
                    help="micro-batches per step (adds no negatives)")
-    g.add_argument("--learning_rate", type=positive_float, default=default_lr, help="peak learning rate")
+    g.add_argument("--learning_rate", type=non_negative_float, default=default_lr,
+                   help="peak learning rate (0: the encoder stays as it is, e.g. with --head_learning_rate)")
     g.add_argument("--weight_decay", type=non_negative_float, default=0.01,
                    help="AdamW weight decay (not on biases / LayerNorm)")
     g.add_argument("--lr_scheduler_type", default="linear", choices=scheduler_names(),

@@ -573,6 +573,7 @@ def test_head_learning_rate_trains_the_heads_and_not_the_encoder(tiny_bert, grou
 
     out = tmp_path / "heads"
     run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 3, "--max_groups": 8, "--learning_rate": 0.0,
+                                            "--max_document_groups_per_batch": 0,
                                             "--head_learning_rate": 1e-2, "--warmup_ratio": 0.0,
                                             "--lr_scheduler_type": "constant"}))
     start = AutoModelForMaskedLM.from_pretrained(tiny_bert)
