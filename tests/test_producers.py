@@ -333,14 +333,17 @@ def test_the_cards_language_is_the_start_models(tiny_bert, tmp_path):
 # ---- DeepSpeed on CPU with two processes ----------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_cpu_deepspeed_with_two_processes_is_refused_before_loading(tmp_path):
+def test_cpu_deepspeed_with_two_processes_is_refused_before_loading(tiny_bert, tmp_path):
     """accelerate forms no multi-process state for DeepSpeed on CPU (each process says rank 0 of 1), and DeepSpeed
-    stopped at prepare after loading everything (train_batch_size 4 != 4 * 1 * 2): refused, naming why, before the
-    model is loaded (the model path does not even exist)."""
+    stopped at prepare after loading everything (train_batch_size 4 != 4 * 1 * 2): refused, naming why, when the
+    accelerator is made, before the model is loaded (the flags' paths are checked first, so they are real here)."""
+    from test_train import make_groups
+
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs" / "accelerate_cpu_deepspeed_zero2.yaml"), "--num_processes", "2",
-           str(ROOT / "train.py"), "--model_name_or_path", str(tmp_path / "absent"), "--groups_dir",
-           str(tmp_path / "absent-groups"), "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+           str(ROOT / "train.py"), "--model_name_or_path", str(tiny_bert), "--groups_dir",
+           str(make_groups(tmp_path / "groups", 8)), "--per_device_train_batch_size", "2",
+           "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "DeepSpeed with 2 processes, but accelerate sees 1 (cpu)" in proc.stdout + proc.stderr
