@@ -20,8 +20,9 @@ not copied), one function per equation, with the official numbers:
 Two settings (--baseline_setting; the one table of what each changes: BASELINE_SETTINGS below):
   official  each baseline as its authors' code runs it: RetroMAE and SimLM condition their decoders on the encoder's
             last-layer [CLS] state and the saved folder pools [CLS] (so evaluate.py scores the vector that was
-            trained); Contriever scores dot products of unnormalised mean-pooled vectors / 0.05 and its folder scores
-            by dot product without Normalize; SimLM's frozen generator samples in train mode (dropout on).
+            trained); Contriever scores dot products of unnormalised mean-pooled vectors / 0.05 against the MoCo
+            queue of a momentum encoder (the README's run) and its folder scores by dot product without Normalize;
+            SimLM's frozen generator samples in train mode (dropout on).
   paper     the shared setting of the comparison (the default): every arm pooled and scored as the start model is
             (E5: mean pooling, cosine), in-batch negatives, the generator without dropout.
 Both settings mask as the official collators do ([UNK] never masked: never_unk). The setting is recorded in the
@@ -49,10 +50,10 @@ Departures from the official code (each named where it is made):
   - SimLM (paper setting): the frozen generator runs in eval mode (no dropout). In the official code it is a
     registered submodule of the trained model, so the Trainer's model.train() turns its dropout back on after
     `generator.eval()` (rlm.py line 40); the official setting does the same.
-  - Contriever: in-batch negatives (the official --contrastive_mode inbatch, src/inbatch.py), not the MoCo queue of
-    the README's run (--contrastive_mode moco, options.py's default: a queue of 65,536 keys, as the README's flags
-    parse (its --moco_queue is no flag of options.py); momentum 0.9995 in example_scripts, which also pass
-    --queue_size 131072; no gradient through the keys), in both settings: not implemented here. In the paper
+  - Contriever: its negatives are --contrastive_mode's (section 5): moco in the official setting, the README's run
+    (options.py's default mode: a queue of 65,536 keys, as the README's flags parse (its --moco_queue is no flag of
+    options.py; example_scripts pass --queue_size 131072); momentum 0.9995 as example_scripts pass; no gradient
+    through the keys), in-batch (src/inbatch.py) in the paper setting, either by the flag in both. In the paper
     setting its scores follow the start model's similarity (ours): cosines for a cosine start (E5, MiniLM: dot
     products put MiniLM's logits in the hundreds and its loss climbed from 0.6 to 7 in 20 demo steps).
 """
@@ -68,9 +69,9 @@ from torch import nn
 
 from architectures import copy_last_layers, decoder_layers, layer_multiply_adds
 from fused_vocab import linear_cross_entropy
-from modeling_xprt import (ConditionedDecoder, GroupCollator, Layout, Objective, gather_with_grad, group_bounds,
-                           group_lengths, info_nce, mlm_loss, register_objective)
-from support import rank_and_world, resolve_model_path
+from modeling_xprt import (ConditionedDecoder, GroupCollator, Layout, Objective, gather_no_grad, gather_with_grad,
+                           group_bounds, group_lengths, info_nce, mlm_loss, register_objective)
+from support import UserError, rank_and_world, resolve_model_path
 
 SETTINGS = ("paper", "official")
 # What --baseline_setting official changes, per objective (the paper setting changes nothing: the start's pooling
@@ -82,9 +83,10 @@ BASELINE_SETTINGS = {
     # SimLM simlm/src/models/rlm.py line 76: cls_hidden = encoder_out.hidden_states[-1][:, :1]; line 40:
     # generator.eval(), undone by the Trainer's model.train() (the generator is a registered submodule)
     "simlm": {"pooling": "cls", "generator_train_mode": True},
-    # Contriever src/inbatch.py lines 64-73: encoder(..., normalize=norm_query / norm_doc), both off in the README's
-    # run; scores = einsum(q / temperature, k); src/contriever.py: "average" pooling (the mean)
-    "contriever": {"pooling": "mean", "normalize": False, "similarity_fn_name": "dot"},
+    # Contriever src/inbatch.py lines 64-73 and src/moco.py forward: encoder(..., normalize=norm_query / norm_doc),
+    # both off in the README's run; scores = q . k / temperature; src/contriever.py: "average" pooling (the mean);
+    # the README's run: src/options.py's --contrastive_mode moco (momentum encoder, a queue of keys: MoCoState)
+    "contriever": {"pooling": "mean", "normalize": False, "similarity_fn_name": "dot", "contrastive_mode": "moco"},
 }
 
 
@@ -617,27 +619,173 @@ class ContrieverCollator(AnchorCollator):
         return batch
 
 
+CONTRASTIVE_MODES = ("inbatch", "moco")  # src/options.py --contrastive_mode (its default: moco)
+
+
+def moco_queue_init(dim: int, size: int, seed: int) -> torch.Tensor:
+    """The queue MoCo starts from (src/moco.py MoCo.__init__: randn(projection_size, queue_size), normalised along the
+    feature dimension): K = 65,536 columns q_j ~ N(0, I_D), each scaled to |q_j| = 1 -> (D, K) fp32. Drawn from a
+    generator of its own (seed: the run's), on the CPU, so every process holds the same queue and the run's other
+    random streams are left as they were."""
+    g = torch.Generator().manual_seed(seed)
+    return F.normalize(torch.randn(dim, size, generator=g), dim=0)
+
+
+@torch.no_grad()
+def momentum_update(key_params, query_params, m: float = 0.9995):
+    """The key encoder's step (src/moco.py _momentum_update_key_encoder), parameter by parameter:
+
+        w_k <- m w_k + (1 - m) w_q,   m = 0.9995 (example_scripts/contriever.sh, the README's run)
+
+    w_k is kept in fp32 whatever w_q's dtype: in bf16, 0.0005 of a weight's change is below a weight's last bit."""
+    for wk, wq in zip(key_params, query_params):
+        wk.copy_(wk * m + wq.detach().to(wk.dtype) * (1.0 - m))
+
+
+def moco_loss(q: torch.Tensor, k: torch.Tensor, queue: torch.Tensor, tau: float = 0.05,
+              label_smoothing: float = 0.0) -> torch.Tensor:
+    """MoCo's InfoNCE (src/moco.py _compute_logits and forward), one direction: the first crop q_i picks its own
+    second crop's key k_i among the queue's K keys:
+
+        L = -mean_i log softmax([q_i . k_i, q_i . queue_1, ..., q_i . queue_K] / tau)[0],   tau = 0.05, K = 65,536
+
+    label smoothing 0 (options.py's default; the README's run sets none). q (N, D) local rows, with gradient; k (N, D)
+    the momentum encoder's keys and queue (D, K), both without. fp32 logits, as contriever_loss."""
+    with torch.autocast(q.device.type, enabled=False):
+        q = q.float()
+        logits = torch.cat([(q * k.float()).sum(-1, keepdim=True), q @ queue.float()], dim=1) / tau
+    labels = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)  # the positive key is column 0
+    return F.cross_entropy(logits, labels, label_smoothing=label_smoothing)
+
+
+@torch.no_grad()
+def enqueue(queue: torch.Tensor, ptr: int, keys: torch.Tensor) -> int:
+    """MoCo's dequeue-and-enqueue (src/moco.py _dequeue_and_enqueue): the B keys of the step (gathered across
+    processes) replace the oldest columns,
+
+        queue[:, ptr : ptr + B] = keys^T,   ptr <- (ptr + B) mod K
+
+    -> the new ptr. As there, K must be a multiple of B (the official code asserts it)."""
+    b, size = keys.shape[0], queue.shape[1]
+    if size % b:
+        raise UserError(f"--moco_queue_size {size} is no multiple of the keys a step enqueues ({b}: the batch of "
+                        "every process), as MoCo requires (src/moco.py asserts it)")
+    queue[:, ptr:ptr + b] = keys.t().to(queue.dtype)
+    return (ptr + b) % size
+
+
+class MoCoState:
+    """Contriever's MoCo state: the momentum key encoder (a copy of the encoder's base model, frozen, fp32) and the
+    queue of keys with its pointer.
+
+    Not a module of the model, on purpose: the optimiser, DDP, the gradient clip and the saved folder (the query
+    encoder only) never see it. train.py registers it for checkpoints (accelerator.register_for_checkpointing:
+    state_dict / load_state_dict), so --resume_from_checkpoint continues with the same keys. Made on first use, as a
+    copy of the encoder's weights at that moment (the start, or what a resumed checkpoint then overwrites), on the
+    encoder's device; a run that starts from a saved folder starts a fresh key encoder and queue (the folder has
+    neither, as the official model files have neither).
+
+    step(model, ids, mask) is MoCo.forward's middle, once per call: the momentum update, then the keys, without
+    gradient; the key encoder runs in the model's mode, as the official encoder_k, a submodule of the trained
+    module, does (train: dropout on). The objective calls it once per forward (Contriever.batch_terms)."""
+
+    def __init__(self, encoder, queue_size: int = 65536, momentum: float = 0.9995):
+        self.encoder, self.queue_size, self.momentum = encoder, queue_size, momentum
+        self.seed = torch.initial_seed()  # the run's seed (train.py seeds before the model is made): the queue's draws
+        self.key_encoder, self.queue, self.ptr = None, None, 0
+
+    def _make_key_encoder(self):
+        """The key encoder: a frozen fp32 copy of the encoder's base model as it is now, on its device (moco.py
+        __init__: encoder_k = deepcopy(encoder_q), requires_grad False)."""
+        import copy
+
+        base = self.encoder.base_model
+        if any(hasattr(p, "ds_id") for p in base.parameters()):
+            raise UserError("--contrastive_mode moco under DeepSpeed ZeRO-3: the key encoder copies the encoder's "
+                            "whole weights, which ZeRO-3 partitions; use DDP or ZeRO-2")
+        self.key_encoder = copy.deepcopy(base).float().requires_grad_(False)
+
+    def step(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, normalize: bool) -> torch.Tensor:
+        """Momentum update (momentum_update), then the keys of the second crops: the key encoder's pooled vectors
+        through the model's modules after pooling (frozen, shared), normalised when the scores are cosines (--norm_doc)
+        -> (N, D) fp32, no gradient. The first call makes the key encoder (w_k = w_q) and the queue."""
+        with torch.no_grad():
+            if self.key_encoder is None:
+                self._make_key_encoder()
+            momentum_update(self.key_encoder.parameters(), model.base.parameters(), self.momentum)
+            self.key_encoder.train(model.training)
+            hidden = self.key_encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            k = model.sentence_vectors(model.pool(hidden, attention_mask)).float()
+            if self.queue is None:
+                self.queue = moco_queue_init(k.shape[-1], self.queue_size, self.seed).to(k.device)
+            return F.normalize(k, dim=-1) if normalize else k
+
+    def push(self, keys: torch.Tensor):
+        """enqueue the step's keys, gathered from every process (gather_no_grad), as moco.py does."""
+        self.ptr = enqueue(self.queue, self.ptr, gather_no_grad(keys.contiguous()))
+
+    # -- checkpoints (train.py registers this object with the accelerator) --
+    def state_dict(self) -> dict:
+        if self.key_encoder is None:
+            return {"moco": True}  # nothing made yet: a checkpoint before the first step
+        return {"moco": True, "key_encoder": self.key_encoder.state_dict(), "queue": self.queue,
+                "ptr": torch.tensor(self.ptr)}
+
+    def load_state_dict(self, state: dict):
+        if not state.get("moco"):
+            raise UserError("the checkpoint holds no MoCo state in this place: it was written by a run without "
+                            "--contrastive_mode moco; resume with the flags it was written with")
+        if "queue" not in state:
+            return
+        if self.key_encoder is None:
+            self._make_key_encoder()
+        self.key_encoder.load_state_dict(state["key_encoder"])
+        self.queue = state["queue"].to(next(self.key_encoder.parameters()).device, torch.float32)
+        self.ptr = int(state["ptr"])
+
+
 @register_objective
 class Contriever(Objective):
-    """Contriever's random spans with in-batch negatives: contriever_loss on the two crops' pooled vectors, a batch
-    term only. temperature: --temperature of the official run (0.05). normalize: --norm_query / --norm_doc; None
-    (ours) scores as the start model does: dot products of unnormalised vectors, as the official run, for a
-    dot-product start; cosines for a cosine start (E5, MiniLM), whose vectors' norms (MiniLM: 3.9-8.3) would
-    otherwise put the logits in the hundreds, and whose contract (the similarity it is scored with) the comparison
-    must keep. baseline_setting "official" (BASELINE_SETTINGS): dot products of unnormalised vectors, and a saved
-    folder that scores them so."""
+    """Contriever's random spans: the two crops' pooled vectors, a batch term only, with either of the official
+    negatives (--contrastive_mode):
+      inbatch  the other rows' second crops (src/inbatch.py): contriever_loss; both crops through the encoder
+      moco     a queue of the last K = 65,536 keys of a momentum encoder (src/moco.py): moco_loss; the first crop
+               through the encoder, the second through the key encoder without gradient (MoCoState). Once per
+               forward, in batch_terms (once per step also under the gradient cache, which calls encode twice per
+               chunk but batch_terms once; the key pass runs on the whole batch without gradient): the momentum
+               update, the keys, the loss on the queue as it was, then the keys enqueued. Under gradient
+               accumulation each micro-batch does all four, as each forward of the official code does (its
+               train.py has no accumulation): the key encoder moves A times per optimiser step towards the same
+               query weights, and a micro-batch's negatives include the earlier micro-batches' keys.
+    temperature: --temperature of the official run (0.05). normalize: --norm_query / --norm_doc; None (ours) scores as
+    the start model does: dot products of unnormalised vectors, as the official run, for a dot-product start;
+    cosines for a cosine start (E5, MiniLM), whose vectors' norms (MiniLM: 3.9-8.3) would otherwise put the logits
+    in the hundreds, and whose contract (the similarity it is scored with) the comparison must keep.
+    baseline_setting "official" (BASELINE_SETTINGS): dot products of unnormalised vectors, MoCo, and a saved folder
+    that scores them so."""
 
     name = "contriever"
 
     def __init__(self, encoder, temperature: float = 0.05, normalize: Optional[bool] = None,
-                 baseline_setting: str = "paper"):
+                 baseline_setting: str = "paper", contrastive_mode: Optional[str] = None,
+                 moco_queue_size: int = 65536, moco_momentum: float = 0.9995):
         super().__init__(encoder)
         self.baseline_setting, self.choices = baseline_setting, setting_of(self.name, baseline_setting)
         self.temperature = temperature
         self.normalize = self.choices.get("normalize", normalize)  # official: the README run's, unnormalised
+        # the flag wins over the setting's choice (official: moco, the README's run; paper: in-batch)
+        self.contrastive_mode = contrastive_mode or self.choices.get("contrastive_mode", "inbatch")
+        if self.contrastive_mode not in CONTRASTIVE_MODES:
+            raise UserError(f"--contrastive_mode must be one of {', '.join(CONTRASTIVE_MODES)}, "
+                            f"got {self.contrastive_mode!r}")
+        self.moco_queue_size, self.moco_momentum = moco_queue_size, moco_momentum
+        # a plain attribute, not a submodule: see MoCoState
+        self.moco = MoCoState(encoder, moco_queue_size, moco_momentum) if self.contrastive_mode == "moco" else None
 
     def config(self) -> dict:
-        return {"temperature": self.temperature, "normalize": self.normalize, "baseline_setting": self.baseline_setting}
+        return {"temperature": self.temperature, "normalize": self.normalize, "baseline_setting": self.baseline_setting,
+                "contrastive_mode": self.contrastive_mode, "moco_queue_size": self.moco_queue_size,
+                "moco_momentum": self.moco_momentum}
 
     def scoring(self) -> dict:
         return scoring_of(self.choices)
@@ -646,19 +794,31 @@ class Contriever(Objective):
         return ContrieverCollator(tokenizer, **kw)
 
     def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
-        """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the encoder on both crops."""
+        """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the encoder on both crops
+        (inbatch); the encoder on the first crop and the key encoder's forward on the second (moco)."""
         n = layer_multiply_adds(model.encoder)[0]
-        return layers(batch["q_input_ids"], n) + layers(batch["k_input_ids"], n), 0
+        q, k = layers(batch["q_input_ids"], n), layers(batch["k_input_ids"], n)
+        return (q, k) if self.moco is not None else (q + k, 0)
 
     def encode(self, model, batch: dict):
-        """-> (None, (G, 2, H): the first crop's vector, the second's)."""
+        """-> (None, (G, 2, H): the first crop's vector, the second's); moco: (G, 1, H), the first crop's only (the
+        second is the key encoder's, in batch_terms)."""
         q = model.encode(batch["q_input_ids"], batch["q_attention_mask"])[1]
+        if self.moco is not None:
+            return None, q[:, None]
         k = model.encode(batch["k_input_ids"], batch["k_attention_mask"])[1]
         return None, torch.stack([q, k], dim=1)
 
     def batch_terms(self, model, vec, batch: dict, **step):
         normalize = self.normalize if self.normalize is not None else model.info.similarity_fn_name != "dot"
-        return {"contrastive_loss": contriever_loss(vec[:, 0], vec[:, 1], self.temperature, normalize)}
+        if self.moco is None:
+            return {"contrastive_loss": contriever_loss(vec[:, 0], vec[:, 1], self.temperature, normalize)}
+        keys = self.moco.step(model, batch["k_input_ids"], batch["k_attention_mask"], normalize)
+        q = F.normalize(vec[:, 0].float(), dim=-1) if normalize else vec[:, 0]
+        # the queue as it was (a copy: the loss's backward reads it after the enqueue), then this step's keys in it
+        loss = moco_loss(q, keys, self.moco.queue.clone(), self.temperature)
+        self.moco.push(keys)
+        return {"contrastive_loss": loss}
 
 
 # ==============================================================================================================
@@ -672,8 +832,8 @@ class Contriever(Objective):
 #     --norm_doc off): all-MiniLM-L6-v2's vectors have norms 3.9-8.3, so its logits run in the hundreds
 #   - the longer crop is always the query here; there the first crop drawn (either length); with a one-direction
 #     loss this is a choice of which side the negatives come from, not only a labelling
-#   - in-batch negatives in both (section 5 too); the README's run uses MoCo (131,072 queued keys of a momentum
-#     encoder, momentum 0.9995, no gradient through the keys)
+#   - in-batch negatives here; section 5 has both (in-batch, and the MoCo queue of a momentum encoder the README's
+#     run uses: 65,536 keys as its flags parse, momentum 0.9995, no gradient through the keys)
 #   - the same: two independent crops of one text, ratio U[0.1, 0.5] (example_scripts: 0.05), one direction, tau 0.05,
 #     average pooling, [CLS] / [SEP] around each crop; crops there come from 256-token chunks of a token stream
 # ==============================================================================================================

@@ -34,9 +34,9 @@ from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_o
 from support import (EVAL_PREFIX, ArgumentParser, LengthGroupedBatchSampler, UserError, adamw, add_common_args,
                      atomic_write, check_batch_fits, check_common_args, check_model_name, engine_dtype, explain_oom,
                      load_model, local_inputs, make_accelerator, memory_estimate, non_negative_float, non_negative_int,
-                     positive_int, prepare_output_dir, prepare_run, print_run, read_json, resolve_model_path,
-                     run_script, sampler_negatives, save_model, save_run, train_loop, training_loader, whole_weights,
-                     zero3)
+                     positive_float, positive_int, prepare_output_dir, prepare_run, print_run, read_json,
+                     resolve_model_path, run_script, sampler_negatives, save_model, save_run, train_loop,
+                     training_loader, whole_weights, zero3)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
@@ -71,8 +71,21 @@ def build_parser():
     g.add_argument("--baseline_setting", choices=["paper", "official"], default=None,
                    help="retromae, simlm, contriever: 'official' runs each as its authors' code does ([CLS] vector "
                         "for RetroMAE and SimLM, saved as the folder's pooling; dot products of unnormalised vectors "
-                        "for Contriever; SimLM's generator with dropout), 'paper' pools and scores every arm as the "
-                        "start model (default; baselines.BASELINE_SETTINGS lists every choice)")
+                        "and MoCo's queue for Contriever; SimLM's generator with dropout), 'paper' pools and scores "
+                        "every arm as the start model (default; baselines.BASELINE_SETTINGS lists every choice)")
+
+    g = p.add_argument_group("contriever's negatives (baselines.py section 5)")
+    g.add_argument("--contrastive_mode", choices=["inbatch", "moco"], default=None,
+                   help="contriever: 'inbatch' (the other rows' second crops, src/inbatch.py) or 'moco' (a queue of "
+                        "a momentum key encoder's keys, src/moco.py); default: inbatch in the paper setting, moco "
+                        "with --baseline_setting official (the README's run)")
+    g.add_argument("--moco_queue_size", type=positive_int, default=None,
+                   help="contriever moco: keys in the queue (default 65536, options.py's --queue_size; a multiple of "
+                        "the global batch)")
+    g.add_argument("--moco_momentum", type=positive_float, default=None,
+                   help="contriever moco: momentum m of the key encoder, w_k = m w_k + (1 - m) w_q once per forward "
+                        "(default 0.9995, example_scripts/contriever.sh; at most 1)")
+
     g = p.add_argument_group("revela (revela.py; defaults: the official run's, TRUMANCFY/Revela train.sh)")
     g.add_argument("--lm_name_or_path", default=None,
                    help="revela: the causal language model the retriever trains through (default Qwen/Qwen2.5-0.5B, "
@@ -169,6 +182,12 @@ def parse_args(argv=None):
             raise UserError(f"--{name} must be in [0, 1)")
     if args.retention_weight < 0 or args.retention_final_weight < 0:
         raise UserError("retention weights must be >= 0")
+    moco_flags = [f"--{f}" for f in ("contrastive_mode", "moco_queue_size", "moco_momentum")
+                  if getattr(args, f) is not None]
+    if moco_flags and args.objective != "contriever":
+        raise UserError(f"{', '.join(moco_flags)}: flags of --objective contriever, not of {args.objective}")
+    if args.moco_momentum is not None and args.moco_momentum > 1:
+        raise UserError(f"--moco_momentum must be in (0, 1], got {args.moco_momentum}")
     if args.positive == "random" and args.retention_student == "masked" and args.retention_weight > 0:
         raise UserError("--positive random with --retention_student masked: the masked pass's slot 1 holds the "
                         "random passage, while every method's retention pairs are anchor x s1; use the clean student")
@@ -324,7 +343,7 @@ def load_pretraining_model(accelerator, args):
         options["generator_name_or_path"] = args.generator_name_or_path
     # an objective's own flags, given only when set (an option its objective does not take is refused, naming it)
     for flag in ("baseline_setting", "lm_name_or_path", "lora_rank", "lora_alpha", "lora_dropout", "attn_temperature",
-                 "extra_anchors"):
+                 "extra_anchors", "contrastive_mode", "moco_queue_size", "moco_momentum"):
         if getattr(args, flag) is not None:
             options[flag] = getattr(args, flag)
     if args.lora_target_modules:
@@ -439,6 +458,11 @@ def main(argv=None):
     # ---- data: the groups, length-grouped batches collated ahead of the step; the retention term's frozen teacher
     rows, sampler, dataloader = load_data(accelerator, args, model, tokenizer)
     teacher = load_teacher_model(accelerator, args)
+
+    # ---- Contriever's MoCo state (the key encoder and the queue: no part of the model) goes into the checkpoints,
+    # registered before prepare_run resumes
+    if getattr(model.method, "moco", None) is not None:
+        accelerator.register_for_checkpointing(model.method.moco)
 
     # ---- optimiser (AdamW; the heads at --head_learning_rate)
     optimizer, trainable = adamw(accelerator, model, args, args.head_learning_rate)

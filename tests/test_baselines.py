@@ -464,9 +464,10 @@ def test_contriever_scores_as_the_start_model_does(tok, tiny_bert):
 
 
 def test_contriever_loss_and_gradients_equal_a_loop(tok, tiny_bert):
-    """The official setting: the README run's scores (--norm_query / --norm_doc off), InBatch.forward
+    """The official setting's scores with in-batch negatives (--contrastive_mode inbatch; the setting's own is moco):
+    the README run's scores (--norm_query / --norm_doc off), InBatch.forward
     (src/inbatch.py lines 59-75): dot products / 0.05 of the mean-pooled vectors, cross-entropy to j = i."""
-    model = make(tiny_bert, "contriever", baseline_setting="official")
+    model = make(tiny_bert, "contriever", baseline_setting="official", contrastive_mode="inbatch")
     assert model.method.normalize is False and model.info.similarity_fn_name == "dot" and not model.info.normalize
     obj = model.method
     batch = obj.make_collator(tok, max_length=32)(rows_from_docs(8))
@@ -487,6 +488,157 @@ def test_contriever_loss_and_gradients_equal_a_loop(tok, tiny_bert):
     print("contriever official", loss.item(), ref.item())
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-6)
     assert_same_grads(got, grads(model.parameters()), atol=1e-4)  # dot products / 0.05: logits in the hundreds
+
+
+class OfficialMoCo(torch.nn.Module):
+    """Contriever's MoCo as facebookresearch/contriever src/moco.py writes it (class MoCo: __init__,
+    _momentum_update_key_encoder, _dequeue_and_enqueue, _compute_logits, forward), transcribed for one process (its
+    gather_nograd is the identity there) with the retriever of src/contriever.py (Contriever.forward, pooling
+    "average"). The queue's randn draws from a generator seeded as ours (moco.py: the global generator), so both start
+    from the same queue."""
+
+    def __init__(self, retriever, queue_size, momentum, temperature, dim, seed, label_smoothing=0.0, normalize=False):
+        super().__init__()
+        import copy
+
+        self.queue_size, self.momentum, self.temperature = queue_size, momentum, temperature
+        self.norm_query = self.norm_doc = normalize  # --norm_query, --norm_doc (off in the README's run)
+        self.label_smoothing = label_smoothing  # options.py's default, 0.0
+        self.encoder_q = retriever
+        self.encoder_k = copy.deepcopy(retriever)
+        for param_q, param_k in zip(self.encoder_q.parameters(), self.encoder_k.parameters()):
+            param_k.data.copy_(param_q.data)
+            param_k.requires_grad = False
+        queue = torch.randn(dim, queue_size, generator=torch.Generator().manual_seed(seed))
+        self.register_buffer("queue", F.normalize(queue, dim=0))
+        self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
+
+    @staticmethod
+    def embed(encoder, ids, mask, normalize):  # src/contriever.py Contriever.forward, pooling "average"
+        last_hidden = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        last_hidden = last_hidden.masked_fill(~mask[..., None].bool(), 0.0)
+        emb = last_hidden.sum(dim=1) / mask.sum(dim=1)[..., None]
+        return F.normalize(emb, dim=-1) if normalize else emb
+
+    def _momentum_update_key_encoder(self):
+        for param_q, param_k in zip(self.encoder_q.parameters(), self.encoder_k.parameters()):
+            param_k.data = param_k.data * self.momentum + param_q.data * (1.0 - self.momentum)
+
+    @torch.no_grad()
+    def _dequeue_and_enqueue(self, keys):
+        batch_size = keys.shape[0]
+        ptr = int(self.queue_ptr)
+        assert self.queue_size % batch_size == 0
+        self.queue[:, ptr:ptr + batch_size] = keys.T
+        self.queue_ptr[0] = (ptr + batch_size) % self.queue_size
+
+    def forward(self, q_tokens, q_mask, k_tokens, k_mask):
+        q = self.embed(self.encoder_q, q_tokens, q_mask, self.norm_query)
+        with torch.no_grad():
+            self._momentum_update_key_encoder()
+            k = self.embed(self.encoder_k, k_tokens, k_mask, self.norm_doc)
+        l_pos = torch.einsum("nc,nc->n", [q, k]).unsqueeze(-1)
+        l_neg = torch.einsum("nc,ck->nk", [q, self.queue.clone().detach()])
+        logits = torch.cat([l_pos, l_neg], dim=1) / self.temperature
+        labels = torch.zeros(q.shape[0], dtype=torch.long)
+        loss = F.cross_entropy(logits, labels, label_smoothing=self.label_smoothing)
+        self._dequeue_and_enqueue(k)
+        return loss
+
+
+@pytest.mark.parametrize("setting", ["official", "paper"])
+def test_contriever_moco_equals_the_official_moco(tok, tiny_bert, setting):
+    """--baseline_setting official is the README's run, MoCo (the defaults: 65,536 keys, momentum 0.9995). Three SGD
+    steps of 4 groups against OfficialMoCo (src/moco.py), a queue of 8 (the pointer wraps) and momentum 0.9 (the key
+    encoder moves visibly), in the official setting (dot products of unnormalised vectors: with the tiny BERT's
+    similar vectors the positive's logit dominates and some steps' loss is 0) and in the paper setting with
+    --contrastive_mode moco (cosines, --norm_query / --norm_doc on: a loss of a few nats every step): the loss of each step, the query and key encoders' weights, the queue and its pointer
+    agree to 1e-5; no gradient reaches the keys; the key encoder and queue are no part of the model (its parameters,
+    state dict, heads); the FLOP count has the key pass forward-only."""
+    from architectures import load_mlm_encoder as load
+
+    defaults = make(tiny_bert, "contriever", baseline_setting="official").method
+    defaults_model_keys = make(tiny_bert, "contriever").state_dict().keys()  # in-batch: no MoCo state at all
+    assert (defaults.contrastive_mode, defaults.moco_queue_size, defaults.moco_momentum) == ("moco", 65536, 0.9995)
+    assert make(tiny_bert, "contriever").method.contrastive_mode == "inbatch"  # the paper setting
+    model = make(tiny_bert, "contriever", baseline_setting=setting, contrastive_mode="moco", moco_queue_size=8,
+                 moco_momentum=0.9)
+    obj = model.method
+    ref = OfficialMoCo(load(str(tiny_bert))[0].base_model, 8, 0.9, 0.05, 32, obj.moco.seed,
+                       normalize=setting == "paper").eval()
+    collate = obj.make_collator(tok, max_length=32, seed=3)
+    rows = rows_from_docs(12)
+    batches = [collate(rows[i:i + 4]) for i in range(0, 12, 4)]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.SGD(ref.encoder_q.parameters(), lr=1e-3)
+    for step, b in enumerate(batches):
+        out = model(b)
+        out["loss"].backward()
+        keys = obj.moco.key_encoder
+        assert all(not p.requires_grad and p.grad is None for p in keys.parameters())  # no gradient to the keys
+        want = ref(b["q_input_ids"], b["q_attention_mask"], b["k_input_ids"], b["k_attention_mask"])
+        want.backward()
+        print(setting, "moco step", step + 1, out["loss"].item(), want.item(), abs(out["loss"].item() - want.item()))
+        torch.testing.assert_close(out["loss"].detach(), want.detach(), atol=1e-5, rtol=1e-5)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    got_k, want_k = obj.moco.key_encoder.state_dict(), ref.encoder_k.state_dict()
+    assert got_k.keys() == want_k.keys()
+    diff = max((got_k[n] - want_k[n]).abs().max().item() for n in got_k)
+    moved = max((got_k[n] - model.base.state_dict()[n]).abs().max().item() for n in got_k)
+    print("key encoder: max |ours - official|", diff, "; max |w_k - w_q|", moved)
+    assert diff < 1e-5 and moved > 1e-4
+    for n, p in model.base.state_dict().items():
+        torch.testing.assert_close(p, ref.encoder_q.state_dict()[n], atol=1e-5, rtol=1e-5)
+    print("queue: max |ours - official|", (obj.moco.queue - ref.queue).abs().max().item(), "ptr", obj.moco.ptr)
+    torch.testing.assert_close(obj.moco.queue, ref.queue, atol=1e-5, rtol=1e-5)
+    assert obj.moco.ptr == int(ref.queue_ptr) == 4
+    # the model is the query encoder only: the optimiser, DDP and the saved folder never see the key encoder or queue
+    ids = {id(p) for p in model.parameters()}
+    assert not any(id(p) in ids for p in keys.parameters())
+    assert not dict(obj.state_dict()) and model.state_dict().keys() == defaults_model_keys
+    # FLOPs: the first crop trained, the second the key encoder's forward only
+    b = batches[0]
+    trained, forward = obj.multiply_adds(model, b, lambda ids, n: ids.numel() * n, 0)
+    assert (trained, forward) == (b["q_input_ids"].numel() * 2, b["k_input_ids"].numel() * 2)
+
+
+def test_contriever_moco_cached_step_equals_the_plain_step(tiny_bert, tok, positional_dropout, chunk=2):
+    """Under the gradient cache (encode called twice per chunk) the momentum update and the enqueue happen once per
+    step, as in the plain step: from the same MoCo state, the loss, the terms and every gradient agree, and so do
+    the key encoder, queue and pointer after the step. Dropout batch-independent (positional_dropout), the key
+    encoder in train mode as the official one."""
+    import copy
+
+    from architectures import load_teacher
+
+    torch.manual_seed(0)
+    model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0], objective="contriever", baseline_setting="official",
+                      moco_queue_size=10).train()
+    teacher = load_teacher(str(tiny_bert))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for q in teacher.parameters():
+            q.add_(0.02 * torch.randn(q.shape, generator=g))
+    collate = model.method.make_collator(tok, max_length=24, seed=4)
+    model(collate(rows_from_docs(10)[5:]))  # a first step: the queue holds keys, the pointer is at 5
+    moco = model.method.moco
+    start = copy.deepcopy(moco.state_dict())
+    batch = collate(rows_from_docs(5))
+    plain_out, plain_grads = _step(model, batch, teacher)
+    after_plain = copy.deepcopy(moco.state_dict())
+    moco.load_state_dict(copy.deepcopy(start))
+    cached_out, cached_grads = _step(model, batch, teacher, chunk)
+    after_cached = moco.state_dict()
+    assert int(after_plain["ptr"]) == int(after_cached["ptr"]) == 0
+    assert set(plain_out) == set(cached_out) and "retention_loss" in plain_out
+    for k in plain_out:
+        torch.testing.assert_close(cached_out[k], plain_out[k], atol=1e-5, rtol=1e-5)
+    assert set(plain_grads) == set(cached_grads)
+    for n in plain_grads:
+        torch.testing.assert_close(cached_grads[n], plain_grads[n], atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(after_cached["queue"], after_plain["queue"], atol=1e-6, rtol=1e-5)
+    for n, w in after_plain["key_encoder"].items():
+        torch.testing.assert_close(after_cached["key_encoder"][n], w, atol=0, rtol=0)
 
 
 def test_unk_is_never_masked(tok):
@@ -654,3 +806,52 @@ def test_train_with_the_cache_logs_the_plain_runs_losses(no_dropout_bert, groups
         if k.endswith("loss"):
             assert cached[1][k] == pytest.approx(plain[1][k], rel=1e-5, abs=1e-7), k
     assert cached[2]["loss"] == pytest.approx(plain[2]["loss"], rel=1e-3)
+
+
+def test_train_contriever_official_runs_moco_and_resumes_exactly(tiny_bert, groups, tmp_path):
+    """train.py --objective contriever --baseline_setting official: MoCo (65,536 keys, momentum 0.9995), a moving
+    loss; stopped at step 2 and resumed, its logged losses equal the uninterrupted 4 steps' (the key encoder and the
+    queue are in the checkpoint: accelerate's custom_checkpoint_0.pkl); the saved folder is the query encoder only
+    (its heads file holds the MLM head, its config the mode)."""
+    from safetensors.torch import load_file
+
+    kw = {"--max_train_steps": 4, "--learning_rate": 1e-3, "--objective": "contriever",
+          "--baseline_setting": "official", "--checkpointing_steps": 2}
+    run(base_args(tiny_bert, groups, tmp_path / "a", **kw))
+    run(base_args(tiny_bert, groups, tmp_path / "b", **{**kw, "--stop_after_steps": 2, "--no_save_model": True}))
+    state = torch.load(tmp_path / "b" / "checkpoints" / "step_2" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert state["queue"].shape == (32, 65536) and int(state["ptr"]) == 8  # 2 steps of 4 keys
+    run(base_args(tiny_bert, groups, tmp_path / "b", **{**kw, "--resume_from_checkpoint": "latest",
+                                                        "--no_save_model": True}))
+    a, b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
+    print("contriever moco", [round(a[s]["contrastive_loss"], 4) for s in range(1, 5)],
+          [round(b[s]["contrastive_loss"], 4) for s in range(1, 5)])
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for s in range(1, 5):
+        for k in ("loss", "contrastive_loss", "retention_loss"):
+            assert a[s][k] == pytest.approx(b[s][k], rel=1e-5, abs=1e-6), (s, k, a[s][k], b[s][k])
+    assert len({round(a[s]["contrastive_loss"], 6) for s in range(1, 5)}) > 1  # the loss moves
+    folder = tmp_path / "a" / "model"
+    heads = load_file(folder / "xprt_heads.safetensors")
+    assert all(k.startswith("mlm_head.") for k in heads)
+    cfg = json.loads((folder / "xprt_config.json").read_text())["heads"]
+    assert (cfg["contrastive_mode"], cfg["moco_queue_size"], cfg["moco_momentum"]) == ("moco", 65536, 0.9995)
+    weights = load_file(folder / "model.safetensors")
+    assert not any("key_encoder" in k or "queue" in k for k in weights)
+
+
+def test_moco_flags_are_contrievers():
+    """--contrastive_mode / --moco_* with another objective: one line naming them; numbers checked at parse time."""
+    import train
+    from support import UserError
+
+    base = ["--groups_dir", "g", "--model_name_or_path", "m", "--output_dir", "o"]
+    with pytest.raises(UserError, match="--moco_momentum: flags of --objective contriever"):
+        train.parse_args(base + ["--moco_momentum", "0.99"])
+    for bad in (["--moco_queue_size", "0"], ["--moco_momentum", "-1"], ["--contrastive_mode", "queue"]):
+        with pytest.raises(UserError):
+            train.parse_args(base + ["--objective", "contriever", *bad])
+    with pytest.raises(UserError, match=r"--moco_momentum must be in \(0, 1\]"):
+        train.parse_args(base + ["--objective", "contriever", "--moco_momentum", "1.5"])
+    args = train.parse_args(base + ["--objective", "contriever", "--contrastive_mode", "moco"])
+    assert (args.contrastive_mode, args.moco_queue_size, args.moco_momentum) == ("moco", None, None)
