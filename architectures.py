@@ -357,6 +357,11 @@ def _without(module: nn.Module, path: str) -> nn.Module:
     submodule and parameter is the original's (shared, so training moves both)."""
     first, _, rest = path.partition(".")
     out = copy.copy(module)
+    # its own hook tables: a shallow copy shares the original's, so hooks registered on the original later
+    # (DeepSpeed ZeRO-3 hooks every module of the engine's model, reading the module's ds_id) would run on the copy
+    for k, v in vars(module).items():
+        if "_hooks" in k and isinstance(v, dict):
+            setattr(out, k, type(v)())
     out._modules = dict(module._modules)
     out._modules[first] = _without(module._modules[first], rest) if rest else nn.Identity()
     return out

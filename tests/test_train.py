@@ -586,17 +586,13 @@ def test_head_learning_rate_trains_the_heads_and_not_the_encoder(tiny_bert, grou
     assert log[3]["lr"] == 0.0 and log[3]["head_lr"] == pytest.approx(1e-2)
 
 
-# ZeRO-3 fails on this main: the MLM head's transform, built once at load from shallow copies of the head's modules
-# (architectures.encoder_pieces), lacks the ds_id DeepSpeed gives each module ('BertOnlyMLMHead' object has no
-# attribute 'ds_id'). Reported, not blocking, until fixed.
-ZERO3_BROKEN = pytest.mark.xfail(strict=False, reason="ZeRO-3: the head transform's copied modules lack ds_id")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # DeepSpeed ZeRO-2 under accelerate launch, one CPU process
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["zero2", pytest.param("zero3", marks=ZERO3_BROKEN)])
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_accelerate_launch_deepspeed_one_cpu_process(tiny_bert, groups, tmp_path, stage):
     """ZeRO-2 and ZeRO-3 on one CPU process compute what the plain loop does. ZeRO-3 partitions every model that
     transformers loads: the frozen teacher must be loaded whole, and the tied projection read outside its module
@@ -631,7 +627,7 @@ def test_accelerate_launch_deepspeed_one_cpu_process(tiny_bert, groups, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["zero2", pytest.param("zero3", marks=ZERO3_BROKEN)])
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_retention_is_zero_at_step_0_under_deepspeed_bf16(tiny_bert, groups, tmp_path, stage):
     """DeepSpeed bf16 casts the student's weights to bf16; the frozen teacher is cast to the same dtype
     (support.engine_dtype), so at step 0 the clean student pass and the teacher are one computation and the retention
