@@ -461,8 +461,14 @@ def main(argv=None):
 
     # ---- Contriever's MoCo state (the key encoder and the queue: no part of the model) goes into the checkpoints,
     # registered before prepare_run resumes
-    if getattr(model.method, "moco", None) is not None:
-        accelerator.register_for_checkpointing(model.method.moco)
+    moco = getattr(model.method, "moco", None)
+    if moco is not None:
+        keys = args.per_device_train_batch_size * accelerator.num_processes  # enqueued per forward (all processes)
+        if moco.queue_size % keys:
+            raise UserError(f"--moco_queue_size {moco.queue_size} is no multiple of the keys a forward enqueues "
+                            f"({args.per_device_train_batch_size} per device x {accelerator.num_processes} "
+                            "processes), as MoCo requires (src/moco.py asserts it)")
+        accelerator.register_for_checkpointing(moco)
 
     # ---- optimiser (AdamW; the heads at --head_learning_rate)
     optimizer, trainable = adamw(accelerator, model, args, args.head_learning_rate)

@@ -602,45 +602,6 @@ def test_contriever_moco_equals_the_official_moco(tok, tiny_bert, setting):
     assert (trained, forward) == (b["q_input_ids"].numel() * 2, b["k_input_ids"].numel() * 2)
 
 
-def test_contriever_moco_cached_step_equals_the_plain_step(tiny_bert, tok, positional_dropout, chunk=2):
-    """Under the gradient cache (encode called twice per chunk) the momentum update and the enqueue happen once per
-    step, as in the plain step: from the same MoCo state, the loss, the terms and every gradient agree, and so do
-    the key encoder, queue and pointer after the step. Dropout batch-independent (positional_dropout), the key
-    encoder in train mode as the official one."""
-    import copy
-
-    from architectures import load_teacher
-
-    torch.manual_seed(0)
-    model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0], objective="contriever", baseline_setting="official",
-                      moco_queue_size=10).train()
-    teacher = load_teacher(str(tiny_bert))
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(1)
-        for q in teacher.parameters():
-            q.add_(0.02 * torch.randn(q.shape, generator=g))
-    collate = model.method.make_collator(tok, max_length=24, seed=4)
-    model(collate(rows_from_docs(10)[5:]))  # a first step: the queue holds keys, the pointer is at 5
-    moco = model.method.moco
-    start = copy.deepcopy(moco.state_dict())
-    batch = collate(rows_from_docs(5))
-    plain_out, plain_grads = _step(model, batch, teacher)
-    after_plain = copy.deepcopy(moco.state_dict())
-    moco.load_state_dict(copy.deepcopy(start))
-    cached_out, cached_grads = _step(model, batch, teacher, chunk)
-    after_cached = moco.state_dict()
-    assert int(after_plain["ptr"]) == int(after_cached["ptr"]) == 0
-    assert set(plain_out) == set(cached_out) and "retention_loss" in plain_out
-    for k in plain_out:
-        torch.testing.assert_close(cached_out[k], plain_out[k], atol=1e-5, rtol=1e-5)
-    assert set(plain_grads) == set(cached_grads)
-    for n in plain_grads:
-        torch.testing.assert_close(cached_grads[n], plain_grads[n], atol=1e-6, rtol=1e-4)
-    torch.testing.assert_close(after_cached["queue"], after_plain["queue"], atol=1e-6, rtol=1e-5)
-    for n, w in after_plain["key_encoder"].items():
-        torch.testing.assert_close(after_cached["key_encoder"][n], w, atol=0, rtol=0)
-
-
 def test_unk_is_never_masked(tok):
     """[UNK] is never masked (never_unk: the official collators zero the mask at every special token), at any rate."""
     rows = [{**r, "anchor": "\u2603 " + r["anchor"].replace(" ", " \u2603 ", 3)} for r in rows_from_docs(8)]
@@ -855,3 +816,52 @@ def test_moco_flags_are_contrievers():
         train.parse_args(base + ["--objective", "contriever", "--moco_momentum", "1.5"])
     args = train.parse_args(base + ["--objective", "contriever", "--contrastive_mode", "moco"])
     assert (args.contrastive_mode, args.moco_queue_size, args.moco_momentum) == ("moco", None, None)
+
+
+def test_moco_queue_must_hold_whole_batches(tiny_bert, groups, tmp_path):
+    """A queue that the global batch does not divide is refused before the first step, naming the flag (moco.py
+    asserts it in its first enqueue)."""
+    from support import UserError
+
+    with pytest.raises(UserError, match="--moco_queue_size 10 is no multiple"):
+        run(base_args(tiny_bert, groups, tmp_path / "q", **{"--max_train_steps": 1, "--objective": "contriever",
+                                                            "--contrastive_mode": "moco", "--moco_queue_size": 10}))
+
+
+def test_contriever_moco_cached_step_equals_the_plain_step(tiny_bert, tok, positional_dropout, chunk=2):
+    """Under the gradient cache (encode called twice per chunk) the momentum update and the enqueue happen once per
+    step, as in the plain step: from the same MoCo state, the loss, the terms and every gradient agree, and so do
+    the key encoder, queue and pointer after the step. Dropout batch-independent (positional_dropout), the key
+    encoder in train mode as the official one."""
+    import copy
+
+    from architectures import load_teacher
+
+    torch.manual_seed(0)
+    model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0], objective="contriever", baseline_setting="official",
+                      moco_queue_size=10).train()
+    teacher = load_teacher(str(tiny_bert))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for q in teacher.parameters():
+            q.add_(0.02 * torch.randn(q.shape, generator=g))
+    collate = model.method.make_collator(tok, max_length=24, seed=4)
+    model(collate(rows_from_docs(10)[5:]))  # a first step: the queue holds keys, the pointer is at 5
+    moco = model.method.moco
+    start = copy.deepcopy(moco.state_dict())
+    batch = collate(rows_from_docs(5))
+    plain_out, plain_grads = _step(model, batch, teacher)
+    after_plain = copy.deepcopy(moco.state_dict())
+    moco.load_state_dict(copy.deepcopy(start))
+    cached_out, cached_grads = _step(model, batch, teacher, chunk)
+    after_cached = moco.state_dict()
+    assert int(after_plain["ptr"]) == int(after_cached["ptr"]) == 0
+    assert set(plain_out) == set(cached_out) and "retention_loss" in plain_out
+    for k in plain_out:
+        torch.testing.assert_close(cached_out[k], plain_out[k], atol=1e-5, rtol=1e-5)
+    assert set(plain_grads) == set(cached_grads)
+    for n in plain_grads:
+        torch.testing.assert_close(cached_grads[n], plain_grads[n], atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(after_cached["queue"], after_plain["queue"], atol=1e-6, rtol=1e-5)
+    for n, w in after_plain["key_encoder"].items():
+        torch.testing.assert_close(after_cached["key_encoder"][n], w, atol=0, rtol=0)
