@@ -56,6 +56,9 @@ Departures from the official code (each named where it is made):
     through the keys), in-batch (src/inbatch.py) in the paper setting, either by the flag in both. In the paper
     setting its scores follow the start model's similarity (ours): cosines for a cosine start (E5, MiniLM: dot
     products put MiniLM's logits in the hundreds and its loss climbed from 0.6 to 7 in 20 demo steps).
+    MoCo here: the key encoder is kept in fp32 (a bf16 copy would lose the 0.0005 steps), the queue's first random
+    keys come from a generator of the run's seed (moco.py: the global one), and under gradient accumulation each
+    micro-batch updates and enqueues (its train.py has no accumulation; Contriever's docstring).
 """
 
 from __future__ import annotations
