@@ -26,7 +26,6 @@ run once, at load (encoder_pieces): a training step calls the modules and callab
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
@@ -76,16 +75,6 @@ def layer_stack(base: nn.Module) -> tuple:
         raise ValueError(f"{type(base).__name__}: no list of Transformer layers found (xprt's decoder is built from "
                          "the encoder's own layers)")
     return best
-
-
-@contextlib.contextmanager
-def _swapped(owner: nn.Module, name: str, module: nn.Module):
-    old = owner._modules[name]
-    owner._modules[name] = module
-    try:
-        yield
-    finally:
-        owner._modules[name] = old
 
 
 def _hidden_arg(args, kwargs):
@@ -171,13 +160,14 @@ def run_layers(base: nn.Module, layers: nn.ModuleList, hidden: torch.Tensor, att
 
     embed_dim = base.get_input_embeddings().embedding_dim
     dummy = hidden.new_zeros(*hidden.shape[:2], embed_dim)
-    with _swapped(owner, name, layers):
-        handle = layers[0].register_forward_pre_hook(replace, with_kwargs=True)
-        try:
-            out = base(inputs_embeds=dummy, attention_mask=attention_mask)
-        finally:
-            handle.remove()
-    return out[0]
+    own = owner._modules[name]
+    owner._modules[name] = layers  # the encoder's layer list swapped for `layers` for this one call
+    handle = layers[0].register_forward_pre_hook(replace, with_kwargs=True)
+    try:
+        return base(inputs_embeds=dummy, attention_mask=attention_mask)[0]
+    finally:
+        handle.remove()
+        owner._modules[name] = own
 
 
 def _copy_layer(layer: nn.Module, config) -> nn.Module:

@@ -718,7 +718,7 @@ class MoCoState:
             momentum_update(self.key_encoder.parameters(), model.base.parameters(), self.momentum)
             self.key_encoder.train(model.training)
             hidden = self.key_encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            k = model.sentence_vectors(model.pool(hidden, attention_mask)).float()
+            k = model.post_pooling(model.pool(hidden, attention_mask)).float()
             if self.queue is None:
                 self.queue = moco_queue_init(k.shape[-1], self.queue_size, self.seed).to(k.device)
             return F.normalize(k, dim=-1) if normalize else k

@@ -16,7 +16,7 @@ def linear_cross_entropy(hidden, weight, bias, targets, fused: bool = True, chun
 
     hidden (N, D), weight (V, D), bias (V,), targets (N,). 0 (with a zero gradient) for N = 0."""
     if fused:
-        return _fused(hidden, weight, bias, targets, None, chunk_size)
+        return _FusedLinearCE.apply(hidden, weight, bias, targets, None, chunk_size, torch.is_grad_enabled())[0]
     if hidden.shape[0] == 0:
         return hidden.sum() * 0.0
     return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets)
@@ -27,21 +27,14 @@ def linear_kl_div(hidden, teacher_hidden, weight, bias, fused: bool = True, chun
 
     hidden, teacher_hidden (N, D), weight (V, D), bias (V,). 0 (with a zero gradient) for N = 0."""
     if fused:
-        return _fused(hidden, weight, bias, None, teacher_hidden.detach(), chunk_size)
+        return _FusedLinearCE.apply(hidden, weight, bias, None, teacher_hidden.detach(), chunk_size,
+                                    torch.is_grad_enabled())[0]
     if hidden.shape[0] == 0:
         return hidden.sum() * 0.0
     with torch.no_grad():
         t_logp = F.log_softmax(F.linear(teacher_hidden.detach(), weight, bias).float(), dim=-1)
     return F.kl_div(F.log_softmax(F.linear(hidden, weight, bias).float(), -1), t_logp, log_target=True,
                     reduction="batchmean")
-
-
-def _fused(hidden, weight, bias, targets, teacher_hidden, chunk_size):
-    """The mean over the rows through _FusedLinearCE: each row weighs 1 / N in the total."""
-    row_scale = torch.full((hidden.shape[0],), 1.0 / max(hidden.shape[0], 1), dtype=torch.float32,
-                           device=hidden.device)
-    return _FusedLinearCE.apply(hidden, weight, bias, targets, teacher_hidden, row_scale, chunk_size,
-                                torch.is_grad_enabled())[0]
 
 
 # Scratch (chunk, V) fp32 buffers kept across calls and steps, per device and slot: on CPU a fresh 125 MB tensor costs
@@ -74,12 +67,6 @@ def _logits_into(out, h, weight, bias):
 # a bias of -1e30: probability exactly 0, so they add nothing to a loss or a gradient, and their gradient rows are cut.
 _PAD = 64
 _PAD_BIAS = -1e30
-
-
-def _compute_dtype(device):
-    """The dtype the kernel's matrix products run in: autocast's (bf16 / fp16) where it is on, else None (the
-    weight's own)."""
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
 def _padded(weight, bias, dtype):
@@ -140,11 +127,6 @@ def _softmax_(z):
     return (m + s.log()).squeeze(1)
 
 
-def _row_dot(a, b):
-    """(r, V) x (r, V) -> (r,) row-wise dot products, through a batched matmul (no (r, V) temporary)."""
-    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
-
-
 class _FusedLinearCE(torch.autograd.Function):
     """Vocabulary projection + cross-entropy (hard targets) and/or KL (soft targets), chunk by chunk.
 
@@ -154,15 +136,16 @@ class _FusedLinearCE(torch.autograd.Function):
     less memory traffic on (tokens x 30,522) tensors: every chunk reuses one fp32 (chunk, V) buffer
     (two for KL, kept across calls: _scratch) and the softmax runs in place in it.
     Rows: hidden[:len(targets)] have hard targets, the rest soft ones (teacher_hidden); row_scale (N,) is each row's
-    weight in the total (1 / N: _fused). Returns (total, per-row losses (N,), no gradient).
+    weight in the total (1 / N). Returns (total, per-row losses (N,), no gradient).
 
     Why our own and not torch's chunked F.linear_cross_entropy: it has no KL form (L_self), and on CPU ours measured
     faster on the step's own rows (`python -m bench.bench_step --vocab`; figures in bench/README.md).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, teacher_hidden, row_scale, chunk_size, compute_grad):
+    def forward(ctx, hidden, weight, bias, targets, teacher_hidden, chunk_size, compute_grad):
         n = hidden.shape[0]
+        row_scale = torch.full((n,), 1.0 / max(n, 1), dtype=torch.float32, device=hidden.device)  # the mean
         n_ce = 0 if targets is None else targets.shape[0]
         # no gradient work at all under torch.no_grad (evaluation)
         need = [compute_grad and x for x in ctx.needs_input_grad[:3]]
@@ -172,7 +155,8 @@ class _FusedLinearCE(torch.autograd.Function):
             ctx.mark_non_differentiable(row_loss)
             return hidden.new_zeros((), dtype=torch.float32), row_loss
         v = weight.shape[0]
-        lowp = _compute_dtype(hidden.device)
+        # the matrix products run in autocast's dtype (bf16 / fp16) where it is on, else in the weight's own (None)
+        lowp = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else None
         w, b = _padded(weight, bias, lowp)  # (V', H) in the compute dtype, V' a multiple of _PAD
         vp = w.shape[0]
         grad_h = torch.empty_like(hidden) if need[0] else None
@@ -201,9 +185,10 @@ class _FusedLinearCE(torch.autograd.Function):
                 p = buf[:r].copy_(zt)
                 lse_t = _softmax_(p)
                 # sum p log p, before tbuf is reused for the student (a padded word: p = 0 times -1e30, 0)
-                kl = _row_dot(p, zt) - lse_t
+                # row-wise dot products through a batched matmul: no (r, V) temporary
+                kl = torch.bmm(p.unsqueeze(1), zt.unsqueeze(2)).view(-1) - lse_t
                 z = _logits_into(tbuf[:r], h, w, b)
-                kl -= _row_dot(p, z) - _softmax_(z)  # - sum p log q
+                kl -= torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1) - _softmax_(z)  # - sum p log q
                 row_loss[s:e] = kl
                 g = z.sub_(p)  # softmax(student) - p
             if grad_b is not None:  # fp32, from the fp32 g
@@ -230,4 +215,4 @@ class _FusedLinearCE(torch.autograd.Function):
             raise RuntimeError("backward ran twice through the fused vocabulary loss (retain_graph=True): "
                                "its gradients were handed over the first time; use fused=False for that")
         grads, ctx.grads = ctx.grads, None
-        return (*(None if g is None else g.mul_(grad_out) for g in grads), None, None, None, None, None)
+        return (*(None if g is None else g.mul_(grad_out) for g in grads), None, None, None, None)

@@ -30,7 +30,7 @@ from torch import nn
 
 from architectures import _head_params, decoder_layers, encoder_pieces, layer_runner, load_xprt_folder, save_xprt_folder
 from fused_vocab import linear_cross_entropy, linear_kl_div
-from support import ModelInfo, PostPooling, dist_on, max_seq_length, rank_and_world, stable_doc_hash
+from support import ModelInfo, PostPooling, max_seq_length, rank_and_world, stable_doc_hash
 
 logger = logging.getLogger("xprt")
 
@@ -73,7 +73,8 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
     (proved by tests/test_modeling.py::test_two_process_gather_equals_single_process).
     Every process must hold the same number of rows (drop_last).
     """
-    if not dist_on():
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return t
     import warnings
 
@@ -88,7 +89,8 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
 
 def gather_no_grad(t: torch.Tensor) -> torch.Tensor:
     """all_gather without gradient (document ids, labels)."""
-    if not dist_on():
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return t
     out = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(out, t.contiguous())
@@ -210,11 +212,10 @@ def retention_loss(student_anchors, student_related, teacher_anchors, teacher_re
     with torch.no_grad():
         t = cosines(teacher_anchors, teacher_related) / tau
 
-    def kl(t_logits, s_logits):  # mean over rows of KL(softmax(t) || softmax(s))
-        return F.kl_div(F.log_softmax(s_logits, -1), F.log_softmax(t_logits, -1), log_target=True,
-                        reduction="batchmean")
-
-    return 0.5 * (kl(t, s) + kl(t.t(), s.t()))
+    # rows: KL(softmax_row(T) || softmax_row(S)) averaged over rows; columns: the same on the transposes
+    rows = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean")
+    cols = F.kl_div(F.log_softmax(s.t(), -1), F.log_softmax(t.t(), -1), log_target=True, reduction="batchmean")
+    return 0.5 * (rows + cols)
 
 
 
@@ -633,6 +634,7 @@ class XPRTModel(nn.Module):
         if retention_student not in ("clean", "masked"):
             raise ValueError(f"retention_student must be 'clean' or 'masked', got {retention_student!r}")
         self.encoder = mlm_model
+        object.__setattr__(self, "base", mlm_model.base_model)  # the encoder without its MLM head (its own module)
         # embed, run_layers, transform, vocab_weight, vocab_bias: found once, here (architectures.encoder_pieces);
         # held outside the module tree, since their parameters are the encoder's
         for k, v in encoder_pieces(mlm_model)._asdict().items():
@@ -651,17 +653,16 @@ class XPRTModel(nn.Module):
         self.info = info or ModelInfo(max_seq_length=max_seq_length(mlm_model.config))
         # the objective's setting may fix how vectors are pooled and scored: training and the saved folder follow it
         self.info = replace(self.info, **self.method.scoring())
-        # the start's sentence-transformers modules after pooling (from_pretrained: support.load_post_pooling), frozen
+        # the start's sentence-transformers modules after pooling (Dense, Normalize, truncate_dim, ...: from_pretrained,
+        # support.load_post_pooling), frozen: pooled vectors (..., H) -> the model's sentence vectors (..., D). The
+        # similarity terms (batch terms, retention) read their output, so the encoder is trained under the modules;
+        # the decoders read the pooled vector, which lives in the encoder's token space they put it in.
         self.post_pooling = PostPooling()
         self.carried_heads: dict = {}  # a folder's heads of another objective, written back unchanged (from_pretrained)
         self.carried_config: dict = {}
         self.load_message = ""  # how the weights came to be: from_pretrained says
 
     # -- pieces ----------------------------------------------------------------------------------
-    @property
-    def base(self):
-        return self.encoder.base_model
-
     @property
     def prompts(self) -> dict:
         """{"query", "document"} prefixes the model is trained and used with (support.model_prompts)."""
@@ -686,13 +687,6 @@ class XPRTModel(nn.Module):
         start (support.read_pooling), so fine-tuning a BGE-style folder trains and saves the vector it is used by."""
         return hidden[:, 0].float() if self.info.pooling == "cls" else mean_pool(hidden, attention_mask)
 
-    def sentence_vectors(self, vec):
-        """Pooled vectors (..., H) -> the model's sentence vectors (..., D): the start's modules after pooling (Dense,
-        Normalize, truncate_dim, ...: support.PostPooling, frozen). The similarity terms (the objective's batch terms,
-        the retention term) read these, so the encoder is trained under the modules; the decoders read the pooled
-        vector, which lives in the encoder's token space they put it in."""
-        return self.post_pooling(vec)
-
     # -- the step ----------------------------------------------------------------------------------
     def forward(self, batch: dict, teacher=None, retention_weight: float = 0.0, **step) -> dict:
         """One step's loss -> {"loss": total (with gradient), "<term>_loss": detached value per term}. step: the
@@ -700,22 +694,14 @@ class XPRTModel(nn.Module):
         obj = self.method
         batch = obj.prepare(self, batch)
         states, vec = obj.encode(self, batch)
-        terms = {**obj.batch_terms(self, self.sentence_vectors(vec), batch, **step),
+        terms = {**obj.batch_terms(self, self.post_pooling(vec), batch, **step),
                  **obj.row_terms(self, batch, states, vec)}
-        if self.retains(teacher, retention_weight):
+        if teacher is not None and retention_weight > 0 and obj.pretraining:  # the paper gives every method the term
             student = obj.masked_student(vec) if self.retention_student == "masked" else self.clean_student(batch)
-            terms["retention_loss"] = self.retention(self.sentence_vectors(student),
-                                                     self.teacher_vectors(batch, teacher))
+            s, t = self.post_pooling(student), self.teacher_vectors(batch, teacher)  # (G, 2, D): anchor, s1
+            terms["retention_loss"] = retention_loss(s[:, 0], s[:, 1], t[:, 0], t[:, 1], self.tau)
         loss = obj.total(terms, retention_weight, **step)
         return {"loss": loss, **{k: v.detach() for k, v in terms.items()}}
-
-    def retains(self, teacher, retention_weight: float) -> bool:
-        return teacher is not None and retention_weight > 0 and self.method.pretraining
-
-    def retention(self, student, teacher_vecs):
-        """retention_loss on the same pairs for every objective, as the paper gives every method the same term:
-        anchors x top related passages (s1). student, teacher_vecs: (G, 2, H) anchor and s1 vectors."""
-        return retention_loss(student[:, 0], student[:, 1], teacher_vecs[:, 0], teacher_vecs[:, 1], self.tau)
 
     def clean_student(self, batch):
         """The retention term's student: the clean anchor and s1 encoded WITHOUT dropout (the teacher runs without
@@ -746,7 +732,7 @@ class XPRTModel(nn.Module):
         g, _, lr = ids.shape
         hidden = teacher(input_ids=ids.reshape(g * 2, lr), attention_mask=mask.reshape(g * 2, lr)).last_hidden_state
         with dropout_off(self.post_pooling):
-            return self.sentence_vectors(self.pool(hidden, mask.reshape(g * 2, lr))).view(g, 2, -1)
+            return self.post_pooling(self.pool(hidden, mask.reshape(g * 2, lr))).view(g, 2, -1)
 
     # -- the gradient cache (train.py / finetune.py --gradient_cache_chunk) ----------------------------
     def cached_step(self, batch, chunk: int, backward, teacher=None, retention_weight: float = 0.0, **step) -> dict:
@@ -767,7 +753,7 @@ class XPRTModel(nn.Module):
         obj, device = self.method, next(self.parameters()).device
         batch = obj.prepare(self, batch)
         parts = batch["layout"].chunks(batch, chunk)
-        retain = self.retains(teacher, retention_weight)
+        retain = teacher is not None and retention_weight > 0 and obj.pretraining
         clean_student = retain and self.retention_student == "clean"
         states, vecs, cleans = [], [], []
         with torch.no_grad():  # 1.
@@ -778,11 +764,11 @@ class XPRTModel(nn.Module):
                     cleans.append(self._clean_vectors(part))
         leaves = torch.cat(vecs).requires_grad_()
         clean = torch.cat(cleans).requires_grad_() if clean_student else None
-        terms = obj.batch_terms(self, self.sentence_vectors(leaves), batch, **step)  # 2.
+        terms = obj.batch_terms(self, self.post_pooling(leaves), batch, **step)  # 2.
         if retain:
-            student = clean if clean_student else obj.masked_student(leaves)
-            terms["retention_loss"] = self.retention(
-                self.sentence_vectors(student), torch.cat([self.teacher_vectors(part, teacher) for _, part in parts]))
+            s = self.post_pooling(clean if clean_student else obj.masked_student(leaves))
+            t = torch.cat([self.teacher_vectors(part, teacher) for _, part in parts])
+            terms["retention_loss"] = retention_loss(s[:, 0], s[:, 1], t[:, 0], t[:, 1], self.tau)
         loss = torch.as_tensor(obj.total(terms, retention_weight, **step), device=device)
         wrt = [x for x in (leaves, clean) if x is not None]
         grads = torch.autograd.grad(loss, wrt, allow_unused=True) if loss.requires_grad else [None] * len(wrt)

@@ -295,7 +295,7 @@ class Revela(Objective):
         ids, am = batch["lm_input_ids"], batch["lm_attention_mask"]  # (G, P, L')
         g, p, l = ids.shape
         # (G, P, P), on the sentence vectors the start's modules after pooling make, as every similarity term reads
-        weights = revela_attention_weights(model.sentence_vectors(vec), self.attn_temperature)
+        weights = revela_attention_weights(model.post_pooling(vec), self.attn_temperature)
         return {"revela_loss": batch["layout"].share("lm") * revela_loss(
             self.lm, ids.view(g * p, l), am.view(g * p, l), weights, batch["lm_index"], batch["lm_targets"])}
 

@@ -601,11 +601,6 @@ def pick_device_and_dtype(device: Optional[str] = None, dtype: Optional[str] = N
     return dev, dt
 
 
-def dist_on() -> bool:
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def rank_and_world() -> tuple:
     """(rank, world size) of the torch.distributed group that accelerate / torchrun formed; (0, 1) without one."""
     dist = torch.distributed

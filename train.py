@@ -408,7 +408,7 @@ def teacher_cosine(model, teacher, batch) -> torch.Tensor:
     gradient). 1.0 at step 0. Computed on logging steps only (one extra forward of 2 x groups passages) and left on
     the device: the logging step's one read-back (LogWindow.record) averages it over the processes' batches."""
     with torch.no_grad():
-        s, t = model.sentence_vectors(model._clean_vectors(batch)), model.teacher_vectors(batch, teacher)
+        s, t = model.post_pooling(model._clean_vectors(batch)), model.teacher_vectors(batch, teacher)
     return torch.nn.functional.cosine_similarity(s.float(), t.float(), dim=-1).mean()
 
 

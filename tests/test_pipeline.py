@@ -108,7 +108,7 @@ def test_train_keeps_the_modules_after_pooling(kind, tiny_bert, groups, tmp_path
     tok = st_saved.tokenizer
     enc = tok(TEXTS, padding=True, return_tensors="pt")
     with torch.no_grad():
-        ours = model.sentence_vectors(model.encode(enc["input_ids"], enc["attention_mask"])[1])
+        ours = model.post_pooling(model.encode(enc["input_ids"], enc["attention_mask"])[1])
     assert torch.allclose(ours, v_saved, atol=1e-5)
     log = (out / "model" / "README.md").read_text()
     assert "kept frozen" in log and model.info.modules and model.info.dim == v_saved.shape[1]
