@@ -59,3 +59,37 @@ def test_stop_rule_on_the_first_seed(out):
     # exit 0 = the arms separate (go on), 1 = within noise (stop): run.sh's `if ! summarize --stop_check` reads this
     assert summarize.main(args + ["--noise", str(spread - 0.01)]) == 0
     assert summarize.main(args + ["--noise", str(spread + 0.01)]) == 1
+
+
+def test_pretrain_mlm_overwrite_replaces_only_its_own_outputs(tmp_path):
+    """experiments/nano/pretrain_mlm.py --overwrite replaces the files it recorded writing and nothing else (a user's
+    file in the folder stays; a stranger's file named like an output is refused); an input inside the output folder
+    is refused; without --overwrite a second run is refused in one line."""
+    spec = importlib.util.spec_from_file_location("pretrain_mlm", ROOT / "experiments" / "nano" / "pretrain_mlm.py")
+    mlm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mlm)
+    corpus, out = tmp_path / "docs.jsonl", tmp_path / "out"
+    words = "the model reads passages of web text and learns which words fill the masked slots".split()
+    corpus.write_text("".join(json.dumps({"text": " ".join(words[i:] + words[:i]) * 4}) + "\n" for i in range(12)))
+    def args(folder):
+        return ["--inputs", str(corpus), "--output_dir", str(folder), "--vocab_size", "200", "--hidden_size", "32",
+                "--num_layers", "1", "--num_heads", "2", "--intermediate_size", "64", "--block_size", "16",
+                "--per_device_train_batch_size", "4", "--max_steps", "2", "--logging_steps", "1", "--eval_share", "0.2"]
+
+    argv = args(out)
+    with pytest.raises(mlm.UserError, match="holds --inputs"):  # the corpus inside the output folder
+        mlm.main(args(tmp_path))
+    out.mkdir()
+    (out / "notes.jsonl").write_text("the user's own file\n")
+    mlm.main(argv)
+    assert (out / "model.safetensors").exists()
+    with pytest.raises(mlm.UserError, match="--overwrite"):
+        mlm.main(argv)
+    mlm.main(argv + ["--overwrite"])
+    assert (out / "model.safetensors").exists() and (out / "notes.jsonl").read_text() == "the user's own file\n"
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "config.json").write_text("{}")  # named like an output, written by someone else
+    with pytest.raises(mlm.UserError, match="no record of writing it"):
+        mlm.main(args(stranger) + ["--overwrite"])
+    assert (stranger / "config.json").read_text() == "{}"

@@ -34,7 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's modules sit two folders up
 
-from support import atomic_path, atomic_write, resolve_model_path  # noqa: E402
+from support import (UserError, atomic_path, atomic_write, claim_output_folder, local_inputs,  # noqa: E402
+                     record_outputs, remove_outputs, resolve_model_path, run_script)
 
 
 def parse_args(argv=None):
@@ -42,7 +43,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--inputs", nargs="+", required=True, help="JSONL files of documents with a 'text' field")
     p.add_argument("--output_dir", required=True, help="folder for the model, tokenizer, log and curve")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output_dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace this script's earlier outputs in --output_dir (only files it recorded writing there)")
     p.add_argument("--base_tokenizer", default=str(ROOT / "bench" / "tokenizer"),
                    help="BERT tokenizer whose normalisation and special tokens the new vocabulary keeps (default: "
                         "the shipped bench/tokenizer, all-MiniLM-L6-v2's, which needs no package: the GPU machine "
@@ -73,9 +75,14 @@ def parse_args(argv=None):
     for f in args.inputs:
         if not os.path.isfile(f):
             p.error(f"--inputs: no such file {f}")
-    if os.path.exists(args.output_dir) and os.listdir(args.output_dir) and not args.overwrite:
-        p.error(f"{args.output_dir} exists and is not empty; pass --overwrite to replace it")
     return args
+
+
+# What this script writes into --output_dir (support.claim_output_folder records them): --overwrite replaces these
+# and nothing else, so a corpus or a start model that shares the folder is never deleted.
+OUTPUTS = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+           "special_tokens_map.json", "vocab.txt", "sentence_bert_config.json", "mlm_log.jsonl", "mlm_loss_curve.png",
+           "mlm_stats.json", "trainer", "training_args.bin")
 
 
 def read_texts(paths, max_docs):
@@ -174,9 +181,15 @@ def main(argv=None):
 
     set_seed(args.seed)
     out = Path(args.output_dir)
-    if out.exists() and args.overwrite:
-        shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
+    previous = claim_output_folder(out, "pretrain_mlm.py", OUTPUTS,
+                                   local_inputs(inputs=args.inputs, base_tokenizer=args.base_tokenizer))
+    if previous and not args.overwrite:
+        raise UserError(f"{previous[0]} exists (an earlier run's output): pass --overwrite to replace this script's "
+                        "outputs, or choose another --output_dir")
+    record_outputs(out, "pretrain_mlm.py", OUTPUTS)
+    if previous:
+        remove_outputs(out, "pretrain_mlm.py", previous)
     t0 = time.time()
     texts = read_texts(args.inputs, args.max_docs)
     tokenizer = train_tokenizer(texts, args.base_tokenizer, args.vocab_size)
@@ -235,4 +248,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)
