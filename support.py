@@ -78,15 +78,15 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message} (--help lists the flags)")
 
 
-def _number(kind, low: float, inclusive: bool, what: str):
-    """An argparse type: `kind` (int or float) at least `low` (above it when not `inclusive`), refused at parse time
-    as 'argument --flag: 0 is not an integer >= 1' (argparse's own message, naming the flag)."""
+def _number(kind, low: float, inclusive: bool, what: str, below: float = math.inf):
+    """An argparse type: `kind` (int or float) at least `low` (above it when not `inclusive`) and under `below`,
+    refused at parse time as 'argument --flag: 0 is not an integer >= 1' (argparse's own message, naming the flag)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if value < low or (value == low and not inclusive) or value != value:  # value != value: NaN
+        if value < low or (value == low and not inclusive) or value >= below or value != value:  # v != v: NaN
             raise argparse.ArgumentTypeError(f"{text} is not {what}")
         return value
 
@@ -103,6 +103,9 @@ positive_float = _number(float, 0.0, False, "a number > 0")
 
 
 non_negative_float = _number(float, 0.0, True, "a number >= 0")
+
+
+dropout_rate = _number(float, 0.0, True, "a rate in [0, 1)", below=1.0)
 
 
 def scheduler_names() -> list:

@@ -32,10 +32,10 @@ from architectures import head_multiply_adds, layer_multiply_adds, load_teacher
 import baselines  # noqa: F401  (registers the comparison objectives as --objective choices)
 from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives
 from support import (EVAL_PREFIX, ArgumentParser, LengthGroupedBatchSampler, UserError, adamw, add_common_args,
-                     atomic_write, check_batch_fits, check_common_args, check_model_name, engine_dtype, explain_oom,
-                     load_model, local_inputs, make_accelerator, memory_estimate, non_negative_float, non_negative_int,
-                     positive_float, positive_int, prepare_output_dir, prepare_run, print_run, read_json,
-                     resolve_model_path, run_script, sampler_negatives, save_model, save_run, train_loop,
+                     atomic_write, check_batch_fits, check_common_args, check_model_name, dropout_rate, engine_dtype,
+                     explain_oom, load_model, local_inputs, make_accelerator, memory_estimate, non_negative_float,
+                     non_negative_int, positive_float, positive_int, prepare_output_dir, prepare_run, print_run,
+                     read_json, resolve_model_path, run_script, sampler_negatives, save_model, save_run, train_loop,
                      training_loader, whole_weights, zero3)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
@@ -90,16 +90,16 @@ def build_parser():
     g.add_argument("--lm_name_or_path", default=None,
                    help="revela: the causal language model the retriever trains through (default Qwen/Qwen2.5-0.5B, "
                         "as the xPRT paper runs Revela)")
-    g.add_argument("--lora_rank", type=int, default=None, help="revela: LoRA rank of the language model (default 256)")
-    g.add_argument("--lora_alpha", type=float, default=None, help="revela: LoRA alpha (default 64)")
-    g.add_argument("--lora_dropout", type=float, default=None, help="revela: LoRA dropout (default 0.1)")
+    g.add_argument("--lora_rank", type=positive_int, default=None, help="revela: LoRA rank of the language model (default 256)")
+    g.add_argument("--lora_alpha", type=positive_float, default=None, help="revela: LoRA alpha (default 64)")
+    g.add_argument("--lora_dropout", type=dropout_rate, default=None, help="revela: LoRA dropout (default 0.1)")
     g.add_argument("--lora_target_modules", default=None,
                    help="revela: comma-separated module names LoRA adapts (default every linear layer of the "
                         "blocks: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
-    g.add_argument("--attn_temperature", type=float, default=None,
+    g.add_argument("--attn_temperature", type=positive_float, default=None,
                    help="revela: temperature of the softmax over the retriever's cosines that weights the in-batch "
                         "attention (default 1e-4)")
-    g.add_argument("--extra_anchors", type=int, default=None,
+    g.add_argument("--extra_anchors", type=non_negative_int, default=None,
                    help="revela: anchors of other documents added to each group's anchor and related passages "
                         "(default 11: 16 passages per group, as the xPRT paper runs it)")
 
