@@ -102,7 +102,7 @@ def _fp32_out_gemm(device) -> bool:
 
 
 def _add_weight_grad(grad_w, g, hs, first: bool):
-    """grad_w (V', H) fp32 (+)= g^T hs: the step's largest matrix product. In fp32 (g fp32) in place, as before. In
+    """grad_w (V', H) fp32 (+)= g^T hs: the step's largest matrix product. In fp32 (g fp32) in place. In
     low precision (g bf16, under autocast) it must not stay an in-place addmm_, which autocast never casts (an fp32
     GEMM at a fifteenth of the bf16 rate): the product runs on bf16 inputs, accumulated in fp32 inside the GEMM, and
     lands in the fp32 accumulator directly where the device can (CUDA's out_dtype), else through one bf16 product per
