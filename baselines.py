@@ -784,6 +784,7 @@ class Contriever(Objective):
         self.moco_queue_size, self.moco_momentum = moco_queue_size, moco_momentum
         # a plain attribute, not a submodule: see MoCoState
         self.moco = MoCoState(encoder, moco_queue_size, moco_momentum) if self.contrastive_mode == "moco" else None
+        self.forward_only_inputs = ("k_input_ids",) if self.moco is not None else ()  # the key encoder's, no gradient
 
     def config(self) -> dict:
         return {"temperature": self.temperature, "normalize": self.normalize, "baseline_setting": self.baseline_setting,

@@ -435,6 +435,7 @@ class Objective(nn.Module):
     name = ""
     pretraining = True  # trains on select_groups.py's groups (train.py) and gets the retention term
     trains_every_head = False  # every head parameter (its own, the MLM head's) gets a gradient: DDP needs no search
+    forward_only_inputs: tuple = ()  # batch inputs encoded without gradient (MoCo's keys): no saved activations
 
     def __init__(self, encoder):
         super().__init__()

@@ -1991,14 +1991,15 @@ def activation_bytes_per_token_layer(encoder, length: int, device, dtype=torch.b
 
 def layer_tokens_per_group(model, batch, retention: bool) -> float:
     """Token x layer products a step runs WITH gradient, per group: every encoder pass of the batch (its *input_ids
-    tensors but the frozen retention teacher's), the clean retention student, the decoder's passes (their layers)."""
+    tensors but the frozen retention teacher's and those the objective encodes without gradient: MoCo's keys), the
+    clean retention student, the decoder's passes (their layers)."""
     cfg = model.encoder.config
     n_enc = next((getattr(cfg, k) for k in ("num_hidden_layers", "n_layers", "num_layers") if hasattr(cfg, k)), 1)
     dec = getattr(model.method, "decoder", None)
     n_dec = len(dec.layers) if dec is not None and hasattr(dec, "layers") else n_enc
-    groups, total = None, 0
+    groups, total, no_grad = None, 0, set(getattr(model.method, "forward_only_inputs", ()))
     for k, v in batch.items():
-        if not (k.endswith("input_ids") and torch.is_tensor(v)) or k.startswith("retain_"):
+        if not (k.endswith("input_ids") and torch.is_tensor(v)) or k.startswith("retain_") or k in no_grad:
             continue
         groups = groups or v.shape[0]
         total += v.numel() * (n_dec if k.startswith("dec_") else n_enc)

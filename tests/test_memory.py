@@ -21,6 +21,19 @@ def test_layer_tokens_per_group_counts_every_trained_pass(tiny_bert, tok):
     assert support.layer_tokens_per_group(model, batch, retention=False) == want - batch["retain_input_ids"][0].numel() * 2
 
 
+def test_moco_keys_are_not_counted_as_trained(tiny_bert, tok):
+    """Contriever with the MoCo queue encodes its second crop with the key encoder, without gradient: the estimate
+    counts the first crop's pass only; in-batch, both crops are trained passes."""
+    import baselines
+
+    batch = baselines.ContrieverCollator(tok, seed=0)(toy_rows(4))
+    q, k = batch["q_input_ids"][0].numel() * 2, batch["k_input_ids"][0].numel() * 2  # 2 layers
+    inbatch = make_model(tiny_bert, "contriever", contrastive_mode="inbatch")
+    moco = make_model(tiny_bert, "contriever", contrastive_mode="moco", moco_queue_size=8)
+    assert support.layer_tokens_per_group(inbatch, batch, retention=False) == q + k
+    assert support.layer_tokens_per_group(moco, batch, retention=False) == q
+
+
 def test_activation_figure_is_per_token_and_per_layer(tiny_bert):
     """The figure grows with the width (the layer's activations) and with the length (attention's L values per token
     and head); seen: 2,128 B at 32 wide / 32 tokens, 3,472 B at 64 wide, 2,896 B at 64 tokens."""
