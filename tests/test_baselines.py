@@ -700,6 +700,16 @@ def options_for(objective, generator):
     return {"generator_name_or_path": generator} if objective == "simlm" else {}
 
 
+def _assert_same_step(plain_out, plain_grads, cached_out, cached_grads):
+    """The cached step's loss, logged terms (with the retention term) and gradients equal the plain step's."""
+    assert set(plain_out) == set(cached_out) and "retention_loss" in plain_out
+    for k in plain_out:
+        torch.testing.assert_close(cached_out[k], plain_out[k], atol=1e-5, rtol=1e-5)
+    assert set(plain_grads) == set(cached_grads)
+    for n in plain_grads:
+        torch.testing.assert_close(cached_grads[n], plain_grads[n], atol=1e-6, rtol=1e-4)
+
+
 @pytest.mark.parametrize("objective", ["retromae", "simlm", "contriever"])
 def test_cached_step_equals_the_plain_step(tiny_bert, tok, tiny_generator, positional_dropout, objective, chunk=2):
     """XPRTModel.cached_step over the baselines' methods: the loss, every logged term and every gradient of the plain
@@ -720,12 +730,7 @@ def test_cached_step_equals_the_plain_step(tiny_bert, tok, tiny_generator, posit
     plain_out, plain_grads = _step(model, batch, teacher)
     torch.manual_seed(3)
     cached_out, cached_grads = _step(model, batch, teacher, chunk)
-    assert set(plain_out) == set(cached_out) and "retention_loss" in plain_out
-    for k in plain_out:
-        torch.testing.assert_close(cached_out[k], plain_out[k], atol=1e-5, rtol=1e-5)
-    assert set(plain_grads) == set(cached_grads)
-    for n in plain_grads:
-        torch.testing.assert_close(cached_grads[n], plain_grads[n], atol=1e-6, rtol=1e-4)
+    _assert_same_step(plain_out, plain_grads, cached_out, cached_grads)
 
 
 TERMS = {"retromae": ["mlm_loss", "decoder_loss"], "simlm": ["encoder_rlm_loss", "decoder_rlm_loss"],
@@ -856,12 +861,7 @@ def test_contriever_moco_cached_step_equals_the_plain_step(tiny_bert, tok, posit
     cached_out, cached_grads = _step(model, batch, teacher, chunk)
     after_cached = moco.state_dict()
     assert int(after_plain["ptr"]) == int(after_cached["ptr"]) == 0
-    assert set(plain_out) == set(cached_out) and "retention_loss" in plain_out
-    for k in plain_out:
-        torch.testing.assert_close(cached_out[k], plain_out[k], atol=1e-5, rtol=1e-5)
-    assert set(plain_grads) == set(cached_grads)
-    for n in plain_grads:
-        torch.testing.assert_close(cached_grads[n], plain_grads[n], atol=1e-6, rtol=1e-4)
+    _assert_same_step(plain_out, plain_grads, cached_out, cached_grads)
     torch.testing.assert_close(after_cached["queue"], after_plain["queue"], atol=1e-6, rtol=1e-5)
     for n, w in after_plain["key_encoder"].items():
         torch.testing.assert_close(after_cached["key_encoder"][n], w, atol=0, rtol=0)
