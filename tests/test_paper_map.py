@@ -202,7 +202,7 @@ def traced_step(argv, step: int = 1, end: str = "XPRTModel.forward") -> dict:
 # steady one (step 2, not a logging step). Before each equation returned its value and the encoder's pieces were
 # resolved at load (7d71bbd): first step xprt 93 in 5 files / 61 in 4, retromae 79 in 6 / 50 in 4. With the shared
 # loop, seeded collation and the per-document batch cap merged (f6ae0c6): first step 91 / 49 (xprt) and 77 / 38
-# (retromae); steady step 70 / 45 and 57 / 35. With the kernel's and the model's one-line helpers inlined (dist_on,
+# (retromae); steady step 70 / 48 and 56 / 37 (this tracer run on that tree). With the kernel's and the model's one-line helpers inlined (dist_on,
 # _swapped, _fused, _compute_dtype, _row_dot, the retention KL's closure, the base property, retains, retention,
 # sentence_vectors): first step 81 / 39 and 70 / 31, steady step 60 / 38 and 49 / 30. The goal (about 40 in
 # 3 files, sampler to loss) is met from the model's step to the loss, not yet from the sampler: the collator adds 13
