@@ -90,7 +90,8 @@ def build_parser():
     g.add_argument("--lm_name_or_path", default=None,
                    help="revela: the causal language model the retriever trains through (default Qwen/Qwen2.5-0.5B, "
                         "as the xPRT paper runs Revela)")
-    g.add_argument("--lora_rank", type=positive_int, default=None, help="revela: LoRA rank of the language model (default 256)")
+    g.add_argument("--lora_rank", type=positive_int, default=None,
+                   help="revela: LoRA rank of the language model (default 256)")
     g.add_argument("--lora_alpha", type=positive_float, default=None, help="revela: LoRA alpha (default 64)")
     g.add_argument("--lora_dropout", type=dropout_rate, default=None, help="revela: LoRA dropout (default 0.1)")
     g.add_argument("--lora_target_modules", default=None,
