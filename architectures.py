@@ -12,9 +12,10 @@ own forward when the model loads, and a model the rule does not fit is refused t
 run once, at load (encoder_pieces): a training step calls the modules and callables they return, never the rules.
   - token_embeddings: what the encoder hands its first layer (a forward stopped at that layer); embedding_module:
     the encoder's own modules that compute it;
-  - run_layers: a stack of layers run the way the encoder runs its own (the encoder's forward with its layer list
-    swapped for them and the first layer's input replaced), so masks, rotary and relative positions, final norms
-    are the encoder's; decoder_layers (fresh copies of the encoder's first layer) and copy_last_layers (SimLM's
+  - layer_stack: where the encoder keeps its layer list, so that support.run_layers runs a stack of layers the way
+    the encoder runs its own (the encoder's forward with its layer list swapped for them and the first layer's input
+    replaced: masks, rotary and relative positions, final norms are the encoder's), checked here (check_layers);
+    decoder_layers (fresh copies of the encoder's first layer) and copy_last_layers (SimLM's
     decoder) build such stacks;
   - mlm_head: the transform, a module of the head's own modules that gives what the MLM model feeds into its
     vocabulary matrix (its own forward, started from given hidden states, stopped at the first operation that reads
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from support import (ModelInfo, checkpoint_tensors, hub_base_model, load_post_pooling, max_seq_length, model_prompts,
-                     quiet_load_report, read_max_seq_length, read_scoring, resolve_model_path, save_model_folder)
+                     quiet_load_report, read_max_seq_length, read_scoring, resolve_model_path, run_layers,
+                     save_model_folder)
 
 logger = logging.getLogger("xprt")
 
@@ -141,35 +143,6 @@ def embedding_module(base: nn.Module) -> nn.Module:
     return module
 
 
-def run_layers(base: nn.Module, layers: nn.ModuleList, hidden: torch.Tensor, attention_mask: torch.Tensor,
-               stack: Optional[tuple] = None):
-    """Run `layers` on hidden (N, L, H) with attention_mask (N, L) exactly as `base` runs its own layers -> (N, L, H).
-    stack: (owner, attribute name) of the encoder's layer list (layer_stack), when already found.
-
-    The encoder's forward runs with its layer list swapped for `layers` and the first layer's input replaced by
-    `hidden` (the embedding layer runs on zeros of the right shape and its output is dropped), so everything the
-    encoder hands its layers besides the hidden states (the attention mask in its prepared form, rotary position
-    embeddings for ModernBERT, relative positions for DeBERTa-v2 and MPNet) and everything after them (ModernBERT's
-    final norm) is the encoder's own. check_layers measures that this reproduces the encoder."""
-    owner, name = stack or layer_stack(base)[:2]
-
-    def replace(_module, args, kwargs):
-        if args:
-            return (hidden,) + tuple(args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": hidden}
-
-    embed_dim = base.get_input_embeddings().embedding_dim
-    dummy = hidden.new_zeros(*hidden.shape[:2], embed_dim)
-    own = owner._modules[name]
-    owner._modules[name] = layers  # the encoder's layer list swapped for `layers` for this one call
-    handle = layers[0].register_forward_pre_hook(replace, with_kwargs=True)
-    try:
-        return base(inputs_embeds=dummy, attention_mask=attention_mask)[0]
-    finally:
-        handle.remove()
-        owner._modules[name] = own
-
-
 def _copy_layer(layer: nn.Module, config) -> nn.Module:
     # the copy shares the encoder's config object, so an attention setting made on the encoder holds for it too
     return copy.deepcopy(layer, memo={id(config): config})
@@ -205,14 +178,14 @@ def check_layers(encoder, name: str = ""):
     convolution of it after the first layer) fails here, before any work starts."""
     base = getattr(encoder, "base_model", encoder)
     arch = type(base).__name__
-    _, _, stack = layer_stack(base)
+    owner, attr, stack = layer_stack(base)
     ids, mask = _probe_ids(base)
     was_training = base.training
     base.eval()
     try:
         with torch.no_grad():
             want = base(input_ids=ids, attention_mask=mask)[0]
-            got = run_layers(base, stack, token_embeddings(base, ids, mask), mask)
+            got = run_layers(base, stack, token_embeddings(base, ids, mask), mask, (owner, attr))
     finally:
         base.train(was_training)
     gap = (got.float() - want.float()).abs().max().item()

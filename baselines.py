@@ -34,7 +34,7 @@ What the paper's setting changes, for every arm (choices the official code does 
     every method the same groups, steps and batch; the official runs read their own corpora (RetroMAE: Wikipedia +
     BookCorpus at 512 tokens; SimLM: MS MARCO passages at 144; Contriever: 256-token chunks of a token stream that
     runs across documents). Contriever's crops are therefore 10-50% of a passage, not of a 256-token chunk.
-  - Every arm pools as the start model does (XPRTModel.pool: mean pooling for E5): RetroMAE and SimLM condition their
+  - Every arm pools as the start model does (XPRTModel.encode: mean pooling for E5): RetroMAE and SimLM condition their
     decoders on that vector (fp32 mean, cast to the weights' dtype) in place of the [CLS] state; Contriever's
     "average" pooling is the same mean.
   - Every arm gets the same retention term (XPRTModel's, on the clean anchor and s1: the collators emit its fields).
@@ -72,9 +72,9 @@ from torch import nn
 
 from architectures import copy_last_layers, decoder_layers, layer_multiply_adds
 from fused_vocab import linear_cross_entropy
-from modeling_xprt import (ConditionedDecoder, GroupCollator, Layout, Objective, gather_no_grad, gather_with_grad,
-                           group_bounds, group_lengths, info_nce, mlm_loss, register_objective)
-from support import UserError, rank_and_world, resolve_model_path
+from modeling_xprt import (ConditionedDecoder, GroupCollator, Objective, gather_with_grad, info_nce, mlm_loss,
+                           register_objective)
+from support import Layout, UserError, group_bounds, group_lengths, rank_and_world, resolve_model_path
 
 SETTINGS = ("paper", "official")
 # What --baseline_setting official changes, per objective (the paper setting changes nothing: the start's pooling
@@ -383,9 +383,9 @@ class RetroMAE(Objective):
         query = emb.position_embeddings(emb.position_ids[:, :l]) + v  # (G, L, H)
         dec = enhanced_decoding(self.decoder, query, content, batch["visible"])
         share, h = batch["layout"].share, hidden.shape[-1]
-        return {"mlm_loss": share("mlm") * mlm_loss(model, hidden.reshape(-1, h).index_select(0, batch["mlm_index"]),
+        return {"mlm_loss": share["mlm"] * mlm_loss(model, hidden.reshape(-1, h).index_select(0, batch["mlm_index"]),
                                                     batch["mlm_targets"]),
-                "decoder_loss": share("dec") * retromae_decoder_loss(
+                "decoder_loss": share["dec"] * retromae_decoder_loss(
                     model, dec.reshape(-1, h).index_select(0, batch["dec_index"]), batch["dec_targets"])}
 
 
@@ -543,7 +543,7 @@ class SimLM(Objective):
         emb = model.embed(batch["dec_input_ids"])  # (G, L, H)
         x = torch.cat([sent.to(emb.dtype).unsqueeze(1), emb[:, 1:]], dim=1)  # the vector in place of [CLS]
         x = model.run_layers(self.decoder, x, am)  # the copied layers, run as the encoder runs its own
-        index, targets, share, h = batch["tok_index"], batch["tok_targets"], batch["layout"].share("tok"), x.shape[-1]
+        index, targets, share, h = batch["tok_index"], batch["tok_targets"], batch["layout"].share["tok"], x.shape[-1]
         return {"encoder_rlm_loss": share * simlm_replaced_lm_loss(model, hidden.reshape(-1, h).index_select(0, index),
                                                                    targets),
                 "decoder_rlm_loss": share * simlm_replaced_lm_loss(model, x.reshape(-1, h).index_select(0, index),
@@ -717,15 +717,14 @@ class MoCoState:
                 self._make_key_encoder()
             momentum_update(self.key_encoder.parameters(), model.base.parameters(), self.momentum)
             self.key_encoder.train(model.training)
-            hidden = self.key_encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            k = model.post_pooling(model.pool(hidden, attention_mask)).float()
+            k = model.post_pooling(model.encode(input_ids, attention_mask, self.key_encoder)[1]).float()
             if self.queue is None:
                 self.queue = moco_queue_init(k.shape[-1], self.queue_size, self.seed).to(k.device)
             return F.normalize(k, dim=-1) if normalize else k
 
     def push(self, keys: torch.Tensor):
-        """enqueue the step's keys, gathered from every process (gather_no_grad), as moco.py does."""
-        self.ptr = enqueue(self.queue, self.ptr, gather_no_grad(keys.contiguous()))
+        """enqueue the step's keys, gathered from every process (gather_with_grad), as moco.py does."""
+        self.ptr = enqueue(self.queue, self.ptr, gather_with_grad(keys.contiguous()))
 
     # -- checkpoints (train.py registers this object with the accelerator) --
     def state_dict(self) -> dict:
@@ -1036,7 +1035,7 @@ class SelfReconstructionObjective(Objective):
         layout = batch["layout"]
         return self_reconstruction(model, dec_flat.index_select(0, batch["dec_rows"]), batch["dec_targets"],
                             states.index_select(0, batch["mlm_index"]), batch["mlm_targets"],
-                            shares=(layout.share("dec"), layout.share("mlm")))
+                            shares=(layout.share["dec"], layout.share["mlm"]))
 
 
 class SelfReconstructionCollator(GroupCollator):
@@ -1054,9 +1053,9 @@ class SelfReconstructionCollator(GroupCollator):
         enc = self._tokenize([r["anchor"] for r in rows])
         ids, am = enc["input_ids"], enc["attention_mask"]
         g, l = ids.shape
-        cand = self._candidates(enc)
-        masked, labels = self._mask_bert(ids, cand, self.encoder_mask_rate)
-        dec_ids, dec_labels = self._mask_all(ids, cand, self.decoder_mask_rate)
+        cand = enc["candidates"]
+        masked, labels = self._mask(ids, cand, self.encoder_mask_rate)
+        dec_ids, dec_labels = self._mask(ids, cand, self.decoder_mask_rate, bert=False)
         mlm_index = (labels != -100).reshape(-1).nonzero().squeeze(1)
         dec_index = (dec_labels != -100).reshape(-1).nonzero().squeeze(1)
         c = self.num_condition_vectors

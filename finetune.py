@@ -21,6 +21,7 @@ the retention teacher); what both loops call (checkpoints, resume, non-finite ha
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import random
@@ -1035,12 +1036,10 @@ def main(argv=None):
         scorer = evaluate.TrainingScorer(accelerator, args, tokenizer)
 
     # ---- the loop (support.train_loop, train.py's): PAIR's alpha at each step
-    def step_inputs(step):
-        alpha = pair_alpha_at(step, max_steps, args.pair_alpha, args.pair_alpha_schedule)
-        return {"pair_alpha": alpha}, {"retention_weight": 0.0, "pair_alpha": alpha}
-
+    alpha = functools.partial(pair_alpha_at, total_steps=max_steps, alpha_0=args.pair_alpha,
+                              schedule=args.pair_alpha_schedule)
     train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state, steps_per_epoch,
-               step_inputs, skip_tokens=("retain_",), scorer=scorer)
+               {}, {"pair_alpha": alpha}, skip_tokens=("retain_",), scorer=scorer)
 
     # ---- save
     # a Hub dataset given as --train_data is named in the model card's metadata (a local file is not)

@@ -3,15 +3,16 @@ xPRT's model and its equations (the xPRT paper, "The objective"; the PAIR paper 
 
 Read it top to bottom beside the paper:
   1. pooling and gathers: the sentence vector, and vectors gathered across processes (in-batch negatives)
-  2. the equations, one function each, in the paper's order: L_xp, L_cross, L_self, L_MLM, L_unif, the retention KL;
-     PAIR's L_Q, L_P and their mix
+  2. the equations, one function each, in the paper's order: L_xp, L_cross, L_self, L_MLM, L_unif, the retention KL
+     and its weight's schedule; PAIR's L_Q, L_P and their mix
   3. the decoder: the 10 passes of a group, the one-layer conditioned decoder
   4. the objectives: one class each (xPRT, PAIR), the few methods the step and the gradient cache need
   5. the model: the encoder with its MLM head, XPRTModel (the step and the gradient cache, written once), the batch
      embedder
   6. the collators: rows -> one batch of tensors (all masking and index building) and its Layout
-The comparison objectives (random spans, RetroMAE, SimLM, the self-reconstruction ablation) are in baselines.py; the
-plumbing (names and prefixes, files, the model folder and its card) is in support.py, which this file imports.
+The comparison objectives (random spans, RetroMAE, SimLM, Contriever, the self-reconstruction ablation) are in
+baselines.py, Revela in revela.py; the plumbing (names and prefixes, files, the model folder and its card, the batch's
+Layout for the gradient cache, the loader, the loop) is in support.py, which this file imports.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from architectures import _head_params, decoder_layers, encoder_pieces, layer_runner, load_xprt_folder, save_xprt_folder
 from fused_vocab import linear_cross_entropy, linear_kl_div
-from support import ModelInfo, PostPooling, max_seq_length, rank_and_world, stable_doc_hash
+from support import Layout, ModelInfo, PostPooling, group_bounds, group_lengths, max_seq_length, stable_doc_hash
 
 logger = logging.getLogger("xprt")
 
@@ -63,7 +63,8 @@ def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate `t` from every process along dim 0, keeping gradients (identity when not distributed).
+    """Concatenate `t` from every process along dim 0, keeping gradients (identity when not distributed). Also for
+    what carries none (document ids, labels).
 
     `accelerator.gather` has no backward, so in-batch negatives gathered with it would not push
     the other processes' vectors. torch.distributed.nn's all_gather has one: its backward SUMS,
@@ -85,16 +86,6 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
         # gloo (CPU) lacks; this one runs on gloo and NCCL alike.
         warnings.simplefilter("ignore", FutureWarning)
         return torch.cat(dist_fn.all_gather(t.contiguous()), dim=0)
-
-
-def gather_no_grad(t: torch.Tensor) -> torch.Tensor:
-    """all_gather without gradient (document ids, labels)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return t
-    out = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather(out, t.contiguous())
-    return torch.cat(out, dim=0)
 
 
 # ==============================================================================================================
@@ -131,9 +122,10 @@ def xp_loss(anchors: torch.Tensor, s1: torch.Tensor, doc_ids: torch.Tensor, tau:
     anchors, s1: (N, H) local rows; doc_ids: (N,) int64. Returns the mean over the local rows.
     """
     all_anchors, all_s1 = gather_with_grad(anchors), gather_with_grad(s1)  # (N * world, H)
-    all_docs = gather_no_grad(doc_ids)
+    all_docs = gather_with_grad(doc_ids)
     n = anchors.shape[0]
-    labels = torch.arange(n, device=anchors.device) + rank_and_world()[0] * n  # own group's index in the gathered batch
+    rank = torch.distributed.get_rank() if len(all_s1) > n else 0  # gathered from more than one process
+    labels = torch.arange(n, device=anchors.device) + rank * n  # own group's index in the gathered batch
     same_doc = doc_ids.unsqueeze(1) == all_docs.unsqueeze(0)  # (N, N * world)
     same_doc[torch.arange(n, device=anchors.device), labels] = False  # the positive stays
     a_to_s = info_nce(anchors, all_s1, labels, tau, same_doc)
@@ -205,7 +197,7 @@ def retention_loss(student_anchors, student_related, teacher_anchors, teacher_re
     text, no gradient), both (N, N) over the batch's anchors x top related passages. Rows (anchor ->
     related) and columns (related -> anchor) each get a softmax, and
         L_retain = 1/2 [ KL(softmax_row(T) || softmax_row(S)) + KL(softmax_col(T) || softmax_col(S)) ],
-    each KL averaged over rows/columns. The paper's weight falls 40 -> 0 over training (train.py).
+    each KL averaged over rows/columns. The paper's weight falls 40 -> 0 over training (retention_weight).
     The paper gives no temperature for these softmaxes: tau = 0.05 (L_xp's) is our choice.
     """
     s = cosines(student_anchors, student_related) / tau
@@ -217,6 +209,19 @@ def retention_loss(student_anchors, student_related, teacher_anchors, teacher_re
     cols = F.kl_div(F.log_softmax(s.t(), -1), F.log_softmax(t.t(), -1), log_target=True, reduction="batchmean")
     return 0.5 * (rows + cols)
 
+
+def retention_weight(step: int, total: int, start: float = 40.0, end: float = 0.0, shape: str = "linear") -> float:
+    """Weight of the retention term at optimiser step t = `step` of T = `total`: the paper's 40 -> 0 decay.
+
+    w(t) = w_0 + (w_T - w_0) s(t / T), s(x) = x (linear), (1 - cos(pi x)) / 2 (cosine) or 0 (constant).
+    A function of the step alone: a resumed run continues the decay where it stopped. Weight 0 at both ends turns
+    the term (and the teacher pass) off."""
+    frac = min(step / max(1, total), 1.0)
+    if shape == "constant":
+        frac = 0.0
+    elif shape == "cosine":
+        frac = 0.5 * (1 - math.cos(math.pi * frac))
+    return start + (end - start) * frac
 
 
 def pair_false_negatives(candidate_ids: torch.Tensor, relevant_ids: torch.Tensor,
@@ -252,11 +257,12 @@ def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
     Without ids every other passage is a negative (a duplicate of q's positive then caps p+ at 1/2)."""
     b, k, h = passages.shape
     all_p = gather_with_grad(passages.reshape(b * k, h))  # (world * B * k, H)
-    labels = (torch.arange(b, device=queries.device) + rank_and_world()[0] * b) * k
+    rank = torch.distributed.get_rank() if len(all_p) > b * k else 0  # gathered from more than one process
+    labels = (torch.arange(b, device=queries.device) + rank * b) * k
     exclude = None
     if passage_ids is not None:
         relevant_ids = passage_ids[:, :1] if relevant_ids is None else relevant_ids
-        exclude = pair_false_negatives(gather_no_grad(passage_ids.reshape(b * k)), relevant_ids, labels)
+        exclude = pair_false_negatives(gather_with_grad(passage_ids.reshape(b * k)), relevant_ids, labels)
     return info_nce(queries, all_p, labels, tau, exclude)
 
 
@@ -282,7 +288,7 @@ def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
         logits = torch.cat([(pos_n * q_n).sum(-1, keepdim=True), pos_n @ neg_n.t()], dim=1) / tau  # (B, 1 + W*B*n)
     if passage_ids is not None:
         relevant_ids = passage_ids[:, :1] if relevant_ids is None else relevant_ids
-        neg_ids = gather_no_grad(passage_ids[:, 1:].reshape(b * (k - 1)))
+        neg_ids = gather_with_grad(passage_ids[:, 1:].reshape(b * (k - 1)))
         # column 0 is the query (the label): never excluded
         exclude = torch.cat([torch.zeros(b, 1, dtype=torch.bool, device=pos.device),
                              pair_false_negatives(neg_ids, relevant_ids)], dim=1)
@@ -417,7 +423,8 @@ def pretraining_objectives() -> list:
 class Objective(nn.Module):
     """An objective: what one training step computes, split the way the gradient cache needs it.
 
-      prepare(model, batch)              once per step, before any chunking, without gradient (e.g. SimLM's generator)
+      prepare(model, batch)              once per step, before any chunking, without gradient (SimLM's generator);
+                                         None when there is nothing to prepare
       encode(model, batch)               the encoder passes -> (states, vec): vec (G, K, H) the sentence vectors the
                                          batch-wide terms read; states what the row terms need (token states)
       batch_terms(model, vec, batch)     the terms that couple rows only through their vectors (InfoNCE, L_unif)
@@ -436,15 +443,13 @@ class Objective(nn.Module):
     pretraining = True  # trains on select_groups.py's groups (train.py) and gets the retention term
     trains_every_head = False  # every head parameter (its own, the MLM head's) gets a gradient: DDP needs no search
     forward_only_inputs: tuple = ()  # batch inputs encoded without gradient (MoCo's keys): no saved activations
+    prepare = None  # or a method prepare(model, batch) -> batch (SimLM's generator, Revela's language model)
 
     def __init__(self, encoder):
         super().__init__()
 
     def config(self) -> dict:
         return {}
-
-    def prepare(self, model, batch: dict) -> dict:
-        return batch
 
     def encode(self, model, batch: dict):
         raise NotImplementedError
@@ -518,12 +523,12 @@ class XPRTObjective(Objective):
         device-to-host sync), each times its rows' share of the batch's (1 for a whole batch; Layout.share)."""
         share = batch["layout"].share
         dec = self.decode(model, vec, batch, batch["attention_mask"])  # every pass: one decoder call
-        terms = {"mlm_loss": share("mlm") * mlm_loss(model, states.index_select(0, batch["mlm_index"]),
+        terms = {"mlm_loss": share["mlm"] * mlm_loss(model, states.index_select(0, batch["mlm_index"]),
                                                      batch["mlm_targets"])}
         if self.fill_in:
-            terms["cross_fill_loss"] = share("cross") * cross_fill_loss(
+            terms["cross_fill_loss"] = share["cross"] * cross_fill_loss(
                 model, dec.index_select(0, batch["cross_rows"]), batch["cross_targets"])
-        terms["self_fill_loss"] = share("self") * self_fill_loss(
+        terms["self_fill_loss"] = share["self"] * self_fill_loss(
             model, dec.index_select(0, batch["self_rows"]), states.index_select(0, batch["self_enc_index"]))
         return terms
 
@@ -678,22 +683,21 @@ class XPRTModel(nn.Module):
         """(weight (V, D), bias (V,)): the vocabulary projection, weight = the word embeddings when tied."""
         return self.vocab_weight, self.vocab_bias
 
-    def encode(self, input_ids, attention_mask):
-        """(N, L) -> hidden (N, L, H), sentence vectors (N, H)."""
-        hidden = self.base(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return hidden, self.pool(hidden, attention_mask)
-
-    def pool(self, hidden, attention_mask):
-        """The sentence vector the saved folder makes: mean pooling (E5's, the paper's), or [CLS] for a CLS-pooled
-        start (support.read_pooling), so fine-tuning a BGE-style folder trains and saves the vector it is used by."""
-        return hidden[:, 0].float() if self.info.pooling == "cls" else mean_pool(hidden, attention_mask)
+    def encode(self, input_ids, attention_mask, encoder=None):
+        """(N, L) -> hidden (N, L, H), sentence vectors (N, H). The vector is the one the saved folder makes: mean
+        pooling (E5's, the paper's), or [CLS] for a CLS-pooled start (support.read_pooling), so fine-tuning a
+        BGE-style folder trains and saves the vector it is used by. encoder: another encoder pooled the same way (the
+        retention teacher, MoCo's key encoder); default the model's own."""
+        encoder = self.base if encoder is None else encoder
+        hidden = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return hidden, hidden[:, 0].float() if self.info.pooling == "cls" else mean_pool(hidden, attention_mask)
 
     # -- the step ----------------------------------------------------------------------------------
     def forward(self, batch: dict, teacher=None, retention_weight: float = 0.0, **step) -> dict:
         """One step's loss -> {"loss": total (with gradient), "<term>_loss": detached value per term}. step: the
         objective's per-step settings (PAIR's pair_alpha)."""
         obj = self.method
-        batch = obj.prepare(self, batch)
+        batch = obj.prepare(self, batch) if obj.prepare else batch
         states, vec = obj.encode(self, batch)
         terms = {**obj.batch_terms(self, self.post_pooling(vec), batch, **step),
                  **obj.row_terms(self, batch, states, vec)}
@@ -704,22 +708,19 @@ class XPRTModel(nn.Module):
         loss = obj.total(terms, retention_weight, **step)
         return {"loss": loss, **{k: v.detach() for k, v in terms.items()}}
 
-    def clean_student(self, batch):
+    def clean_student(self, batch, checkpointed: Optional[bool] = None):
         """The retention term's student: the clean anchor and s1 encoded WITHOUT dropout (the teacher runs without
         it, so the term is the model's drift only, 0 at step 0; with dropout it would be a dropout-consistency term
         under the weight 40 that nobody chose: docs/steps.md, retention at step 0) -> (G, 2, H)."""
-        # the layers' own flag, as transformers reads it (its property is is_gradient_checkpointing up to 5.17,
-        # is_activation_checkpointing since: the GPU machine has 5.17)
-        checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in self.encoder.modules())
-        if checkpointed and torch.is_grad_enabled():
+        if checkpointed is None:  # the layers' own flag (transformers' property is named differently across versions)
+            checkpointed = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False)
+                                                           for m in self.encoder.modules())
+        if checkpointed:
             # eval mode (no dropout) makes transformers skip its per-layer checkpointing, so under
             # --gradient_checkpointing the pass is checkpointed whole; its recomputation runs in eval mode too
             from torch.utils.checkpoint import checkpoint
 
-            return checkpoint(self._clean_vectors, batch, use_reentrant=False)
-        return self._clean_vectors(batch)
-
-    def _clean_vectors(self, batch):
+            return checkpoint(self.clean_student, batch, False, use_reentrant=False)
         ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]
         g, _, lr = ids.shape
         with dropout_off(self.base):
@@ -731,9 +732,9 @@ class XPRTModel(nn.Module):
         start's modules after pooling (frozen: the student's are the start's) -> (G, 2, D)."""
         ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]
         g, _, lr = ids.shape
-        hidden = teacher(input_ids=ids.reshape(g * 2, lr), attention_mask=mask.reshape(g * 2, lr)).last_hidden_state
+        vec = self.encode(ids.reshape(g * 2, lr), mask.reshape(g * 2, lr), teacher)[1]
         with dropout_off(self.post_pooling):
-            return self.post_pooling(self.pool(hidden, mask.reshape(g * 2, lr))).view(g, 2, -1)
+            return self.post_pooling(vec).view(g, 2, -1)
 
     # -- the gradient cache (train.py / finetune.py --gradient_cache_chunk) ----------------------------
     def cached_step(self, batch, chunk: int, backward, teacher=None, retention_weight: float = 0.0, **step) -> dict:
@@ -752,7 +753,7 @@ class XPRTModel(nn.Module):
         The gradients are those of the plain step on the same dropout; the cost is the encoder's forward once more.
         Returns what forward returns, every value detached."""
         obj, device = self.method, next(self.parameters()).device
-        batch = obj.prepare(self, batch)
+        batch = obj.prepare(self, batch) if obj.prepare else batch
         parts = batch["layout"].chunks(batch, chunk)
         retain = teacher is not None and retention_weight > 0 and obj.pretraining
         clean_student = retain and self.retention_student == "clean"
@@ -762,7 +763,7 @@ class XPRTModel(nn.Module):
                 states.append(_rng_state(device))
                 vecs.append(obj.encode(self, part)[1])
                 if clean_student:
-                    cleans.append(self._clean_vectors(part))
+                    cleans.append(self.clean_student(part, False))
         leaves = torch.cat(vecs).requires_grad_()
         clean = torch.cat(cleans).requires_grad_() if clean_student else None
         terms = obj.batch_terms(self, self.post_pooling(leaves), batch, **step)  # 2.
@@ -787,7 +788,7 @@ class XPRTModel(nn.Module):
             if vec_grad is not None:
                 surrogate = surrogate + (vec * vec_grad[a:b]).sum()
             if clean_grad is not None:
-                surrogate = surrogate + (self._clean_vectors(part) * clean_grad[a:b]).sum()
+                surrogate = surrogate + (self.clean_student(part, False) * clean_grad[a:b]).sum()
             if surrogate.requires_grad:
                 backward(surrogate)
             total = total + local.detach()
@@ -878,9 +879,9 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
 
 # ==============================================================================================================
 # 6. Collators
-# Rows -> one batch dict of tensors. All masking, cropping and index building happens here, seeded by a
-# torch.Generator whose state is checkpointed for exact resume; each batch carries its Layout (how it is cut into
-# chunks of groups for the gradient cache), so the model gathers and never computes an index.
+# Rows -> one batch dict of tensors. All masking, cropping and index building happens here, drawn from a generator
+# seeded per batch (support.Collate); each batch carries its Layout (support.py: how it is cut into chunks of groups
+# for the gradient cache), so the model gathers and never computes an index.
 # Batch layout of xPRT (XPRTCollator): G groups, P = 1 + num_related passages per group (0 = anchor, 1 = s1, ...),
 # L tokens, D decoder passes per group (2 * num_related + 2; 2 without fill-in), C conditioning vectors:
 #   input_ids, attention_mask, mlm_labels   (G, P, L)   masked encoder input, its MLM targets (-100 elsewhere)
@@ -895,75 +896,6 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
 # PAIR (PairCollator): query_input_ids / query_attention_mask (B, Lq), passage_input_ids / passage_attention_mask
 # (B, 1 + n, Lp), passage_ids (B, 1 + n), relevant_ids (B, R).
 # ==============================================================================================================
-
-
-class Layout:
-    """How a collated batch is cut into chunks of groups (rows) for the gradient cache; the collator builds it.
-
-    Every tensor of the batch whose key is not in `whole` or `flat` has the groups as its first dimension and is
-    sliced. `flat` holds the flat index tensors (sorted, row-major: _loss_positions): key -> (row set, width), where
-    width is the flat size of one group (a chunk's indices are shifted by it to become its own; 0 for targets).
-    bounds: row set -> G + 1 ints, where each group's rows start. totals: row set -> the WHOLE batch's row count,
-    which a chunk keeps, so that each chunk's mean term times its share adds up to the batch's mean. Python ints
-    only: cutting a batch that sits on a GPU needs no host sync."""
-
-    def __init__(self, groups: int, flat: Optional[dict] = None, bounds: Optional[dict] = None,
-                 whole: Sequence[str] = (), totals: Optional[dict] = None):
-        self.groups, self.flat, self.bounds, self.whole = groups, flat or {}, bounds or {}, set(whole)
-        self.rows = {k: b[-1] - b[0] for k, b in self.bounds.items()}
-        self.totals = dict(totals) if totals is not None else dict(self.rows)
-
-    def share(self, rows: str) -> float:
-        """This batch's (or chunk's) part of the whole batch's `rows`: 1 for a whole batch."""
-        return self.rows[rows] / max(1, self.totals[rows])
-
-    def chunks(self, batch: dict, size: int) -> list:
-        """[((a, b), the groups a..b-1 of `batch` as a batch of their own, with its Layout)]."""
-        out = []
-        for a in range(0, self.groups, size):
-            b = min(a + size, self.groups)
-            part = {}
-            for k, v in batch.items():
-                if k in self.flat:
-                    rows, width = self.flat[k]
-                    part[k] = v[self.bounds[rows][a]:self.bounds[rows][b]]
-                    part[k] = part[k] - a * width if width else part[k]
-                elif torch.is_tensor(v) and k not in self.whole:
-                    part[k] = v[a:b]
-                elif k != "layout":
-                    part[k] = v
-            part["layout"] = Layout(b - a, self.flat, {k: [x - bd[a] for x in bd[a:b + 1]] for k, bd in
-                                                      self.bounds.items()}, self.whole, self.totals)
-            out.append(((a, b), part))
-        return out
-
-
-def group_bounds(index: torch.Tensor, width: int, groups: int) -> list:
-    """Where each group's rows start in a sorted flat index over (groups * width) positions: G + 1 ints."""
-    return torch.searchsorted(index, torch.arange(groups + 1) * width).tolist()
-
-
-def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarray:
-    """Characters of each group's anchor plus its first num_related related passages (what length grouping
-    sorts by), as a numpy int64 array.
-
-    Computed with pyarrow compute on Arrow batches of the two columns (no Python dict per row, no cache file
-    written, so every process can run it at once); utf8_length counts code points like Python's len, so the
-    lengths, and hence the batches, are those Python's len gives."""
-    import pyarrow.compute as pc
-
-    out = np.empty(len(groups), dtype=np.int64)
-    pos = 0
-    for batch in groups.select_columns(["anchor", "related"]).with_format("arrow").iter(batch_size=batch_size):
-        anchor = batch["anchor"].combine_chunks()
-        related = pc.list_slice(batch["related"].combine_chunks(), 0, num_related)
-        flat = pc.utf8_length(pc.list_flatten(related)).to_numpy(zero_copy_only=False)
-        per_group = np.bincount(pc.list_parent_indices(related).to_numpy(zero_copy_only=False), weights=flat,
-                                minlength=len(anchor))  # float64: exact for sums below 2**53
-        anchor_len = pc.utf8_length(anchor).to_numpy(zero_copy_only=False)
-        out[pos:pos + len(anchor)] = anchor_len + per_group.astype(np.int64)
-        pos += len(anchor)
-    return out
 
 
 class GroupCollator:
@@ -1004,42 +936,35 @@ class GroupCollator:
 
     # -- helpers -------------------------------------------------------------------------------
     def _tokenize(self, texts, max_length=None):
-        return self.tokenizer([self.passage_prefix + t for t in texts], padding=True, truncation=True,
-                              max_length=max_length or self.seq_length, return_tensors="pt",
-                              return_special_tokens_mask=True)
+        """Tokenised passages, with "candidates": the maskable positions (never [CLS], [SEP], padding or the prefix,
+        right after [CLS])."""
+        enc = self.tokenizer([self.passage_prefix + t for t in texts], padding=True, truncation=True,
+                             max_length=max_length or self.seq_length, return_tensors="pt",
+                             return_special_tokens_mask=True)
+        enc["candidates"] = enc["attention_mask"].bool() & ~enc["special_tokens_mask"].bool()
+        enc["candidates"][:, 1 : 1 + len(self.prefix_ids)] = False
+        return enc
 
-    def _candidates(self, enc):
-        """Maskable positions of tokenised passages: never [CLS], [SEP], padding or the prefix (right after [CLS])."""
-        cand = enc["attention_mask"].bool() & ~enc["special_tokens_mask"].bool()
-        cand[:, 1 : 1 + len(self.prefix_ids)] = False
-        return cand
-
-    def _pick(self, candidates: torch.Tensor, rate: float) -> torch.Tensor:
-        """Bernoulli(rate) over candidate positions (..., L), at least one per row that has any."""
-        pick = (torch.rand(candidates.shape, generator=self.generator) < rate) & candidates
-        empty = ~pick.any(-1) & candidates.any(-1)
-        if empty.any():  # a short passage drew no mask: mask one random candidate so every row has a target
-            scores = torch.rand(candidates.shape, generator=self.generator).masked_fill(~candidates, -1.0)
-            one = torch.zeros_like(pick).scatter_(-1, scores.argmax(-1, keepdim=True), True)
-            pick = pick | (one & empty.unsqueeze(-1))
-        return pick
-
-    def _mask_bert(self, ids, candidates, rate, pick=None):
-        """BERT's 80% [MASK] / 10% random / 10% unchanged -> (masked ids, labels with -100 elsewhere). pick: the
-        positions to mask (default: Bernoulli(rate) over the candidates)."""
-        pick = self._pick(candidates, rate) if pick is None else pick
+    def _mask(self, ids, candidates, rate, bert: bool = True, pick=None):
+        """Mask Bernoulli(rate) of the candidate positions (..., L), at least one in each row that has any, or the
+        positions `pick` -> (masked ids, labels: the ids there, -100 elsewhere). bert: BERT's 80% [MASK] / 10% random
+        / 10% unchanged; else every picked token becomes [MASK] (the decoders' inputs)."""
+        if pick is None:
+            pick = (torch.rand(candidates.shape, generator=self.generator) < rate) & candidates
+            empty = ~pick.any(-1) & candidates.any(-1)
+            if empty.any():  # a short passage drew no mask: mask one random candidate so every row has a target
+                scores = torch.rand(candidates.shape, generator=self.generator).masked_fill(~candidates, -1.0)
+                one = torch.zeros_like(pick).scatter_(-1, scores.argmax(-1, keepdim=True), True)
+                pick = pick | (one & empty.unsqueeze(-1))
         labels = torch.where(pick, ids, torch.full_like(ids, -100))
+        if not bert:
+            return ids.masked_fill(pick, self.tokenizer.mask_token_id), labels
         u = torch.rand(ids.shape, generator=self.generator)
         masked = ids.clone()
         masked[pick & (u < 0.8)] = self.tokenizer.mask_token_id
         rnd = pick & (u >= 0.8) & (u < 0.9)
         masked[rnd] = torch.randint(len(self.tokenizer), ids.shape, generator=self.generator)[rnd]
         return masked, labels
-
-    def _mask_all(self, ids, candidates, rate):
-        """Decoder masking: every picked token becomes [MASK]."""
-        pick = self._pick(candidates, rate)
-        return ids.masked_fill(pick, self.tokenizer.mask_token_id), torch.where(pick, ids, torch.full_like(ids, -100))
 
     def retention_fields(self, rows: list) -> dict:
         """doc_ids and the clean anchor and s1 of every group: the retention term's pairs are anchor x s1 whatever
@@ -1080,15 +1005,16 @@ class XPRTCollator(GroupCollator):
         enc = self._tokenize(texts)
         ids, am = enc["input_ids"], enc["attention_mask"]
         l = ids.shape[1]
-        cand = self._candidates(enc)
-        masked, labels = self._mask_bert(ids, cand, self.encoder_mask_rate)
+        cand = enc["candidates"]
+        masked, labels = self._mask(ids, cand, self.encoder_mask_rate)
         ids3, cand3 = ids.view(g, p, l), cand.view(g, p, l)
         source, target, kind = decoder_pass_plan(self.num_related, self.fill_in)
         # The masks of all 2R + 2 passes are drawn, kept or not: the "no fill-in" ablation then sees the same masks in
         # its self passes, and the same encoder masks in later batches, as the full method.
         _, all_target, all_kind = decoder_pass_plan(self.num_related)
         tgt = torch.tensor(all_target)
-        dec_ids, dec_labels = self._mask_all(ids3[:, tgt], cand3[:, tgt], self.decoder_mask_rate)  # (G, 2R+2, L)
+        # (G, 2R+2, L): every picked token becomes [MASK]
+        dec_ids, dec_labels = self._mask(ids3[:, tgt], cand3[:, tgt], self.decoder_mask_rate, bert=False)
         if not self.fill_in:
             keep = torch.tensor([i for i, k in enumerate(all_kind) if k == "self"])
             dec_ids, dec_labels = dec_ids[:, keep], dec_labels[:, keep]  # (G, D, L)
@@ -1109,24 +1035,22 @@ class XPRTCollator(GroupCollator):
         the masked positions of the cross passes; self_rows at those of the self passes and self_enc_index the same
         tokens in the encoder states (L_self's teacher). target, kind: the passes' target passage and kind
         (decoder_pass_plan)."""
-        def at(mask, values):
-            index = mask.reshape(-1).nonzero().squeeze(1)
-            return index, values.reshape(-1)[index]
-
         g, p, l = mlm_labels.shape
         d, c = len(kind), self.num_condition_vectors
         enc_w, dec_w = p * l, d * (l + c)  # one group's flat size in the encoder states and the decoder output
-        out = dict(zip(("mlm_index", "mlm_targets"), at(mlm_labels != -100, mlm_labels)))
-        bounds = {"mlm": group_bounds(out["mlm_index"], enc_w, g)}
+        mlm_index = (mlm_labels.reshape(-1) != -100).nonzero().squeeze(1)
+        out = {"mlm_index": mlm_index, "mlm_targets": mlm_labels.reshape(-1)[mlm_index]}
+        bounds = {"mlm": group_bounds(mlm_index, enc_w, g)}
         flat = {"mlm_index": ("mlm", enc_w), "mlm_targets": ("mlm", 0)}
         picked = dec_labels != -100  # (G, D, L)
         is_self = torch.tensor([k == "self" for k in kind]).view(1, d, 1)
         if self.fill_in:
-            index, targets = at(picked & ~is_self, dec_labels)
-            out.update(cross_rows=ConditionedDecoder.output_rows(index, l, c), cross_targets=targets)
+            index = (picked & ~is_self).reshape(-1).nonzero().squeeze(1)
+            out.update(cross_rows=ConditionedDecoder.output_rows(index, l, c),
+                       cross_targets=dec_labels.reshape(-1)[index])
             bounds["cross"] = group_bounds(index, d * l, g)
             flat.update(cross_rows=("cross", dec_w), cross_targets=("cross", 0))
-        self_index, _ = at(picked & is_self, dec_labels)
+        self_index = (picked & is_self).reshape(-1).nonzero().squeeze(1)
         grp, pas, j = self_index // (d * l), self_index // l % d, self_index % l
         out.update(self_rows=ConditionedDecoder.output_rows(self_index, l, c),
                    self_enc_index=(grp * p + torch.tensor(target)[pas]) * l + j)

@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modeling_xprt import GroupCollator, Layout, Objective, group_bounds, register_objective
-from support import resolve_model_path
+from modeling_xprt import GroupCollator, Objective, register_objective
+from support import Layout, group_bounds, resolve_model_path
 
 ATTENTION = "revela_sdpa"  # the name the language model's layers look their attention function up by
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # arguments.py default
@@ -296,7 +296,7 @@ class Revela(Objective):
         g, p, l = ids.shape
         # (G, P, P), on the sentence vectors the start's modules after pooling make, as every similarity term reads
         weights = revela_attention_weights(model.post_pooling(vec), self.attn_temperature)
-        return {"revela_loss": batch["layout"].share("lm") * revela_loss(
+        return {"revela_loss": batch["layout"].share["lm"] * revela_loss(
             self.lm, ids.view(g * p, l), am.view(g * p, l), weights, batch["lm_index"], batch["lm_targets"])}
 
     def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:

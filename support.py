@@ -8,11 +8,13 @@ so a reader of a paper script can skip it and a forker can copy one script with 
   2. files: output folders (only a script's own outputs are replaced: claim_output_folder), atomic outputs, JSONL
      with line numbers, the BEIR reader, the document-id hash
   3. devices and processes: device and dtype, rank and world size
-  4. loading checkpoints: transformers' load report, tensors the MLM model leaves out, a folder's length limit
+  4. loading checkpoints: transformers' load report, tensors the MLM model leaves out, a folder's length limit; a
+     stack of layers run the way the encoder runs its own (run_layers)
   5. the model folder: sentence-transformers files, the Hub card, evaluation results, the Hub upload
-  6. runs under Accelerate: the shared flags, the accelerator, the run folder, DeepSpeed, batches collated in
-     DataLoader workers, optimiser groups, prepare, checkpoints and resume, the training loop train.py and finetune.py
-     share (with its FLOP count), the log window, the loss-curve picture
+  6. runs under Accelerate: the shared flags, the accelerator, the run folder, DeepSpeed, a batch's Layout (how the
+     gradient cache cuts it) and the groups' lengths, batches collated in DataLoader workers, optimiser groups,
+     prepare, checkpoints and resume, the training loop train.py and finetune.py share (with its FLOP count), the
+     log window, the loss-curve picture
 """
 
 from __future__ import annotations
@@ -903,6 +905,36 @@ def max_seq_length(config, stated: Optional[int] = None) -> int:
     return int(min(stated or 512, getattr(config, "max_position_embeddings", 512)))
 
 
+def run_layers(base: torch.nn.Module, layers: torch.nn.ModuleList, hidden: torch.Tensor,
+               attention_mask: torch.Tensor, stack: tuple) -> torch.Tensor:
+    """Run `layers` on hidden (N, L, H) with attention_mask (N, L) exactly as `base` runs its own layers -> (N, L, H).
+    stack: (owner, attribute name) of the encoder's layer list (architectures.layer_stack finds it once, at load).
+
+    The encoder's forward runs with its layer list swapped for `layers` and the first layer's input replaced by
+    `hidden` (the embedding layer runs on zeros of the right shape and its output is dropped), so everything the
+    encoder hands its layers besides the hidden states (the attention mask in its prepared form, rotary position
+    embeddings for ModernBERT, relative positions for DeBERTa-v2 and MPNet) and everything after them (ModernBERT's
+    final norm) is the encoder's own. architectures.check_layers measures, at load, that this reproduces the
+    encoder."""
+    owner, name = stack
+
+    def replace(_module, args, kwargs):
+        if args:
+            return (hidden,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+    embed_dim = base.get_input_embeddings().embedding_dim
+    dummy = hidden.new_zeros(*hidden.shape[:2], embed_dim)
+    own = owner._modules[name]
+    owner._modules[name] = layers  # the encoder's layer list swapped for `layers` for this one call
+    handle = layers[0].register_forward_pre_hook(replace, with_kwargs=True)
+    try:
+        return base(inputs_embeds=dummy, attention_mask=attention_mask)[0]
+    finally:
+        handle.remove()
+        owner._modules[name] = own
+
+
 # ==============================================================================================================
 # 5. The model folder
 # sentence-transformers files, the Hub card (base model, licence, usage, command), scores, upload.
@@ -1553,6 +1585,73 @@ def gathered_params(accelerator, model):
     return contextlib.nullcontext()
 
 
+class Layout:
+    """How a collated batch is cut into chunks of groups (rows) for the gradient cache; the collator builds it.
+
+    Every tensor of the batch whose key is not in `whole` or `flat` has the groups as its first dimension and is
+    sliced. `flat` holds the flat index tensors (sorted, row-major: _loss_positions): key -> (row set, width), where
+    width is the flat size of one group (a chunk's indices are shifted by it to become its own; 0 for targets).
+    bounds: row set -> G + 1 ints, where each group's rows start. totals: row set -> the WHOLE batch's row count,
+    which a chunk keeps, so that each chunk's mean term times its share adds up to the batch's mean. Python ints
+    only: cutting a batch that sits on a GPU needs no host sync."""
+
+    def __init__(self, groups: int, flat: Optional[dict] = None, bounds: Optional[dict] = None,
+                 whole: Sequence[str] = (), totals: Optional[dict] = None):
+        self.groups, self.flat, self.bounds, self.whole = groups, flat or {}, bounds or {}, set(whole)
+        self.rows = {k: b[-1] - b[0] for k, b in self.bounds.items()}
+        self.totals = dict(totals) if totals is not None else dict(self.rows)
+        # share[rows]: this batch's (or chunk's) part of the whole batch's rows, 1 for a whole batch
+        self.share = {k: n / max(1, self.totals[k]) for k, n in self.rows.items()}
+
+    def chunks(self, batch: dict, size: int) -> list:
+        """[((a, b), the groups a..b-1 of `batch` as a batch of their own, with its Layout)]."""
+        out = []
+        for a in range(0, self.groups, size):
+            b = min(a + size, self.groups)
+            part = {}
+            for k, v in batch.items():
+                if k in self.flat:
+                    rows, width = self.flat[k]
+                    part[k] = v[self.bounds[rows][a]:self.bounds[rows][b]]
+                    part[k] = part[k] - a * width if width else part[k]
+                elif torch.is_tensor(v) and k not in self.whole:
+                    part[k] = v[a:b]
+                elif k != "layout":
+                    part[k] = v
+            part["layout"] = Layout(b - a, self.flat, {k: [x - bd[a] for x in bd[a:b + 1]] for k, bd in
+                                                      self.bounds.items()}, self.whole, self.totals)
+            out.append(((a, b), part))
+        return out
+
+
+def group_bounds(index: torch.Tensor, width: int, groups: int) -> list:
+    """Where each group's rows start in a sorted flat index over (groups * width) positions: G + 1 ints."""
+    return torch.searchsorted(index, torch.arange(groups + 1) * width).tolist()
+
+
+def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarray:
+    """Characters of each group's anchor plus its first num_related related passages (what length grouping
+    sorts by), as a numpy int64 array.
+
+    Computed with pyarrow compute on Arrow batches of the two columns (no Python dict per row, no cache file
+    written, so every process can run it at once); utf8_length counts code points like Python's len, so the
+    lengths, and hence the batches, are those Python's len gives."""
+    import pyarrow.compute as pc
+
+    out = np.empty(len(groups), dtype=np.int64)
+    pos = 0
+    for batch in groups.select_columns(["anchor", "related"]).with_format("arrow").iter(batch_size=batch_size):
+        anchor = batch["anchor"].combine_chunks()
+        related = pc.list_slice(batch["related"].combine_chunks(), 0, num_related)
+        flat = pc.utf8_length(pc.list_flatten(related)).to_numpy(zero_copy_only=False)
+        per_group = np.bincount(pc.list_parent_indices(related).to_numpy(zero_copy_only=False), weights=flat,
+                                minlength=len(anchor))  # float64: exact for sums below 2**53
+        anchor_len = pc.utf8_length(anchor).to_numpy(zero_copy_only=False)
+        out[pos:pos + len(anchor)] = anchor_len + per_group.astype(np.int64)
+        pos += len(anchor)
+    return out
+
+
 class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     """Batches of similar length, in a random order that depends only on (seed, epoch).
 
@@ -1820,17 +1919,11 @@ class KeyedBatches(torch.utils.data.Sampler):
         return len(self.batch_sampler)
 
 
-def batch_seed(*key: int) -> int:
-    """A 63-bit seed from (seed, epoch, batch number, process): numpy's SeedSequence hashes the tuple, so nearby keys
-    give unrelated streams."""
-    return int(np.random.SeedSequence([int(k) for k in key]).generate_state(1, np.uint64)[0] >> 1)
-
-
 class Collate:
     """collate_fn of the training DataLoader: [((epoch, batch, row index), row)] -> the collator's batch.
 
-    The collator's random draws (masks, crops) come from its generator re-seeded with batch_seed(seed, epoch, batch,
-    process), so a batch is a pure function of its rows and those numbers: DataLoader workers can build it ahead of
+    The collator's random draws (masks, crops) come from its generator re-seeded from (seed, epoch, batch, process),
+    so a batch is a pure function of its rows and those numbers: DataLoader workers can build it ahead of
     the step, in any order, and a resumed run draws what the uninterrupted one drew with nothing saved.
     make_row(epoch, row index, row) -> the row the collator reads (train.py: the random-span crops; finetune.py: the
     epoch's negatives); None: the row as stored."""
@@ -1842,7 +1935,9 @@ class Collate:
         (epoch, number, _), _ = items[0]
         rows = [r if self.make_row is None else self.make_row(epoch, i, r) for (_, _, i), r in items]
         if getattr(self.collator, "generator", None) is not None:
-            self.collator.generator.manual_seed(batch_seed(self.seed, epoch, number, self.process))
+            # numpy's SeedSequence hashes the key, so nearby keys give unrelated streams; 63 bits, as manual_seed takes
+            key = np.random.SeedSequence([int(self.seed), int(epoch), int(number), int(self.process)])
+            self.collator.generator.manual_seed(int(key.generate_state(1, np.uint64)[0] >> 1))
         return self.collator(rows)
 
 
@@ -2307,15 +2402,16 @@ class _GlobalOnly:
 
 
 def train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state: "TrainState",
-               steps_per_epoch: int, step_inputs, *, peak_flops=None, skip_tokens=(), log_scalars=None,
-               scorer=None, on_score=None, before_first_step=None):
+               steps_per_epoch: int, forward_kwargs: dict, schedules: dict, *, peak_flops=None, skip_tokens=(),
+               log_scalars=None, scorer=None, on_score=None, before_first_step=None):
     """The training loop train.py and finetune.py share, as the HF no_trainer examples write it: accumulate,
     backward (or the gradient cache), clip on the step's last micro-batch, optimiser and lr steps; then, per
     optimiser step, log (LogWindow), score (--eval_steps) and checkpoint on their steps, until state.max_steps or
     --stop_after_steps. Batches arrive collated (Collate, in DataLoader workers).
 
-    step_inputs(step) -> (keywords of the model's forward, scalars logged with the step) for optimiser step `step`
-    (steps done so far): train.py's teacher and retention weight, finetune.py's PAIR alpha.
+    forward_kwargs: keywords of the model's forward (train.py: the retention teacher). schedules: {keyword: f(step)}:
+    keywords that follow optimiser step `step` (steps done so far), logged with it (train.py: the retention weight,
+    finetune.py: PAIR's alpha).
     log_scalars(model, batch) -> more scalars, on logging steps only (train.py: the drift from the start model).
     scorer(model, step, epoch, window) -> a scoring record; on_score(record) after each (train.py: --save_best).
     before_first_step(model, batch): called once, with the first collated (CPU) batch (train.py: memory_estimate).
@@ -2330,11 +2426,13 @@ def train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sa
         if state.completed_steps >= stop_at:
             break
         for batch in epoch_batches(accelerator, dataloader, sampler, state, epoch):
-            real, proc = window.count(batch, skip_tokens)  # on the CPU tensors: no device sync
+            real, proc = padding_efficiency(batch, skip_tokens)  # on the CPU tensors: no device sync
+            window.real, window.proc = window.real + real, window.proc + proc
             if before_first_step is not None and flops_per_token is None:
                 before_first_step(accelerator.unwrap_model(model), batch)
             batch = batch_to_device(batch, accelerator.device)
-            kwargs, scalars = step_inputs(state.completed_steps)
+            scalars = {k: f(state.completed_steps) for k, f in schedules.items()}
+            kwargs = {**forward_kwargs, **scalars}
             # FLOPs: counted by torch on the window's first micro-batch (flop_counter), then scaled by each
             # micro-batch's processed tokens. A recomputed forward (gradient cache, checkpointing) counts: it is work
             counting = window.n_micro == 0
@@ -2483,12 +2581,6 @@ class LogWindow:
         self.flops = 0.0  # FLOPs of the window's micro-batches (train_loop's count), this process
         self.steps = 0  # optimiser steps in the window: the last window of a run may be shorter
         self.bad, self.first_bad = {}, None  # per-term "was ever non-finite"; the first step that was
-
-    def count(self, batch, skip=(), flops: float = 0.0):
-        """Add one collated (CPU) batch's real and processed tokens (padding_efficiency) and its model FLOPs."""
-        real, proc = padding_efficiency(batch, skip)
-        self.real, self.proc, self.flops = self.real + real, self.proc + proc, self.flops + flops
-        return real, proc
 
     def keep(self, accelerator, on_nonfinite: str, outputs: dict, step: int, epoch: int) -> bool:
         """Whether this micro-batch's backward runs: always under --on_nonfinite stop (check_finite stops the run

@@ -19,8 +19,8 @@ modeling_xprt.py, one function per equation; the plumbing (checkpoints, logs, th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -30,7 +30,7 @@ import torch
 
 from architectures import head_multiply_adds, layer_multiply_adds, load_teacher
 import baselines  # noqa: F401  (registers the comparison objectives as --objective choices)
-from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives
+from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives, retention_weight
 from support import (EVAL_PREFIX, ArgumentParser, LengthGroupedBatchSampler, UserError, adamw, add_common_args,
                      atomic_write, check_batch_fits, check_common_args, check_model_name, dropout_rate, engine_dtype,
                      explain_oom, load_model, local_inputs, make_accelerator, memory_estimate, non_negative_float,
@@ -205,23 +205,6 @@ def check_inputs(args):
     n_groups = count_groups(args.groups_dir)
     check_batch_fits(min(n_groups, args.max_groups or n_groups), args.per_device_train_batch_size,
                      int(os.environ.get("WORLD_SIZE", 1)), "groups")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The retention weight: 40 -> 0 over training
-# ----------------------------------------------------------------------------------------------------------------
-def retention_weight(step: int, total: int, start: float = 40.0, end: float = 0.0, shape: str = "linear") -> float:
-    """Weight of the retention term at optimiser step t = `step` of T = `total`: the paper's 40 -> 0 decay.
-
-    w(t) = w_0 + (w_T - w_0) s(t / T), s(x) = x (linear), (1 - cos(pi x)) / 2 (cosine) or 0 (constant).
-    A function of the step alone: a resumed run continues the decay where it stopped. Weight 0 at both ends turns
-    the term (and the teacher pass) off."""
-    frac = min(step / max(1, total), 1.0)
-    if shape == "constant":
-        frac = 0.0
-    elif shape == "cosine":
-        frac = 0.5 * (1 - math.cos(math.pi * frac))
-    return start + (end - start) * frac
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -409,7 +392,7 @@ def teacher_cosine(model, teacher, batch) -> torch.Tensor:
     gradient). 1.0 at step 0. Computed on logging steps only (one extra forward of 2 x groups passages) and left on
     the device: the logging step's one read-back (LogWindow.record) averages it over the processes' batches."""
     with torch.no_grad():
-        s, t = model.post_pooling(model._clean_vectors(batch)), model.teacher_vectors(batch, teacher)
+        s, t = model.post_pooling(model.clean_student(batch)), model.teacher_vectors(batch, teacher)
     return torch.nn.functional.cosine_similarity(s.float(), t.float(), dim=-1).mean()
 
 
@@ -486,12 +469,10 @@ def main(argv=None):
 
         scorer = evaluate.TrainingScorer(accelerator, args, tokenizer)
 
-    # ---- the loop (support.train_loop): the step's retention weight w(t), the drift on logging steps, the best model
-    def step_inputs(step):
-        w = retention_weight(step, max_steps, args.retention_weight, args.retention_final_weight,
-                             args.retention_schedule) if teacher is not None else 0.0
-        return {"teacher": teacher, "retention_weight": w}, {"retention_weight": w, "pair_alpha": 0.0}
-
+    # ---- the loop (support.train_loop): the step's retention weight w(t) (0 throughout when both ends are 0: no
+    # teacher), the drift on logging steps, the best model
+    schedule = functools.partial(retention_weight, total=max_steps, start=args.retention_weight,
+                                 end=args.retention_final_weight, shape=args.retention_schedule)
     def drift(unwrapped, batch):  # the drift needs whole weights: not under ZeRO-3
         return {"teacher_cosine": teacher_cosine(unwrapped, teacher, batch)} if not zero3(accelerator) else {}
 
@@ -505,7 +486,8 @@ def main(argv=None):
         memory_estimate(accelerator, args, unwrapped, batch, teacher, args.max_length)
 
     train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state, steps_per_epoch,
-               step_inputs, peak_flops=peak_flops(accelerator, args), scorer=scorer, on_score=on_score,
+               {"teacher": teacher}, {"retention_weight": schedule}, peak_flops=peak_flops(accelerator, args),
+               scorer=scorer, on_score=on_score,
                log_scalars=drift if teacher is not None else None, before_first_step=before_first_step,
                skip_tokens=() if teacher is not None else ("retain_",))
     if best:

@@ -91,7 +91,7 @@ def main(argv=None):
     import support
     import train
     from baselines import RandomSpanCollator
-    from modeling_xprt import group_lengths as mx_group_lengths
+    from support import group_lengths as mx_group_lengths
 
     if args.toy:
         args.groups_dir = toy_groups()

@@ -200,7 +200,8 @@ def child_train(groups_dir, model, batches, batch_size):
 
     import support
     import train
-    from modeling_xprt import XPRTCollator, group_lengths
+    from modeling_xprt import XPRTCollator
+    from support import group_lengths
 
     tok = AutoTokenizer.from_pretrained(model)
     before, peak = status_mb("VmHWM"), AnonPeak()

@@ -398,7 +398,8 @@ def bench_objectives(name, args, device) -> dict:
 
             def floor():  # the objective's own encoder passes, forward + backward of a cheap function of them
                 model.zero_grad(set_to_none=True)
-                states, vec = model.method.encode(model, model.method.prepare(model, batch))
+                prepared = model.method.prepare(model, batch) if model.method.prepare else batch
+                states, vec = model.method.encode(model, prepared)
                 leaves = [t for t in [*(states if isinstance(states, (tuple, list)) else [states]), vec]
                           if torch.is_tensor(t) and t.requires_grad]
                 sum(t.float().square().mean() for t in leaves).backward()

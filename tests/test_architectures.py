@@ -111,13 +111,13 @@ def test_parts_reproduce_the_encoder(tiny, kind):
     tok = AutoTokenizer.from_pretrained(tiny[kind])
     b = _batch(tok, TEXTS)
     ids, mask = b["input_ids"], b["attention_mask"]
-    _, _, stack = A.layer_stack(base)
+    owner, attr, stack = A.layer_stack(base)
     with torch.no_grad():
         want = base(input_ids=ids, attention_mask=mask)[0]
         emb = A.token_embeddings(base, ids, mask)
         assert emb.shape == want.shape  # hidden-size vectors, ELECTRA's projected up from 32 to 64
-        own = A.run_layers(base, stack, emb, mask)
-        copies = A.run_layers(base, A.copy_last_layers(mlm, len(stack)), emb, mask)
+        own = A.run_layers(base, stack, emb, mask, (owner, attr))
+        copies = A.run_layers(base, A.copy_last_layers(mlm, len(stack)), emb, mask, (owner, attr))
         logits = mlm(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     assert torch.allclose(own[real], want[real], atol=1e-5)

@@ -18,8 +18,8 @@ from test_select_groups import _docs, _write_jsonl
 from test_train import base_args
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("modeling_xprt.py", "baselines.py", "revela.py", "fused_vocab.py", "architectures.py", "train.py",
-           "finetune.py", "select_groups.py")
+SCRIPTS = ("modeling_xprt.py", "baselines.py", "revela.py", "fused_vocab.py", "architectures.py", "support.py",
+           "train.py", "finetune.py", "select_groups.py")
 
 # What one step of each objective must run (qualified names), beyond what every step runs.
 EVERY_PRETRAIN_STEP = {"XPRTModel.encode", "mean_pool", "retention_loss",
@@ -199,17 +199,13 @@ def traced_step(argv, step: int = 1, end: str = "XPRTModel.forward") -> dict:
 
 
 # (functions, files) a step may call, as measured, sampler to loss and model to loss, on the first step and on a
-# steady one (step 2, not a logging step). Before each equation returned its value and the encoder's pieces were
-# resolved at load (7d71bbd): first step xprt 93 in 5 files / 61 in 4, retromae 79 in 6 / 50 in 4. With the shared
-# loop, seeded collation and the per-document batch cap merged (f6ae0c6): first step 91 / 49 (xprt) and 77 / 38
-# (retromae); steady step 70 / 48 and 56 / 37 (this tracer run on that tree). With the kernel's and the model's one-line helpers inlined (dist_on,
-# _swapped, _fused, _compute_dtype, _row_dot, the retention KL's closure, the base property, retains, retention,
-# sentence_vectors): first step 81 / 39 and 70 / 31, steady step 60 / 38 and 49 / 30. The goal (about 40 in
-# 3 files, sampler to loss) is met from the model's step to the loss, not yet from the sampler: the collator adds 13
-# (xprt), support.py's loader and loop 9, train.py's retention schedule 2.
+# steady one (step 2, not a logging step). On xPRT's steady step they are its equations, decoder and retention term
+# and its collator (modeling_xprt.py), the vocabulary kernel (fused_vocab.py), and the loader, the batch's move to
+# the device and run_layers (support.py). The first step adds what runs once: the epoch's batches, the memory
+# estimate, the FLOP count.
 STEP_BOUNDS = {
-    "xprt": {1: {"sampler": (81, 5), "model": (39, 4)}, 2: {"sampler": (60, 5), "model": (38, 4)}},
-    "retromae": {1: {"sampler": (70, 5), "model": (31, 4)}, 2: {"sampler": (49, 5), "model": (30, 4)}},
+    "xprt": {1: {"sampler": (68, 4), "model": (33, 3)}, 2: {"sampler": (47, 3), "model": (32, 3)}},
+    "retromae": {1: {"sampler": (64, 5), "model": (28, 4)}, 2: {"sampler": (43, 4), "model": (27, 4)}},
 }
 
 

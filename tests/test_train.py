@@ -19,9 +19,9 @@ import torch
 
 import support
 import train
-from modeling_xprt import group_lengths
+from modeling_xprt import retention_weight
 from select_groups import group_schema
-from support import UserError
+from support import UserError, group_lengths
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,13 +101,13 @@ def base_args(model, groups, out, **kw):
 # schedules and batching
 # ---------------------------------------------------------------------------------------------------------------
 def test_retention_weight_decays_40_to_0():
-    vals = [train.retention_weight(t, 10) for t in range(11)]
+    vals = [retention_weight(t, 10) for t in range(11)]
     assert vals[0] == 40.0 and vals[5] == pytest.approx(20.0) and vals[10] == 0.0 and vals[3] == pytest.approx(28.0)
     assert all(a > b for a, b in zip(vals, vals[1:]))
-    assert train.retention_weight(5, 10, shape="cosine") == pytest.approx(20.0)  # cosine passes the midpoint at T/2
-    assert train.retention_weight(2, 10, shape="cosine") == pytest.approx(20 * (1 + math.cos(math.pi * 0.2)))
-    assert train.retention_weight(7, 10, 40.0, 10.0, "constant") == 40.0
-    assert train.retention_weight(12, 10) == 0.0  # past the end: the final weight
+    assert retention_weight(5, 10, shape="cosine") == pytest.approx(20.0)  # cosine passes the midpoint at T/2
+    assert retention_weight(2, 10, shape="cosine") == pytest.approx(20 * (1 + math.cos(math.pi * 0.2)))
+    assert retention_weight(7, 10, 40.0, 10.0, "constant") == 40.0
+    assert retention_weight(12, 10) == 0.0  # past the end: the final weight
 
 
 def test_length_grouped_batches_are_deterministic_complete_and_pad_less():
@@ -360,7 +360,13 @@ def test_collation_in_workers_gives_the_loops_batches(tiny_bert, groups):
     assert all(torch.equal(a["retain_input_ids"], b["retain_input_ids"]) for a, b in zip(here, other))  # same rows
     assert not any(torch.equal(a["mlm_labels"], b["mlm_labels"]) for a, b in zip(here, other))  # other masks
     assert torch.equal(other[2]["input_ids"], _loader_batches(tok, groups, 2, process=1)[2]["input_ids"])
-    assert support.batch_seed(3, 0, 1, 0) == support.batch_seed(3, 0, 1, 0) != support.batch_seed(3, 1, 0, 0)
+    # the key's parts each seed: the same rows as batch 1 of epoch 0 and as batch 0 of epoch 1 draw other masks
+    from modeling_xprt import XPRTCollator
+
+    rows = list(train.load_groups(str(groups)).select(range(4)))
+    collate = support.Collate(XPRTCollator(tok, num_related=2), seed=3, process=0)
+    a, b, c = (collate([((e, n, i), r) for i, r in enumerate(rows)]) for e, n in [(0, 1), (0, 1), (1, 0)])
+    assert torch.equal(a["mlm_labels"], b["mlm_labels"]) and not torch.equal(a["mlm_labels"], c["mlm_labels"])
 
 
 def test_flop_counter_equals_the_hand_count(tiny_bert, tmp_path):
@@ -719,7 +725,7 @@ def test_no_host_reads_outside_logging_steps(tiny_bert, groups, tmp_path, monkey
     assert res["completed_steps"] == 6
     # the collator's reads are of the CPU tensors it builds before batch_to_device (where each group's rows start in
     # the flat index tensors, Layout): no device sync
-    collating = {f"{ROOT / 'modeling_xprt.py'}:group_bounds"}
+    collating = {f"{ROOT / 'support.py'}:group_bounds"}
     assert [c for c in calls["outside"] if c not in collating] == [], calls["outside"][:3]
     assert calls["inside"] == 2 * 2  # two logging steps, one read-back each in check_finite and record
 
