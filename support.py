@@ -2405,18 +2405,14 @@ def train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sa
                steps_per_epoch: int, forward_kwargs: dict, schedules: dict, *, peak_flops=None, skip_tokens=(),
                log_scalars=None, scorer=None, on_score=None, before_first_step=None):
     """The training loop train.py and finetune.py share, as the HF no_trainer examples write it: accumulate,
-    backward (or the gradient cache), clip on the step's last micro-batch, optimiser and lr steps; then, per
-    optimiser step, log (LogWindow), score (--eval_steps) and checkpoint on their steps, until state.max_steps or
-    --stop_after_steps. Batches arrive collated (Collate, in DataLoader workers).
-
-    forward_kwargs: keywords of the model's forward (train.py: the retention teacher). schedules: {keyword: f(step)}:
-    keywords that follow optimiser step `step` (steps done so far), logged with it (train.py: the retention weight,
-    finetune.py: PAIR's alpha).
-    log_scalars(model, batch) -> more scalars, on logging steps only (train.py: the drift from the start model).
-    scorer(model, step, epoch, window) -> a scoring record; on_score(record) after each (train.py: --save_best).
-    before_first_step(model, batch): called once, with the first collated (CPU) batch (train.py: memory_estimate).
-    skip_tokens: attention masks left out of the token counts (the retention inputs when nothing reads them).
-    """
+    backward (or the gradient cache), clip on the step's last micro-batch, optimiser and lr steps; per optimiser step,
+    log (LogWindow), score (--eval_steps) and checkpoint, until state.max_steps or --stop_after_steps. Batches arrive
+    collated (Collate, in DataLoader workers).
+    forward_kwargs: the model's fixed keywords (train.py: the teacher); schedules {keyword: f(step)}: those that follow
+    the optimiser step (steps done so far), logged with it (train.py: the retention weight; finetune.py: PAIR's alpha).
+    log_scalars(model, batch) -> more scalars on logging steps (the drift from the start model). scorer(model, step,
+    epoch, window) -> a record; on_score(record) after each (--save_best). before_first_step(model, batch): once, on
+    the first collated CPU batch (memory_estimate). skip_tokens: attention masks left out of the token counts."""
     model.train()
     max_steps, world = state.max_steps, accelerator.num_processes
     window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops)
