@@ -12,7 +12,7 @@ own forward when the model loads, and a model the rule does not fit is refused t
 run once, at load (encoder_pieces): a training step calls the modules and callables they return, never the rules.
   - token_embeddings: what the encoder hands its first layer (a forward stopped at that layer); embedding_module:
     the encoder's own modules that compute it;
-  - layer_stack: where the encoder keeps its layer list, so that support.run_layers runs a stack of layers the way
+  - layer_stack: where the encoder keeps its layer list, so that architectures.run_layers runs a stack of layers the way
     the encoder runs its own (the encoder's forward with its layer list swapped for them and the first layer's input
     replaced: masks, rotary and relative positions, final norms are the encoder's), checked here (check_layers);
     decoder_layers (fresh copies of the encoder's first layer) and copy_last_layers (SimLM's
@@ -27,21 +27,19 @@ run once, at load (encoder_pieces): a training step calls the modules and callab
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-import json
 import logging
 import os
 from pathlib import Path
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from support import (ModelInfo, checkpoint_tensors, hub_base_model, load_post_pooling, max_seq_length, model_prompts,
-                     quiet_load_report, read_max_seq_length, read_scoring, resolve_model_path, run_layers,
-                     save_model_folder)
+from common import resolve_model_path
 
 logger = logging.getLogger("xprt")
 
@@ -77,6 +75,36 @@ def layer_stack(base: nn.Module) -> tuple:
         raise ValueError(f"{type(base).__name__}: no list of Transformer layers found (xprt's decoder is built from "
                          "the encoder's own layers)")
     return best
+
+
+def run_layers(base: torch.nn.Module, layers: torch.nn.ModuleList, hidden: torch.Tensor,
+               attention_mask: torch.Tensor, stack: tuple) -> torch.Tensor:
+    """Run `layers` on hidden (N, L, H) with attention_mask (N, L) exactly as `base` runs its own layers -> (N, L, H).
+    stack: (owner, attribute name) of the encoder's layer list (architectures.layer_stack finds it once, at load).
+
+    The encoder's forward runs with its layer list swapped for `layers` and the first layer's input replaced by
+    `hidden` (the embedding layer runs on zeros of the right shape and its output is dropped), so everything the
+    encoder hands its layers besides the hidden states (the attention mask in its prepared form, rotary position
+    embeddings for ModernBERT, relative positions for DeBERTa-v2 and MPNet) and everything after them (ModernBERT's
+    final norm) is the encoder's own. architectures.check_layers measures, at load, that this reproduces the
+    encoder."""
+    owner, name = stack
+
+    def replace(_module, args, kwargs):
+        if args:
+            return (hidden,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": hidden}
+
+    embed_dim = base.get_input_embeddings().embedding_dim
+    dummy = hidden.new_zeros(*hidden.shape[:2], embed_dim)
+    own = owner._modules[name]
+    owner._modules[name] = layers  # the encoder's layer list swapped for `layers` for this one call
+    handle = layers[0].register_forward_pre_hook(replace, with_kwargs=True)
+    try:
+        return base(inputs_embeds=dummy, attention_mask=attention_mask)[0]
+    finally:
+        handle.remove()
+        owner._modules[name] = own
 
 
 def _hidden_arg(args, kwargs):
@@ -278,7 +306,7 @@ def _vocab_bias(mlm, weight) -> torch.Tensor:
     b = getattr(out, "bias", None)
     if isinstance(b, torch.Tensor) and _shape(b) == (v,) and getattr(out, "weight", None) is weight:
         return b
-    cands = [p for p in _head_params(mlm).values() if _shape(p) == (v,)]
+    cands = [p for p in head_params(mlm).values() if _shape(p) == (v,)]
     if len(cands) == 1:
         return cands[0]
     if cands:
@@ -433,7 +461,7 @@ def check_mlm_head(mlm, name: str = ""):
                          f"(the split differs from its logits by {gap:.2g}); xprt's vocabulary terms need that form")
 
 
-def _head_params(mlm_model) -> dict:
+def head_params(mlm_model) -> dict:
     """The MLM head's own parameters (not the base model's, not the projection tied to the word
     embeddings), by name: what xprt_heads.safetensors stores and what mlm_head_from copies."""
     prefix = mlm_model.base_model_prefix + "."
@@ -460,13 +488,67 @@ def layer_multiply_adds(encoder) -> tuple:
 def head_multiply_adds(encoder) -> int:
     """Multiply-adds per row of the MLM head: its own Linear weights and the vocabulary projection."""
     weight = _vocab_matrix(encoder)
-    own = sum(_numel(p) for p in _head_params(encoder).values() if len(_shape(p)) == 2)
+    own = sum(_numel(p) for p in head_params(encoder).values() if len(_shape(p)) == 2)
     return own + _numel(weight)
 
 
 # ==============================================================================================================
 # Loading
 # ==============================================================================================================
+
+
+class LoadReportFilter(logging.Filter):
+    """Drops transformers' report of missing / unexpected keys of a load (the "LOAD REPORT" table, the tied-weights
+    note): see quiet_load_report. A report with shape mismatches or failed conversions passes (transformers raises
+    after it and points to it)."""
+
+    def filter(self, record):
+        msg = str(record.msg)
+        if "LOAD REPORT" in msg:
+            return "MISMATCH" in msg or "CONVERSION" in msg
+        return "seem corrupted" not in msg
+
+
+@contextlib.contextmanager
+def quiet_load_report():
+    """Inside the block, transformers' loading logger (modeling_utils) drops its report of missing / unexpected keys
+    and nothing else (a filter: raising the logger's level would change what transformers checks, since it runs its
+    tensor-parallel plan check only at level WARNING or above). Used around loads whose missing / unexpected keys
+    the caller reads from output_loading_info and reports itself."""
+    log, flt = logging.getLogger("transformers.modeling_utils"), LoadReportFilter()
+    log.addFilter(flt)
+    try:
+        yield
+    finally:
+        log.removeFilter(flt)
+
+
+def checkpoint_tensors(path: str, keys: Sequence[str], prefix: str) -> dict:
+    """The base model's tensors among `keys` (reported unexpected by the MLM model: BERT's pooler), read from the
+    checkpoint's safetensors files and named as the base model names them ("pooler.dense.weight"). A checkpoint
+    without safetensors gives {} (a .bin file is a pickle, never opened here); save_pretrained then initialises them.
+    """
+    from safetensors import safe_open
+
+    keys = [k for k in keys if "position_ids" not in k]
+    if not keys:
+        return {}
+    folder = path
+    if not os.path.isdir(folder):  # a hub id: the files from_pretrained just put in the local cache
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(path, allow_patterns=["*.safetensors"], local_files_only=True)
+        except Exception:  # noqa: BLE001 - no cached safetensors: the pooler is initialised at save time instead
+            return {}
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                name = k[len(prefix):] if k.startswith(prefix) else k
+                if k in keys or name in keys:
+                    out[name] = st.get_tensor(k)
+    return out
 
 
 def attention_kwargs(path: str, loader=None, trust_remote_code: bool = False) -> tuple:
@@ -526,7 +608,7 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
         if donor_missing:
             raise ValueError(f"--mlm_head_from {mlm_head_from} has no trained MLM head either "
                              f"(missing {donor_missing[:3]})")
-        ours, theirs = _head_params(model), _head_params(donor)
+        ours, theirs = head_params(model), head_params(donor)
         if set(ours) != set(theirs) or any(ours[k].shape != theirs[k].shape for k in ours):
             raise ValueError(f"MLM head of {mlm_head_from} does not fit {name_or_path} "
                              "(different architecture or vocabulary)")
@@ -578,109 +660,3 @@ def load_teacher(name_or_path: str, trust_remote_code: bool = False):
     return teacher
 
 
-# ==============================================================================================================
-# The model folder: what an XPRTModel saves and how a folder (or any checkpoint) becomes one
-# ==============================================================================================================
-
-
-def heads_state_dict(model) -> dict:
-    """The head_parameters() by name (the objective's, e.g. decoder.*; mlm_head.*), or, for an objective without
-    heads of its own (PAIR), the heads of the folder it was loaded from, unchanged; the projection is saved with
-    the encoder."""
-    sd = dict(model.method.state_dict()) or dict(model.carried_heads)
-    sd.update({f"mlm_head.{k}": v for k, v in _head_params(model.encoder).items()})
-    return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
-
-def heads_config(model) -> dict:
-    """What rebuilds the saved heads: {"objective": whose heads, **its config()}."""
-    if not dict(model.method.state_dict()) and model.carried_heads:
-        return dict(model.carried_config)
-    return {"objective": model.objective, **model.method.config()}
-
-def complete_base_state_dict(model) -> dict:
-    """The encoder's weights as the architecture's AutoModel class holds them: the MLM model's base has no pooler
-    (BertForMaskedLM builds BertModel(add_pooling_layer=False)), so a folder saved from it alone loads in
-    AutoModel / sentence-transformers with a "LOAD REPORT" of MISSING pooler weights. The pooler comes from the
-    start checkpoint, unchanged (load_mlm_encoder keeps it; mean pooling never reads it), or, when the start had
-    none, is the architecture's own initialisation (seeded, without touching the global RNG)."""
-    sd = dict(model.base.state_dict())
-    sd.update({k: v for k, v in getattr(model.encoder, "xprt_base_extras", {}).items() if k not in sd})
-    with torch.device("meta"):
-        wanted = type(model.base)(model.base.config).state_dict()
-    missing = [k for k in wanted if k not in sd]
-    if missing:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            fresh = type(model.base)(model.base.config).state_dict()
-        dtype = next(iter(sd.values())).dtype
-        sd.update({k: fresh[k].to(dtype) for k in missing})
-    return sd
-
-
-def save_xprt_folder(model, out_dir: str, tokenizer, model_card: Optional[str] = None):
-    """The XPRTModel's folder (support.save_model_folder: the encoder with its start's sentence-transformers modules,
-    the tokenizer, xprt_heads.safetensors and xprt_config.json: the objective, tau and what rebuilds the heads)."""
-    config = {"objective": model.objective, "tau": model.tau, "heads": heads_config(model)}
-    save_model_folder(out_dir, model.base, complete_base_state_dict(model), tokenizer, heads_state_dict(model),
-                      config, model.info, model_card, model.post_pooling)
-
-
-def load_xprt_folder(cls, path: str, objective: Optional[str] = None, mlm_head_from: Optional[str] = None,
-                     trust_remote_code: bool = False, prefixes: str = "auto", hub_model_id: Optional[str] = None, **kw):
-    """cls (modeling_xprt.XPRTModel) from any checkpoint (hub id, folder, the MiniLM alias) or a folder written by
-    save_xprt_folder.
-
-    A save_pretrained folder gets its MLM head back and, when `objective` is the one its heads were trained
-    with, the objective's heads and settings (xprt_config.json "heads"); the heads of another objective are
-    carried through unchanged (a PAIR fine-tuning of an xPRT folder keeps its decoder for later pre-training).
-    Any other checkpoint gets a fresh head tied to the word embeddings, or `mlm_head_from`'s (load_mlm_encoder).
-    kw go to XPRTModel.__init__ (and the objective) and override the folder's settings. The model's
-    load_message says which happened. prefixes: "auto" (support.model_prompts' rule), "e5" or "none".
-    hub_model_id: the Hub repository the trained model will be pushed to (recorded in its folder)."""
-    from safetensors.torch import load_file
-
-    name, path = path, resolve_model_path(path)
-    cfg_file = os.path.join(path, "xprt_config.json")
-    saved = json.loads(Path(cfg_file).read_text()) if os.path.isfile(cfg_file) else {}
-    heads_file = os.path.join(path, "xprt_heads.safetensors")
-    has_heads = os.path.isfile(heads_file)
-    scoring = read_scoring(path)
-    mlm, message = load_mlm_encoder(path, mlm_head_from=None if has_heads else mlm_head_from,
-                                    trust_remote_code=trust_remote_code, pooling=scoring["pooling"])
-    # the start's modules after pooling (Dense, LayerNorm, Normalize, truncate_dim, ...), kept through training and
-    # saved back; refused here, by name, when xprt cannot carry them
-    post_pooling = load_post_pooling(path, mlm.config.hidden_size, trust_remote_code)
-    objective = objective or saved.get("objective", "xprt")
-    heads_cfg = dict(saved.get("heads") or {})
-    own_heads = heads_cfg.pop("objective", None) == objective
-    args = {"tau": saved.get("tau", 0.05), **(heads_cfg if own_heads else {}), **kw}
-    # the stages so far: an xprt folder's own record, else the start checkpoint itself
-    lineage = saved.get("lineage") or [{"stage": "start", "model": hub_base_model(name)}]
-    args["info"] = ModelInfo(start_model=saved.get("start_model") or name, prompts=model_prompts(name, prefixes),
-                             max_seq_length=max_seq_length(mlm.config, read_max_seq_length(path)),
-                             base_model=hub_base_model(name), hub_model_id=hub_model_id, lineage=lineage,
-                             modules=post_pooling.describe(), dim=post_pooling.dim(mlm.config.hidden_size), **scoring)
-    model = cls(mlm, objective=objective, **args)
-    model.post_pooling = post_pooling
-    model.load_message = message
-    if has_heads:
-        sd = load_file(heads_file)
-        head = _head_params(model.encoder)
-        head_sd = {k[len("mlm_head."):]: v for k, v in sd.items() if k.startswith("mlm_head.")}
-        if set(head_sd) != set(head):
-            raise ValueError(f"{heads_file}: MLM head tensors {sorted(head_sd)} do not match the model's "
-                             f"{sorted(head)}")
-        with torch.no_grad():
-            for k, v in head_sd.items():
-                head[k].copy_(v)
-        own = {k: v for k, v in sd.items() if not k.startswith("mlm_head.")}
-        if own_heads:
-            model.method.load_state_dict(own, strict=True)
-        else:
-            model.carried_heads, model.carried_config = own, dict(saved.get("heads") or {})
-        model.load_message = (f"xprt folder {path}: MLM head restored from {heads_file}; " +
-                              (f"{objective} heads restored" if own_heads and own else
-                               f"{len(own)} tensors of {model.carried_config.get('objective')}'s heads carried "
-                               "through unchanged" if own else "no objective heads saved"))
-    logger.info(model.load_message)
-    return model

@@ -12,8 +12,9 @@ not copied), one function per equation, with the official numbers:
                                       training command
   Revela    TRUMANCFY/Revela + TRUMANCFY/transformers (branch adapt): in revela.py, registered at the end of this file
   --objective retromae | simlm | contriever | revela; and, kept from before:
-  contrastive_random_span  the earlier Contriever-style approximation (rounded crops of >= 1 token, no word deletion,
-                           cosine scores, the longer crop as the query): how it differs is listed at section 6
+  contrastive_random_span  two random crops of one passage as a positive pair, cosine InfoNCE over in-batch
+                           negatives (crops of >= 1 token, no word deletion, the longer crop as the query): Contriever's
+                           cropping alone; how it differs from Contriever's code is listed at section 6
   self_reconstruction      the paper's Table 3 ablation: xPRT's own conditioned decoder rebuilds a passage from that
                            passage's own vector (no related passages)
 
@@ -71,10 +72,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from architectures import copy_last_layers, decoder_layers, layer_multiply_adds
+from batches import Layout, group_bounds, group_lengths
+from common import UserError, momentum, positive_int, rank_and_world, resolve_model_path
 from fused_vocab import linear_cross_entropy
 from modeling_xprt import (ConditionedDecoder, GroupCollator, Objective, gather_with_grad, info_nce, mlm_loss,
                            register_objective)
-from support import Layout, UserError, group_bounds, group_lengths, rank_and_world, resolve_model_path
 
 SETTINGS = ("paper", "official")
 # What --baseline_setting official changes, per objective (the paper setting changes nothing: the start's pooling
@@ -91,6 +93,14 @@ BASELINE_SETTINGS = {
     # the README's run: src/options.py's --contrastive_mode moco (momentum encoder, a queue of keys: MoCoState)
     "contriever": {"pooling": "mean", "normalize": False, "similarity_fn_name": "dot", "contrastive_mode": "moco"},
 }
+
+
+# --baseline_setting, a flag of each baseline that has two settings
+SETTING_FLAG = {"--baseline_setting": dict(
+    choices=SETTINGS, help="'official' runs the baseline as its authors' code does ([CLS] vector for RetroMAE and "
+    "SimLM, saved as the folder's pooling; dot products of unnormalised vectors and MoCo's queue for Contriever; "
+    "SimLM's generator with dropout), 'paper' pools and scores it as the start model (default; BASELINE_SETTINGS "
+    "lists every choice)")}
 
 
 def setting_of(objective: str, setting: str) -> dict:
@@ -327,6 +337,7 @@ class RetroMAE(Objective):
 
     name = "retromae"
     trains_every_head = True  # the decoder layer and the MLM head (both terms)
+    flags = SETTING_FLAG
 
     def __init__(self, encoder, baseline_setting: str = "paper"):
         super().__init__(encoder)
@@ -382,7 +393,7 @@ class RetroMAE(Objective):
         content = torch.cat([v, model.embed(batch["clean_ids"])[:, 1:]], dim=1)  # (G, L, H)
         query = emb.position_embeddings(emb.position_ids[:, :l]) + v  # (G, L, H)
         dec = enhanced_decoding(self.decoder, query, content, batch["visible"])
-        share, h = batch["layout"].share, hidden.shape[-1]
+        share, h = batch["layout"].row_share, hidden.shape[-1]
         return {"mlm_loss": share["mlm"] * mlm_loss(model, hidden.reshape(-1, h).index_select(0, batch["mlm_index"]),
                                                     batch["mlm_targets"]),
                 "decoder_loss": share["dec"] * retromae_decoder_loss(
@@ -476,6 +487,9 @@ class SimLM(Objective):
 
     name = "simlm"
     trains_every_head = True  # the decoder and the MLM head (both terms)
+    flags = {**SETTING_FLAG, "--generator_name_or_path": dict(
+        help="the frozen generator that samples the replaced tokens (default: SimLM's, google/electra-base-generator); "
+             "it must share the start model's vocabulary")}
 
     def __init__(self, encoder, generator_name_or_path: str = "google/electra-base-generator",
                  decoder_layers: int = 2, baseline_setting: str = "paper"):
@@ -543,7 +557,8 @@ class SimLM(Objective):
         emb = model.embed(batch["dec_input_ids"])  # (G, L, H)
         x = torch.cat([sent.to(emb.dtype).unsqueeze(1), emb[:, 1:]], dim=1)  # the vector in place of [CLS]
         x = model.run_layers(self.decoder, x, am)  # the copied layers, run as the encoder runs its own
-        index, targets, share, h = batch["tok_index"], batch["tok_targets"], batch["layout"].share["tok"], x.shape[-1]
+        index, targets, h = batch["tok_index"], batch["tok_targets"], x.shape[-1]
+        share = batch["layout"].row_share["tok"]
         return {"encoder_rlm_loss": share * simlm_replaced_lm_loss(model, hidden.reshape(-1, h).index_select(0, index),
                                                                    targets),
                 "decoder_rlm_loss": share * simlm_replaced_lm_loss(model, x.reshape(-1, h).index_select(0, index),
@@ -767,6 +782,17 @@ class Contriever(Objective):
     that scores them so."""
 
     name = "contriever"
+    flags = {**SETTING_FLAG,
+             "--contrastive_mode": dict(choices=CONTRASTIVE_MODES, help=(
+                 "'inbatch' (the other rows' second crops, src/inbatch.py) or 'moco' (a queue of a momentum key "
+                 "encoder's keys, src/moco.py); default: inbatch in the paper setting, moco with --baseline_setting "
+                 "official (the README's run)")),
+             "--moco_queue_size": dict(type=positive_int, help=(
+                 "moco: keys in the queue (default 65536, options.py's --queue_size; a multiple of the global "
+                 "batch)")),
+             "--moco_momentum": dict(type=momentum, help=(
+                 "moco: momentum m of the key encoder, w_k = m w_k + (1 - m) w_q once per forward (default 0.9995, "
+                 "example_scripts/contriever.sh)"))}
 
     def __init__(self, encoder, temperature: float = 0.05, normalize: Optional[bool] = None,
                  baseline_setting: str = "paper", contrastive_mode: Optional[str] = None,
@@ -825,7 +851,8 @@ class Contriever(Objective):
 
 
 # ==============================================================================================================
-# 6. Random spans, the earlier approximation of Contriever (contrastive_random_span)
+# 6. Random spans (contrastive_random_span): two random crops of one passage as a positive pair, cosine
+#    InfoNCE over in-batch negatives, no augmentation; Contriever's cropping without the rest of its recipe
 # How it differs from Contriever's code (src/data.py, inbatch.py, moco.py, options.py, the README's run), which
 # section 5 follows:
 #   - crop length max(1, round(r n)) here; int(r n) there (floor; 0 for a short text, leaving [CLS] [SEP] only)
@@ -998,7 +1025,7 @@ def self_reconstruction(model, dec_hidden: torch.Tensor, dec_targets: torch.Tens
     """The paper's self-reconstruction ablation: L = L_recon + L_MLM, weights 1 and 1. The encoder reads the passage
     30%-masked (L_MLM, mlm_loss); xPRT's one-layer conditioned decoder rebuilds the passage, 50%-masked, from the
     passage's own vector (L_recon: cross-entropy at the decoder's masked positions). -> {"recon_loss", "mlm_loss"},
-    each times its share of the batch's rows when the rows are a chunk of it (shares: Layout.share); L is their sum
+    each times its share of the batch's rows when the rows are a chunk of it (shares: Layout.row_share); L is their sum
     (Objective.total). RetroMAE proper (two-stream decoding) is its own objective."""
     recon = linear_cross_entropy(model.transform(dec_hidden), model.vocab_weight, model.vocab_bias, dec_targets,
                                  fused=model.fused_vocab_loss)
@@ -1023,6 +1050,12 @@ class SelfReconstructionObjective(Objective):
     def make_collator(self, tokenizer, **kw):
         return SelfReconstructionCollator(tokenizer, num_condition_vectors=self.num_condition_vectors, **kw)
 
+    def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
+        """The encoder on the masked anchor, the decoder on its pass, the MLM head at both terms' rows."""
+        trained, _ = super().multiply_adds(model, batch, layers, head)
+        trained += self.decoder.multiply_adds(batch["dec_input_ids"], layers)
+        return trained + head * (batch["mlm_index"].numel() + batch["dec_rows"].numel()), 0
+
     def encode(self, model, batch):
         ids, am = batch["input_ids"], batch["attention_mask"]  # (G, L)
         hidden, vec = model.encode(ids, am)
@@ -1035,7 +1068,7 @@ class SelfReconstructionObjective(Objective):
         layout = batch["layout"]
         return self_reconstruction(model, dec_flat.index_select(0, batch["dec_rows"]), batch["dec_targets"],
                             states.index_select(0, batch["mlm_index"]), batch["mlm_targets"],
-                            shares=(layout.share["dec"], layout.share["mlm"]))
+                            shares=(layout.row_share["dec"], layout.row_share["mlm"]))
 
 
 class SelfReconstructionCollator(GroupCollator):

@@ -30,7 +30,7 @@ folder scored on full tasks gets the scores in its model card.
 
 Prefixes: E5 models were trained with "query: " / "passage: " and lose a lot without them (docs/notes.md);
 models trained without them (all-MiniLM-L6-v2) lose with them. `--prefixes auto` (default; the flag train.py and
-finetune.py take) applies the repository's one rule (support.model_prompts): a model folder's own
+finetune.py take) applies the repository's one rule (common.model_prompts): a model folder's own
 sentence-transformers prompts (train.py and finetune.py write them), else E5's prefixes for an E5 model (by name, or
 by the start model a folder records), else none. `--prefixes e5` / `none` force them; `--query_prefix` /
 `--passage_prefix` set either string outright.
@@ -41,8 +41,8 @@ and where the models differ in any of it the report says so above the table (a d
 cosine-saved continuation compares two similarities, not two trainings). `--score_as MODEL` scores every model with
 MODEL's settings, so that the differences are the weights' alone (filed as an mteb experiment, kept off the cards).
 
-Plumbing (names, prefixes, files, devices, the model card) comes from support.py; modeling_xprt.py gives only the
-hand-written embedder of the scores during training (section 4b).
+Plumbing comes from common.py (names, prefixes, files, devices) and model_folder.py (the model card); modeling_xprt.py
+gives only the hand-written embedder of the scores during training (section 4b).
 """
 
 from __future__ import annotations
@@ -65,12 +65,14 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from architectures import attention_kwargs
+from common import (E5_PROMPTS, MINILM_ALIASES, NO_PROMPTS, ArgumentParser, UserError, atomic_path, atomic_write,
+                    check_model_name, claim_output_folder, hub_cached, hub_offline, load_beir, local_inputs,
+                    model_prompts, pick_device_and_dtype, positive_int, read_json, record_outputs, resolve_model_path,
+                    run_script)
+from model_folder import add_eval_results_to_card, check_tokenizer_fits, max_seq_length
 from modeling_xprt import embed_texts
-from support import (E5_PROMPTS, EVAL_PREFIX, MINILM_ALIASES, NO_PROMPTS, ArgumentParser, UserError,
-                     add_eval_results_to_card, atomic_path, atomic_write, check_model_name, check_tokenizer_fits,
-                     claim_output_folder, gathered_params, hub_cached, hub_offline, load_beir, local_inputs,
-                     max_seq_length, model_prompts, pick_device_and_dtype, positive_int, read_json, record_outputs,
-                     resolve_model_path, run_script)
+from run_log import EVAL_PREFIX
+from training import gathered_params
 
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (docs/notes.md); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))
@@ -97,7 +99,7 @@ PER_QUERY_KEY = "xprt_per_query"  # our key in a retrieval result's scores: {que
 
 def check_model_folder(name_or_path: str, flag: str = "--models") -> str:
     """Resolve a model name and fail early, in words, on a folder that is not a model, a path that does not exist
-    or a name the offline Hub cannot give (support.check_model_name)."""
+    or a name the offline Hub cannot give (common.check_model_name)."""
     path = check_model_name(name_or_path, flag)
     if os.path.isdir(path) and not (Path(path) / "config.json").is_file():
         raise UserError(f"{flag} {name_or_path}: a folder but not a model (no config.json in {path}); pass a folder "
@@ -224,19 +226,19 @@ class XPRTEncoder(AbsEncoder):
     model, mean for E5 / MiniLM / train.py folders; Normalize), the max length of sentence_bert_config.json and the
     similarity function of config_sentence_transformers.json. A plain transformers checkpoint without them gets
     sentence-transformers' default, mean pooling, and a printed note. On GPU the weights run in bf16 (fp16 on GPUs
-    older than Ampere), on CPU in fp32 (support.pick_device_and_dtype). Why not modeling_xprt.embed_texts, the
+    older than Ampere), on CPU in fp32 (common.pick_device_and_dtype). Why not modeling_xprt.embed_texts, the
     hand-written embedder that scores during training: it is mean pooling only, and bench/bench_encode.py measured
     it at 1.04-1.07x (best of 5 interleaved repeats; its token-sorted batches save 8% of the padded tokens), under
     the 1.10x that would justify a second encoder (bench/README.md).
 
-    Prompts (`prefixes`: auto, e5 or none, the rule support.model_prompts applies: in auto every prompt the model
+    Prompts (`prefixes`: auto, e5 or none, the rule common.model_prompts applies: in auto every prompt the model
     names; `query_prefix` / `passage_prefix` override the query / document one): picked as mteb picks them
     (prompt_for: task name, then task type, then the query / document side mteb says the text is on), so a symmetric
     task gets no query instruction unless the model names one for it. They go to encode as `prompt=`, so a Pooling
     module that excludes the prompt (include_prompt=False) still works. The attribute `prefixes` says which the rule
     gave: "e5", "none" or "model" (the folder's own prompts).
 
-    The length limit (support.max_seq_length): `max_length` when given, else the one the model states, at most its
+    The length limit (model_folder.max_seq_length): `max_length` when given, else the one the model states, at most its
     position table.
 
     `contract` holds what besides the weights decides the scores (CONTRACT_KEYS); `score_as`, another model's
@@ -750,7 +752,7 @@ def evaluate_model_on_task(encoder, task, batch_size: int, cache=None, settings:
 
 
 def card_results(results: dict) -> tuple[dict, dict]:
-    """One model's results for support.add_eval_results_to_card -> (full standard tasks: {task: {"metric", "score",
+    """One model's results for model_folder.add_eval_results_to_card -> (full standard tasks: {task: {"metric", "score",
     "dataset_id", "split", "revision"}}, local data and samples: {task: {"metric", "score", "data"}})."""
     standard, local = {}, {}
     for t, r in results.items():
@@ -1061,9 +1063,9 @@ class TrainingScorer:
                           f"{args.eval_steps or '-'} steps and at the end, at most {args.eval_limit or 'all'} "
                           f"queries / pairs each, the texts split across {accelerator.num_processes} process(es)")
 
-    def __call__(self, model, step: int, epoch: int, window=None) -> dict:
-        """Score `model` (prepared) at `step`; the scoring's time is taken out of `window`'s (a LogWindow's)
-        training time, so tokens/s and time per step count training only."""
+    def __call__(self, model, step: int, epoch: int) -> dict:
+        """Score `model` (prepared) at `step` -> the record; its "scoring_time_s" is what the loop leaves out of the
+        training time (LogWindow.exclude)."""
         import time
 
         acc, unwrapped = self.accelerator, self.accelerator.unwrap_model(model)
@@ -1076,8 +1078,6 @@ class TrainingScorer:
         acc.log({k: v for k, v in rec.items() if k != "step"}, step=step)
         acc.print("step {}: {} ({:.1f} s)".format(step, ", ".join(f"{k} {v:.2f}" for k, v in scores.items()),
                                                   rec["scoring_time_s"]))
-        if window is not None:
-            window.t0 += rec["scoring_time_s"]
         self.last_step = step
         return rec
 
@@ -1231,7 +1231,7 @@ REPORT_FILES = ("results.md", "results.json", "results.png")  # what evaluate.py
 
 def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (), overwrite: bool = False) -> dict:
     """results.md, results.json and results.png in output_dir (refused if present, unless overwrite), each replaced
-    in one rename (support.atomic_write)."""
+    in one rename (common.atomic_write)."""
     existing = [n for n in REPORT_FILES if (output_dir / n).exists()]
     if existing and not overwrite:
         raise UserError(f"{output_dir} already has {existing}; pass --overwrite (the results folder keeps "
@@ -1277,7 +1277,7 @@ def parse_args(argv=None):
     p.add_argument("--prefixes", choices=("auto", "e5", "none"), default="auto",
                    help="text prefixes, as train.py / finetune.py take them: auto = the model's own (its "
                         "sentence-transformers prompts, else E5's 'query: ' / 'passage: ' when it is an E5 model, "
-                        "else none: support.model_prompts); e5 / none force them")
+                        "else none: common.model_prompts); e5 / none force them")
     p.add_argument("--query_prefix", default=None,
                    help="the query prefix as a string, over --prefixes (also used for symmetric tasks)")
     p.add_argument("--passage_prefix", default=None,
@@ -1293,7 +1293,7 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=positive_int, default=64, help="texts per forward pass")
     p.add_argument("--max_length", type=positive_int, default=None,
                    help="token limit; default: the one the model states (sentence-transformers' "
-                        "max_seq_length), else 512, at most its position table (support.max_seq_length)")
+                        "max_seq_length), else 512, at most its position table (model_folder.max_seq_length)")
     p.add_argument("--score_as", default=None, metavar="MODEL",
                    help="score every model with MODEL's pooling, normalisation, similarity function, prefixes and "
                         "length limit (e.g. the trained model, so that its start is scored the same way and the Δ is "
@@ -1318,7 +1318,7 @@ def main(argv=None):
         check_model_folder(args.score_as, "--score_as")
     out_dir = Path(args.output_dir)
     # refused before hours of encoding, not after: inputs inside the folder, a stranger's results.*, earlier
-    # results without --overwrite, a folder that cannot be written (support.claim_output_folder)
+    # results without --overwrite, a folder that cannot be written (common.claim_output_folder)
     inputs = local_inputs(models=args.models, local_tasks=[t.rpartition("=")[2] for t in args.local_tasks],
                           score_as=args.score_as)
     existing = claim_output_folder(out_dir, "evaluate.py", REPORT_FILES, inputs)

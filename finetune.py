@@ -9,13 +9,13 @@ fine-tune the start model and the xPRT model the same way and compare. The steps
   3. the data: labelled pairs (a BEIR folder's train qrels, MS MARCO's, or --train_data in FlagEmbedding,
      sentence-transformers, tevatron or triples format: read_pairs), or PAIR's stage 1 - pseudo-queries
      generated for corpus passages and kept when a cross-encoder agrees; hard negatives mined with the start model
-  4. batches without a repeated query
-  5. main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
+  4. main: accelerator, model, data (batches without a repeated query: batches.NoDuplicatesBatchSampler), optimiser
+     and scheduler, prepare, the loop, save
 
     accelerate launch finetune.py --model_name_or_path runs/xprt/model --beir_dir scifact/ --output_dir runs/ft
 
-The loop is train.py's, written out here too (the step differs: PAIR's alpha and the step's negatives instead of
-the retention teacher); what both loops call (checkpoints, resume, non-finite handling, logs) is in support.py.
+The loop is train.py's (training.train_loop: checkpoints, resume, non-finite handling, the log); what differs is the
+step's inputs: PAIR's alpha as its schedule and the step's negatives, where train.py has the retention teacher.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modeling_xprt import PairCollator, XPRTModel, embed_texts, pair_false_negatives, pair_text_ids
-from support import (ArgumentParser, LengthGroupedBatchSampler, UserError, adamw, add_common_args, atomic_write,
-                     check_batch_fits, check_common_args, check_model_name, iter_jsonl, iter_parquet, load_beir,
-                     load_model, local_inputs, make_accelerator, non_negative_int, positive_int, prepare_output_dir,
-                     prepare_run, print_run, rank_and_world, run_script, save_run, train_loop, training_loader,
-                     whole_weights)
+from batches import NoDuplicatesBatchSampler, check_batch_fits, training_loader
+from common import (ArgumentParser, UserError, atomic_write, check_model_name, iter_jsonl, iter_parquet, load_beir,
+                    local_inputs, non_negative_int, positive_int, rank_and_world, run_script)
+from modeling_xprt import PairCollator, embed_texts, pair_false_negatives, pair_text_ids
+from training import (adamw, add_common_args, check_common_args, load_model, make_accelerator, prepare_output_dir,
+                      prepare_run, print_run, save_run, train_loop, unpartitioned_loading)
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 
@@ -449,7 +449,7 @@ def read_msmarco(files: dict) -> dict:
     from the queries and the collection. The whole collection is read (it is the corpus the negatives are mined
     from, as a BEIR folder's corpus.jsonl is: 8.8M passages, about 3 GB of text); qrels whose query or passage is
     absent are refused naming the id."""
-    from support import read_qrels
+    from common import read_qrels
 
     qrels = {q: {d: s for d, s in ds.items() if s > 0} for q, ds in read_qrels(files["qrels"]).items()}
     qrels = {q: ds for q, ds in qrels.items() if ds}
@@ -795,7 +795,7 @@ def build_finetune_rows(args, accelerator, encoder, tokenizer, prompts, pooling=
     if args.generate_pseudo_queries:
         if not corpus:
             raise UserError("--generate_pseudo_queries needs a corpus: pass --beir_dir")
-        with whole_weights():  # the generator and cross-encoder are ours to run, never prepared
+        with unpartitioned_loading():  # the generator and cross-encoder are ours to run, never prepared
             kept = pseudo_query_pairs(args, accelerator, corpus)
         mined += [({"query": q, "positive": corpus[pid]}, q, {pid}) for pid, q in kept]
     if needy:
@@ -897,76 +897,7 @@ def print_false_negatives(c: dict):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 4. Batches without a repeated query
-# ----------------------------------------------------------------------------------------------------------------
-class NoDuplicatesBatchSampler(LengthGroupedBatchSampler):
-    """Length-grouped batches (support.LengthGroupedBatchSampler) in which no two rows share a key (each row's query:
-    sentence-transformers' NoDuplicatesBatchSampler rule). A query with several positives has several rows; in one
-    batch, each would be the other's in-batch false negative."""
-
-    def __init__(self, lengths, batch_size: int, seed: int, keys, group_by_length: bool = True):
-        super().__init__(lengths, batch_size, seed, group_by_length)
-        # not self.keys: the parent's per-batch cap reads that name (train.py's documents), which this rule replaces
-        self.query_keys = list(keys)
-        if len(self.query_keys) != len(self.lengths):
-            raise ValueError(f"{len(self.query_keys)} keys for {len(self.lengths)} examples")
-
-    def cut(self, order):
-        """Cut `order` into len(self) full batches in which no key repeats, keeping close to the order (so to the
-        length grouping). Rows are taken in order. A row whose key the batch already holds trades places with the
-        last row of the previous batch that the batch can take (its neighbour in length) when that batch lacks its
-        key; otherwise it waits at the head of the queue for the next batch. Trading costs less padding than
-        waiting: the traded row is one place out of order, a waiting row up to a batch. When only waiting rows are
-        left to fill the last batches, they trade with earlier batches (the nearest first). Deterministic in
-        `order`."""
-        from collections import deque
-
-        keys, bs = self.query_keys, self.batch_size
-        queue, out = deque(order.tolist()), []
-
-        def trade(i, b, held):  # put row i into earlier batch b for b's last row the current batch can take
-            if keys[i] in {keys[j] for j in b}:
-                return None
-            pos = next((pos for pos in reversed(range(len(b))) if keys[b[pos]] not in held), None)
-            if pos is None:
-                return None
-            b[pos], taken = i, b[pos]
-            return taken
-
-        while len(out) < len(self):
-            batch, held, waiting = [], set(), []
-            while queue and len(batch) < bs:
-                i = queue.popleft()
-                if keys[i] in held:
-                    taken = trade(i, out[-1], held) if out else None
-                    if taken is None:
-                        waiting.append(i)
-                        continue
-                    i = taken
-                batch.append(i)
-                held.add(keys[i])
-            for i in list(waiting):  # the queue ran dry (only near the end): trade with any earlier batch
-                if len(batch) == bs:
-                    break
-                for b in reversed(out):
-                    taken = trade(i, b, held)
-                    if taken is not None:
-                        waiting.remove(i)
-                        batch.append(taken)
-                        held.add(keys[taken])
-                        break
-            if len(batch) < bs:
-                raise UserError(f"cannot cut {len(self.lengths)} rows into {len(self)} batches of {bs} without "
-                                "repeating a key (a key with more rows than batches?): lower "
-                                "--per_device_train_batch_size")
-            out.append(batch)
-            queue.extendleft(reversed(waiting))  # first in line for the next batch
-        return np.asarray(out, dtype=np.int64).reshape(-1, bs)
-
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# 5. Main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
+# 4. Main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
 # ----------------------------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
@@ -989,7 +920,7 @@ def main(argv=None):
     set_seed(args.seed)
 
     # ---- model: loaded whole, even under ZeRO-3 (the start model mines negatives before prepare)
-    model, tokenizer = load_model(accelerator, args, XPRTModel, objective="pair")
+    model, tokenizer = load_model(accelerator, args, objective="pair")
     # PAIR's losses read only the pooled encoder vectors: the decoder and the MLM head's own parameters (transform,
     # output bias; the tied projection is the word embeddings and stays trainable) get no gradient. Frozen, they
     # stay out of the optimiser and DDP's reducer, and are saved unchanged for a later pre-training run.
@@ -1014,7 +945,8 @@ def main(argv=None):
     if accelerator.is_main_process:
         print_false_negatives(count_false_negatives(rows, sampler.batches(), args.num_negatives, args.seed, 0,
                                                     accelerator.num_processes))
-    # each row with the epoch's negatives, drawn per (seed, epoch, row), collated ahead of the step (support.Collate)
+    # each row with the epoch's negatives, drawn per (seed, epoch, row), collated ahead of the step
+    # (batches.SeededCollate)
     def with_negatives(epoch, i, r):
         return {"query": r["query"], "positive": r["positive"], "relevant": r.get("relevant"),
                 "negatives": pick_negatives(r, i, args.num_negatives, args.seed, epoch)}
@@ -1035,7 +967,7 @@ def main(argv=None):
 
         scorer = evaluate.TrainingScorer(accelerator, args, tokenizer)
 
-    # ---- the loop (support.train_loop, train.py's): PAIR's alpha at each step
+    # ---- the loop (training.train_loop, train.py's): PAIR's alpha at each step
     alpha = functools.partial(pair_alpha_at, total_steps=max_steps, alpha_0=args.pair_alpha,
                               schedule=args.pair_alpha_schedule)
     train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state, steps_per_epoch,

@@ -11,8 +11,9 @@ Read it top to bottom beside the paper:
      embedder
   6. the collators: rows -> one batch of tensors (all masking and index building) and its Layout
 The comparison objectives (random spans, RetroMAE, SimLM, Contriever, the self-reconstruction ablation) are in
-baselines.py, Revela in revela.py; the plumbing (names and prefixes, files, the model folder and its card, the batch's
-Layout for the gradient cache, the loader, the loop) is in support.py, which this file imports.
+baselines.py, Revela in revela.py. Below this file: architectures.py (any encoder taken apart: its embeddings, layers
+and MLM head), model_folder.py (what a folder records, save and load), batches.py (the batch's Layout, which the
+gradient cache cuts by), common.py (names, prefixes, files). The loop that calls XPRTModel.forward is training.py's.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from architectures import _head_params, decoder_layers, encoder_pieces, layer_runner, load_xprt_folder, save_xprt_folder
+from architectures import decoder_layers, encoder_pieces, head_params, layer_multiply_adds, layer_runner
+from batches import Layout, group_bounds, group_lengths
+from common import stable_doc_hash
 from fused_vocab import linear_cross_entropy, linear_kl_div
-from support import Layout, ModelInfo, PostPooling, group_bounds, group_lengths, max_seq_length, stable_doc_hash
+from model_folder import ModelInfo, PostPooling, load_xprt_folder, max_seq_length, save_xprt_folder
 
 logger = logging.getLogger("xprt")
 
@@ -381,6 +384,10 @@ class ConditionedDecoder(nn.Module):
         mask = torch.cat([attention_mask[:, :1], attention_mask.new_ones(n, c), attention_mask[:, 1:]], dim=1)
         return self.run_layers(self.layers, x, mask)
 
+    def multiply_adds(self, dec_input_ids: torch.Tensor, layers) -> int:
+        """Multiply-adds of the decoder's passes over (..., L) ids, its conditioning vectors included."""
+        return layers(dec_input_ids, len(self.layers), self.num_condition_vectors)
+
     @staticmethod
     def output_rows(index: torch.Tensor, length: int, num_condition_vectors: int) -> torch.Tensor:
         """Flat positions in the decoder's (N, L) input -> flat rows of its (N, L + C, H) output, flattened: the C
@@ -420,6 +427,16 @@ def pretraining_objectives() -> list:
     return [n for n, c in OBJECTIVES.items() if c.pretraining]
 
 
+def objective_flags() -> dict:
+    """{"--flag": (argparse keywords, [the objectives that take it])} over every registered objective's `flags`, in
+    registration order (train.py adds them all, and hands an objective only its own: Objective.options_from_flags)."""
+    found: dict = {}
+    for name, cls in OBJECTIVES.items():
+        for flag, spec in cls.flags.items():
+            found.setdefault(flag, (spec, []))[1].append(name)
+    return found
+
+
 class Objective(nn.Module):
     """An objective: what one training step computes, split the way the gradient cache needs it.
 
@@ -430,7 +447,7 @@ class Objective(nn.Module):
       batch_terms(model, vec, batch)     the terms that couple rows only through their vectors (InfoNCE, L_unif)
       row_terms(model, batch, states, vec)  the terms each row computes from its own states (decoders, vocabulary
                                          terms): each a mean over the WHOLE batch's rows, also when `batch` is a
-                                         chunk of it (Layout.share)
+                                         chunk of it (Layout.row_share)
       total(terms, retention_weight)     the loss: the terms' weighted sum, linear, a missing term counting 0 (the
                                          gradient cache sums it over the batch terms and over each chunk's row terms)
       masked_student(vec)                the anchor and s1 vectors the retention term may reuse (G, 2, H), or None
@@ -444,6 +461,15 @@ class Objective(nn.Module):
     trains_every_head = False  # every head parameter (its own, the MLM head's) gets a gradient: DDP needs no search
     forward_only_inputs: tuple = ()  # batch inputs encoded without gradient (MoCo's keys): no saved activations
     prepare = None  # or a method prepare(model, batch) -> batch (SimLM's generator, Revela's language model)
+    # The train.py flags of this objective: {"--flag": argparse keywords}, each the constructor's option of the flag's
+    # name. Left unset (None), the option keeps the constructor's default; set for another objective, it is refused.
+    flags: dict = {}
+
+    @classmethod
+    def options_from_flags(cls, args) -> dict:
+        """The constructor's options the parsed flags set: each of cls.flags given on the command line."""
+        dests = [f.lstrip("-") for f in cls.flags]
+        return {d: getattr(args, d) for d in dests if getattr(args, d, None) is not None}
 
     def __init__(self, encoder):
         super().__init__()
@@ -468,6 +494,14 @@ class Objective(nn.Module):
     def masked_student(self, vec):
         return None
 
+    def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
+        """(trained, forward-only) multiply-adds of a collated batch, for the FLOP count (run_log.step_flops): here
+        the encoder on each text tensor the batch holds (groups' passages, random spans' crops, PAIR's queries and
+        passages), trained. layers(ids, n, extra=0): n layers over an (..., L) tensor; head: the MLM head per row."""
+        n = layer_multiply_adds(model.encoder)[0]
+        keys = ("input_ids", "short_input_ids", "query_input_ids", "passage_input_ids")
+        return sum(layers(batch[k], n) for k in keys if k in batch), 0
+
     def scoring(self) -> dict:
         """The ModelInfo fields (pooling, normalize, similarity_fn_name) this objective's setting fixes, e.g. [CLS]
         pooling for RetroMAE as its authors run it (baselines.py, --baseline_setting); {}: the start model's."""
@@ -490,6 +524,21 @@ class XPRTObjective(Objective):
 
     name = "xprt"
     trains_every_head = True  # the decoder (its self passes at least) and the MLM head (L_MLM)
+    flags = {"--no_fill_in": dict(action="store_true", help="drop the cross fill-in loss L_cross (the paper's "
+                                                            "'without the fill-in loss', Table 3); L_self stays"),
+             "--xp_weight": dict(type=float, help="weight of L_xp (default 1)"),
+             "--cross_weight": dict(type=float, help="weight of L_cross (paper: 0.1)"),
+             "--self_fill_weight": dict(type=float, help="weight of L_self (not given by the paper; default 0.1)"),
+             "--mlm_weight": dict(type=float, help="weight of L_MLM (not given by the paper; default 0.1)"),
+             "--unif_weight": dict(type=float, help="weight of L_unif (not given by the paper; default 0.1)")}
+
+    @classmethod
+    def options_from_flags(cls, args) -> dict:
+        """--no_fill_in -> fill_in=False; the weight flags given -> weights (LossWeights, the others at defaults)."""
+        fields = {f: getattr(args, f"{f}_weight", None) for f in ("xp", "cross", "self_fill", "mlm", "unif")}
+        fields = {f: v for f, v in fields.items() if v is not None}
+        return {**({"weights": LossWeights(**fields)} if fields else {}),
+                **({"fill_in": False} if getattr(args, "no_fill_in", None) else {})}
 
     def __init__(self, encoder, weights=None, fill_in: bool = True, num_condition_vectors: int = 4,
                  decoder_layers: int = 1):
@@ -504,6 +553,14 @@ class XPRTObjective(Objective):
 
     def make_collator(self, tokenizer, **kw):
         return XPRTCollator(tokenizer, num_condition_vectors=self.num_condition_vectors, fill_in=self.fill_in, **kw)
+
+    def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
+        """The encoder on the G x 5 masked passages; the decoder on its G x D passes (with its conditioning
+        vectors); the MLM head at L_MLM's, L_cross's and L_self's rows, and L_self's teacher rows forward only."""
+        trained, _ = super().multiply_adds(model, batch, layers, head)
+        trained += self.decoder.multiply_adds(batch["dec_input_ids"], layers)
+        trained += head * sum(batch[k].numel() for k in ("mlm_index", "cross_rows", "self_rows") if k in batch)
+        return trained, head * batch["self_enc_index"].numel()
 
     def encode(self, model, batch):
         """All P passages of all G groups in one encoder call -> (flat (G * P * L, H) token states, (G, P, H)
@@ -520,8 +577,8 @@ class XPRTObjective(Objective):
 
     def row_terms(self, model, batch, states, vec):
         """L_MLM, L_cross, L_self at the rows the collator picked (index tensors: no data-dependent shapes, so no
-        device-to-host sync), each times its rows' share of the batch's (1 for a whole batch; Layout.share)."""
-        share = batch["layout"].share
+        device-to-host sync), each times its rows' share of the batch's (1 for a whole batch; Layout.row_share)."""
+        share = batch["layout"].row_share
         dec = self.decode(model, vec, batch, batch["attention_mask"])  # every pass: one decoder call
         terms = {"mlm_loss": share["mlm"] * mlm_loss(model, states.index_select(0, batch["mlm_index"]),
                                                      batch["mlm_targets"])}
@@ -634,7 +691,7 @@ class XPRTModel(nn.Module):
         retention_student: "clean" (our default: the student encodes the clean anchor and s1 in one extra pass
         without dropout, so the term measures the model's drift only and is exactly 0 at step 0) or "masked" (the
         paper's 5-pass cost: the objective's masked vectors, whose masking noise alone gives a non-zero start).
-        info: what the saved folder records beyond the weights (support.ModelInfo). fused_vocab_loss=False computes
+        info: what the saved folder records beyond the weights (model_folder.ModelInfo). fused_vocab_loss=False computes
         the vocabulary terms the plain way (the reference the tests compare with)."""
         super().__init__()
         if retention_student not in ("clean", "masked"):
@@ -645,22 +702,22 @@ class XPRTModel(nn.Module):
         # held outside the module tree, since their parameters are the encoder's
         for k, v in encoder_pieces(mlm_model)._asdict().items():
             object.__setattr__(self, k, v)
-        self.objective, self.tau, self.retention_student = objective, tau, retention_student
+        self.objective_name, self.tau, self.retention_student = objective, tau, retention_student
         self.fused_vocab_loss = fused_vocab_loss
-        method_class = objective_class(objective)
-        unknown = set(options) - set(inspect.signature(method_class.__init__).parameters)
+        objective_cls = objective_class(objective)
+        unknown = set(options) - set(inspect.signature(objective_cls.__init__).parameters)
         if unknown:
             raise ValueError(f"objective {objective!r} takes no option {', '.join(sorted(unknown))} (flags of another "
                              "objective)")
-        self.method = method_class(mlm_model, **options)
-        if retention_student == "masked" and type(self.method).masked_student is Objective.masked_student:
+        self.objective = objective_cls(mlm_model, **options)  # an Objective (section 4): its passes, terms, heads
+        if retention_student == "masked" and type(self.objective).masked_student is Objective.masked_student:
             raise ValueError(f"--retention_student masked: objective {objective!r} has no masked anchor and s1 "
                              "vectors to reuse; use the clean student")
         self.info = info or ModelInfo(max_seq_length=max_seq_length(mlm_model.config))
         # the objective's setting may fix how vectors are pooled and scored: training and the saved folder follow it
-        self.info = replace(self.info, **self.method.scoring())
+        self.info = replace(self.info, **self.objective.scoring())
         # the start's sentence-transformers modules after pooling (Dense, Normalize, truncate_dim, ...: from_pretrained,
-        # support.load_post_pooling), frozen: pooled vectors (..., H) -> the model's sentence vectors (..., D). The
+        # model_folder.load_post_pooling), frozen: pooled vectors (..., H) -> the model's sentence vectors (..., D). The
         # similarity terms (batch terms, retention) read their output, so the encoder is trained under the modules;
         # the decoders read the pooled vector, which lives in the encoder's token space they put it in.
         self.post_pooling = PostPooling()
@@ -671,12 +728,12 @@ class XPRTModel(nn.Module):
     # -- pieces ----------------------------------------------------------------------------------
     @property
     def prompts(self) -> dict:
-        """{"query", "document"} prefixes the model is trained and used with (support.model_prompts)."""
+        """{"query", "document"} prefixes the model is trained and used with (common.model_prompts)."""
         return self.info.prompts
 
     @property
     def max_seq_length(self) -> int:
-        """The length limit the model is saved and scored with (support.max_seq_length)."""
+        """The length limit the model is saved and scored with (model_folder.max_seq_length)."""
         return self.info.max_seq_length
 
     def projection(self):
@@ -685,7 +742,7 @@ class XPRTModel(nn.Module):
 
     def encode(self, input_ids, attention_mask, encoder=None):
         """(N, L) -> hidden (N, L, H), sentence vectors (N, H). The vector is the one the saved folder makes: mean
-        pooling (E5's, the paper's), or [CLS] for a CLS-pooled start (support.read_pooling), so fine-tuning a
+        pooling (E5's, the paper's), or [CLS] for a CLS-pooled start (model_folder.read_pooling), so fine-tuning a
         BGE-style folder trains and saves the vector it is used by. encoder: another encoder pooled the same way (the
         retention teacher, MoCo's key encoder); default the model's own."""
         encoder = self.base if encoder is None else encoder
@@ -696,7 +753,7 @@ class XPRTModel(nn.Module):
     def forward(self, batch: dict, teacher=None, retention_weight: float = 0.0, **step) -> dict:
         """One step's loss -> {"loss": total (with gradient), "<term>_loss": detached value per term}. step: the
         objective's per-step settings (PAIR's pair_alpha)."""
-        obj = self.method
+        obj = self.objective
         batch = obj.prepare(self, batch) if obj.prepare else batch
         states, vec = obj.encode(self, batch)
         terms = {**obj.batch_terms(self, self.post_pooling(vec), batch, **step),
@@ -747,12 +804,12 @@ class XPRTModel(nn.Module):
              and their gradient with respect to the vectors is taken with torch.autograd.grad: UNscaled (neither
              divided by the accumulation count nor multiplied by a loss scale);
           3. every chunk is encoded again with its kept random state (the same dropout), its row terms computed
-             (each a mean over the batch's rows: Layout.share) with the decoders drawing dropout from a stream of
+             (each a mean over the batch's rows: Layout.row_share) with the decoders drawing dropout from a stream of
              their own, and `backward` (accelerator.backward: the one place the accumulation count and the fp16
              loss scale apply) runs on them plus <vectors, their kept gradient>.
         The gradients are those of the plain step on the same dropout; the cost is the encoder's forward once more.
         Returns what forward returns, every value detached."""
-        obj, device = self.method, next(self.parameters()).device
+        obj, device = self.objective, next(self.parameters()).device
         batch = obj.prepare(self, batch) if obj.prepare else batch
         parts = batch["layout"].chunks(batch, chunk)
         retain = teacher is not None and retention_weight > 0 and obj.pretraining
@@ -802,18 +859,18 @@ class XPRTModel(nn.Module):
         MLM head's transform and output bias. The tied vocabulary projection IS the word-embedding matrix, so it
         counts as the encoder's. The one definition of heads: train.py gives them --head_learning_rate, finetune.py
         freezes them, xprt_heads.safetensors stores them (heads_state_dict)."""
-        return list(self.method.parameters()) + list(_head_params(self.encoder).values())
+        return list(self.objective.parameters()) + list(head_params(self.encoder).values())
 
     def save_pretrained(self, out_dir: str, tokenizer, model_card: Optional[str] = None):
         """A folder loadable by transformers.AutoModel AND sentence_transformers.SentenceTransformer (the start's
         pooling, normalisation and similarity), plus xprt_heads.safetensors and xprt_config.json so that training can
-        continue (architectures.save_xprt_folder: atomic; an existing out_dir is replaced)."""
+        continue (model_folder.save_xprt_folder: atomic; an existing out_dir is replaced)."""
         save_xprt_folder(self, out_dir, tokenizer, model_card)
 
     @classmethod
     def from_pretrained(cls, path: str, objective: Optional[str] = None, **kw) -> "XPRTModel":
         """Any checkpoint (hub id, folder, the MiniLM alias) or a folder written by save_pretrained, for `objective`
-        (default: the folder's, else xprt); architectures.load_xprt_folder says what is restored, carried or fresh."""
+        (default: the folder's, else xprt); model_folder.load_xprt_folder says what is restored, carried or fresh."""
         return load_xprt_folder(cls, path, objective, **kw)
 
 
@@ -822,7 +879,7 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
                 prefix: str = "", show_progress: bool = False, desc: str = "embedding",
                 pooling: str = "mean", normalize: bool = True, post_pooling=None) -> torch.Tensor:
     """Sentence vectors of `texts` (mean-pooled, or [CLS] with pooling="cls"; then the model's modules after pooling,
-    post_pooling (support.PostPooling: Dense, Normalize, truncate_dim, ...); L2-normalised unless normalize=False,
+    post_pooling (model_folder.PostPooling: Dense, Normalize, truncate_dim, ...); L2-normalised unless normalize=False,
     as a dot-product model's folder makes them), in input order, as a CPU float32 (N, D) tensor.
 
     The one batch embedder of the repository: select_groups.py (centrality and the E5 ranking), finetune.py
@@ -880,8 +937,8 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
 # ==============================================================================================================
 # 6. Collators
 # Rows -> one batch dict of tensors. All masking, cropping and index building happens here, drawn from a generator
-# seeded per batch (support.Collate); each batch carries its Layout (support.py: how it is cut into chunks of groups
-# for the gradient cache), so the model gathers and never computes an index.
+# seeded per batch (batches.SeededCollate); each batch carries its Layout (batches.py: how it is cut into chunks of
+# groups for the gradient cache), so the model gathers and never computes an index.
 # Batch layout of xPRT (XPRTCollator): G groups, P = 1 + num_related passages per group (0 = anchor, 1 = s1, ...),
 # L tokens, D decoder passes per group (2 * num_related + 2; 2 without fill-in), C conditioning vectors:
 #   input_ids, attention_mask, mlm_labels   (G, P, L)   masked encoder input, its MLM targets (-100 elsewhere)
@@ -927,7 +984,7 @@ class GroupCollator:
         self.passage_prefix = passage_prefix
         self.prefix_ids = tokenizer(passage_prefix, add_special_tokens=False)["input_ids"] if passage_prefix else []
         self.seq_length = max_length + len(self.prefix_ids) + tokenizer.num_special_tokens_to_add(pair=False)
-        self.generator = torch.Generator().manual_seed(seed)  # training re-seeds it per batch (support.Collate)
+        self.generator = torch.Generator().manual_seed(seed)  # training re-seeds it per batch (batches.SeededCollate)
 
     def sort_lengths(self, groups, seed: int):
         """What the batch sampler sorts the groups by -> (lengths, or a function epoch -> lengths; a function
@@ -1056,7 +1113,7 @@ class XPRTCollator(GroupCollator):
                    self_enc_index=(grp * p + torch.tensor(target)[pas]) * l + j)
         bounds["self"] = group_bounds(self_index, d * l, g)
         flat.update(self_rows=("self", dec_w), self_enc_index=("self", enc_w))
-        out["layout"] = Layout(g, flat, bounds, whole=("dec_source", "dec_target"))
+        out["layout"] = Layout(g, flat, bounds, unsliced=("dec_source", "dec_target"))
         return out
 
 def pair_text_ids(rows: list, num_negatives: int) -> tuple:

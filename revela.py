@@ -41,8 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batches import Layout, group_bounds
+from common import dropout_rate, non_negative_int, positive_float, positive_int, resolve_model_path
 from modeling_xprt import GroupCollator, Objective, register_objective
-from support import Layout, group_bounds, resolve_model_path
 
 ATTENTION = "revela_sdpa"  # the name the language model's layers look their attention function up by
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # arguments.py default
@@ -229,6 +230,21 @@ class Revela(Objective):
 
     name = "revela"
     trains_every_head = True  # every LoRA matrix gets a gradient (B starts at zero, A's gradient is then zero)
+    # defaults: the official run's (TRUMANCFY/Revela train.sh)
+    flags = {"--lm_name_or_path": dict(help="the causal language model the retriever trains through (default "
+                                            "Qwen/Qwen2.5-0.5B, as the xPRT paper runs Revela)"),
+             "--lora_rank": dict(type=positive_int, help="LoRA rank of the language model (default 256)"),
+             "--lora_alpha": dict(type=positive_float, help="LoRA alpha (default 64)"),
+             "--lora_dropout": dict(type=dropout_rate, help="LoRA dropout (default 0.1)"),
+             "--lora_target_modules": dict(type=lambda text: [n for n in text.split(",") if n], help=(
+                 "comma-separated module names LoRA adapts (default every linear layer of the blocks: "
+                 "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")),
+             "--attn_temperature": dict(type=positive_float, help=(
+                 "temperature of the softmax over the retriever's cosines that weights the in-batch attention "
+                 "(default 1e-4)")),
+             "--extra_anchors": dict(type=non_negative_int, help=(
+                 "anchors of other documents added to each group's anchor and related passages (default 11: 16 "
+                 "passages per group, as the xPRT paper runs it)"))}
 
     def __init__(self, encoder, lm_name_or_path: str = "Qwen/Qwen2.5-0.5B", lora_rank: int = 256,
                  lora_alpha: float = 64.0, lora_dropout: float = 0.1, lora_target_modules=LORA_TARGETS,
@@ -296,7 +312,7 @@ class Revela(Objective):
         g, p, l = ids.shape
         # (G, P, P), on the sentence vectors the start's modules after pooling make, as every similarity term reads
         weights = revela_attention_weights(model.post_pooling(vec), self.attn_temperature)
-        return {"revela_loss": batch["layout"].share["lm"] * revela_loss(
+        return {"revela_loss": batch["layout"].row_share["lm"] * revela_loss(
             self.lm, ids.view(g * p, l), am.view(g * p, l), weights, batch["lm_index"], batch["lm_targets"])}
 
     def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:

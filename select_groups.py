@@ -47,10 +47,10 @@ from typing import Optional
 import numpy as np
 import regex  # Unicode properties (scripts, sentence terminals), which re lacks; a dependency of transformers
 
-from support import (ArgumentParser, UserError, atomic_path, atomic_write, check_model_name, check_tokenizer_fits,
-                     claim_output_folder, iter_jsonl, iter_parquet, load_post_pooling, local_inputs, max_seq_length,
-                     model_prompts, non_negative_int, pick_device_and_dtype, positive_int, read_max_seq_length,
-                     read_pooling, record_outputs, remove_outputs, resolve_model_path, run_script, stable_doc_hash)
+from common import (ArgumentParser, UserError, atomic_path, atomic_write, check_model_name, claim_output_folder,
+                    iter_jsonl, iter_parquet, local_inputs, model_prompts, non_negative_int, pick_device_and_dtype,
+                    positive_int, record_outputs, remove_outputs, resolve_model_path, run_script, stable_doc_hash)
+from model_folder import check_tokenizer_fits, load_post_pooling, max_seq_length, read_max_seq_length, read_pooling
 
 # The paper's statistics on 100K FineWeb documents with E5-base-unsupervised (printed beside ours).
 PAPER_FINEWEB_100K = {"documents_with_groups_pct": 99.0, "groups_per_document": 7.0, "passages_covered_pct": 68.0}
@@ -101,7 +101,7 @@ class Selection:
 
     @classmethod
     def from_args(cls, args) -> "Selection":
-        """The settings of parsed flags; the passage prefix by the repository's one rule (support.model_prompts:
+        """The settings of parsed flags; the passage prefix by the repository's one rule (common.model_prompts:
         --prefixes auto follows the model's own prompts, else E5's 'passage: ' for an E5 model, else none), as
         train.py applies it."""
         given = {f.name: getattr(args, f.name) for f in fields(cls) if f.name != "passage_prefix"}
@@ -158,7 +158,7 @@ def _embedding_flags(g):
     g.add_argument("--prefixes", choices=["auto", "e5", "none"], default="auto",
                    help="Text prefix put before every passage when embedding: auto = the model's own document "
                         "prefix (its sentence-transformers prompts, else 'passage: ' for an E5 model, else none: "
-                        "support.model_prompts, the rule train.py and evaluate.py follow); e5 / none force "
+                        "common.model_prompts, the rule train.py and evaluate.py follow); e5 / none force "
                         "'passage: ' / no prefix. stats.json records the prefix used (passage_prefix).")
     g.add_argument("--passage_tokens", type=positive_int, default=PAPER.passage_tokens,
                    help="Token budget of one passage (tokenizer of the selection encoder, without special tokens).")
@@ -337,7 +337,7 @@ def _iter_saved_dataset(path, split, columns):
 
 
 def _iter_local_files(patterns, columns, split="train"):
-    """support's readers in select_groups' (where, obj, skip, detail) form: a JSONL line that is not UTF-8 JSON
+    """common.py's readers in select_groups' (where, obj, skip, detail) form: a JSONL line that is not UTF-8 JSON
     comes back as a SKIP_REASONS entry ("invalid_utf8" / "malformed_json") to count or refuse, not an error.
     columns: the fields parquet and saved datasets read (None: all); split: a saved DatasetDict's."""
     for path in input_files(patterns):
@@ -913,12 +913,13 @@ class Encoder:
 
     tokenizer: object
     model: object
-    # support.max_seq_length, the repository's one length rule: the limit the model's folder states, else 512.
+    # model_folder.max_seq_length, the repository's one length rule: the limit the model's folder states, else 512.
     # Passages are packed to --passage_tokens (128) first, so at the defaults nothing reaches it.
     max_length: int
     batch_size: int  # passages per forward pass: speed only
-    # the model's own sentence vector: its pooling (support.read_pooling) and its sentence-transformers modules after
-    # pooling (support.load_post_pooling: Dense, Normalize, truncate_dim, ...), so selection embeds as the model does
+    # the model's own sentence vector: its pooling (model_folder.read_pooling) and its sentence-transformers modules
+    # after pooling (model_folder.load_post_pooling: Dense, Normalize, truncate_dim, ...), so selection embeds as the
+    # model does
     pooling: str = "mean"
     post_pooling: object = None
 
@@ -1192,7 +1193,7 @@ def inspect_markdown(results, *, threshold, source, model_name, ranking, max_cha
 
 # ----------------------------------------------------------------------------------------------
 # 6. The passes: output folder and resume, IDF pass, threshold, selection, stats, inspect report.
-#    Every file is written atomically (support.atomic_path: a '.tmp-' sibling renamed into
+#    Every file is written atomically (common.atomic_path: a '.tmp-' sibling renamed into
 #    place), so a reader or a resumed run sees a whole file or none.
 # ----------------------------------------------------------------------------------------------
 
@@ -1211,18 +1212,18 @@ def run_config(args, sel: Selection):
     return {**{k: getattr(args, k) for k in RECORD_FLAGS}, **asdict(sel)}
 
 
-# What select_groups.py writes in --output_dir (support.claim_output_folder: nothing else there is ever removed)
+# What select_groups.py writes in --output_dir (common.claim_output_folder: nothing else there is ever removed)
 SELECTION_OUTPUTS = ("stats.json", "inspect.md", "groups-*.parquet", f"{META_DIR}/run_config.json",
                      f"{META_DIR}/chunk-*.json", f"{META_DIR}/df-r*-w*.npz", f"{META_DIR}/calibration.json")
 
 
 def prepare_selection_dir(args, sel: Selection, state):
     """Make --output_dir ready for this run, deleting nothing select_groups.py did not write there: inputs kept out
-    of it and the folder checked for writing before any work (support.claim_output_folder). A finished selection is
+    of it and the folder checked for writing before any work (common.claim_output_folder). A finished selection is
     refused unless --overwrite; an unfinished one is resumed only when run_config matches (its finished chunks are
     then reused); otherwise this script's own outputs are replaced, stats.json first (train.py reads a folder only
     once stats.json says it is finished), and a stranger's files are left. Leftover temporaries of a crash go too.
-    (train.py / finetune.py have support.prepare_output_dir, for run folders.)"""
+    (train.py / finetune.py have training.prepare_output_dir, for run folders.)"""
     out, meta = args.output_dir, os.path.join(args.output_dir, META_DIR)
     cfg_path = os.path.join(meta, "run_config.json")
     config = run_config(args, sel)
@@ -1404,7 +1405,7 @@ def write_inspect_report(args, sel: Selection, encoder, tfidf, threshold, source
 
 
 def load_selection_encoder(args, sel: Selection, state) -> Encoder:
-    """The frozen selection encoder on this process's device, with its length limit (support.max_seq_length)."""
+    """The frozen selection encoder on this process's device, with its length limit (model_folder.max_seq_length)."""
     from transformers import AutoModel, AutoTokenizer
 
     device = args.device or (str(state.device) if state.device.type == "cuda" else None)

@@ -10,10 +10,11 @@ and the ablations --positive random and --no_fill_in.
 
     accelerate launch train.py --groups_dir groups/ --output_dir runs/xprt      # paper defaults (E5, lr 1e-6)
 
-The file reads top to bottom: flags; the retention weight w(t); the groups; the FLOP count of the harness's estimate;
-main, which reads accelerator, model, data, optimiser and scheduler, prepare, the loop (support.train_loop, shared
-with finetune.py), save. The losses live in
-modeling_xprt.py, one function per equation; the plumbing (checkpoints, logs, the model card) in support.py.
+The file reads top to bottom: flags (each objective's own come from its class: Objective.flags); the groups; the
+model, the data and the retention teacher; the stopping signal; main, which reads accelerator, model, data, optimiser
+and scheduler, prepare, the loop (training.train_loop, shared with finetune.py, with the retention weight w(t) of
+modeling_xprt.retention_weight as its schedule), save. The losses live in modeling_xprt.py, one function per equation;
+the loop, checkpoints and resume in training.py; the log, the FLOP count and the memory estimate in run_log.py.
 """
 
 from __future__ import annotations
@@ -28,19 +29,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from architectures import head_multiply_adds, layer_multiply_adds, load_teacher
 import baselines  # noqa: F401  (registers the comparison objectives as --objective choices)
-from modeling_xprt import LossWeights, XPRTModel, objective_class, pretraining_objectives, retention_weight
-from support import (EVAL_PREFIX, ArgumentParser, LengthGroupedBatchSampler, UserError, adamw, add_common_args,
-                     atomic_write, check_batch_fits, check_common_args, check_model_name, dropout_rate, engine_dtype,
-                     explain_oom, load_model, local_inputs, make_accelerator, memory_estimate, non_negative_float,
-                     non_negative_int, positive_float, positive_int, prepare_output_dir, prepare_run, print_run,
-                     read_json, resolve_model_path, run_script, sampler_negatives, save_model, save_run, train_loop,
-                     training_loader, whole_weights, zero3)
+from architectures import load_teacher
+from batches import LengthGroupedBatchSampler, check_batch_fits, sampler_negatives, training_loader
+from common import (ArgumentParser, UserError, atomic_write, check_model_name, is_zero3, local_inputs,
+                    non_negative_float, non_negative_int, positive_int, read_json, resolve_model_path, run_script)
+from modeling_xprt import OBJECTIVES, objective_class, objective_flags, pretraining_objectives, retention_weight
+from run_log import EVAL_PREFIX, explain_oom, memory_estimate, peak_flops
+from training import (adamw, add_common_args, check_common_args, engine_dtype, load_model, make_accelerator,
+                      prepare_output_dir, prepare_run, print_run, save_model, save_run, train_loop,
+                      unpartitioned_loading)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
-# Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -53,9 +53,6 @@ def build_parser():
     g = p.add_argument_group("what to train")
     g.add_argument("--objective", choices=pretraining_objectives(), default="xprt",
                    help="pre-training objective; the baselines share data, steps, batch, schedule and retention")
-    g.add_argument("--no_fill_in", action="store_true",
-                   help="xprt ablation: drop the cross fill-in loss L_cross (the paper's 'without the fill-in loss', "
-                        "Table 3); L_self stays")
     g.add_argument("--positive", choices=["s1", "random"], default="s1",
                    help="positive of the anchor: s1 (top related passage) or a random passage of the document "
                         "(ablation)")
@@ -64,45 +61,20 @@ def build_parser():
                         "default: a fresh head tied to the word embeddings")
     g.add_argument("--teacher_name_or_path", default=None,
                    help="frozen teacher of the retention term (default: the starting checkpoint, as in the paper)")
-    g.add_argument("--generator_name_or_path", default=None,
-                   help="simlm: the frozen generator that samples the replaced tokens (default: SimLM's, "
-                        "google/electra-base-generator); it must share the start model's vocabulary")
 
-    g.add_argument("--baseline_setting", choices=["paper", "official"], default=None,
-                   help="retromae, simlm, contriever: 'official' runs each as its authors' code does ([CLS] vector "
-                        "for RetroMAE and SimLM, saved as the folder's pooling; dot products of unnormalised vectors "
-                        "and MoCo's queue for Contriever; SimLM's generator with dropout), 'paper' pools and scores "
-                        "every arm as the start model (default; baselines.BASELINE_SETTINGS lists every choice)")
-
-    g = p.add_argument_group("contriever's negatives (baselines.py section 5)")
-    g.add_argument("--contrastive_mode", choices=["inbatch", "moco"], default=None,
-                   help="contriever: 'inbatch' (the other rows' second crops, src/inbatch.py) or 'moco' (a queue of "
-                        "a momentum key encoder's keys, src/moco.py); default: inbatch in the paper setting, moco "
-                        "with --baseline_setting official (the README's run)")
-    g.add_argument("--moco_queue_size", type=positive_int, default=None,
-                   help="contriever moco: keys in the queue (default 65536, options.py's --queue_size; a multiple of "
-                        "the global batch)")
-    g.add_argument("--moco_momentum", type=positive_float, default=None,
-                   help="contriever moco: momentum m of the key encoder, w_k = m w_k + (1 - m) w_q once per forward "
-                        "(default 0.9995, example_scripts/contriever.sh; at most 1)")
-
-    g = p.add_argument_group("revela (revela.py; defaults: the official run's, TRUMANCFY/Revela train.sh)")
-    g.add_argument("--lm_name_or_path", default=None,
-                   help="revela: the causal language model the retriever trains through (default Qwen/Qwen2.5-0.5B, "
-                        "as the xPRT paper runs Revela)")
-    g.add_argument("--lora_rank", type=positive_int, default=None,
-                   help="revela: LoRA rank of the language model (default 256)")
-    g.add_argument("--lora_alpha", type=positive_float, default=None, help="revela: LoRA alpha (default 64)")
-    g.add_argument("--lora_dropout", type=dropout_rate, default=None, help="revela: LoRA dropout (default 0.1)")
-    g.add_argument("--lora_target_modules", default=None,
-                   help="revela: comma-separated module names LoRA adapts (default every linear layer of the "
-                        "blocks: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
-    g.add_argument("--attn_temperature", type=positive_float, default=None,
-                   help="revela: temperature of the softmax over the retriever's cosines that weights the in-batch "
-                        "attention (default 1e-4)")
-    g.add_argument("--extra_anchors", type=non_negative_int, default=None,
-                   help="revela: anchors of other documents added to each group's anchor and related passages "
-                        "(default 11: 16 passages per group, as the xPRT paper runs it)")
+    # Each objective's own flags (Objective.flags: xPRT's loss weights and ablation, the baselines' settings), in one
+    # group per objective; a flag several objectives take sits in the first one's group and names them all
+    seen = set()
+    for name, cls in OBJECTIVES.items():
+        mine = {f: spec for f, spec in cls.flags.items() if f not in seen}
+        if not mine:
+            continue
+        g = p.add_argument_group(f"--objective {name}" + (f" ({cls.__module__}.py)" if cls.__module__ != "modeling_xprt"
+                                                         else ""))
+        for flag, spec in mine.items():
+            owners = objective_flags()[flag][1]
+            g.add_argument(flag, default=None, **{**spec, "help": f"[{', '.join(owners)}] {spec['help']}"})
+        seen.update(mine)
 
     g = p.add_argument_group("pre-training data")
     g.add_argument("--groups_dir", required=True, help="folder of parquet shards written by select_groups.py")
@@ -131,12 +103,7 @@ def build_parser():
                    help="warn when the in-batch negatives a row keeps after the same-document mask (logged as "
                         "in_batch_negatives, the mean over rows) fall below this (default: half the global batch)")
 
-    g = p.add_argument_group("loss weights (modeling_xprt.LossWeights; None = its defaults)")
-    g.add_argument("--xp_weight", type=float, default=None, help="weight of L_xp")
-    g.add_argument("--cross_weight", type=float, default=None, help="weight of L_cross (paper: 0.1)")
-    g.add_argument("--self_fill_weight", type=float, default=None, help="weight of L_self (not given by the paper)")
-    g.add_argument("--mlm_weight", type=float, default=None, help="weight of L_MLM (not given by the paper)")
-    g.add_argument("--unif_weight", type=float, default=None, help="weight of L_unif (not given by the paper)")
+    g = p.add_argument_group("the retention term and the heads' learning rate")
     g.add_argument("--retention_weight", type=float, default=40.0,
                    help="retention weight at step 0 (paper: 40); 0 turns the term and the teacher off "
                         "(from-BERT setting)")
@@ -183,12 +150,9 @@ def parse_args(argv=None):
             raise UserError(f"--{name} must be in [0, 1)")
     if args.retention_weight < 0 or args.retention_final_weight < 0:
         raise UserError("retention weights must be >= 0")
-    moco_flags = [f"--{f}" for f in ("contrastive_mode", "moco_queue_size", "moco_momentum")
-                  if getattr(args, f) is not None]
-    if moco_flags and args.objective != "contriever":
-        raise UserError(f"{', '.join(moco_flags)}: flags of --objective contriever, not of {args.objective}")
-    if args.moco_momentum is not None and args.moco_momentum > 1:
-        raise UserError(f"--moco_momentum must be in (0, 1], got {args.moco_momentum}")
+    for flag, (_, owners) in objective_flags().items():  # another objective's flag is refused, not ignored
+        if getattr(args, flag[2:]) is not None and args.objective not in owners:
+            raise UserError(f"{flag}: a flag of --objective {' / '.join(owners)}, not of {args.objective}")
     if args.positive == "random" and args.retention_student == "masked" and args.retention_weight > 0:
         raise UserError("--positive random with --retention_student masked: the masked pass's slot 1 holds the "
                         "random passage, while every method's retention pairs are anchor x s1; use the clean student")
@@ -238,7 +202,7 @@ def load_groups(groups_dir: str, max_groups=None):
     # resumes it), and the folder may hold an unfinished chunk's temporary shard
     stats = Path(groups_dir) / "stats.json"
     count_groups(groups_dir)
-    # the finished shards only: ".tmp-*" files are a killed run's half-written ones (support.atomic_path)
+    # the finished shards only: ".tmp-*" files are a killed run's half-written ones (common.atomic_path)
     files = sorted(str(f) for f in Path(groups_dir).glob("*.parquet") if not f.name.startswith("."))
     if not files:
         raise UserError(f"--groups_dir {groups_dir}: no *.parquet shards beside its stats.json")
@@ -264,85 +228,26 @@ def load_groups(groups_dir: str, max_groups=None):
 # The FLOP count behind the logged MFU (docs/notes.md: BERT-base at 128 tokens is about 87M multiply-adds per token
 # in the encoder and 24M in the MLM head; 2 FLOPs per multiply-add; a backward costs twice its forward)
 # ----------------------------------------------------------------------------------------------------------------
-def step_flops(model, batch, retention: bool) -> float:
-    """Model FLOPs of one collated micro-batch: every trained pass forward and backward (3x its forward), the frozen
-    teacher and L_self's teacher rows forward only. Padded tokens count (the device computes them); embedding
-    lookups, norms and softmaxes do not."""
-    # one layer's weight matrices read off its modules (BERT: QKV + output 4 h^2, FFN 2 h inner), whatever the
-    # config calls them (DistilBERT: n_layers, hidden_dim)
-    n_enc, per_token, h = layer_multiply_adds(model.encoder)
-
-    def layers(ids, n, extra=0):  # multiply-adds of n Transformer layers over an (..., L) tensor (L + extra wide)
-        length = ids.shape[-1] + extra
-        tokens = ids.numel() // ids.shape[-1] * length
-        return n * tokens * (per_token + 2 * length * h)  # weight matrices, attention scores and sums
-
-    trained, forward = 0, 0
-    head = head_multiply_adds(model.encoder)  # the MLM head's transform and vocabulary projection, per row
-    if hasattr(model.method, "multiply_adds"):  # an objective that counts its own passes (baselines.py)
-        trained, forward = model.method.multiply_adds(model, batch, layers, head)
-    else:
-        for key in ("input_ids", "short_input_ids", "query_input_ids", "passage_input_ids"):
-            if key in batch:
-                trained += layers(batch[key], n_enc)
-        if "dec_input_ids" in batch:  # a conditioned decoder (xPRT, the self-reconstruction ablation)
-            dec = model.method.decoder
-            trained += layers(batch["dec_input_ids"], len(dec.layers), dec.num_condition_vectors)
-        trained += head * sum(batch[k].numel() for k in ("mlm_index", "cross_rows", "self_rows", "dec_rows")
-                              if k in batch)
-        forward += head * batch["self_enc_index"].numel() if "self_enc_index" in batch else 0
-    if retention:
-        teacher = layers(batch["retain_input_ids"], n_enc)
-        forward += teacher
-        if model.retention_student == "clean":
-            trained += teacher  # the clean student pass
-    return 2.0 * (3 * trained + forward)
-
-
-def peak_flops(accelerator, args):
-    """One device's peak FLOP/s for the MFU estimate: --peak_tflops, else a known GPU's bf16 peak, else None."""
-    if args.peak_tflops:
-        return args.peak_tflops * 1e12
-    if accelerator.device.type == "cuda":
-        name = torch.cuda.get_device_name(accelerator.device)
-        return next((t * 1e12 for k, t in PEAK_BF16_TFLOPS.items() if k in name), None)
-    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The model and the data
 # ----------------------------------------------------------------------------------------------------------------
 def load_pretraining_model(accelerator, args):
-    """XPRTModel.from_pretrained(--model_name_or_path) for --objective, with the options of it the flags set (an
-    option the objective does not take is refused, naming it), and its tokenizer (support.load_model)."""
-    weight_flags = [("xp", "xp_weight"), ("cross", "cross_weight"), ("self_fill", "self_fill_weight"),
-                    ("mlm", "mlm_weight"), ("unif", "unif_weight")]
-    options = {}
-    if any(getattr(args, a) is not None for _, a in weight_flags):
-        options["weights"] = LossWeights(**{f: getattr(args, a) for f, a in weight_flags
-                                            if getattr(args, a) is not None})
-    if args.no_fill_in:
-        options["fill_in"] = False
-    if args.generator_name_or_path:
-        options["generator_name_or_path"] = args.generator_name_or_path
-    # an objective's own flags, given only when set (an option its objective does not take is refused, naming it)
-    for flag in ("baseline_setting", "lm_name_or_path", "lora_rank", "lora_alpha", "lora_dropout", "attn_temperature",
-                 "extra_anchors", "contrastive_mode", "moco_queue_size", "moco_momentum"):
-        if getattr(args, flag) is not None:
-            options[flag] = getattr(args, flag)
-    if args.lora_target_modules:
-        options["lora_target_modules"] = args.lora_target_modules.split(",")
-    return load_model(accelerator, args, XPRTModel, objective=args.objective, mlm_head_from=args.mlm_head_from,
+    """XPRTModel.from_pretrained(--model_name_or_path) for --objective, with the options its own flags set
+    (Objective.options_from_flags), and its tokenizer (training.load_model)."""
+    options = objective_class(args.objective).options_from_flags(args)
+    return load_model(accelerator, args, objective=args.objective, mlm_head_from=args.mlm_head_from,
                       retention_student=args.retention_student, **options)
 
 
 def load_data(accelerator, args, model, tokenizer):
     """The groups, the length-grouped sampler over what the objective's collator sorts by (the random-span baseline:
     its crops' lengths, and row_extras(epoch, i) hands each row its crops) and the DataLoader whose workers collate
-    the batches ahead of the step (support.Collate: masks drawn from (seed, epoch, batch, process)) ->
+    the batches ahead of the step (batches.SeededCollate: masks drawn from (seed, epoch, batch, process)) ->
     (rows, sampler, dataloader)."""
     rows = load_groups(args.groups_dir, args.max_groups)
-    collator = model.method.make_collator(tokenizer, num_related=args.num_related, max_length=args.max_length,
+    collator = model.objective.make_collator(tokenizer, num_related=args.num_related, max_length=args.max_length,
                                           encoder_mask_rate=args.encoder_mask_rate,
                                           decoder_mask_rate=args.decoder_mask_rate,
                                           passage_prefix=model.prompts["document"], positive=args.positive,
@@ -372,7 +277,7 @@ def load_teacher_model(accelerator, args):
     both ends."""
     teacher = None
     if args.retention_weight > 0 or args.retention_final_weight > 0:
-        with whole_weights():
+        with unpartitioned_loading():
             teacher_path = resolve_model_path(args.teacher_name_or_path or args.model_name_or_path)
             teacher = load_teacher(teacher_path, trust_remote_code=args.trust_remote_code)
         # the student's precision: under DeepSpeed bf16 the student's weights are bf16, and an fp32 teacher would put
@@ -445,7 +350,7 @@ def main(argv=None):
 
     # ---- Contriever's MoCo state (the key encoder and the queue: no part of the model) goes into the checkpoints,
     # registered before prepare_run resumes
-    moco = getattr(model.method, "moco", None)
+    moco = getattr(model.objective, "moco", None)
     if moco is not None:
         keys = args.per_device_train_batch_size * accelerator.num_processes  # enqueued per forward (all processes)
         if moco.queue_size % keys:
@@ -469,12 +374,12 @@ def main(argv=None):
 
         scorer = evaluate.TrainingScorer(accelerator, args, tokenizer)
 
-    # ---- the loop (support.train_loop): the step's retention weight w(t) (0 throughout when both ends are 0: no
+    # ---- the loop (training.train_loop): the step's retention weight w(t) (0 throughout when both ends are 0: no
     # teacher), the drift on logging steps, the best model
     schedule = functools.partial(retention_weight, total=max_steps, start=args.retention_weight,
                                  end=args.retention_final_weight, shape=args.retention_schedule)
     def drift(unwrapped, batch):  # the drift needs whole weights: not under ZeRO-3
-        return {"teacher_cosine": teacher_cosine(unwrapped, teacher, batch)} if not zero3(accelerator) else {}
+        return {"teacher_cosine": teacher_cosine(unwrapped, teacher, batch)} if not is_zero3(accelerator) else {}
 
     best = {}  # --save_best: the best scoring so far
 

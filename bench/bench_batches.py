@@ -88,15 +88,16 @@ def main(argv=None):
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    import support
+    import batches
+    import common
     import train
     from baselines import RandomSpanCollator
-    from support import group_lengths as mx_group_lengths
+    from batches import group_lengths as mx_group_lengths
 
     if args.toy:
         args.groups_dir = toy_groups()
     groups = train.load_groups(args.groups_dir)
-    tok = AutoTokenizer.from_pretrained(support.resolve_model_path("all-MiniLM-L6-v2"))
+    tok = AutoTokenizer.from_pretrained(common.resolve_model_path("all-MiniLM-L6-v2"))
     doc = np.asarray(groups["doc_id"])
     passages = [[a] + list(r[:4]) for a, r in zip(groups["anchor"], groups["related"])]
     counts = tok([t for p in passages for t in p], truncation=True, max_length=args.max_length + 2)["input_ids"]
@@ -110,7 +111,7 @@ def main(argv=None):
                                                                  for s in args.spread]:
         figs = []
         for epoch in range(args.epochs):
-            s = support.LengthGroupedBatchSampler(lengths, args.batch_size, seed=epoch, group_by_length=group,
+            s = batches.LengthGroupedBatchSampler(lengths, args.batch_size, seed=epoch, group_by_length=group,
                                                   spread=spread)
             figs.append(composition(s.batch_matrix(), doc, tokens))
         m = np.mean(figs, axis=0)
@@ -127,7 +128,7 @@ def main(argv=None):
                                             ("crop-grouped, views as drawn", True, 1, False),
                                             ("crop-grouped, query = longer crop", True, 1, True),
                                             ("crop-grouped, spread 8, query = longer", True, 8, True)]:
-        s = support.LengthGroupedBatchSampler(lengths_for, args.batch_size, seed=0, group_by_length=group,
+        s = batches.LengthGroupedBatchSampler(lengths_for, args.batch_size, seed=0, group_by_length=group,
                                               spread=spread)
         b = s.batch_matrix()
         long_pad = np.mean([crop_tokens[x, 0].sum() / (len(x) * crop_tokens[x, 0].max()) for x in b])

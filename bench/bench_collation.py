@@ -3,7 +3,7 @@
 For every objective train.py offers and two model sizes (random weights, the shipped tokenizer's 30,522 words):
   gpu        the gpu scale of experiments/paper: 4 layers x 192, passages of 64 tokens, retention off
   bert-base  12 layers x 768, passages of 128 tokens, retention on (40, the clean student)
-it builds the run's own DataLoader (support.training_loader: rows, the objective's collator, support.Collate) over
+it builds the run's own DataLoader (batches.training_loader: rows, the objective's collator, batches.SeededCollate) over
 groups cut from data/docs.jsonl (each passage about max_length tokens), and times, for --steps steps:
   wait   the loop's wait for the next collated batch (next(loader)): its CPU time with 0 workers (the collation
          itself), its wall time with workers (they collate in other processes)
@@ -74,7 +74,7 @@ def main(argv=None):
 
     import architectures
     import modeling_xprt as mx
-    import support
+    import batches
     import train
 
     tok = AutoTokenizer.from_pretrained(str(Path(ROOT) / "bench" / "tokenizer"))
@@ -96,12 +96,12 @@ def main(argv=None):
             mlm, _ = architectures.load_mlm_encoder(str(folder))
             model = mx.XPRTModel(mlm, objective=objective, **options).train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-            collator = model.method.make_collator(tok, max_length=max_length)
+            collator = model.objective.make_collator(tok, max_length=max_length)
             lengths, row_extras = collator.sort_lengths(rows, 0)
             make_row = None if row_extras is None else (lambda e, i, r, x=row_extras: {**r, **x(e, i)})
             for workers in args.workers:
-                sampler = support.LengthGroupedBatchSampler(lengths, args.groups, seed=0)
-                loader = support.training_loader(PartialState(cpu=True), argparse.Namespace(
+                sampler = batches.LengthGroupedBatchSampler(lengths, args.groups, seed=0)
+                loader = batches.training_loader(PartialState(cpu=True), argparse.Namespace(
                     dataloader_num_workers=workers, seed=0), rows, sampler, collator, make_row)
                 it, waits, steps = iter(loader), [], []
                 for s in range(args.steps + 1):

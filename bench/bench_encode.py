@@ -9,7 +9,7 @@ L2-normalised mean-pooled vectors, and the script checks they agree (cosine > 0.
 it reports speed. Each method runs `--repeats` times, interleaved so that load from other processes
 hits both alike; the best time of each counts (the usual micro-benchmark convention).
 
-From the repository root (it imports modeling_xprt.py and support.py from there):
+From the repository root (it imports the repository's modules from there):
 
     python -m bench.bench_encode                          # bundled data/eval texts, all-MiniLM-L6-v2
     python -m bench.bench_encode --data ../shared/data --num_texts 2000 --batch_size 64
@@ -96,7 +96,7 @@ def main(argv=None):
     from transformers import AutoModel, AutoTokenizer
 
     from modeling_xprt import embed_texts
-    from support import pick_device_and_dtype, resolve_model_path
+    from common import pick_device_and_dtype, resolve_model_path
 
     path = resolve_model_path(args.model)
     device, dtype = pick_device_and_dtype(args.device, args.dtype)

@@ -47,7 +47,7 @@ def child(groups: int, chunk: int, args):
     import architectures
     import modeling_xprt as mx
     from bench.bench_step import make_rows
-    from support import resolve_model_path
+    from common import resolve_model_path
     from transformers import AutoTokenizer
 
     path = resolve_model_path(args.model)

@@ -198,17 +198,16 @@ def child_train(groups_dir, model, batches, batch_size):
     import torch
     from transformers import AutoTokenizer
 
-    import support
     import train
+    from batches import LengthGroupedBatchSampler, RowsDataset, group_lengths
     from modeling_xprt import XPRTCollator
-    from support import group_lengths
 
     tok = AutoTokenizer.from_pretrained(model)
     before, peak = status_mb("VmHWM"), AnonPeak()
     rows = train.load_groups(groups_dir)
     lengths = group_lengths(rows, 4)
-    sampler = support.LengthGroupedBatchSampler(lengths, batch_size, seed=0)
-    loader = torch.utils.data.DataLoader(support.RowsDataset(rows), batch_sampler=sampler, collate_fn=list,
+    sampler = LengthGroupedBatchSampler(lengths, batch_size, seed=0)
+    loader = torch.utils.data.DataLoader(RowsDataset(rows), batch_sampler=sampler, collate_fn=list,
                                          generator=torch.Generator().manual_seed(0))
     collator = XPRTCollator(tok, num_related=4, max_length=128)
     tokens = 0

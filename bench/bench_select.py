@@ -10,7 +10,7 @@ Benchmark of select_groups.py, measured in one run:
    BERT with the real tokenizer is the default encoder here: the model's memory is the same at 1x and
    10x, and a small one lets the 10x run finish in a minute on CPU.
 
-From the repository root (it imports select_groups.py, modeling_xprt.py and support.py from there):
+From the repository root (it imports the repository's modules from there):
 
     python -m bench.bench_select       # defaults: bundled data/docs.jsonl, all-MiniLM-L6-v2
     python -m bench.bench_select --toy  # seconds: 2 documents, tiny encoder, 4 -> 8 documents for memory
@@ -90,7 +90,8 @@ def main(argv=None):
 
     import select_groups as sg
     from modeling_xprt import embed_texts
-    from support import max_seq_length, read_max_seq_length, resolve_model_path
+    from common import resolve_model_path
+    from model_folder import max_seq_length, read_max_seq_length
 
     tmp = tempfile.mkdtemp(prefix="bench-select-")
     # ---- 1. time: selection vs the embedding pass alone, same documents, same process ----

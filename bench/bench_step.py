@@ -39,7 +39,8 @@ import torch
 import architectures
 import baselines  # noqa: F401  (registers the comparison objectives --objectives times)
 import modeling_xprt as mx
-import support as sp
+import batches
+import common
 from bench import add_toy_flag, toy_sized
 from fused_vocab import linear_cross_entropy
 
@@ -132,7 +133,7 @@ def tiny_causal_lm(dest, tokenizer) -> str:
 def build(name):
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-    path = sp.resolve_model_path("all-MiniLM-L6-v2")
+    path = common.resolve_model_path("all-MiniLM-L6-v2")
     tok = AutoTokenizer.from_pretrained(path)
     if name == "minilm":
         mlm, msg = architectures.load_mlm_encoder(path)
@@ -159,7 +160,7 @@ def bench_baseline(name, args, device):
     spec.loader.exec_module(old_mx)
     tok, mlm, teacher, msg = build(name)
     batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(make_rows(tok, args.groups, args.max_length))
-    batch = sp.batch_to_device(batch, device)
+    batch = batches.batch_to_device(batch, device)
     g, p, l = batch["input_ids"].shape
     new = mx.XPRTModel(mlm.to(device), retention_student="masked").to(device).train()
     old = old_mx.XPRTModel(copy.deepcopy(mlm), retention_student="masked").to(device).train()
@@ -202,7 +203,7 @@ def bench_model(name, args, device):
     mlm.to(device)
     teacher.to(device)
     batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(make_rows(tok, args.groups, args.max_length))
-    batch = sp.batch_to_device(batch, device)
+    batch = batches.batch_to_device(batch, device)
     g, p, l = batch["input_ids"].shape
     model = mx.XPRTModel(mlm).to(device).train()
     h = mlm.config.hidden_size
@@ -246,13 +247,13 @@ def bench_model(name, args, device):
         am = batch["attention_mask"][:, tgt].reshape(g * d, l)
         cond = vec.view(g, p, h)[:, src].reshape(g * d, h)
         rows = mx.ConditionedDecoder.output_rows((labels != -100).reshape(-1).nonzero().squeeze(1), l,
-                                                 model.method.num_condition_vectors)
+                                                 model.objective.num_condition_vectors)
         enc_h = hidden.view(g, p, l, h)[:, tgt][batch["dec_labels"][:, sel] != -100]
 
         def run():
             model.zero_grad(set_to_none=True)
             v = cond.clone().requires_grad_(True)
-            out = model.method.decoder(v, model.embed(ids), am).reshape(-1, h).index_select(0, rows)
+            out = model.objective.decoder(v, model.embed(ids), am).reshape(-1, h).index_select(0, rows)
             if which == "cross":
                 mx.cross_fill_loss(model, out, labels[labels != -100]).backward()
             else:
@@ -316,12 +317,12 @@ def bench_vocab(name, args, device):
     tok, mlm, _, msg = build(name)
     mlm.to(device)
     batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(make_rows(tok, args.groups, args.max_length))
-    batch = sp.batch_to_device(batch, device)
+    batch = batches.batch_to_device(batch, device)
     model = mx.XPRTModel(mlm).to(device).train()
     g, p, l = batch["input_ids"].shape
     with torch.no_grad():  # the step's own rows, through the head's transform, as leaves
         hidden, vec = model.encode(batch["input_ids"].view(g * p, l), batch["attention_mask"].view(g * p, l))
-        dec = model.method.decode(model, vec.view(g, p, -1), batch, batch["attention_mask"])
+        dec = model.objective.decode(model, vec.view(g, p, -1), batch, batch["attention_mask"])
         rows = torch.cat([hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["mlm_index"]),
                           dec.index_select(0, batch["cross_rows"])])
         rows = model.transform(rows)
@@ -389,7 +390,7 @@ def bench_objectives(name, args, device) -> dict:
             except ValueError as e:
                 print(f"  {objective:24s} refused: {e}")
                 continue
-            batch = sp.batch_to_device(model.method.make_collator(tok, max_length=args.max_length, seed=0)(rows),
+            batch = batches.batch_to_device(model.objective.make_collator(tok, max_length=args.max_length, seed=0)(rows),
                                        device)
 
             def step():
@@ -398,8 +399,8 @@ def bench_objectives(name, args, device) -> dict:
 
             def floor():  # the objective's own encoder passes, forward + backward of a cheap function of them
                 model.zero_grad(set_to_none=True)
-                prepared = model.method.prepare(model, batch) if model.method.prepare else batch
-                states, vec = model.method.encode(model, prepared)
+                prepared = model.objective.prepare(model, batch) if model.objective.prepare else batch
+                states, vec = model.objective.encode(model, prepared)
                 leaves = [t for t in [*(states if isinstance(states, (tuple, list)) else [states]), vec]
                           if torch.is_tensor(t) and t.requires_grad]
                 sum(t.float().square().mean() for t in leaves).backward()

@@ -10,8 +10,8 @@ It prints, in order:
   2. the paper's bf16 xPRT step (BERT-base config, random weights, the bundled tokenizer bench/tokenizer, 128 tokens,
      retention on) as train.py runs it: real length-grouped batches of data/docs.jsonl with their padding, collated
      inside the timed step; groups per step doubled until the device's memory is full, the largest that fits with
-     its time, collation's share, peak memory, tokens/s, TFLOP/s (train.step_flops, padding counted) and MFU
-     against the device's dense bf16 peak (train.PEAK_BF16_TFLOPS);
+     its time, collation's share, peak memory, tokens/s, TFLOP/s (run_log.step_flops, padding counted) and MFU
+     against the device's dense bf16 peak (run_log.PEAK_BF16_TFLOPS);
   3. the vocabulary loss of that step's rows three ways in bf16 autocast: ours fused (linear_cross_entropy),
      torch's chunked F.linear_cross_entropy (where that torch has it), plain full logits: time and agreement with
      plain;
@@ -128,15 +128,15 @@ def real_rows(max_length, seed=0):
     return rows
 
 
-def batches(rows, groups, seed=0):
-    """Batches of `groups` rows as train.py draws them (support.LengthGroupedBatchSampler over the anchor and related
+def grouped_batches(rows, groups, seed=0):
+    """Batches of `groups` rows as train.py draws them (batches.LengthGroupedBatchSampler over the anchor and related
     passages' characters: similar lengths together, as little padding as the data allows), repeated when the data is
     smaller than the batch."""
-    import support
+    import batches
 
     rows = rows * -(-groups * 4 // len(rows))  # at least four batches
     lengths = [len(r["anchor"]) + sum(len(x) for x in r["related"]) for r in rows]
-    return [[rows[i] for i in b] for b in support.LengthGroupedBatchSampler(lengths, groups, seed)]
+    return [[rows[i] for i in b] for b in batches.LengthGroupedBatchSampler(lengths, groups, seed)]
 
 
 def sync(device):
@@ -149,13 +149,13 @@ def sync(device):
 def step_bench(tok, model, teacher, device, args, peak):
     """Part 2: what train.py runs, a step at doubling groups until memory runs out -> the largest that fits: real
     batches (length-grouped, their padding), collated inside the timed step (train.py collates in its loop), moved to
-    the device, forward, backward, optimiser; MFU from train.step_flops, which counts the padded tokens the device
+    the device, forward, backward, optimiser; MFU from run_log.step_flops, which counts the padded tokens the device
     computes, over the whole step's time, collation included."""
     import torch
 
+    import batches
     import modeling_xprt as mx
-    import support
-    import train
+    import run_log
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
@@ -166,7 +166,7 @@ def step_bench(tok, model, teacher, device, args, peak):
           f"at most {args.max_length} tokens per passage, retention on; real batches of data/docs.jsonl "
           f"({len(rows)} groups), length-grouped, collated inside the step", flush=True)
     while groups <= args.max_groups:
-        todo = batches(rows, groups)
+        todo = grouped_batches(rows, groups)
         try:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -176,7 +176,7 @@ def step_bench(tok, model, teacher, device, args, peak):
                 t0 = time.perf_counter()
                 cpu_batch = collator(rows_b)
                 clock["collate"] += time.perf_counter() - t0
-                batch = support.batch_to_device(cpu_batch, device)
+                batch = batches.batch_to_device(cpu_batch, device)
                 with amp:
                     out = model(batch, teacher=teacher, retention_weight=40.0)
                 out["loss"].backward()
@@ -192,8 +192,8 @@ def step_bench(tok, model, teacher, device, args, peak):
                 cpu_batch, out = step(rows_b)
                 sync(device)
                 times.append(time.perf_counter() - t0)
-                flops += train.step_flops(model, cpu_batch, retention=True)
-                r, p = support.padding_efficiency(cpu_batch)
+                flops += run_log.step_flops(model, cpu_batch, retention=True)
+                r, p = batches.padding_efficiency(cpu_batch)
                 real, proc = real + r, proc + p
         except torch.cuda.OutOfMemoryError:
             print(f"  {groups:5d} groups: out of memory", flush=True)
@@ -210,7 +210,7 @@ def step_bench(tok, model, teacher, device, args, peak):
               f"{'n/a' if mem is None else f'{mem:.1f} GiB'}, loss {best['loss']:.4f}", flush=True)
         del out, cpu_batch
         groups *= 2
-    return best, collator(batches(rows, min(best["groups"], 64 if not args.toy else 4))[0])
+    return best, collator(grouped_batches(rows, min(best["groups"], 64 if not args.toy else 4))[0])
 
 
 def vocab_three_ways(model, batch, device):
@@ -218,15 +218,14 @@ def vocab_three_ways(model, batch, device):
     import torch
     import torch.nn.functional as F
 
-    import modeling_xprt as mx
-    import support
+    import batches
     from fused_vocab import linear_cross_entropy
 
-    batch = support.batch_to_device(batch, device)
+    batch = batches.batch_to_device(batch, device)
     g, p, l = batch["input_ids"].shape
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         hidden, vec = model.encode(batch["input_ids"].view(g * p, l), batch["attention_mask"].view(g * p, l))
-        dec = model.method.decode(model, vec.view(g, p, -1), batch, batch["attention_mask"])
+        dec = model.objective.decode(model, vec.view(g, p, -1), batch, batch["attention_mask"])
         rows = model.transform(torch.cat([hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["mlm_index"]),
                                           dec.index_select(0, batch["cross_rows"])]))
     targets = torch.cat([batch["mlm_targets"], batch["cross_targets"]])
@@ -270,12 +269,13 @@ def host_syncs(model, teacher, batch, device):
     """Part 4: synchronising CUDA calls in one optimiser step, as torch.cuda.set_sync_debug_mode reports them."""
     import torch
 
-    import support
+    import batches
+
 
     if device.type != "cuda":
         print("== 4. host syncs: n/a (no CUDA)", flush=True)
         return None
-    batch = support.batch_to_device(batch, device)
+    batch = batches.batch_to_device(batch, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
@@ -347,14 +347,13 @@ def main(argv=None):
     still_missing = ensure_packages(Path(args.wheels))
     import torch
 
-    import train
+    import run_log
+    import training
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    import support
-
-    support.matmul_precision_policy()  # train.py's (make_accelerator): fp32 products IEEE, TF32 off
+    training.matmul_precision_policy()  # train.py's (make_accelerator): fp32 products IEEE, TF32 off
     name = versions(device)
-    peak = next((t * 1e12 for k, t in train.PEAK_BF16_TFLOPS.items() if k in name), None)
+    peak = next((t * 1e12 for k, t in run_log.PEAK_BF16_TFLOPS.items() if k in name), None)
     tok, model, teacher = build_model(args.toy, device)
     best, batch = step_bench(tok, model, teacher, device, args, peak)
     report = {"device": name, "torch": torch.__version__, "step": best,

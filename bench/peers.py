@@ -32,7 +32,7 @@ from bench import ROOT, add_toy_flag, toy_sized  # importing bench sets the offl
 
 import architectures
 import modeling_xprt as mx
-import support as sp
+import common
 
 DEFAULT_CORPUS = os.path.join(os.path.dirname(ROOT), "shared", "data", "scifact", "corpus.jsonl")
 
@@ -56,7 +56,7 @@ def read_texts(path, n):
     if not os.path.exists(path):
         path = os.path.join(ROOT, "data", "docs.jsonl")
     texts = []
-    for r in sp.read_jsonl(path):
+    for r in common.read_jsonl(path):
         t = " ".join(x for x in (r.get("title", ""), r.get("text", "")) if x).strip()
         if t:
             texts.append(t)
@@ -114,7 +114,7 @@ def bench_contrastive(args, texts, path):
     mnrl = MultipleNegativesRankingLoss(st, scale=1.0 / ours.tau)  # scale 20 = tau 0.05
     opt_ours = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-5)
     opt_st = torch.optim.AdamW(st.parameters(), lr=1e-5)
-    collator = ours.method.make_collator(st.tokenizer, max_length=args.max_length, seed=0)
+    collator = ours.objective.make_collator(st.tokenizer, max_length=args.max_length, seed=0)
     bs = args.batch_size
     pairs, real, ours_tok, st_tok = [], 0, 0, 0
     for i in range(args.batches):
@@ -204,7 +204,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = sp.resolve_model_path("all-MiniLM-L6-v2")
+    path = common.resolve_model_path("all-MiniLM-L6-v2")
     texts = read_texts(args.corpus, args.batch_size * args.batches)
     print(f"all-MiniLM-L6-v2, CPU fp32, {torch.get_num_threads()} threads; texts from {args.corpus}", flush=True)
     out = {}

@@ -26,7 +26,8 @@ import torch  # noqa: E402
 
 import finetune  # noqa: E402
 from modeling_xprt import pair_false_negatives, pair_text_ids
-from support import load_beir  # noqa: E402
+from batches import NoDuplicatesBatchSampler  # noqa: E402
+from common import load_beir  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -107,7 +108,7 @@ def main(argv=None):
     res = {"before": [], "after": []}
     for seed in range(args.seeds):
         for name, k in (("before", None), ("after", keys)):
-            batches = finetune.NoDuplicatesBatchSampler(lengths, args.batch_size, seed, keys=k).batches()
+            batches = NoDuplicatesBatchSampler(lengths, args.batch_size, seed, keys=k).batches()
             fig = epoch_figures(rows, batches, args.num_negatives, seed, args.world_size)
             if name == "after":  # finetune.py's start-up line counts the same mask
                 c = finetune.count_false_negatives(rows, batches, args.num_negatives, seed, 0, args.world_size)

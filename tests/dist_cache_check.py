@@ -4,7 +4,7 @@ Each process holds its half of a fixed batch of groups and computes one xPRT ste
 terms on the vectors gathered across processes, one backward) and with the gradient cache (XPRTModel.cached_step,
 one group per chunk), each followed by DDP's averaging of the parameter gradients over the processes; then one
 optimiser step of two micro-batches under a real Accelerator (DDP, gradient accumulation 2), plain and cached
-(support.gradient_cache_step). Dropout is off (eval mode), so both see the same computation. Rank 0 writes the largest gradient and loss differences to
+(training.gradient_cache_step). Dropout is off (eval mode), so both see the same computation. Rank 0 writes the largest gradient and loss differences to
 argv[1] (JSON); argv[2] is the tiny model's folder.
 """
 
@@ -65,10 +65,10 @@ def main():
              "grad_scale": max(float(plain[n].abs().max()) for n in plain), "same_keys": set(plain) == set(cached)}
 
     # One optimiser step of two micro-batches under a real Accelerator (DDP, gradient accumulation 2): the cached
-    # step (support.gradient_cache_step) against the plain one, every parameter's accumulated, averaged gradient.
+    # step (training.gradient_cache_step) against the plain one, every parameter's accumulated, averaged gradient.
     from accelerate import Accelerator
 
-    import support
+    import training
 
     acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
     prepared = acc.prepare(model)
@@ -79,7 +79,7 @@ def main():
         for b in micro:
             with acc.accumulate(prepared):
                 if cached:
-                    support.gradient_cache_step(acc, prepared, b, 1, teacher=teacher, retention_weight=40.0)
+                    training.gradient_cache_step(acc, prepared, b, 1, teacher=teacher, retention_weight=40.0)
                 else:
                     acc.backward(prepared(b, teacher=teacher, retention_weight=40.0)["loss"])
         return {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}

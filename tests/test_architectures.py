@@ -46,7 +46,7 @@ def build_tiny(kind: str, path, seed: int = 0, **extra):
     """A random *ForMaskedLM of `kind` with the MiniLM tokenizer saved to `path`."""
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-    from support import resolve_model_path
+    from common import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
     torch.manual_seed(seed)

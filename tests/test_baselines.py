@@ -2,6 +2,7 @@
 SimLM's replaced language modelling, Contriever's crops and in-batch InfoNCE; and the whole-word masking rule both
 MAE baselines use. Tiny random models (conftest) with the MiniLM tokenizer; dropout off (eval mode); seconds each."""
 
+import argparse
 import json
 import math
 
@@ -10,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-import architectures
 import baselines as B
 from conftest import ROOT
 from architectures import load_mlm_encoder
+import model_folder
 from modeling_xprt import XPRTModel
 
 
@@ -230,7 +231,7 @@ def official_retromae_loss(model, obj, batch, setting="paper"):
 def test_retromae_loss_and_gradients_equal_the_official_forward(tok, tiny_bert, setting):
     model = make(tiny_bert, "retromae", baseline_setting=setting)
     assert model.info.pooling == ("cls" if setting == "official" else "mean")
-    obj = model.method
+    obj = model.objective
     c = obj.make_collator(tok, max_length=24, seed=3)
     torch.manual_seed(0)
     batch = obj.prepare(model, c(rows_from_docs(4)))
@@ -262,7 +263,7 @@ def test_retromae_decoder_is_fresh_and_owned(tiny_bert):
     RetroMAE's c_head.apply(lm._init_weights): not layer 0's weights, and its weight matrices spread as BERT's init
     (normal, std initializer_range 0.02; biases 0, LayerNorm 1)."""
     model = make(tiny_bert, "retromae")
-    obj = model.method
+    obj = model.objective
     names = [n for n, _ in obj.named_parameters()]
     assert names and all(n.startswith("decoder.") for n in names)
     first = dict(model.encoder.bert.encoder.layer[0].named_parameters())
@@ -286,9 +287,9 @@ def build_tiny_generator(path):
     saved to `path`; the global random state is left as it was."""
     from transformers import AutoTokenizer, ElectraConfig, ElectraForMaskedLM
 
-    import support
+    import common
 
-    tok = AutoTokenizer.from_pretrained(support.resolve_model_path("all-MiniLM-L6-v2"))
+    tok = AutoTokenizer.from_pretrained(common.resolve_model_path("all-MiniLM-L6-v2"))
     cfg = ElectraConfig(vocab_size=tok.vocab_size, embedding_size=16, hidden_size=16, num_hidden_layers=1,
                         num_attention_heads=2, intermediate_size=32, max_position_embeddings=512)
     with torch.random.fork_rng(devices=[]):
@@ -321,10 +322,10 @@ def test_simlm_masks_reach_30_and_50_percent(tok):
 
 def test_simlm_generator_is_frozen_and_not_registered(tiny_bert, tiny_generator):
     model = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator)
-    obj = model.method
+    obj = model.objective
     assert all(n.startswith("decoder.") for n, _ in obj.named_parameters())
     assert not any("generator" in k for k in model.state_dict())
-    assert not any("generator" in k for k in architectures.heads_state_dict(model))
+    assert not any("generator" in k for k in model_folder.heads_state_dict(model))
     assert obj.config() == {"generator_name_or_path": tiny_generator, "decoder_layers": 2, "baseline_setting": "paper"}
     assert not obj.generator.training and not any(p.requires_grad for p in obj.generator.parameters())
     # the official setting: the generator samples in train mode while the model trains (rlm.py line 40 undone by
@@ -332,10 +333,10 @@ def test_simlm_generator_is_frozen_and_not_registered(tiny_bert, tiny_generator)
     batch = obj.make_collator(AutoTokenizer.from_pretrained(tiny_bert), max_length=16)(rows_from_docs(2))
     for setting, train_mode in (("paper", False), ("official", True)):
         m = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator, baseline_setting=setting).train()
-        m.method.prepare(m, batch)
-        assert m.method.generator.training == train_mode
-        m.eval().method.prepare(m, batch)
-        assert not m.method.generator.training
+        m.objective.prepare(m, batch)
+        assert m.objective.generator.training == train_mode
+        m.eval().objective.prepare(m, batch)
+        assert not m.objective.generator.training
     # the decoder is a copy of the encoder's last two layers, not the layers themselves
     last = model.encoder.bert.encoder.layer[-2:]
     for a, b in zip(obj.decoder.parameters(), last.parameters()):
@@ -346,7 +347,7 @@ def test_simlm_replacements_are_samples_of_the_generator(tok, tiny_bert, tiny_ge
     """Only masked positions change, and there the tokens follow the generator's softmax (temperature 1): the
     replacements' mean log-probability under the generator equals its expectation, sum p log p."""
     model = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator)
-    obj = model.method
+    obj = model.objective
     gen = obj.generator
     c = obj.make_collator(tok, max_length=32)
     batch = c(rows_from_docs(16))
@@ -387,7 +388,7 @@ def official_simlm_loss(model, obj, batch, setting="paper"):
 @pytest.mark.parametrize("setting", ["paper", "official"])
 def test_simlm_loss_and_gradients_equal_the_official_forward(tok, tiny_bert, tiny_generator, setting):
     model = make(tiny_bert, "simlm", generator_name_or_path=tiny_generator, baseline_setting=setting)
-    obj = model.method
+    obj = model.objective
     c = obj.make_collator(tok, max_length=32, seed=5)
     raw = c(rows_from_docs(6))
     torch.manual_seed(0)
@@ -454,12 +455,12 @@ def test_contriever_scores_as_the_start_model_does(tok, tiny_bert):
     """Contriever's default (normalize=None) follows the start's similarity: cosines for a cosine start (the tiny BERT:
     sentence-transformers' default), the official dot products for a dot-product start."""
     model = make(tiny_bert, "contriever")
-    batch = model.method.make_collator(tok, max_length=32)(rows_from_docs(8))
-    _, vec = model.method.encode(model, batch)
-    loss = model.method.batch_terms(model, vec, batch)["contrastive_loss"]
+    batch = model.objective.make_collator(tok, max_length=32)(rows_from_docs(8))
+    _, vec = model.objective.encode(model, batch)
+    loss = model.objective.batch_terms(model, vec, batch)["contrastive_loss"]
     torch.testing.assert_close(loss, B.contriever_loss(vec[:, 0], vec[:, 1], 0.05, normalize=True))
     model.info.similarity_fn_name = "dot"
-    torch.testing.assert_close(model.method.batch_terms(model, vec, batch)["contrastive_loss"],
+    torch.testing.assert_close(model.objective.batch_terms(model, vec, batch)["contrastive_loss"],
                                B.contriever_loss(vec[:, 0], vec[:, 1], 0.05, normalize=False))
 
 
@@ -468,8 +469,8 @@ def test_contriever_loss_and_gradients_equal_a_loop(tok, tiny_bert):
     the README run's scores (--norm_query / --norm_doc off), InBatch.forward
     (src/inbatch.py lines 59-75): dot products / 0.05 of the mean-pooled vectors, cross-entropy to j = i."""
     model = make(tiny_bert, "contriever", baseline_setting="official", contrastive_mode="inbatch")
-    assert model.method.normalize is False and model.info.similarity_fn_name == "dot" and not model.info.normalize
-    obj = model.method
+    assert model.objective.normalize is False and model.info.similarity_fn_name == "dot" and not model.info.normalize
+    obj = model.objective
     batch = obj.make_collator(tok, max_length=32)(rows_from_docs(8))
     _, vec = obj.encode(model, batch)
     terms = obj.batch_terms(model, vec, batch)
@@ -557,13 +558,13 @@ def test_contriever_moco_equals_the_official_moco(tok, tiny_bert, setting):
     state dict, heads); the FLOP count has the key pass forward-only."""
     from architectures import load_mlm_encoder as load
 
-    defaults = make(tiny_bert, "contriever", baseline_setting="official").method
+    defaults = make(tiny_bert, "contriever", baseline_setting="official").objective
     defaults_model_keys = make(tiny_bert, "contriever").state_dict().keys()  # in-batch: no MoCo state at all
     assert (defaults.contrastive_mode, defaults.moco_queue_size, defaults.moco_momentum) == ("moco", 65536, 0.9995)
-    assert make(tiny_bert, "contriever").method.contrastive_mode == "inbatch"  # the paper setting
+    assert make(tiny_bert, "contriever").objective.contrastive_mode == "inbatch"  # the paper setting
     model = make(tiny_bert, "contriever", baseline_setting=setting, contrastive_mode="moco", moco_queue_size=8,
                  moco_momentum=0.9)
-    obj = model.method
+    obj = model.objective
     ref = OfficialMoCo(load(str(tiny_bert))[0].base_model, 8, 0.9, 0.05, 32, obj.moco.seed,
                        normalize=setting == "paper").eval()
     collate = obj.make_collator(tok, max_length=32, seed=3)
@@ -644,7 +645,7 @@ def test_official_setting_is_what_the_saved_folder_states(tok, tiny_bert, tmp_pa
     ours = F.normalize(ours, dim=-1) if normalize else ours
     torch.testing.assert_close(torch.as_tensor(st.encode([text]))[0], ours, atol=1e-5, rtol=1e-5)
     back = XPRTModel.from_pretrained(str(tmp_path / "m"))
-    assert back.method.baseline_setting == "official" and back.info.pooling == pooling
+    assert back.objective.baseline_setting == "official" and back.info.pooling == pooling
 
 
 def test_collators_emit_the_retention_fields(tok):
@@ -661,7 +662,7 @@ def test_row_terms_of_chunks_add_up_to_the_batch(name, tok, tiny_bert, tiny_gene
     """row_terms on the Layout's chunks of a batch sum to row_terms on the whole batch, loss, logged terms and
     gradients: each term is a mean over the whole batch's tokens (the gradient cache's contract)."""
     model = make(tiny_bert, name, **({"generator_name_or_path": tiny_generator} if name == "simlm" else {}))
-    obj = model.method
+    obj = model.objective
     torch.manual_seed(0)
     batch = obj.prepare(model, obj.make_collator(tok, max_length=24)(rows_from_docs(5)))
     params = list(model.parameters())
@@ -725,7 +726,7 @@ def test_cached_step_equals_the_plain_step(tiny_bert, tok, tiny_generator, posit
         g = torch.Generator().manual_seed(1)
         for q in teacher.parameters():
             q.add_(0.02 * torch.randn(q.shape, generator=g))
-    batch = model.method.make_collator(tok, max_length=24, seed=4)(rows_from_docs(5))
+    batch = model.objective.make_collator(tok, max_length=24, seed=4)(rows_from_docs(5))
     torch.manual_seed(3)
     plain_out, plain_grads = _step(model, batch, teacher)
     torch.manual_seed(3)
@@ -806,27 +807,58 @@ def test_train_contriever_official_runs_moco_and_resumes_exactly(tiny_bert, grou
     assert not any("key_encoder" in k or "queue" in k for k in weights)
 
 
-def test_moco_flags_are_contrievers():
-    """--contrastive_mode / --moco_* with another objective: one line naming them; numbers checked at parse time."""
+def test_objective_flags_belong_to_their_objectives():
+    """Every objective declares its own flags (Objective.flags); train.py offers them all, and one given with an
+    objective that does not take it is refused in one line naming the flag and its objectives (never ignored, never a
+    traceback from the constructor). Each flag parses for the objectives that take it, and hands them its value."""
     import train
-    from support import UserError
+    from common import UserError
+    from modeling_xprt import objective_class, objective_flags
 
     base = ["--groups_dir", "g", "--model_name_or_path", "m", "--output_dir", "o"]
-    with pytest.raises(UserError, match="--moco_momentum: flags of --objective contriever"):
-        train.parse_args(base + ["--moco_momentum", "0.99"])
+    flags = objective_flags()
+    assert {"--no_fill_in", "--xp_weight", "--baseline_setting", "--generator_name_or_path", "--contrastive_mode",
+            "--moco_queue_size", "--moco_momentum", "--lm_name_or_path", "--lora_rank"} <= set(flags)
+    for flag, (spec, owners) in flags.items():
+        value = [] if spec.get("action") == "store_true" else [spec["choices"][-1]] if "choices" in spec else None
+        for text in ("1", "0.5", "x") if value is None else ():  # the first value the flag's type accepts
+            try:
+                (spec.get("type") or str)(text)
+            except (ValueError, TypeError, argparse.ArgumentTypeError):
+                continue
+            value = [text]
+            break
+        for objective in ("xprt", "retromae", "contriever", "revela"):
+            argv = base + ["--objective", objective, flag, *value]
+            if objective in owners:
+                args = train.parse_args(argv)
+                assert getattr(args, flag[2:]) is not None
+                assert objective_class(objective).options_from_flags(args), (flag, objective)
+            else:
+                with pytest.raises(UserError, match=f"{flag}: a flag of --objective {' / '.join(owners)}, not of"):
+                    train.parse_args(argv)
+
+
+def test_moco_flag_values_are_checked_at_parse_time():
+    """--moco_queue_size >= 1, --moco_momentum in (0, 1], --contrastive_mode one of its choices: one line each."""
+    import train
+    from common import UserError
+
+    base = ["--groups_dir", "g", "--model_name_or_path", "m", "--output_dir", "o", "--objective", "contriever"]
     for bad in (["--moco_queue_size", "0"], ["--moco_momentum", "-1"], ["--contrastive_mode", "queue"]):
         with pytest.raises(UserError):
-            train.parse_args(base + ["--objective", "contriever", *bad])
-    with pytest.raises(UserError, match=r"--moco_momentum must be in \(0, 1\]"):
-        train.parse_args(base + ["--objective", "contriever", "--moco_momentum", "1.5"])
-    args = train.parse_args(base + ["--objective", "contriever", "--contrastive_mode", "moco"])
+            train.parse_args(base + bad)
+    with pytest.raises(UserError, match=r"--moco_momentum: 1.5 is not a number in \(0, 1\]"):
+        train.parse_args(base + ["--moco_momentum", "1.5"])
+    assert train.parse_args(base + ["--moco_momentum", "1"]).moco_momentum == 1.0
+    args = train.parse_args(base + ["--contrastive_mode", "moco"])
     assert (args.contrastive_mode, args.moco_queue_size, args.moco_momentum) == ("moco", None, None)
 
 
 def test_moco_queue_must_hold_whole_batches(tiny_bert, groups, tmp_path):
     """A queue that the global batch does not divide is refused before the first step, naming the flag (moco.py
     asserts it in its first enqueue)."""
-    from support import UserError
+    from common import UserError
 
     with pytest.raises(UserError, match="--moco_queue_size 10 is no multiple"):
         run(base_args(tiny_bert, groups, tmp_path / "q", **{"--max_train_steps": 1, "--objective": "contriever",
@@ -850,9 +882,9 @@ def test_contriever_moco_cached_step_equals_the_plain_step(tiny_bert, tok, posit
         g = torch.Generator().manual_seed(1)
         for q in teacher.parameters():
             q.add_(0.02 * torch.randn(q.shape, generator=g))
-    collate = model.method.make_collator(tok, max_length=24, seed=4)
+    collate = model.objective.make_collator(tok, max_length=24, seed=4)
     model(collate(rows_from_docs(10)[5:]))  # a first step: the queue holds keys, the pointer is at 5
-    moco = model.method.moco
+    moco = model.objective.moco
     start = copy.deepcopy(moco.state_dict())
     batch = collate(rows_from_docs(5))
     plain_out, plain_grads = _step(model, batch, teacher)

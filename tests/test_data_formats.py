@@ -163,12 +163,12 @@ def mined(tmp_path_factory):
     from datasets import Dataset
     from sentence_transformers import SentenceTransformer, util
 
-    import support
+    import common
 
     root = tmp_path_factory.mktemp("mined")
-    beir = support.load_beir(support.Path(__file__).resolve().parent.parent / "data" / "eval" / "scifact")
+    beir = common.load_beir(common.Path(__file__).resolve().parent.parent / "data" / "eval" / "scifact")
     pairs = [(beir["queries"][q], beir["corpus"][d][1]) for q, ds in sorted(beir["qrels"].items()) for d in ds][:24]
-    model = SentenceTransformer(support.resolve_model_path("all-MiniLM-L6-v2"))
+    model = SentenceTransformer(common.resolve_model_path("all-MiniLM-L6-v2"))
     data = Dataset.from_dict({"anchor": [q for q, _ in pairs], "positive": [p for _, p in pairs]})
     files = {}
     for fmt in ("triplet", "n-tuple", "labeled-pair", "labeled-list"):

@@ -129,9 +129,9 @@ def test_a_stopped_device_stage_brings_back_every_finished_arm(env, tmp_path):
 def test_the_plan_skips_what_the_budget_cannot_hold():
     """device.plan_arms: arms in order while their expected end fits the time left; the rest skipped with the reason
     (expected seconds, seconds left)."""
-    from experiments.paper import device, run
+    from experiments.paper import device, stages
 
-    exp = run.load_config("gpu", toy=True)["experiments"][0]
+    exp = stages.load_config("gpu", toy=True)["experiments"][0]
     exp = {**exp, "steps": {**exp["steps"], "fit_seconds": 100, "min": 10, "max": 1000}}
     arms = {n: {"flags": [], "ranking": "rrf", "steps_factor": 1} for n in ("a", "b", "c")}
     flops = {"a": 2e9, "b": 1e9, "c": 1e9}

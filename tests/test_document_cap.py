@@ -1,6 +1,6 @@
 """The contrastive term cannot vanish: a document that dominates the groups (issue: a 2 MB page gave 2,095 of 2,119
 groups, every in-batch candidate was same-document and masked, and xp_loss was exactly 0.0). The batch sampler caps
-one document's groups per batch (support.LengthGroupedBatchSampler keys / max_per_key), select_groups.py can cap them
+one document's groups per batch (batches.LengthGroupedBatchSampler keys / max_per_key), select_groups.py can cap them
 per corpus (--max_groups_per_document), and train.py logs the negatives the same-document mask left."""
 
 import json
@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import support
-import train
+import batches
 from test_train import base_args, make_groups, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,14 +25,14 @@ def test_the_measured_page_keeps_negatives_under_the_cap():
     capped_batch_count), every row keeps >= 2 negatives, a different subset of the page each epoch."""
     keys = np.array([0] * 2095 + list(range(1, 25)))
     lengths = np.random.default_rng(0).integers(50, 130, len(keys))
-    plain = support.LengthGroupedBatchSampler(lengths, 4, seed=0)
-    before = support.sampler_negatives(plain, keys)
+    plain = batches.LengthGroupedBatchSampler(lengths, 4, seed=0)
+    before = batches.sampler_negatives(plain, keys)
     assert before["rows_without"] == 2020 and before["rows"] == 2116
-    s = support.LengthGroupedBatchSampler(lengths, 4, seed=0, keys=keys, max_per_key=2)
+    s = batches.LengthGroupedBatchSampler(lengths, 4, seed=0, keys=keys, max_per_key=2)
     assert len(s) == 12 and s.rows_left_out == 2116 - 48
     b0 = s.batch_matrix()
     assert b0.shape == (12, 4) and _per_batch_max(keys, b0) == 2 and len(set(b0.ravel())) == 48
-    after = support.sampler_negatives(s, keys)
+    after = batches.sampler_negatives(s, keys)
     assert after["min"] == 2 and after["rows_without"] == 0 and after["mean"] == 2.5
     assert (s.batch_matrix() == b0).all()  # a function of (seed, epoch)
     s.set_epoch(1)
@@ -48,7 +47,7 @@ def test_capped_batch_count_is_the_most_batches_that_fit():
         counts = rng.integers(1, 40, rng.integers(1, 12))
         bs, cap = int(rng.integers(2, 9)), int(rng.integers(1, 4))
         want = max(b for b in range(counts.sum() // bs + 1) if np.minimum(counts, cap * b).sum() >= bs * b)
-        assert support.capped_batch_count(counts, bs, cap) == want
+        assert batches.capped_batch_count(counts, bs, cap) == want
 
 
 def test_the_cap_changes_nothing_where_it_binds_nowhere_and_holds_where_it_does():
@@ -58,19 +57,19 @@ def test_the_cap_changes_nothing_where_it_binds_nowhere_and_holds_where_it_does(
     rng = np.random.default_rng(2)
     keys = np.repeat(np.arange(500), 3)
     lengths = rng.integers(20, 400, len(keys))
-    plain = support.LengthGroupedBatchSampler(lengths, 8, seed=3, spread=4).batch_matrix()
-    kept = support.LengthGroupedBatchSampler(lengths, 8, seed=3, spread=4, keys=keys, max_per_key=4).batch_matrix()
+    plain = batches.LengthGroupedBatchSampler(lengths, 8, seed=3, spread=4).batch_matrix()
+    kept = batches.LengthGroupedBatchSampler(lengths, 8, seed=3, spread=4, keys=keys, max_per_key=4).batch_matrix()
     assert (plain == kept).all()
 
     keys = np.concatenate([np.zeros(300, int), np.ones(200, int), np.arange(2, 402)])
     lengths = rng.integers(20, 400, len(keys))
-    s = support.LengthGroupedBatchSampler(lengths, 8, seed=3, keys=keys, max_per_key=2)
+    s = batches.LengthGroupedBatchSampler(lengths, 8, seed=3, keys=keys, max_per_key=2)
     for epoch in range(3):
         s.set_epoch(epoch)
         b = s.batch_matrix()
         assert b.shape == (len(s), 8) and len(set(b.ravel())) == b.size and _per_batch_max(keys, b) <= 2
     eff = lambda bs: lengths[bs].sum() / (lengths[bs].max(1) * bs.shape[1]).sum()  # noqa: E731
-    unsorted = support.LengthGroupedBatchSampler(lengths, 8, seed=3, group_by_length=False).batch_matrix()
+    unsorted = batches.LengthGroupedBatchSampler(lengths, 8, seed=3, group_by_length=False).batch_matrix()
     assert eff(b) > eff(unsorted) + 0.1, (eff(b), eff(unsorted))
 
 

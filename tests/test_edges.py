@@ -8,7 +8,9 @@ import pytest
 
 import evaluate
 import select_groups
-import support
+import common
+import model_folder
+import run_log
 import train
 from test_train import base_args, groups, run  # noqa: F401  (groups: a fixture)
 
@@ -39,18 +41,18 @@ def test_every_script_refuses_a_tokenizer_that_does_not_fit_the_model(no_tokeniz
 def test_time_per_step_counts_the_steps_of_each_window(tiny_bert, groups, tmp_path, monkeypatch):
     """5 steps logged every 3: the last window holds 2 steps, and its time per step divides by 2, not by 3."""
     clock = {"now": 1000.0}
-    monkeypatch.setattr(support.time, "time", lambda: clock["now"])
-    orig = support.LogWindow.step_done
+    monkeypatch.setattr(run_log.time, "time", lambda: clock["now"])
+    orig = run_log.LogWindow.step_done
 
     def step_done(self, *a, **kw):  # every optimiser step takes 10 s of the fake clock
         clock["now"] += 10.0
         return orig(self, *a, **kw)
 
-    monkeypatch.setattr(support.LogWindow, "step_done", step_done)
+    monkeypatch.setattr(run_log.LogWindow, "step_done", step_done)
     out = tmp_path / "w"
     run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 5, "--logging_steps": 3, "--max_groups": 8,
                                              "--no_save_model": True}))
-    recs = [r for r in support.read_jsonl(out / "train_log.jsonl") if "loss" in r]
+    recs = [r for r in common.read_jsonl(out / "train_log.jsonl") if "loss" in r]
     assert [r["step"] for r in recs] == [3, 5]
     assert [r["time_per_step_s"] for r in recs] == [10.0, 10.0]
 
@@ -69,26 +71,26 @@ def _beir(tmp_path, corpus=None, queries=None, qrels="query-id\tcorpus-id\tscore
 
 def test_beir_reader_reads_bom_headerless_and_trec_qrels(tmp_path):
     want = {"q1": {"d1": 1}, "q2": {"d2": 1}}
-    assert support.load_beir(_beir(tmp_path / "plain"))["qrels"] == want
+    assert common.load_beir(_beir(tmp_path / "plain"))["qrels"] == want
     bom = _beir(tmp_path / "bom", corpus=b"\xef\xbb\xbf" + b'{"_id": "d1", "text": "alpha"}\n{"_id": "d2", "text": "b"}\n',
                 qrels=b"\xef\xbb\xbfquery-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\n")
-    assert support.load_beir(bom)["qrels"] == want
-    assert support.load_beir(_beir(tmp_path / "nohead", qrels="q1\td1\t1\nq2\td2\t1\n"))["qrels"] == want
-    assert support.load_beir(_beir(tmp_path / "trec", qrels="q1 0 d1 1\nq2 0 d2 1\n"))["qrels"] == want
-    assert support.load_beir(_beir(tmp_path / "trectab", qrels="q1\t0\td1\t1\nq2\t0\td2\t1\n"))["qrels"] == want
+    assert common.load_beir(bom)["qrels"] == want
+    assert common.load_beir(_beir(tmp_path / "nohead", qrels="q1\td1\t1\nq2\td2\t1\n"))["qrels"] == want
+    assert common.load_beir(_beir(tmp_path / "trec", qrels="q1 0 d1 1\nq2 0 d2 1\n"))["qrels"] == want
+    assert common.load_beir(_beir(tmp_path / "trectab", qrels="q1\t0\td1\t1\nq2\t0\td2\t1\n"))["qrels"] == want
 
 
 def test_beir_reader_refuses_what_it_cannot_read_naming_the_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=r"corpus.jsonl:2: a BEIR corpus record needs an \"_id\" field; found \['id'"):
-        support.load_beir(_beir(tmp_path / "id", corpus='{"_id": "d1", "text": "a"}\n{"id": "d2", "text": "b"}\n'))
+        common.load_beir(_beir(tmp_path / "id", corpus='{"_id": "d1", "text": "a"}\n{"id": "d2", "text": "b"}\n'))
     with pytest.raises(ValueError, match=r"corpus.jsonl:2: corpus id 'd1' appears twice \(first at line 1\)"):
-        support.load_beir(_beir(tmp_path / "dup", corpus='{"_id": "d1", "text": "a"}\n{"_id": "d1", "text": "b"}\n'))
+        common.load_beir(_beir(tmp_path / "dup", corpus='{"_id": "d1", "text": "a"}\n{"_id": "d1", "text": "b"}\n'))
     with pytest.raises(ValueError, match=r"test.tsv: no judgements \(an empty qrels file\)"):
-        support.load_beir(_beir(tmp_path / "empty", qrels=""))
+        common.load_beir(_beir(tmp_path / "empty", qrels=""))
     with pytest.raises(ValueError, match=r"test.tsv:3: expected query-id, corpus-id, integer score"):
-        support.load_beir(_beir(tmp_path / "bad", qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\n"))
+        common.load_beir(_beir(tmp_path / "bad", qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\n"))
     with pytest.raises(ValueError, match=r"test.tsv:3: query 'q1' x document 'd1' judged twice \(first at line 2\)"):
-        support.load_beir(_beir(tmp_path / "twice", qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td1\t0\n"))
+        common.load_beir(_beir(tmp_path / "twice", qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td1\t0\n"))
 
 
 def test_a_sentence_transformers_folder_keeps_its_length_and_pooling_through_fine_tuning(tiny_bert, tmp_path):
@@ -107,7 +109,7 @@ def test_a_sentence_transformers_folder_keeps_its_length_and_pooling_through_fin
     start = tmp_path / "st_cls"
     tr = Transformer(str(tiny_bert), max_seq_length=200)
     SentenceTransformer(modules=[tr, Pooling(tr.get_embedding_dimension(), "cls"), Normalize()]).save(str(start))
-    assert support.read_max_seq_length(str(start)) == 200 and support.read_pooling(str(start)) == "cls"
+    assert model_folder.read_max_seq_length(str(start)) == 200 and model_folder.read_pooling(str(start)) == "cls"
     out = tmp_path / "ft"
     run(["--model_name_or_path", start, "--beir_dir", make_beir(tmp_path / "beir"), "--output_dir", out,
          "--max_train_steps", 2, "--per_device_train_batch_size", 4, "--report_to", "none", "--negatives_rank_min", 1,
@@ -115,7 +117,7 @@ def test_a_sentence_transformers_folder_keeps_its_length_and_pooling_through_fin
     folder = out / "model"
     st = SentenceTransformer(str(folder), device="cpu")
     assert st.max_seq_length == 200 and st[1].get_config_dict()["pooling_mode"] == "cls"
-    assert support.read_pooling(str(folder)) == "cls" and support.read_max_seq_length(str(folder)) == 200
+    assert model_folder.read_pooling(str(folder)) == "cls" and model_folder.read_max_seq_length(str(folder)) == 200
     texts = ["a cls pooled model", "keeps its pooling"]
     from transformers import AutoModel, AutoTokenizer
 

@@ -14,7 +14,7 @@ import evaluate as ev
 import torch
 from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
-from support import E5_PROMPTS, NO_PROMPTS, UserError, load_beir, model_prompts, resolve_model_path
+from common import E5_PROMPTS, NO_PROMPTS, load_beir, model_prompts, resolve_model_path, UserError
 
 # ---------------------------------------------------------------- fake data and a controllable model
 
@@ -514,7 +514,7 @@ def test_mteb_loader_reads_evaluate_results_folder(tiny_bert, beir, tmp_path, ca
     for task, score in scores.items():
         assert score == pytest.approx(table[task], abs=1e-9)
     assert 0.0 < table["SciFact"] <= 100.0
-    # the card of the xprt folder holds the scores (support.add_eval_results_to_card): local folders in a section of
+    # the card of the xprt folder holds the scores (model_folder.add_eval_results_to_card): local folders in a section of
     # their own, saying what was scored, never in the model-index under MTEB's task names, and no local path
     from huggingface_hub import ModelCard
 

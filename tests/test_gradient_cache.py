@@ -93,7 +93,7 @@ def test_each_chunk_replays_its_dropout_and_the_decoder_draws_its_own(tiny_bert,
     once drew chunk j + 1's encoder masks bit for bit)."""
     model = make_model(tiny_bert).train()
     vectors, encoder_states, decoder_states = [], [], []
-    encode, row_terms = model.method.encode, model.method.row_terms
+    encode, row_terms = model.objective.encode, model.objective.row_terms
 
     def recorded_encode(m, part):
         encoder_states.append(torch.get_rng_state())
@@ -105,8 +105,8 @@ def test_each_chunk_replays_its_dropout_and_the_decoder_draws_its_own(tiny_bert,
         decoder_states.append(torch.get_rng_state())
         return row_terms(m, part, states, vec)
 
-    monkeypatch.setattr(model.method, "encode", recorded_encode)
-    monkeypatch.setattr(model.method, "row_terms", recorded_row_terms)
+    monkeypatch.setattr(model.objective, "encode", recorded_encode)
+    monkeypatch.setattr(model.objective, "row_terms", recorded_row_terms)
     model.cached_step(_batch(tok, "xprt"), 2, lambda loss: loss.backward())
     assert len(vectors) == 6 and len(decoder_states) == 3  # 3 chunks without gradient, then with
     assert all(torch.equal(a, b) for a, b in zip(vectors[:3], vectors[3:]))
@@ -253,12 +253,12 @@ def test_a_cached_run_resumes_exactly_and_runs_in_bf16(tiny_bert, groups, tmp_pa
 
 def _accelerated_grads(model, batches, teacher, chunk, ga, scale=None):
     """One optimiser step of `batches` (its micro-batches) under a real Accelerator with gradient accumulation `ga`,
-    each micro-batch plain (accelerator.backward) or cached (support.gradient_cache_step), with a GradScaler as fp16
+    each micro-batch plain (accelerator.backward) or cached (training.gradient_cache_step), with a GradScaler as fp16
     mixed precision builds when `scale` is given. -> every parameter's gradient, unscaled (divided by the scale)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    import support
+    import training
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
@@ -272,7 +272,7 @@ def _accelerated_grads(model, batches, teacher, chunk, ga, scale=None):
         torch.manual_seed(100 + i)  # what prepare draws (RetroMAE's masks, SimLM's replacements): the same both ways
         with acc.accumulate(prepared):
             if chunk:
-                support.gradient_cache_step(acc, prepared, batch, chunk, **kw)
+                training.gradient_cache_step(acc, prepared, batch, chunk, **kw)
             else:
                 acc.backward(prepared(batch, **kw)["loss"])
     return {n: q.grad.clone() / (scale or 1.0) for n, q in model.named_parameters() if q.grad is not None}
@@ -310,7 +310,7 @@ def test_cached_accumulated_step_equals_the_plain_one(tiny_bert, tok, positional
     if objective == "pair":
         batches = [_batch(tok, objective)] + ([_batch(tok, objective, seed=5, rows_seed=1)] if ga == 2 else [])
     else:  # the objective's own collator
-        batches = [model.method.make_collator(tok, seed=s)(toy_rows(5, docs=[0, 0, 1, 2, 3], seed=r))
+        batches = [model.objective.make_collator(tok, seed=s)(toy_rows(5, docs=[0, 0, 1, 2, 3], seed=r))
                    for s, r in [(4, 0), (5, 1)][:ga]]
     plain = _accelerated_grads(model, batches, teacher, None, ga, scale)
     cached = _accelerated_grads(model, batches, teacher, 2, ga, scale)
@@ -321,12 +321,12 @@ def test_cached_accumulated_step_equals_the_plain_one(tiny_bert, tok, positional
 
 
 def test_all_reduce_is_bucketed(tmp_path, monkeypatch):
-    """support.all_reduce_mean: one collective per bucket (not per parameter), every gradient averaged over the
+    """training.all_reduce_mean: one collective per bucket (not per parameter), every gradient averaged over the
     processes, buckets never mixing dtypes. One gloo process: the sum is the tensor itself, the mean divides by the
     world size given."""
     import torch.distributed as dist
 
-    import support
+    import training
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -336,7 +336,7 @@ def test_all_reduce_is_bucketed(tmp_path, monkeypatch):
         torch.manual_seed(0)
         grads = [torch.randn(n) for n in (100, 200, 50, 300, 10)] + [torch.randn(40, dtype=torch.float64)]
         want = [g / 4 for g in grads]
-        support.all_reduce_mean(grads, 4, bucket_bytes=1600)  # 400 fp32 values a bucket
+        training.all_reduce_mean(grads, 4, bucket_bytes=1600)  # 400 fp32 values a bucket
         assert calls == [350, 310, 40]  # [100, 200, 50] | [300, 10] | the float64 one
         assert all(torch.equal(g, w) for g, w in zip(grads, want))
     finally:

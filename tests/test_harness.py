@@ -2,7 +2,7 @@
 logged as teacher_cosine).
 
 The fast tests check the parts on real outputs: the arms follow train.py's parser, the paper scale's dry run prints
-its commands and a GPU-hour estimate from train.step_flops, the device round trip's packing keeps every weight (to
+its commands and a GPU-hour estimate from run_log.step_flops, the device round trip's packing keeps every weight (to
 fp16) and the return limits, --save_best keeps the best-scored model. Two slow tests run the tiny scale end to end
 and the gpu scale's three commands (build, device, score) at toy size on the CPU.
 """
@@ -16,8 +16,8 @@ import torch
 from conftest import build_tiny_bert, cli_args
 
 import train
-from experiments.paper import device, page, run
-from support import UserError
+from experiments.paper import device, run, stages
+from common import UserError
 from test_train import make_groups
 from test_train import run as run_train
 
@@ -28,13 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # configs and arms
 # ---------------------------------------------------------------------------------------------------------------
 def test_arms_are_train_py_objectives_plus_the_ablations(monkeypatch):
-    exp = run.load_config("tiny")["experiments"][0]
-    arms = run.arms_of(exp)
+    exp = stages.load_config("tiny")["experiments"][0]
+    arms = stages.arms_of(exp)
     choices = train.build_parser()._option_string_actions["--objective"].choices
-    assert set(arms) == set(choices) | set(run.ABLATIONS)
+    assert set(arms) == set(choices) | set(stages.ABLATIONS)
     own = exp.get("objective_flags", {})  # an objective's own flags (SimLM's generator)
     for o in choices:
-        assert arms[o]["flags"] == ([] if o == "xprt" else ["--objective", o] + run.argv_of(own.get(o, {})))
+        assert arms[o]["flags"] == ([] if o == "xprt" else ["--objective", o] + stages.argv_of(own.get(o, {})))
     assert arms["simlm"]["flags"][2:] == ["--generator_name_or_path", "{start}", "--baseline_setting", "official"]
     assert arms["revela"]["flags"][2:4] == ["--lm_name_or_path", "{lm}"]
     assert arms["self_reconstruction_5x"]["steps_factor"] == 5 and arms["e5_ranking"]["ranking"] == "e5"
@@ -47,18 +47,18 @@ def test_arms_are_train_py_objectives_plus_the_ablations(monkeypatch):
         return p
 
     monkeypatch.setattr(train, "build_parser", with_new_objective)
-    assert run.arms_of(exp)["new_objective"]["flags"] == ["--objective", "new_objective"]
-    assert "new_objective" not in run.arms_of({**exp, "arms": ["xprt", "no_fill_in"]})
-    assert set(run.arms_of({**exp, "arms": "objectives"})) == {*choices, "new_objective"}
+    assert stages.arms_of(exp)["new_objective"]["flags"] == ["--objective", "new_objective"]
+    assert "new_objective" not in stages.arms_of({**exp, "arms": ["xprt", "no_fill_in"]})
+    assert set(stages.arms_of({**exp, "arms": "objectives"})) == {*choices, "new_objective"}
     with pytest.raises(SystemExit, match="unknown arms"):
-        run.arms_of({**exp, "arms": ["xprt", "nope"]})
+        stages.arms_of({**exp, "arms": ["xprt", "nope"]})
 
 
 def test_every_arm_gets_the_same_budget():
-    exp = run.load_config("tiny")["experiments"][0]
-    arms = run.arms_of(exp)
+    exp = stages.load_config("tiny")["experiments"][0]
+    arms = stages.arms_of(exp)
     groups = {"rrf": "g", "e5": "g_e5", "tfidf": "g_tfidf"}
-    argvs = {a: run.train_argv(exp, arm, "start", groups, 1, 4, Path("o") / a) for a, arm in arms.items()}
+    argvs = {a: stages.train_argv(exp, arm, "start", groups, 1, 4, Path("o") / a) for a, arm in arms.items()}
     parsed = {a: train.build_parser().parse_args(argv) for a, argv in argvs.items()}  # as train.py reads them
     for a, f in parsed.items():
         assert f.model_name_or_path == "start" and f.seed == 1 and f.retention_weight == 0
@@ -67,29 +67,29 @@ def test_every_arm_gets_the_same_budget():
     assert parsed["no_fill_in"].no_fill_in and parsed["random_positive"].positive == "random"
     assert parsed["tfidf_ranking"].groups_dir == "g_tfidf" and parsed["xprt"].groups_dir == "g"
     assert parsed["contrastive_random_span"].objective == "contrastive_random_span"
-    assert run.argv_of({"--a": True, "--b": None, "--c": [1, 2], "--d": 0.5, "--e": False}) == \
+    assert stages.argv_of({"--a": True, "--b": None, "--c": [1, 2], "--d": 0.5, "--e": False}) == \
         ["--a", "--c", "1", "2", "--d", "0.5"]
 
 
 def test_toy_overrides_merge_one_level_down():
-    exp = run.load_config("gpu", toy=True)["experiments"][0]
+    exp = stages.load_config("gpu", toy=True)["experiments"][0]
     assert exp["train"]["--per_device_train_batch_size"] == 8  # the toy's
     assert exp["train"]["--learning_rate"] == 1e-4  # the gpu config's, kept
     assert exp["start"]["flags"]["--hidden_size"] == 32 and "--bf16" not in exp["start"]["flags"]
-    full = run.load_config("gpu")["experiments"][0]
+    full = stages.load_config("gpu")["experiments"][0]
     assert full["train"]["--per_device_train_batch_size"] == 256 and full["start"]["flags"]["--bf16"] is True
     assert not any("{shared}" in t for t in full["eval"]["--local_tasks"])
 
 
 def test_flop_estimate_is_train_step_flops_and_scales_with_the_batch():
-    exp = run.load_config("tiny")["experiments"][0]
-    arms = run.arms_of(exp)
-    f = {a: run.estimate_flops(exp, arm) for a, arm in arms.items()}
+    exp = stages.load_config("tiny")["experiments"][0]
+    arms = stages.arms_of(exp)
+    f = {a: stages.estimate_flops(exp, arm) for a, arm in arms.items()}
     assert f["xprt"] > f["no_fill_in"] > 0 and f["xprt"] > f["contrastive_random_span"] > 0
     assert f["xprt"] == f["e5_ranking"] == f["random_positive"]  # same shapes
     double = {**exp, "train": {**exp["train"], "--per_device_train_batch_size": 16}}
     # twice the rows: twice the work, up to the random count of masked positions the heads predict
-    assert run.estimate_flops(double, arms["xprt"]) == pytest.approx(2 * f["xprt"], rel=0.01)
+    assert stages.estimate_flops(double, arms["xprt"]) == pytest.approx(2 * f["xprt"], rel=0.01)
 
 
 def test_paper_dry_run_prints_the_plan_and_gpu_hours(capsys):
@@ -101,12 +101,12 @@ def test_paper_dry_run_prints_the_plan_and_gpu_hours(capsys):
     assert "--benchmark 'MTEB(eng, v2)'" in text and "GPU-hours of from_bert" in text
     # the from-BERT runs read E5's groups, every ranking from the 100K experiment's folders
     assert "--groups_dir outputs/paper/paper/e5_100k/groups_tfidf" in text
-    exp = run.load_config("paper")["experiments"][0]
-    rows = run.gpu_hours(exp, run.arms_of(exp), [1], None)
+    exp = stages.load_config("paper")["experiments"][0]
+    rows = stages.gpu_hours(exp, stages.arms_of(exp), [1], None)
     xprt = rows[0]
     # 100K documents x 7.0 groups, one epoch, 32 groups x 8 GPUs per step
     assert xprt["steps"] == 2735 and xprt["processes"] == 8
-    assert xprt["tflop_per_step"] == pytest.approx(8 * run.estimate_flops(exp, run.arms_of(exp)["xprt"]) / 1e12)
+    assert xprt["tflop_per_step"] == pytest.approx(8 * stages.estimate_flops(exp, stages.arms_of(exp)["xprt"]) / 1e12)
     hours = xprt["tflop_per_step"] * 1e12 * xprt["steps"] / (989e12 * 0.15) / 3600
     assert xprt["gpu_hours"]["0.15"] == pytest.approx(hours)
     assert f"{xprt['steps']:>8}" in text
@@ -200,8 +200,8 @@ def test_teacher_cosine_is_one_at_the_start(tmp_path, tiny_bert):
 def test_tiny_scale_end_to_end(tmp_path):
     out = tmp_path / "tiny"
     run.main(["--scale", "tiny", "--out", str(out)])
-    exp = run.load_config("tiny")["experiments"][0]
-    arms = list(run.arms_of(exp))
+    exp = stages.load_config("tiny")["experiments"][0]
+    arms = list(stages.arms_of(exp))
     res = json.loads((out / "results.json").read_text())
     assert res["arms"] == arms and len(res["per_seed"]) == 1
     ev = json.loads((out / "eval_s1" / "results.json").read_text())

@@ -1,12 +1,11 @@
-"""The memory estimate printed before the first step (support.memory_estimate) and the out-of-memory message
-(support.explain_oom): the measured per-token-per-layer figure, the token-layers a step trains per group, one line that
+"""The memory estimate printed before the first step (run_log.memory_estimate) and the out-of-memory message
+(run_log.explain_oom): the measured per-token-per-layer figure, the token-layers a step trains per group, one line that
 names the flags."""
 
 import pytest
 import torch
 
-import modeling_xprt as mx
-import support
+import run_log
 from test_modeling import collator_for, make_model, tok, toy_rows  # noqa: F401  (tok: a fixture)
 
 
@@ -17,8 +16,8 @@ def test_layer_tokens_per_group_counts_every_trained_pass(tiny_bert, tok):
     batch = collator_for("xprt", tok, seed=0)(toy_rows(4))
     g, p, l = batch["input_ids"].shape
     want = (p * l * 2 + batch["dec_input_ids"][0].numel() * 1 + batch["retain_input_ids"][0].numel() * 2)
-    assert support.layer_tokens_per_group(model, batch, retention=True) == want
-    assert support.layer_tokens_per_group(model, batch, retention=False) == want - batch["retain_input_ids"][0].numel() * 2
+    assert run_log.layer_tokens_per_group(model, batch, retention=True) == want
+    assert run_log.layer_tokens_per_group(model, batch, retention=False) == want - batch["retain_input_ids"][0].numel() * 2
 
 
 def test_moco_keys_are_not_counted_as_trained(tiny_bert, tok):
@@ -30,8 +29,8 @@ def test_moco_keys_are_not_counted_as_trained(tiny_bert, tok):
     q, k = batch["q_input_ids"][0].numel() * 2, batch["k_input_ids"][0].numel() * 2  # 2 layers
     inbatch = make_model(tiny_bert, "contriever", contrastive_mode="inbatch")
     moco = make_model(tiny_bert, "contriever", contrastive_mode="moco", moco_queue_size=8)
-    assert support.layer_tokens_per_group(inbatch, batch, retention=False) == q + k
-    assert support.layer_tokens_per_group(moco, batch, retention=False) == q
+    assert run_log.layer_tokens_per_group(inbatch, batch, retention=False) == q + k
+    assert run_log.layer_tokens_per_group(moco, batch, retention=False) == q
 
 
 def test_activation_figure_is_per_token_and_per_layer(tiny_bert):
@@ -42,9 +41,9 @@ def test_activation_figure_is_per_token_and_per_layer(tiny_bert):
     cpu = torch.device("cpu")
     small = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
     wide = BertModel(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128))
-    a = support.activation_bytes_per_token_layer(small, 32, cpu)
-    b = support.activation_bytes_per_token_layer(wide, 32, cpu)
-    c = support.activation_bytes_per_token_layer(small, 64, cpu)
+    a = run_log.activation_bytes_per_token_layer(small, 32, cpu)
+    b = run_log.activation_bytes_per_token_layer(wide, 32, cpu)
+    c = run_log.activation_bytes_per_token_layer(small, 64, cpu)
     assert a > 0 and b > 1.3 * a and c > 1.1 * a, (a, b, c)
 
 
@@ -54,17 +53,17 @@ def test_bert_base_figure_under_bf16_autocast():
     issue's 176 GiB for 256 groups with retention)."""
     from transformers import BertConfig, BertModel
 
-    got = support.activation_bytes_per_token_layer(BertModel(BertConfig(num_hidden_layers=1)), 128,
+    got = run_log.activation_bytes_per_token_layer(BertModel(BertConfig(num_hidden_layers=1)), 128,
                                                    torch.device("cpu"), torch.bfloat16)
     assert 50 * 1024 < got < 62 * 1024, got / 1024
 
 
 def test_out_of_memory_is_one_line_naming_the_flags():
-    support._MEMORY_NOTE.clear()
-    support._MEMORY_NOTE.update({"batch": 256, "batch_gib": 170.0, "gib_per_group": 0.65, "groups_that_fit": 190,
+    run_log._MEMORY_NOTE.clear()
+    run_log._MEMORY_NOTE.update({"batch": 256, "batch_gib": 170.0, "gib_per_group": 0.65, "groups_that_fit": 190,
                                  "cache_chunk": 128, "fixed_gib": 2.0, "bytes_per_token_layer": 56e3})
 
-    @support.explain_oom
+    @run_log.explain_oom
     def main():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
 

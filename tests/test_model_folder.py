@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import architectures
 import finetune
 import modeling_xprt as mx
-import support as sp
+import common
+import model_folder
 from test_finetune import make_beir
 from test_train import base_args, make_groups, run
 
@@ -138,7 +138,7 @@ def test_push_to_hub_creates_the_repo_and_uploads_the_final_folder(runs):
     assert (u_name, u_repo, u_folder) == ("upload_folder", HUB_ID, runs["model"])
     assert {"README.md", "model.safetensors", "modules.json", "config_sentence_transformers.json",
             "xprt_heads.safetensors", "1_Pooling"} <= set(u_files)
-    with pytest.raises(sp.UserError, match="--hub_model_id"):
+    with pytest.raises(common.UserError, match="--hub_model_id"):
         finetune.parse_args(["--output_dir", "x", "--beir_dir", "b", "--push_to_hub"])
 
 
@@ -147,14 +147,14 @@ def test_base_model_and_licence_of_a_hub_start_model(tmp_path):
     named; a folder saved from MiniLM carries MiniLM's pooler unchanged."""
     from safetensors.torch import load_file
 
-    assert sp.hub_base_model("all-MiniLM-L6-v2") == "sentence-transformers/all-MiniLM-L6-v2"
-    assert sp.hub_base_model("intfloat/e5-base-unsupervised") == "intfloat/e5-base-unsupervised"
-    assert sp.hub_base_model(str(tmp_path)) is None
-    assert sp.card_license("all-MiniLM-L6-v2") == "apache-2.0"
+    assert model_folder.hub_base_model("all-MiniLM-L6-v2") == "sentence-transformers/all-MiniLM-L6-v2"
+    assert model_folder.hub_base_model("intfloat/e5-base-unsupervised") == "intfloat/e5-base-unsupervised"
+    assert model_folder.hub_base_model(str(tmp_path)) is None
+    assert model_folder.card_license("all-MiniLM-L6-v2") == "apache-2.0"
     model = mx.XPRTModel.from_pretrained("all-MiniLM-L6-v2")
     assert model.info.base_model == "sentence-transformers/all-MiniLM-L6-v2"
-    start = load_file(str(Path(sp.resolve_model_path("all-MiniLM-L6-v2")) / "model.safetensors"))
-    saved = architectures.complete_base_state_dict(model)
+    start = load_file(str(Path(common.resolve_model_path("all-MiniLM-L6-v2")) / "model.safetensors"))
+    saved = model_folder.complete_base_state_dict(model)
     assert torch.equal(saved["pooler.dense.weight"], start["pooler.dense.weight"])
 
 
@@ -200,14 +200,14 @@ def test_eval_results_section_is_rewritten_not_repeated(runs, tmp_path):
     folder = tmp_path / "m"
     shutil.copytree(runs["model"], folder)
     before = (folder / "README.md").read_text()
-    sp.add_eval_results_to_card(folder, {"SciFact": {"metric": "ndcg_at_10", "score": 61.234},
+    model_folder.add_eval_results_to_card(folder, {"SciFact": {"metric": "ndcg_at_10", "score": 61.234},
                                          "STSBenchmark": {"metric": "cosine_spearman", "score": 80.5}}, "evaluate.py")
-    sp.add_eval_results_to_card(folder, {"SciFact": {"metric": "ndcg_at_10", "score": 62.0}}, "evaluate.py (2)")
+    model_folder.add_eval_results_to_card(folder, {"SciFact": {"metric": "ndcg_at_10", "score": 62.0}}, "evaluate.py (2)")
     text = (folder / "README.md").read_text()
-    assert text.count("## Evaluation") == 1 and text.count(sp.EVAL_SECTION_START) == 1
+    assert text.count("## Evaluation") == 1 and text.count(model_folder.EVAL_SECTION_START) == 1
     assert "| SciFact | Retrieval | ndcg_at_10 | 62.00 |" in text and "| STSBenchmark | STS | cosine_spearman | 80.50 |" \
         in text and "61.23" not in text
-    sp.add_eval_results_to_card(folder, {"ArguAna": {"metric": "ndcg_at_10", "score": 40.0, "dataset_id": "mteb/arguana",
+    model_folder.add_eval_results_to_card(folder, {"ArguAna": {"metric": "ndcg_at_10", "score": 40.0, "dataset_id": "mteb/arguana",
                                                      "split": "test", "revision": "abc123"}}, "evaluate.py (3)")
     arg = [e for e in ModelCard.load(folder / "README.md").data.eval_results if e.dataset_name == "ArguAna"][0]
     assert (arg.dataset_type, arg.dataset_split, arg.dataset_revision) == ("mteb/arguana", "test", "abc123")
@@ -219,4 +219,4 @@ def test_eval_results_section_is_rewritten_not_repeated(runs, tmp_path):
     assert card.data.model_name == HUB_ID
     assert ModelCard(before).text.strip() in card.text  # everything else kept
     with pytest.raises(ValueError, match="metric"):
-        sp.add_eval_results_to_card(folder, {"X": {"score": 1}}, "s")
+        model_folder.add_eval_results_to_card(folder, {"X": {"score": 1}}, "s")

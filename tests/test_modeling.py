@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import baselines
 import architectures
+import baselines
+import common
 import modeling_xprt as mx
-import support as sp
 from fused_vocab import linear_cross_entropy, linear_kl_div
-from support import read_max_seq_length
+from model_folder import read_max_seq_length
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -269,7 +269,7 @@ def test_pair_collator_gives_text_ids_and_the_model_masks_with_them(tiny_bert, t
             {"query": "who calls strikes", "positive": "the umpire calls strikes",
              "negatives": ["a perfect game is rare"]},
             {"query": "ball and bat", "positive": "no hitter and perfect game", "negatives": ["stocks rose"]}]
-    h = sp.stable_doc_hash
+    h = common.stable_doc_hash
     batch = mx.PairCollator(tok, num_negatives=1)(rows)
     assert batch["passage_ids"].tolist() == [[h(t) for t in [r["positive"]] + r["negatives"]] for r in rows]
     assert batch["relevant_ids"].tolist() == [[h(rows[0]["positive"]), h(rows[2]["positive"])],
@@ -398,12 +398,12 @@ def test_batched_forward_matches_loops_of_single_passes(tiny_bert, tok):
         ref_xp = mx.xp_loss(vec[:, 0], vec[:, 1], batch["doc_ids"])
         assert torch.allclose(out["xp_loss"], ref_xp, atol=1e-5)
         ce_sum, ce_n, kl_sum, kl_n = 0.0, 0, 0.0, 0
-        c = model.method.num_condition_vectors
+        c = model.objective.num_condition_vectors
         for gi in range(g):
             for d in range(len(source)):  # one decoder pass at a time
                 ids = batch["dec_input_ids"][gi, d : d + 1]
                 am = batch["attention_mask"][gi, target[d]].unsqueeze(0)
-                x = model.method.decoder(vec[gi, source[d]].unsqueeze(0), model.base.embeddings(input_ids=ids), am)[0]
+                x = model.objective.decoder(vec[gi, source[d]].unsqueeze(0), model.base.embeddings(input_ids=ids), am)[0]
                 tokens = torch.cat([x[:1], x[1 + c :]])  # drop the conditioning slots: (L, H)
                 logits = head(tokens)
                 lab = batch["dec_labels"][gi, d]
@@ -418,7 +418,7 @@ def test_batched_forward_matches_loops_of_single_passes(tiny_bert, tok):
     assert torch.allclose(out["cross_fill_loss"], ce_sum / ce_n, atol=1e-4)
     assert torch.allclose(out["self_fill_loss"], kl_sum / kl_n, atol=1e-5)
     # and the weighted sum
-    w = model.method.weights
+    w = model.objective.weights
     total = (w.xp * out["xp_loss"] + w.cross * out["cross_fill_loss"] + w.self_fill * out["self_fill_loss"]
              + w.mlm * out["mlm_loss"] + w.unif * out["uniformity_loss"])
     assert torch.allclose(out["loss"].detach(), total, atol=1e-5)
@@ -447,7 +447,7 @@ def test_shared_weights_are_one_tensor(tiny_bert):
     assert w.data_ptr() == model.base.embeddings.word_embeddings.weight.data_ptr()
     assert b is model.encoder.cls.predictions.bias
     # the decoder owns no embedding table nor head of its own
-    names = [k for k, _ in model.method.decoder.named_parameters()]
+    names = [k for k, _ in model.objective.decoder.named_parameters()]
     assert not any("embeddings" in k or "predictions" in k for k in names)
     # one tensor: each parameter counted once
     ids = [id(q) for q in model.parameters()]
@@ -478,7 +478,7 @@ def test_decoder_really_uses_the_conditioning(tiny_bert, tok):
     assert layer_w.grad is not None and layer_w.grad.abs().sum() > 0
     only_cross.zero_grad()
     with torch.no_grad():
-        only_cross.method.decoder.condition.weight.zero_()  # cut the conditioning: no more gradient there
+        only_cross.objective.decoder.condition.weight.zero_()  # cut the conditioning: no more gradient there
     only_cross(batch)["loss"].backward()
     assert layer_w.grad is None or layer_w.grad.abs().sum() == 0
 
@@ -498,9 +498,9 @@ def test_decoder_really_uses_the_conditioning(tiny_bert, tok):
             ids = batch["dec_input_ids"][:, idx].reshape(-1, l)
             labels = batch["dec_labels"][:, idx].reshape(-1, l)
             am = batch["attention_mask"][:, torch.tensor([target[i] for i in cross])].reshape(-1, l)
-            x = model.method.decoder(anchors.repeat_interleave(len(cross), 0), model.base.embeddings(input_ids=ids), am)
+            x = model.objective.decoder(anchors.repeat_interleave(len(cross), 0), model.base.embeddings(input_ids=ids), am)
             rows = mx.ConditionedDecoder.output_rows((labels != -100).reshape(-1).nonzero().squeeze(1), l,
-                                                     model.method.num_condition_vectors)
+                                                     model.objective.num_condition_vectors)
             return mx.cross_fill_loss(model, x.reshape(-1, x.shape[-1]).index_select(0, rows), labels[labels != -100])
 
     true, shuffled = fill_loss(torch.arange(g)), fill_loss(torch.roll(torch.arange(g), 1))
@@ -588,7 +588,7 @@ def test_xprt_collator_masks_and_resume(tok):
     assert (b["dec_input_ids"][dl != -100] == tok.mask_token_id).all()
     assert 0.5 < (dl != -100).sum().item() / (~torch.isin(dtarget, torch.tensor(tok.all_special_ids))).sum().item() < 0.7
     assert torch.equal(b["retain_input_ids"][:, 0, : l], clean[:, 0, : b["retain_input_ids"].shape[2]])
-    # the generator's seed gives the exact batch (training re-seeds it per batch: support.Collate; resume)
+    # the generator's seed gives the exact batch (training re-seeds it per batch: batches.SeededCollate; resume)
     col2 = mx.XPRTCollator(tok, seed=123)
     col2.generator.manual_seed(7)
     b2 = col2(rows)
@@ -668,8 +668,8 @@ def test_load_mlm_encoder_without_head_and_head_from_other_checkpoint(tiny_bert,
     donor, _ = architectures.load_mlm_encoder(str(tiny_bert))
     model2, msg2 = architectures.load_mlm_encoder(str(base_only), mlm_head_from=str(tiny_bert))
     assert "copied" in msg2
-    for k, v in architectures._head_params(donor).items():
-        assert torch.equal(architectures._head_params(model2)[k], v)
+    for k, v in architectures.head_params(donor).items():
+        assert torch.equal(architectures.head_params(model2)[k], v)
     assert model2.get_output_embeddings().weight is model2.get_input_embeddings().weight
 
 

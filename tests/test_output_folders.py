@@ -1,10 +1,10 @@
-"""Nothing a user owns is deleted (support.claim_output_folder). Over the family: each script (select_groups, train,
+"""Nothing a user owns is deleted (common.claim_output_folder). Over the family: each script (select_groups, train,
 finetune, evaluate), each kind of input inside its output folder (and the output folder inside an input), a
 stranger's file in it, a folder that cannot be written. A script replaces only the outputs its record
 (.xprt/outputs.json) says it wrote; --overwrite leaves everything else as it was, byte for byte.
 
 The tests run as root, whom chmod does not stop: the unwritable folder is one under a regular file (ENOTDIR for
-everyone), which support.check_writable's probe (a real mkdir and file) meets as a user would."""
+everyone), which common.check_writable's probe (a real mkdir and file) meets as a user would."""
 
 import hashlib
 import json
@@ -16,7 +16,8 @@ import pytest
 import evaluate as ev
 import finetune
 import select_groups as sg
-import support
+import common
+import training
 import train
 from test_evaluate import write_beir
 from test_finetune import make_beir
@@ -130,7 +131,7 @@ def test_an_input_inside_the_output_folder_is_refused_and_kept(case, fx, tmp_pat
     (out / "notes.txt").write_text("a stranger's file\n")
     inp = place(fx)(out)
     before = digest(out)
-    with pytest.raises(support.UserError, match=f"--output_dir {out} holds {flag} {inp}"):
+    with pytest.raises(common.UserError, match=f"--output_dir {out} holds {flag} {inp}"):
         run(main, argv(fx, out, inp))
     assert digest(out) == before  # the input and the stranger's file, byte for byte; nothing written
 
@@ -148,13 +149,13 @@ def test_an_output_folder_inside_an_input_or_under_a_file_is_refused(main, argv,
     shutil.copytree(fx["model"], model)
     before = digest(model)
     fx_inside = {**fx, "model": model}
-    with pytest.raises(support.UserError, match=f"--output_dir {model / 'out'} is inside --(model_name_or_path|models) "
+    with pytest.raises(common.UserError, match=f"--output_dir {model / 'out'} is inside --(model_name_or_path|models) "
                                                 f"{model}"):
         run(main, argv(fx_inside, model / "out"))
     assert digest(model) == before and not (model / "out").exists()
     blocker = tmp_path / "a_file"
     blocker.write_text("a regular file\n")
-    with pytest.raises(support.UserError, match=f"cannot write there \\({blocker} is a file\\)"):
+    with pytest.raises(common.UserError, match=f"cannot write there \\({blocker} is a file\\)"):
         run(main, argv(fx, blocker / "out"))
     assert blocker.read_text() == "a regular file\n"
 
@@ -176,7 +177,7 @@ def test_a_strangers_file_named_like_an_output_is_never_replaced(main, argv, nam
     (out / "model").mkdir(parents=True) if name == "model" else out.mkdir()
     (out / name / "weights.bin" if name == "model" else out / name).write_text("mine\n")
     before = digest(out)
-    with pytest.raises(support.UserError, match=f"{out / name} exists and .* has no record of writing it"):
+    with pytest.raises(common.UserError, match=f"{out / name} exists and .* has no record of writing it"):
         run(main, argv(fx, out))
     assert digest(out) == before
 
@@ -196,7 +197,7 @@ def test_select_groups_overwrite_replaces_its_own_outputs_only(fx, tmp_path):
     first = sg.main(select_args(fx["model"], fx["corpus"], out)) or json.loads((out / "stats.json").read_text())
     kept = strangers(out)
     shards = sorted(p.name for p in out.glob("groups-*.parquet"))
-    with pytest.raises(support.UserError, match="holds a finished selection"):
+    with pytest.raises(common.UserError, match="holds a finished selection"):
         sg.main(select_args(fx["model"], fx["corpus"], out))
     sg.main(select_args(fx["model"], fx["corpus"], out, **{"--overwrite": True, "--num_related": 2,
                                                             "--max_docs": 3}))
@@ -219,7 +220,7 @@ def test_train_overwrite_replaces_its_own_outputs_only(fx, tmp_path):
     kept = strangers(out)
     (out / ".tmp-4242-train_log.jsonl").write_text("a killed run's half-written log\n")
     old_model = digest(out / "model")
-    with pytest.raises(support.UserError, match="model exists: pass --overwrite"):
+    with pytest.raises(common.UserError, match="model exists: pass --overwrite"):
         run(train.main, train_args(fx["model"], fx["groups"], out))
     run(train.main, train_args(fx["model"], fx["groups"], out, **{"--overwrite": True, "--max_train_steps": 2,
                                                                   "--logging_steps": 1}))
@@ -249,7 +250,7 @@ def test_evaluate_overwrite_replaces_its_own_outputs_only(fx, tmp_path):
     ev.main(argv)
     kept = strangers(out)
     first = (out / "results.json").read_text()
-    with pytest.raises(support.UserError, match="already has"):
+    with pytest.raises(common.UserError, match="already has"):
         ev.main(argv)
     ev.main(argv + ["--overwrite", "--limit", "1"])
     assert {k: v for k, v in digest(out).items() if k in kept} == kept
@@ -261,15 +262,15 @@ def test_remove_outputs_refuses_what_the_record_does_not_list(tmp_path):
     """The one function that deletes: only paths the script's record lists (a mistake in a caller cannot delete a
     stranger's file), plus the '.tmp-' leftovers of those outputs' atomic writes."""
     out = tmp_path / "out"
-    support.check_writable(out)
-    support.record_outputs(out, "train.py", support.RUN_OUTPUTS)
+    common.check_writable(out)
+    common.record_outputs(out, "train.py", training.RUN_OUTPUTS)
     (out / "train_log.jsonl").write_text("{}\n")
     (out / "notes.txt").write_text("mine\n")
     (out / ".tmp-7-train_log.jsonl").write_text("half\n")
     (out / ".tmp-7-notes.txt").write_text("a stranger's own temporary\n")
     with pytest.raises(RuntimeError, match="notes.txt: not an output train.py recorded"):
-        support.remove_outputs(out, "train.py", [out / "notes.txt"])
+        common.remove_outputs(out, "train.py", [out / "notes.txt"])
     with pytest.raises(RuntimeError, match="not an output finetune.py recorded"):
-        support.remove_outputs(out, "finetune.py", [out / "train_log.jsonl"])
-    support.remove_outputs(out, "train.py", [out / "train_log.jsonl"])
+        common.remove_outputs(out, "finetune.py", [out / "train_log.jsonl"])
+    common.remove_outputs(out, "train.py", [out / "train_log.jsonl"])
     assert sorted(p.name for p in out.iterdir()) == [".tmp-7-notes.txt", ".xprt", "notes.txt"]

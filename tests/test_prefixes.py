@@ -13,7 +13,7 @@ from conftest import cli_args
 from architectures import load_teacher
 from modeling_xprt import XPRTCollator, XPRTModel
 from test_modeling import collator_for
-from support import E5_PROMPTS, model_prompts
+from common import E5_PROMPTS, model_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,8 @@ import pytest
 
 import finetune
 import select_groups as sg
-import support
+import common
+import model_folder
 from test_select_groups import _docs, _run, _write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,7 +202,7 @@ def test_train_data_with_beir_dir_trains_on_one_source_and_each_pair_once(tmp_pa
     data = _write_jsonl(tmp_path / "pairs.jsonl", pairs + pairs[:2])
     args = _ft_args(**{"--train_data": data, "--beir_dir": beir, "--per_device_train_batch_size": 4})
     printer = _Printer()
-    rows = finetune.build_finetune_rows(args, printer, None, None, support.NO_PROMPTS)
+    rows = finetune.build_finetune_rows(args, printer, None, None, common.NO_PROMPTS)
     assert [(r["query"], r["positive"]) for r in rows] == [(p["query"], p["positive"]) for p in pairs]
     assert any("2 repeated (query, positive) rows dropped" in line for line in printer.lines)
     assert any("is not trained on (one source: --train_data)" in line for line in printer.lines)
@@ -231,8 +232,8 @@ def test_a_dot_product_start_is_saved_as_a_dot_product_model(tiny_bert, tmp_path
     import modeling_xprt as mx
 
     start = _st_folder(tiny_bert, tmp_path / "dot", normalize=False, similarity="dot")
-    assert support.read_scoring(str(start)) == {"pooling": "mean", "normalize": False, "similarity_fn_name": "dot"}
-    assert support.read_scoring(str(tiny_bert)) == {"pooling": "mean", "normalize": True,
+    assert model_folder.read_scoring(str(start)) == {"pooling": "mean", "normalize": False, "similarity_fn_name": "dot"}
+    assert model_folder.read_scoring(str(tiny_bert)) == {"pooling": "mean", "normalize": True,
                                                     "similarity_fn_name": "cosine"}  # no modules: the method's
     # the same folder as a Hub repository (huggingface_hub's download stands in for the Hub): read alike
     import huggingface_hub
@@ -245,7 +246,7 @@ def test_a_dot_product_start_is_saved_as_a_dot_product_model(tiny_bert, tmp_path
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(huggingface_hub, "hf_hub_download", from_hub)
-        assert support.read_scoring("someone/tas-b-like") == support.read_scoring(str(start))
+        assert model_folder.read_scoring("someone/tas-b-like") == model_folder.read_scoring(str(start))
     model = mx.XPRTModel.from_pretrained(str(start))
     tok = AutoTokenizer.from_pretrained(str(start))
     model.save_pretrained(str(tmp_path / "saved"), tok)
@@ -322,12 +323,12 @@ def test_the_cards_language_is_the_start_models(tiny_bert, tmp_path):
     args = argparse.Namespace(model_name_or_path=str(start), license=None, hub_model_id=None,
                               output_dir=str(tmp_path / "run"), per_device_train_batch_size=4,
                               gradient_accumulation_steps=1, learning_rate=1e-5)
-    info = support.ModelInfo(start_model=str(start))
+    info = model_folder.ModelInfo(start_model=str(start))
     summary = {"steps": 1, "processes": 1, "rows": 4, "unit": "groups"}
-    card = ModelCard(support.model_card(args, info, "t", "train.py", [], summary))
+    card = ModelCard(model_folder.model_card(args, info, "t", "train.py", [], summary))
     assert card.data.language == ["de", "fr"] and card.data.license == "apache-2.0"
     args.model_name_or_path = str(tiny_bert)  # no card
-    assert ModelCard(support.model_card(args, info, "t", "train.py", [], summary)).data.language is None
+    assert ModelCard(model_folder.model_card(args, info, "t", "train.py", [], summary)).data.language is None
 
 
 # ---- DeepSpeed on CPU with two processes ----------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def make(tiny_bert, tiny_lm, **options):
     model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0], objective="revela", lm_name_or_path=tiny_lm, lora_rank=4,
                       lora_dropout=0.0, **options).eval()
     with torch.no_grad():
-        for name, p in model.method.adapters.named_parameters():
+        for name, p in model.objective.adapters.named_parameters():
             if ".B." in f".{name}":
                 p.normal_(0, 0.1)
     return model
@@ -116,7 +116,7 @@ def official_revela_loss(model, batch):
     retriever vectors -> cosines / tau_attn, diagonal -inf, softmax (calculate_attn) -> pass 1 (kept keys and values)
     -> pass 2 with in-batch attention -> next-token cross-entropy at every non-padding target (mean over the whole
     batch's targets)."""
-    obj, lm = model.method, model.method.lm
+    obj, lm = model.objective, model.objective.lm
     ids, am = batch["input_ids"], batch["attention_mask"]
     g, p, l = ids.shape
     total, count = 0.0, 0
@@ -137,7 +137,7 @@ def official_revela_loss(model, batch):
 
 def test_revela_loss_and_gradients_equal_the_official_forward(tiny_bert, tiny_lm, tok):
     model = make(tiny_bert, tiny_lm, attn_temperature=0.05)  # a temperature at which A is not one-hot
-    obj = model.method
+    obj = model.objective
     batch = obj.make_collator(tok, max_length=48, seed=3)(rows_of_docs(6))
     assert batch["input_ids"].shape[1] == 1 + 4 + 4  # anchor, 4 related, the 4 groups of the 2 other documents
     assert batch["lm_attention_mask"].sum(-1).min() < batch["lm_attention_mask"].shape[-1]  # padding is exercised
@@ -163,7 +163,7 @@ def test_the_retriever_learns_only_through_the_attention_weights(tiny_bert, tiny
     """With A held fixed (detached) the retriever gets no gradient and the LoRA matrices the same one; with A live,
     the retriever's gradient is exactly the chain through A: d L / d theta = <d L / d A, d A / d theta>."""
     model = make(tiny_bert, tiny_lm, attn_temperature=0.05)
-    obj = model.method
+    obj = model.objective
     batch = obj.prepare(model, obj.make_collator(tok, max_length=20, seed=5)(rows_of_docs(4)))
     ids, am = batch["lm_input_ids"], batch["lm_attention_mask"]
     g, p, l = ids.shape
@@ -223,14 +223,14 @@ def test_cached_step_equals_the_plain_step(tiny_bert, tiny_lm, tok, chunk=2):
         gen = torch.Generator().manual_seed(1)
         for q in teacher.parameters():
             q.add_(0.02 * torch.randn(q.shape, generator=gen))
-    batch = model.method.make_collator(tok, max_length=20, seed=4)(rows_of_docs(5))
+    batch = model.objective.make_collator(tok, max_length=20, seed=4)(rows_of_docs(5))
     plain_out, plain_grads = _step(model, batch, teacher)
     cached_out, cached_grads = _step(model, batch, teacher, chunk)
     assert set(plain_out) == set(cached_out) == {"loss", "revela_loss", "retention_loss"}
     for k in plain_out:
         torch.testing.assert_close(cached_out[k], plain_out[k], atol=1e-5, rtol=1e-5)
     assert set(plain_grads) == set(cached_grads)
-    assert any(n.startswith("method.adapters.") for n in plain_grads)
+    assert any(n.startswith("objective.adapters.") for n in plain_grads)
     for n in plain_grads:
         torch.testing.assert_close(cached_grads[n], plain_grads[n], atol=1e-6, rtol=1e-4)
 
@@ -244,11 +244,11 @@ def test_saved_folder_keeps_the_adapters_only(tiny_bert, tiny_lm, tok, tmp_path)
     model.save_pretrained(str(tmp_path / "m"), tok)
     heads = load_file(str(tmp_path / "m" / "xprt_heads.safetensors"))
     assert {k for k in heads if not k.startswith("mlm_head.")} == {f"adapters.{k}" for k in
-                                                                  model.method.adapters.state_dict()}
+                                                                  model.objective.adapters.state_dict()}
     back = XPRTModel.from_pretrained(str(tmp_path / "m"))
-    assert back.objective == "revela" and back.method.lora_rank == 4
-    for k, v in model.method.adapters.state_dict().items():
-        torch.testing.assert_close(back.method.adapters.state_dict()[k], v)
+    assert back.objective_name == "revela" and back.objective.lora_rank == 4
+    for k, v in model.objective.adapters.state_dict().items():
+        torch.testing.assert_close(back.objective.adapters.state_dict()[k], v)
 
 
 @pytest.mark.slow
@@ -268,7 +268,7 @@ def test_train_runs_revela_and_its_term_moves(tiny_bert, groups, tmp_path):
     assert sum(log[s]["revela_loss"] for s in (5, 6)) / 2 < log[1]["revela_loss"] - 0.05
     assert "retention_loss" in log[1]
     back = XPRTModel.from_pretrained(str(tmp_path / "p" / "model"))
-    assert back.objective == "revela" and back.method.extra_anchors == 3 and back.method.lora_rank == 8
+    assert back.objective_name == "revela" and back.objective.extra_anchors == 3 and back.objective.lora_rank == 8
 
 
 from test_train import groups  # noqa: E402,F401  (a fixture)

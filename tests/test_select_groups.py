@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import select_groups as sg
-from support import UserError
+from common import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "data" / "docs.jsonl"
@@ -199,7 +199,7 @@ def test_readers_agree_jsonl_gz_parquet_and_hf_streaming(tmp_path):
 
 
 def test_a_byte_order_mark_on_line_1_is_not_part_of_the_first_record(tmp_path):
-    """Windows exports start with a UTF-8 byte-order mark; the first record reads like the others (support.iter_jsonl
+    """Windows exports start with a UTF-8 byte-order mark; the first record reads like the others (common.iter_jsonl
     drops the mark), rather than failing as malformed JSON."""
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b'{"id": "a", "text": "first"}\n{"id": "b", "text": "second"}\n')
@@ -214,7 +214,7 @@ def _selection(*flags):
 
 
 def test_prefixes_flag_gives_the_passage_prefix():
-    """--prefixes is train.py's flag and rule (support.model_prompts): the model's own document prefix by default,
+    """--prefixes is train.py's flag and rule (common.model_prompts): the model's own document prefix by default,
     e5 / none force one. One spelling across the scripts, so --passage_prefix is not a flag here."""
     minilm = ["--model_name_or_path", "all-MiniLM-L6-v2"]
     assert _selection().passage_prefix == "passage: "  # the default encoder is E5
@@ -255,7 +255,7 @@ def test_every_flag_is_in_the_resume_key_or_left_out_on_purpose():
 
 
 def test_embedding_length_is_the_models_own_limit(minilm_path, tiny_bert, capsys):
-    """support.max_seq_length: MiniLM states 256, a folder that states none gets 512; a passage budget the limit
+    """model_folder.max_seq_length: MiniLM states 256, a folder that states none gets 512; a passage budget the limit
     cannot hold is said at the start, not found in odd centralities."""
     from types import SimpleNamespace
 
@@ -332,7 +332,7 @@ def test_resume_after_crash_gives_identical_output(tmp_path, tiny_bert, small_co
     def crashing(path, rows):
         calls.append(path)
         if len(calls) == 3:
-            # what support.atomic_path leaves of a shard when the process dies mid-write
+            # what common.atomic_path leaves of a shard when the process dies mid-write
             open(os.path.join(os.path.dirname(path), ".tmp-123-" + os.path.basename(path)), "w").close()
             raise RuntimeError("simulated crash")
         real(path, rows)

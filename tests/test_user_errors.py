@@ -1,4 +1,4 @@
-"""A user's mistake is one message, at the start (support.UserError, caught by support.run_script at each script's
+"""A user's mistake is one message, at the start (common.UserError, caught by common.run_script at each script's
 entry): every refusal path of the four scripts prints one line `script: message` naming the flag or file, exits 2,
 shows no traceback, and, where the work is expensive (loading a model, mining, encoding), comes before it: those
 functions are replaced by ones that fail the test if they are reached."""
@@ -14,7 +14,7 @@ import pytest
 import evaluate as ev
 import finetune
 import select_groups as sg
-import support
+import common
 import train
 from test_evaluate import write_beir
 from test_finetune import make_beir
@@ -201,7 +201,7 @@ CASES = {
 
 
 def refusal(monkeypatch, capsys, script, argv, before=None):
-    """Run `script`'s entry point (support.run_script) on argv -> (exit status, stderr lines); the functions of
+    """Run `script`'s entry point (common.run_script) on argv -> (exit status, stderr lines); the functions of
     `before` (default: all of the script's expensive work) fail the test when reached."""
     module = SCRIPTS[script]
     for name in EXPENSIVE[script] if before is None else before:
@@ -211,7 +211,7 @@ def refusal(monkeypatch, capsys, script, argv, before=None):
     reset_accelerate()
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
-        support.run_script(module.main, argv)
+        common.run_script(module.main, argv)
     # a progress bar the refusal interrupted ends in '\r', not a newline: the terminal line the message starts
     return exit_.value.code, [line for line in re.split(r"[\r\n]+", capsys.readouterr().err) if line.strip()]
 
@@ -280,13 +280,13 @@ def test_a_dev_only_beir_folder_is_scored_on_dev_under_its_own_name(tmp_path):
     (folder / "qrels" / "dev.tsv").rename(folder / "qrels" / "other.tsv")
     (folder / "qrels" / "train.tsv").write_text("q1\td1\t1\n")
     (folder / "qrels" / "dev.tsv").write_text("q1\td1\t1\n")
-    with pytest.raises(support.UserError, match=r"no qrels/test.tsv to score, and qrels/ holds \['dev', 'other', "):
+    with pytest.raises(common.UserError, match=r"no qrels/test.tsv to score, and qrels/ holds \['dev', 'other', "):
         ev.parse_local_spec(str(folder))
 
 
 def test_max_train_steps_0_is_refused_by_both_training_scripts():
     for module in (train, finetune):
-        with pytest.raises(support.UserError, match="--max_train_steps: 0 is not an integer >= 1"):
+        with pytest.raises(common.UserError, match="--max_train_steps: 0 is not an integer >= 1"):
             module.parse_args(["--output_dir", "x", "--groups_dir", "g", "--beir_dir", "b", "--max_train_steps", "0"]
                               if module is finetune else ["--output_dir", "x", "--groups_dir", "g",
                                                           "--max_train_steps", "0"])

@@ -34,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's modules sit two folders up
 
-from support import (UserError, atomic_path, atomic_write, claim_output_folder, local_inputs,  # noqa: E402
-                     record_outputs, remove_outputs, resolve_model_path, run_script)
+from common import (atomic_path, atomic_write, claim_output_folder, local_inputs, record_outputs, remove_outputs,
+                    resolve_model_path, run_script, UserError)
 
 
 def parse_args(argv=None):
@@ -78,7 +78,7 @@ def parse_args(argv=None):
     return args
 
 
-# What this script writes into --output_dir (support.claim_output_folder records them): --overwrite replaces these
+# What this script writes into --output_dir (common.claim_output_folder records them): --overwrite replaces these
 # and nothing else, so a corpus or a start model that shares the folder is never deleted.
 OUTPUTS = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "vocab.txt", "sentence_bert_config.json", "mlm_log.jsonl", "mlm_loss_curve.png",

@@ -26,7 +26,8 @@ import tarfile
 import time
 from pathlib import Path
 
-from support import atomic_write, read_json
+from common import atomic_write, read_json
+from experiments.paper import stages
 
 MIB = 1 << 20
 # the machine's limits on what comes back, with room for the safetensors headers
@@ -45,11 +46,9 @@ def folder_bytes(path: Path) -> int:
 
 def build(exp: dict, out: Path, arms: dict, args) -> dict:
     """Everything the device stage needs that the repository does not hold, in <out>/carry (git ignores outputs/)."""
-    from experiments.paper import run
-
     carry = carry_dir(out)
     carry.mkdir(parents=True, exist_ok=True)
-    groups = run.stage_groups(exp, carry, arms, False, docs_dir=out)  # the documents stay here
+    groups = stages.stage_groups(exp, carry, arms, False, docs_dir=out)  # the documents stay here
     texts = carry / "texts"
     texts.mkdir(exist_ok=True)
     for src in exp["start"]["flags"]["--inputs"]:
@@ -70,9 +69,9 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
                         "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux2014_x86_64",
                         "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux_2_28_x86_64", "-d",
                         str(wheels), *pins], check=True)
-    tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=run.ROOT, check=True).stdout
-    tree = sum(os.path.getsize(run.ROOT / f) for f in tracked.decode().split("\0") if f and
-               os.path.isfile(run.ROOT / f))
+    tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=stages.ROOT, check=True).stdout
+    tree = sum(os.path.getsize(stages.ROOT / f) for f in tracked.decode().split("\0") if f and
+               os.path.isfile(stages.ROOT / f))
     sizes = {"groups": {r: folder_bytes(Path(g)) for r, g in groups.items()}, "texts": folder_bytes(texts),
              "wheels": folder_bytes(wheels), "carry": folder_bytes(carry), "tracked_tree": tree}
     sizes["with_tree"] = sizes["carry"] + tree
@@ -82,7 +81,7 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
           f"of the {CARRY_BYTES / MIB:.0f} MiB a run may carry")
     if sizes["with_tree"] > CARRY_BYTES:
         raise SystemExit("over the carry limit: fewer documents (the config's 'documents') or fewer rankings")
-    plan = {"sizes": sizes, "flops_per_step": {a: run.estimate_flops(exp, arm) for a, arm in arms.items()},
+    plan = {"sizes": sizes, "flops_per_step": {a: stages.estimate_flops(exp, arm) for a, arm in arms.items()},
             "steps_factor": {a: arm["steps_factor"] for a, arm in arms.items()}}
     atomic_write(carry / "plan.json", json.dumps(plan, indent=1))
     print_minutes(exp, plan)
@@ -93,15 +92,13 @@ def print_minutes(exp: dict, plan: dict):
     """Expected GPU minutes per arm under the config's "steps" rule, before any GPU: a step costs the assumed per-step
     overhead ("estimate": "step_overhead_s") plus its FLOPs at each assumed sustained rate (peak x "mfu"). The device
     stage replaces both assumptions by its probes."""
-    from experiments.paper import run
-
     rule, est = exp["steps"], exp.get("estimate", {})
     flops, factor = plan["flops_per_step"], plan["steps_factor"]
     a = est.get("step_overhead_s", 0.0)
     for mfu in est.get("mfu", [0.1, 0.25]):
         rate = est.get("peak_tflops", 989.0) * mfu * 1e12
         arms = {n: {"flags": [], "steps_factor": factor[n]} for n in flops}
-        steps = run.fit_steps({**exp, "steps": rule}, arms, [1], lambda f: a + f / rate,
+        steps = stages.fit_steps({**exp, "steps": rule}, arms, [1], lambda f: a + f / rate,
                               flops={n: flops[n] for n in flops})
         print(f"\nat {mfu:.0%} MFU ({rate / 1e12:.0f} TFLOP/s) and {a * 1e3:.0f} ms per step: {steps} steps per arm "
               f"(the rule: all arms in {rule['fit_seconds']} s, within [{rule['min']}, {rule['max']}])")
@@ -140,12 +137,10 @@ def plan_arms(exp: dict, arms: dict, seeds: list, flops: dict, a: float, b: floa
     left after each run's start-up), each run's expected seconds (startup + steps x (a + b x FLOPs)) and its expected
     end; a run that would end past the budget is planned out, with the reason. Arms run in the config's order (xPRT
     first), so what a short budget drops is the last arms."""
-    from experiments.paper import run
-
     runs = [(seed, name) for seed in seeds for name in arms]
     rule = dict(exp["steps"])
     rule["fit_seconds"] = max(0.0, min(rule["fit_seconds"], left - startup * len(runs)))
-    steps = run.fit_steps({**exp, "steps": rule}, arms, seeds, lambda f: a + b * f, flops=flops)
+    steps = stages.fit_steps({**exp, "steps": rule}, arms, seeds, lambda f: a + b * f, flops=flops)
     plan, end, skipped = [], 0.0, {}
     for seed, name in runs:
         secs = startup + steps * arms[name]["steps_factor"] * (a + b * flops[name])
@@ -174,11 +169,9 @@ def print_expected(exp: dict, arms: dict, seeds: list, args, stop_at: float = 30
     overhead, MFU, the start's and each run's start-up seconds), with each run's expected end, and what a stop at
     `stop_at` seconds would bring back (every run that ended before it; the start model always). The device replaces
     the assumptions by its probes."""
-    from experiments.paper import run
-
     est = exp.get("estimate", {})
     budget = budget_of(exp, args)
-    flops = {n: run.estimate_flops(exp, arm) for n, arm in arms.items()}
+    flops = {n: stages.estimate_flops(exp, arm) for n, arm in arms.items()}
     a, startup = est.get("step_overhead_s", 0.0), est.get("run_startup_s", 15.0)
     for mfu in est.get("mfu", [0.1, 0.25]):
         b = 1.0 / (est.get("peak_tflops", 989.0) * 1e12 * mfu)
@@ -197,8 +190,6 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     """The one command on the GPU: start, probe, plan the arms against the wall-clock budget, run them; each finished
     model (the start first) goes to $OUT at once, with run.json saying what came back, what was skipped and why, so a
     run stopped at its limit still brings back every arm it finished."""
-    from experiments.paper import run
-
     t0 = time.time()
     budget = budget_of(exp, args)
     carry = carry_dir(Path(exp.get("carry_from", out)))
@@ -226,7 +217,7 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
             shutil.copyfileobj(f, g)
         inputs.append(str(path))
     start_exp = {**exp, "start": {**exp["start"], "flags": {**exp["start"]["flags"], "--inputs": inputs}}}
-    start = run.stage_start(start_exp, out, False)
+    start = stages.stage_start(start_exp, out, False)
     lap("start")
     folders = {"start": Path(start)}
     report.update(pack(folders, out, dest))
@@ -237,14 +228,14 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     # warm-up) give a step's time as a + b x FLOPs (a: the per-step cost a small model's step pays whatever its FLOPs);
     # a probe's wall time beyond its steps is what each train.py run costs to start (load, data, save)
     rule = exp["steps"]
-    flops = {a: run.estimate_flops(exp, arm) for a, arm in arms.items()}
+    flops = {a: stages.estimate_flops(exp, arm) for a, arm in arms.items()}
     probes, startup = {}, []
     for name in dict.fromkeys([max(flops, key=flops.get), min(flops, key=flops.get)]):
         probe = out / f"probe_{name}"
-        argv = run.train_argv(exp, {**arms[name], "steps_factor": 1}, start, groups, seeds[0], rule["probe_steps"],
+        argv = stages.train_argv(exp, {**arms[name], "steps_factor": 1}, start, groups, seeds[0], rule["probe_steps"],
                               probe)
         tp = time.time()
-        run.run_script(exp, "train", argv + ["--no_save_model", "--logging_steps", str(rule["probe_steps"] // 2)],
+        stages.run_script(exp, "train", argv + ["--no_save_model", "--logging_steps", str(rule["probe_steps"] // 2)],
                        False)
         rec = [json.loads(line) for line in open(probe / "train_log.jsonl")][-1]
         startup.append(max(time.time() - tp - rec["time_per_step_s"] * rule["probe_steps"], 0.0))
@@ -272,7 +263,7 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
             write_report(dest, report)
             continue
         try:
-            run.stage_train(exp, out, {r["arm"]: arms[r["arm"]]}, start, groups, [r["seed"]], plan["steps_per_arm"],
+            stages.stage_train(exp, out, {r["arm"]: arms[r["arm"]]}, start, groups, [r["seed"]], plan["steps_per_arm"],
                             False)
         except (Exception, SystemExit) as err:  # one arm's failure costs that arm only
             report["failed"][r["run"]] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -307,7 +298,7 @@ def pack(folders: dict, out: Path, dest: Path) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from support import atomic_path
+    from common import atomic_path
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:

@@ -8,7 +8,8 @@ import statistics
 from pathlib import Path
 
 from experiments.paper.published import E5_SETTING, FROM_MLM_SETTING
-from support import atomic_write, read_json
+from common import atomic_write, read_json
+from experiments.paper import stages
 
 LABELS = {"start": "start", "xprt": "xPRT", "contrastive_random_span": "random spans (Contriever)",
           "self_reconstruction": "self-reconstruction", "retromae": "RetroMAE", "simlm": "SimLM",
@@ -78,12 +79,11 @@ def published_main(setting: str, arm: str) -> str:
 
 
 def write(exp: dict, out: Path, arms: list, results: list, seconds: float) -> dict:
-    from experiments.paper.run import ABLATIONS  # the ablation arms, as the harness defines them
 
     data = collect(arms, results)
     setting, cats, n = exp.get("setting", "from_mlm"), data["categories"], len(data["per_seed"])
-    objectives = [a for a in arms if a not in ABLATIONS]
-    ablations = [a for a in arms if a in ABLATIONS]
+    objectives = [a for a in arms if a not in stages.ABLATIONS]
+    ablations = [a for a in arms if a in stages.ABLATIONS]
     paper = "from BERT, 100K documents, six epochs" if setting == "from_mlm" else "from E5, 41 tasks"
     t = exp["train"]
     lines = [f"# The paper's experiments: {exp['name']}", "",

@@ -1,0 +1,487 @@
+"""
+Batches: which rows make a batch, how it is collated ahead of the step, and how the gradient cache cuts it.
+  1. Layout: the contract between the collators (modeling_xprt.py, baselines.py, revela.py), which build it, and
+     XPRTModel.cached_step, which cuts a batch into chunks of groups by it
+  2. the samplers: length-grouped batches as a function of (seed, epoch), one document's groups capped per batch,
+     no repeated query (fine-tuning); the in-batch negatives the same-document mask leaves
+  3. the loader: batches collated in DataLoader workers, their random draws seeded by the batch's place in the run
+     (SeededCollate), so a resumed run draws what the uninterrupted one drew; the batch to the device
+It imports common.py only.
+"""
+
+from __future__ import annotations
+
+import array
+import random
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from common import UserError
+
+# ==============================================================================================================
+# 1. How a batch is cut: the contract between the collators and the gradient cache
+# ==============================================================================================================
+
+
+class Layout:
+    """How a collated batch is cut into chunks of groups (rows) for the gradient cache; the collator builds it.
+
+    Every tensor of the batch whose key is not in `unsliced` or `flat_index` has the groups as its first dimension
+    and is sliced. `flat_index` holds the flat index tensors (sorted, row-major: XPRTCollator._loss_positions): key ->
+    (row set, width), where width is the flat size of one group (a chunk's indices are shifted by it to become its
+    own; 0 for targets). bounds: row set -> G + 1 ints, where each group's rows start. totals: row set -> the WHOLE
+    batch's row count, which a chunk keeps, so that each chunk's mean term times its row_share adds up to the batch's
+    mean. Python ints only: cutting a batch that sits on a GPU needs no host sync."""
+
+    def __init__(self, groups: int, flat_index: Optional[dict] = None, bounds: Optional[dict] = None,
+                 unsliced: Sequence[str] = (), totals: Optional[dict] = None):
+        self.groups, self.flat_index, self.bounds = groups, flat_index or {}, bounds or {}
+        self.unsliced = set(unsliced)
+        self.rows = {k: b[-1] - b[0] for k, b in self.bounds.items()}
+        self.totals = dict(totals) if totals is not None else dict(self.rows)
+        # row_share[rows]: this batch's (or chunk's) part of the whole batch's rows, 1 for a whole batch
+        self.row_share = {k: n / max(1, self.totals[k]) for k, n in self.rows.items()}
+
+    def chunks(self, batch: dict, size: int) -> list:
+        """[((a, b), the groups a..b-1 of `batch` as a batch of their own, with its Layout)]."""
+        out = []
+        for a in range(0, self.groups, size):
+            b = min(a + size, self.groups)
+            part = {}
+            for k, v in batch.items():
+                if k in self.flat_index:
+                    rows, width = self.flat_index[k]
+                    part[k] = v[self.bounds[rows][a]:self.bounds[rows][b]]
+                    part[k] = part[k] - a * width if width else part[k]
+                elif torch.is_tensor(v) and k not in self.unsliced:
+                    part[k] = v[a:b]
+                elif k != "layout":
+                    part[k] = v
+            bounds = {k: [x - bd[a] for x in bd[a:b + 1]] for k, bd in self.bounds.items()}
+            part["layout"] = Layout(b - a, self.flat_index, bounds, self.unsliced, self.totals)
+            out.append(((a, b), part))
+        return out
+
+
+def group_bounds(index: torch.Tensor, width: int, groups: int) -> list:
+    """Where each group's rows start in a sorted flat index over (groups * width) positions: G + 1 ints."""
+    return torch.searchsorted(index, torch.arange(groups + 1) * width).tolist()
+
+# ==============================================================================================================
+# 2. Which rows make a batch: the samplers
+# ==============================================================================================================
+
+
+def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarray:
+    """Characters of each group's anchor plus its first num_related related passages (what length grouping
+    sorts by), as a numpy int64 array.
+
+    Computed with pyarrow compute on Arrow batches of the two columns (no Python dict per row, no cache file
+    written, so every process can run it at once); utf8_length counts code points like Python's len, so the
+    lengths, and hence the batches, are those Python's len gives."""
+    import pyarrow.compute as pc
+
+    out = np.empty(len(groups), dtype=np.int64)
+    pos = 0
+    for batch in groups.select_columns(["anchor", "related"]).with_format("arrow").iter(batch_size=batch_size):
+        anchor = batch["anchor"].combine_chunks()
+        related = pc.list_slice(batch["related"].combine_chunks(), 0, num_related)
+        flat = pc.utf8_length(pc.list_flatten(related)).to_numpy(zero_copy_only=False)
+        per_group = np.bincount(pc.list_parent_indices(related).to_numpy(zero_copy_only=False), weights=flat,
+                                minlength=len(anchor))  # float64: exact for sums below 2**53
+        anchor_len = pc.utf8_length(anchor).to_numpy(zero_copy_only=False)
+        out[pos:pos + len(anchor)] = anchor_len + per_group.astype(np.int64)
+        pos += len(anchor)
+    return out
+
+class LengthGroupedBatchSampler(torch.utils.data.Sampler):
+    """Batches of similar length, in a random order that depends only on (seed, epoch).
+
+    Shuffle, cut into mega-batches of 50 batches, sort each mega-batch by length, cut into batches, shuffle the
+    batches: padding drops a lot while each batch still mixes documents (in-batch negatives stay random enough).
+    Incomplete last batches are dropped so every step has the same number of negatives. Being a function of
+    (seed, epoch) is what makes skip_first_batches land on the same data after a resume.
+    `to_batches` turns the epoch's order into batches (NoDuplicatesBatchSampler overrides it).
+    spread > 1 deals each run of `spread` length-sorted batches round-robin (row k of the run to batch k mod spread):
+    rows of nearly equal length, such as the groups of one document (they share its passages), then land in
+    different batches, at the cost of a batch spanning `spread` batches' worth of the sorted lengths
+    (bench/bench_batches.py measures both).
+    keys and max_per_key cap the rows of one key (train.py: one document's groups, which xp_loss masks out of each
+    other's negatives) in any batch: a document that dominates the data would otherwise fill whole batches whose rows
+    have no negative left. The cap keeps len(self) = the most batches the keys allow (capped_batch_count); a key's
+    rows beyond max_per_key per batch wait out the epoch (a different subset each epoch), counted in rows_left_out.
+    Where the cap binds in no batch, the batches are those without it.
+    """
+
+    def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50,
+                 spread: int = 1, keys=None, max_per_key: int = 0):
+        # a numpy int64 array, not a list: 8 bytes per row, whatever the number of groups (a list of Python ints
+        # costs about 36). A callable epoch -> lengths: lengths that change with the epoch (the random-span
+        # baseline's crops, drawn per (seed, epoch): crop_spans); (N, 2) lengths: the longer and the shorter of two
+        # views padded separately (batch_matrix)
+        self.lengths_for_epoch = lengths if callable(lengths) else None
+        lengths = lengths(0) if callable(lengths) else lengths
+        self.lengths, self.batch_size, self.seed = np.asarray(lengths, dtype=np.int64), batch_size, seed
+        self.group, self.mega, self.spread = group_by_length, mega, spread
+        self.epoch, self.drop_last = 0, True
+        if len(self.lengths) < batch_size:
+            raise UserError(f"{len(self.lengths)} examples cannot fill one batch of {batch_size}: lower "
+                            "--per_device_train_batch_size")
+        self.keys = None if keys is None or max_per_key < 1 else np.asarray(keys)  # (N,) e.g. document id hashes
+        self.max_per_key, self.num_batches = max_per_key, len(self.lengths) // batch_size
+        if self.keys is not None:
+            if len(self.keys) != len(self.lengths):
+                raise ValueError(f"{len(self.keys)} keys for {len(self.lengths)} examples")
+            counts = np.unique(self.keys, return_counts=True)[1]
+            self.num_batches = capped_batch_count(counts, batch_size, max_per_key)
+            if self.num_batches == 0:
+                raise UserError(f"no batch of {batch_size} holds at most {max_per_key} groups of one document: the "
+                                f"data has {len(counts)} document(s) for {len(self.lengths)} groups; raise "
+                                "--max_document_groups_per_batch or select from more documents")
+        # rows a full epoch leaves out because of the cap (the incomplete last batch aside)
+        self.rows_left_out = (len(self.lengths) // batch_size - self.num_batches) * batch_size
+
+    def set_epoch(self, epoch: int):
+        if self.lengths_for_epoch is not None and epoch != self.epoch:
+            self.lengths = np.asarray(self.lengths_for_epoch(epoch), dtype=np.int64)
+        self.epoch = epoch
+
+    def batch_matrix(self) -> np.ndarray:
+        """The epoch's batches as a (batches, batch_size) int64 array of row indices.
+
+        The draws: random.shuffle of range(n) (shuffle accepts any mutable sequence; an array.array holds the ints
+        in 8 bytes each), a *stable* sort by -length inside each mega-batch, then random.shuffle of the list of
+        batch numbers. A (seed, epoch) gives the same batches as Python lists would (tests/test_train.py).
+        """
+        rng = random.Random(self.seed * 1_000_003 + self.epoch)
+        n, bs = len(self.lengths), self.batch_size
+        order = array.array("q", range(n))
+        rng.shuffle(order)
+        order = np.frombuffer(order, dtype=np.int64)  # a view: no copy
+        if self.group:
+            span = bs * self.mega
+            for s in range(0, n, span):
+                part = order[s:s + span]
+                part = part[self._longest_first(self.lengths[part])]
+                order[s:s + span] = self._deal(part, bs)
+        batches = self.to_batches(order)
+        perm = list(range(n // bs))
+        rng.shuffle(perm)
+        batches = batches[perm]
+        if self.keys is None or (self.num_batches == len(batches) and not self.over_cap(batches)):
+            return batches
+        return self._capped_batches()
+
+    def over_cap(self, batches: np.ndarray) -> bool:
+        """Whether some batch holds more than max_per_key rows of one key."""
+        k, c = np.sort(self.keys[batches], axis=1), self.max_per_key
+        return c < k.shape[1] and bool((k[:, c:] == k[:, :-c]).any())  # c + 1 equal keys in a sorted row
+
+    def _capped_batches(self) -> np.ndarray:
+        """num_batches batches with at most max_per_key rows of a key each, drawn from (seed, epoch).
+
+        A key keeps max_per_key * num_batches of its rows (a random subset), and the kept rows are trimmed to exactly
+        num_batches * batch_size; they are length-grouped as usual, then cut in that order, a row whose key is full in
+        the batch waiting for the next one. Before each batch, a key with r rows left and R batches to go gives the
+        batch the max(0, r - max_per_key * (R - 1)) rows it must (its next ones): the rest could not fit later. Every
+        key then keeps r <= max_per_key * R with exactly batch_size * R rows left, which dealing the rows sorted by key
+        round-robin shows can always be cut: so every batch is filled, and only forced rows leave the length order."""
+        from collections import deque
+
+        rng = np.random.default_rng([self.seed, self.epoch, 1])
+        bs, nb, cap = self.batch_size, self.num_batches, self.max_per_key
+        order = rng.permutation(len(self.lengths))
+        by_key = np.argsort(self.keys[order], kind="stable")
+        keys_sorted = self.keys[order][by_key]
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[by_key] = np.arange(len(order)) - np.searchsorted(keys_sorted, keys_sorted, side="left")
+        order = order[rank < cap * nb][: nb * bs]  # a key's first cap * nb rows of the epoch's order; nb * bs in all
+        if self.group:
+            span = bs * self.mega
+            for s in range(0, len(order), span):
+                part = order[s:s + span]
+                order[s:s + span] = self._deal(part[self._longest_first(self.lengths[part])], bs)
+        keys = self.keys[order].tolist()  # position -> key
+        left = {}
+        for k in keys:
+            left[k] = left.get(k, 0) + 1
+        heavy = sorted((k for k in left if left[k] > cap), key=lambda k: -left[k])  # the keys that can be forced
+        positions = {k: deque() for k in heavy}
+        for pos, k in enumerate(keys):
+            if k in positions:
+                positions[k].append(pos)
+        used, nxt, waiting, out = np.zeros(len(order), dtype=bool), 0, deque(), []
+        for to_go in range(nb, 0, -1):
+            batch, held = [], {}
+
+            def take(pos):
+                used[pos] = True
+                batch.append(pos)
+                held[keys[pos]] = held.get(keys[pos], 0) + 1
+                left[keys[pos]] -= 1
+
+            for k in heavy:  # rows that cannot wait
+                if left[k] <= cap * (to_go - 1):
+                    continue
+                while left[k] > cap * (to_go - 1):
+                    pos = positions[k].popleft()
+                    if not used[pos]:
+                        take(pos)
+            skipped = deque()
+            while len(batch) < bs:
+                if waiting:
+                    pos = waiting.popleft()
+                else:
+                    pos, nxt = nxt, nxt + 1
+                if used[pos]:
+                    continue
+                if held.get(keys[pos], 0) == cap:
+                    skipped.append(pos)
+                    continue
+                take(pos)
+            skipped.extend(waiting)
+            waiting = skipped  # first in line for the next batch
+            out.append(order[batch])
+        out = np.asarray(out, dtype=np.int64).reshape(nb, bs)
+        return out[rng.permutation(nb)]
+
+    def _deal(self, part: np.ndarray, bs: int) -> np.ndarray:
+        """A sorted mega-batch with each run of `spread` batches dealt round-robin (the last, shorter run over the
+        batches it fills); consecutive batch_size blocks of the result are the batches."""
+        if self.spread <= 1:
+            return part
+        w, out = bs * self.spread, part.copy()
+        for s in range(0, len(part) // bs * bs, w):
+            run = part[s:s + w]
+            k = len(run) // bs  # full batches in this run
+            out[s:s + k * bs] = run[:k * bs].reshape(bs, k).T.reshape(-1)  # batch j: rows j, j + k, j + 2k, ...
+        return out
+
+    @staticmethod
+    def _longest_first(lengths, buckets: int = 10) -> np.ndarray:
+        """Stable order, longest first. (N, 2) lengths [longer view, shorter view], two tensors each padded to its
+        own longest: by the longer view, then, in each of `buckets` runs of it, by the shorter, so that both tensors
+        of a batch are tight (random-span crops of the compare groups at batch 16: padding efficiency 0.917; 0.834
+        sorting by the longer alone)."""
+        if lengths.ndim == 1:
+            return np.argsort(-lengths, kind="stable")
+        order = np.argsort(-lengths[:, 0], kind="stable")
+        return np.concatenate([p[np.argsort(-lengths[p, 1], kind="stable")] for p in np.array_split(order, buckets)])
+
+    def to_batches(self, order: np.ndarray) -> np.ndarray:
+        """The epoch's order -> (len(self), batch_size) batches: consecutive rows (the incomplete tail dropped)."""
+        n, bs = len(order), self.batch_size
+        return order[: (n // bs) * bs].reshape(n // bs, bs)
+
+    def batches(self) -> list:
+        return self.batch_matrix().tolist()
+
+    def __iter__(self):
+        # one batch at a time as a list of Python ints (what the DataLoader and accelerate's samplers expect)
+        return (b.tolist() for b in self.batch_matrix())
+
+    def __len__(self):
+        return self.num_batches
+
+class NoDuplicatesBatchSampler(LengthGroupedBatchSampler):
+    """Length-grouped batches (batches.LengthGroupedBatchSampler) in which no two rows share a key (each row's query:
+    sentence-transformers' NoDuplicatesBatchSampler rule). A query with several positives has several rows; in one
+    batch, each would be the other's in-batch false negative."""
+
+    def __init__(self, lengths, batch_size: int, seed: int, keys, group_by_length: bool = True):
+        super().__init__(lengths, batch_size, seed, group_by_length)
+        # not self.keys: the parent's per-batch cap reads that name (train.py's documents), which this rule replaces
+        self.query_keys = list(keys)
+        if len(self.query_keys) != len(self.lengths):
+            raise ValueError(f"{len(self.query_keys)} keys for {len(self.lengths)} examples")
+
+    def to_batches(self, order):
+        """Cut `order` into len(self) full batches in which no key repeats, keeping close to the order (so to the
+        length grouping). Rows are taken in order. A row whose key the batch already holds trades places with the
+        last row of the previous batch that the batch can take (its neighbour in length) when that batch lacks its
+        key; otherwise it waits at the head of the queue for the next batch. Trading costs less padding than
+        waiting: the traded row is one place out of order, a waiting row up to a batch. When only waiting rows are
+        left to fill the last batches, they trade with earlier batches (the nearest first). Deterministic in
+        `order`."""
+        from collections import deque
+
+        keys, bs = self.query_keys, self.batch_size
+        queue, out = deque(order.tolist()), []
+
+        def trade(i, b, held):  # put row i into earlier batch b for b's last row the current batch can take
+            if keys[i] in {keys[j] for j in b}:
+                return None
+            pos = next((pos for pos in reversed(range(len(b))) if keys[b[pos]] not in held), None)
+            if pos is None:
+                return None
+            b[pos], taken = i, b[pos]
+            return taken
+
+        while len(out) < len(self):
+            batch, held, waiting = [], set(), []
+            while queue and len(batch) < bs:
+                i = queue.popleft()
+                if keys[i] in held:
+                    taken = trade(i, out[-1], held) if out else None
+                    if taken is None:
+                        waiting.append(i)
+                        continue
+                    i = taken
+                batch.append(i)
+                held.add(keys[i])
+            for i in list(waiting):  # the queue ran dry (only near the end): trade with any earlier batch
+                if len(batch) == bs:
+                    break
+                for b in reversed(out):
+                    taken = trade(i, b, held)
+                    if taken is not None:
+                        waiting.remove(i)
+                        batch.append(taken)
+                        held.add(keys[taken])
+                        break
+            if len(batch) < bs:
+                raise UserError(f"cannot cut {len(self.lengths)} rows into {len(self)} batches of {bs} without "
+                                "repeating a key (a key with more rows than batches?): lower "
+                                "--per_device_train_batch_size")
+            out.append(batch)
+            queue.extendleft(reversed(waiting))  # first in line for the next batch
+        return np.asarray(out, dtype=np.int64).reshape(-1, bs)
+
+def capped_batch_count(counts, batch_size: int, max_per_key: int) -> int:
+    """The most batches of `batch_size` rows, at most `max_per_key` of one key each, that rows of these per-key
+    `counts` fill: the largest B with sum_k min(count_k, max_per_key * B) >= batch_size * B (at most
+    sum(counts) // batch_size). That sum minus batch_size * B is concave in B and 0 at B = 0, so the Bs that fit
+    are 0..B*, found by bisection. E.g. one document with 2,095 groups and 24 others, batch 4, cap 2: 12 batches."""
+    counts = np.asarray(counts, dtype=np.int64)
+    lo, hi = 0, int(counts.sum()) // batch_size
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if np.minimum(counts, max_per_key * mid).sum() >= batch_size * mid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+def sampler_negatives(sampler: "LengthGroupedBatchSampler", keys) -> dict:
+    """What the same-document mask leaves of one process's batches in epoch 0, exact, from the sampler alone (other
+    processes' rows add to it): per row, the batch's rows with another key. -> {"mean", "min", "rows_without",
+    "rows", "batch_size"}."""
+    keys = np.asarray(keys)
+    epoch = sampler.epoch
+    sampler.set_epoch(0)
+    k = keys[sampler.batch_matrix()]  # (batches, batch_size)
+    sampler.set_epoch(epoch)
+    # (batches, batch_size), 64 batches at a time: the (64, batch_size, batch_size) comparison stays small
+    left = np.concatenate([(b[:, :, None] != b[:, None, :]).sum(2) for b in np.split(k, range(64, len(k), 64))]
+                          or [np.zeros((0, sampler.batch_size), dtype=np.int64)])
+    return {"mean": float(left.mean()) if left.size else 0.0, "min": int(left.min()) if left.size else 0,
+            "rows_without": int((left == 0).sum()), "rows": int(left.size), "batch_size": sampler.batch_size}
+
+def in_batch_negatives(accelerator, doc_ids: torch.Tensor) -> torch.Tensor:
+    """The in-batch negatives a row keeps after the same-document mask of modeling_xprt.xp_loss, averaged over this
+    process's rows: the rows of the step's batch, gathered from every process, that come from another document.
+    0-dim, on the device (LogWindow averages it over the window and the processes). 0 means L_xp is 0 for the batch:
+    every candidate of every row was masked."""
+    everyone = accelerator.gather(doc_ids)  # (N * world,): ids carry no gradient
+    return (doc_ids.unsqueeze(1) != everyone.unsqueeze(0)).sum(1).double().mean()
+
+def check_batch_fits(rows: int, batch_size: int, world: int, what: str, distinct: Optional[int] = None):
+    """Refuse, before the work that builds them (fine-tuning mines its negatives first), data too small for one
+    step: every process needs a full batch (incomplete batches are dropped), and a batch of fine-tuning holds each
+    query once (`distinct`: the distinct queries)."""
+    flag = "--per_device_train_batch_size"
+    if rows < batch_size * world:
+        raise UserError(f"{flag} {batch_size} x {world} process(es) needs {batch_size * world} {what} for one step; "
+                        f"the data has {rows}: lower {flag}")
+    if distinct is not None and distinct < batch_size:
+        raise UserError(f"{flag} {batch_size}: a batch holds each query once, and the data has {distinct} distinct "
+                        f"queries: lower {flag}")
+
+# ==============================================================================================================
+# 3. The loader: batches collated ahead of the step, seeded by their place in the run
+# ==============================================================================================================
+
+
+class RowsDataset(torch.utils.data.Dataset):
+    """(key, row) pairs: rows as plain dicts from a list of dicts (fine-tuning) or a datasets.Dataset (the groups:
+    memory-mapped Arrow, one row converted to a dict when the loader asks for it, so memory does not grow with the
+    number of groups). key: a row index, or (epoch, batch number, row index) from KeyedBatches; the row index is the
+    row's place in the data, which keys what is drawn per row (crops, negatives)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, key):
+        return key, self.rows[key[-1] if isinstance(key, tuple) else key]
+
+class KeyedBatches(torch.utils.data.Sampler):
+    """A batch sampler's batches with every row index keyed by (epoch, batch number in the epoch): all a DataLoader
+    worker needs to collate a batch as a pure function of its rows (SeededCollate). accelerate shards and skips these
+    batches as it does the plain ones."""
+
+    def __init__(self, sampler):
+        self.batch_sampler = sampler
+        self.batch_size, self.drop_last = sampler.batch_size, sampler.drop_last  # what accelerate's shards read
+
+    def set_epoch(self, epoch: int):
+        self.batch_sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        epoch = self.batch_sampler.epoch
+        return ([(epoch, n, i) for i in b] for n, b in enumerate(self.batch_sampler))
+
+    def __len__(self):
+        return len(self.batch_sampler)
+
+class SeededCollate:
+    """collate_fn of the training DataLoader: [((epoch, batch, row index), row)] -> the collator's batch.
+
+    The collator's random draws (masks, crops) come from its generator re-seeded from (seed, epoch, batch, process),
+    so a batch is a pure function of its rows and those numbers: DataLoader workers can build it ahead of
+    the step, in any order, and a resumed run draws what the uninterrupted one drew with nothing saved.
+    make_row(epoch, row index, row) -> the row the collator reads (train.py: the random-span crops; finetune.py: the
+    epoch's negatives); None: the row as stored."""
+
+    def __init__(self, collator, seed: int, process: int, make_row=None):
+        self.collator, self.seed, self.process, self.make_row = collator, seed, process, make_row
+
+    def __call__(self, items: list) -> dict:
+        (epoch, number, _), _ = items[0]
+        rows = [r if self.make_row is None else self.make_row(epoch, i, r) for (_, _, i), r in items]
+        if getattr(self.collator, "generator", None) is not None:
+            # numpy's SeedSequence hashes the key, so nearby keys give unrelated streams; 63 bits, as manual_seed takes
+            key = np.random.SeedSequence([int(self.seed), int(epoch), int(number), int(self.process)])
+            self.collator.generator.manual_seed(int(key.generate_state(1, np.uint64)[0] >> 1))
+        return self.collator(rows)
+
+def training_loader(accelerator, args, rows, sampler, collator, make_row=None):
+    """The run's DataLoader (not yet prepared): the sampler's batches collated by --dataloader_num_workers processes
+    (SeededCollate). generator: the loader's base seed, not the global RNG that drives dropout."""
+    workers = args.dataloader_num_workers
+    if workers is None:  # a GPU step waits on a collation in its own process; on CPU, workers take its cores
+        workers = 2 if torch.cuda.is_available() else 0
+    collate = SeededCollate(collator, args.seed, accelerator.process_index, make_row)
+    return torch.utils.data.DataLoader(RowsDataset(rows), batch_sampler=KeyedBatches(sampler), collate_fn=collate,
+                                       num_workers=workers, generator=torch.Generator().manual_seed(args.seed))
+
+def padding_efficiency(batch, skip=()) -> tuple[int, int]:
+    """(real tokens, processed tokens) over every *attention_mask tensor of a collated batch (keys starting with
+    one of `skip` left out: the retention inputs are not processed when retention is off)."""
+    real = proc = 0
+    for k, v in batch.items():
+        if k.endswith("attention_mask") and torch.is_tensor(v) and not k.startswith(tuple(skip)):
+            real += int(v.sum())
+            proc += v.numel()
+    return real, proc
+
+def batch_to_device(batch, device):
+    """The collated CPU tensors to the accelerator, without waiting. Pinned first on CUDA: a copy from pageable
+    memory may make the driver wait for the stream (a host sync per step)."""
+    pin = device.type == "cuda"
+    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) if torch.is_tensor(v) else v
+            for k, v in batch.items()}

