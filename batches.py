@@ -12,6 +12,7 @@ It imports common.py only.
 from __future__ import annotations
 
 import array
+import os
 import random
 from typing import Optional, Sequence
 
@@ -461,13 +462,28 @@ class SeededCollate:
 
 def training_loader(accelerator, args, rows, sampler, collator, make_row=None):
     """The run's DataLoader (not yet prepared): the sampler's batches collated by --dataloader_num_workers processes
-    (SeededCollate). generator: the loader's base seed, not the global RNG that drives dropout."""
-    workers = args.dataloader_num_workers
-    if workers is None:  # a GPU step waits on a collation in its own process; on CPU, workers take its cores
-        workers = 2 if torch.cuda.is_available() else 0
+    (SeededCollate), pinned by the loader's own thread on CUDA (loader_options). generator: the loader's base seed,
+    not the global RNG that drives dropout."""
+    # torchrun and accelerate launch say how many processes share this machine
+    workers, pin = loader_options(accelerator.device.type, args.dataloader_num_workers,
+                                  int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     collate = SeededCollate(collator, args.seed, accelerator.process_index, make_row)
     return torch.utils.data.DataLoader(RowsDataset(rows), batch_sampler=KeyedBatches(sampler), collate_fn=collate,
-                                       num_workers=workers, generator=torch.Generator().manual_seed(args.seed))
+                                       num_workers=workers, pin_memory=pin,
+                                       generator=torch.Generator().manual_seed(args.seed))
+
+def loader_options(device_type: str, workers=None, local_processes: int = 1, cpus=None) -> tuple[int, bool]:
+    """(collating worker processes, pin memory) for a loader feeding a `device_type` device. On CUDA the step must
+    not wait on collation in its own process: --dataloader_num_workers, else this machine's cores shared among its
+    processes (one left to each process's main thread, at most 8 a process), and the batches pinned in the loader's
+    pin-memory thread (a copy from pageable memory makes the host wait for it). On a CPU the workers would take the
+    step's own cores (0), and there is nothing to pin."""
+    on_gpu = device_type != "cpu"
+    if workers is None:
+        cpus = cpus if cpus is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                              else os.cpu_count() or 1)
+        workers = max(1, min(8, cpus // max(local_processes, 1) - 1)) if on_gpu else 0
+    return workers, device_type == "cuda"
 
 def padding_efficiency(batch, skip=()) -> tuple[int, int]:
     """(real tokens, processed tokens) over every *attention_mask tensor of a collated batch (keys starting with
@@ -480,8 +496,8 @@ def padding_efficiency(batch, skip=()) -> tuple[int, int]:
     return real, proc
 
 def batch_to_device(batch, device):
-    """The collated CPU tensors to the accelerator, without waiting. Pinned first on CUDA: a copy from pageable
-    memory may make the driver wait for the stream (a host sync per step)."""
-    pin = device.type == "cuda"
-    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True) if torch.is_tensor(v) else v
-            for k, v in batch.items()}
+    """The one move of a collated batch to the device (train_loop). The prepared loader hands CPU tensors
+    (prepare_run prepares it without device placement), so what runs on the host (padding_efficiency, the memory
+    estimate) never waits on the device; on CUDA the loader has pinned them (loader_options), and the copy does not
+    wait either. A tensor already on the device is left as it is."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -560,12 +560,16 @@ def stable_doc_hash(doc_id: str) -> int:
 # ==============================================================================================================
 
 
-def pick_device_and_dtype(device: Optional[str] = None, dtype: Optional[str] = None):
-    """CUDA with bf16 (fp16 on pre-Ampere GPUs) when present, CPU fp32 otherwise; flags override."""
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def pick_device_and_dtype(device: Optional[str] = None, dtype: Optional[str] = None, cuda: Optional[bool] = None,
+                          bf16: Optional[bool] = None):
+    """CUDA with bf16 (fp16 on pre-Ampere GPUs) when present, CPU fp32 otherwise; flags override. cuda / bf16: what
+    this machine has (asked of torch when None)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    dev = torch.device(device) if device else torch.device("cuda" if cuda else "cpu")
     if dtype in (None, "auto"):
         if dev.type == "cuda":
-            dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            bf16 = torch.cuda.is_bf16_supported() if bf16 is None else bf16
+            dt = torch.bfloat16 if bf16 else torch.float16
         else:
             dt = torch.float32
     else:

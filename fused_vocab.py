@@ -89,16 +89,30 @@ _FP32_OUT: dict = {}
 
 def _fp32_out_gemm(device) -> bool:
     """Whether this device's addmm takes low-precision inputs into an fp32 output (out_dtype: CUDA; the CPU has no
-    such kernel). Probed once per device type on an 8 x 8 product."""
+    such kernel). Probed once per device type on an 8 x 8 product, outside any dispatch mode: a FLOP counter or a
+    profiler active at the first call must not decide the kernel's path for the whole run (torch 2.11's
+    FlopCounterMode raised TypeError on this op, and the run kept the slower path). weight_grad_path probes it at
+    start-up and says which path was chosen."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     if device.type not in _FP32_OUT:
-        try:
-            a = torch.ones(8, 8, dtype=torch.bfloat16, device=device)
-            c = torch.zeros(8, 8, dtype=torch.float32, device=device)
-            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-            _FP32_OUT[device.type] = bool(c[0, 0].item() == 8.0)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _FP32_OUT[device.type] = False
+        with _disable_current_modes():
+            try:
+                a = torch.ones(8, 8, dtype=torch.bfloat16, device=device)
+                c = torch.zeros(8, 8, dtype=torch.float32, device=device)
+                torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+                _FP32_OUT[device.type] = bool(c[0, 0].item() == 8.0)
+            except (RuntimeError, TypeError, NotImplementedError):
+                _FP32_OUT[device.type] = False
     return _FP32_OUT[device.type]
+
+
+def weight_grad_path(device) -> str:
+    """The vocabulary weight gradient's path on this device in low precision (_add_weight_grad), probed now: a
+    run's start-up line."""
+    if _fp32_out_gemm(torch.device(device)):
+        return "bf16 inputs into the fp32 accumulator in one GEMM (addmm out_dtype)"
+    return "one bf16 product per chunk added in fp32 (this device has no fp32-output GEMM)"
 
 
 def _add_weight_grad(grad_w, g, hs, first: bool):

@@ -668,13 +668,14 @@ def dropout_off(module: nn.Module):
 
 
 def _rng_state(device, state=None):
-    """The random state dropout draws from (CPU, and the device's on CUDA), kept for a chunk's replay: returned, or
-    set to `state` when given."""
+    """The random state dropout draws from (CPU, and the device's own generator on an accelerator), kept for a
+    chunk's replay: returned, or set to `state` when given."""
+    accel = None if device.type == "cpu" else torch.get_device_module(device.type)
     if state is None:
-        return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        return torch.get_rng_state(), (accel.get_rng_state(device) if accel is not None else None)
     torch.set_rng_state(state[0])
     if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
+        accel.set_rng_state(state[1], device)
 
 
 class XPRTModel(nn.Module):

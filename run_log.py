@@ -181,8 +181,10 @@ def write_log_record(accelerator, log_path: Path, rec: dict):
 
 def flop_counter():
     """torch's FlopCounterMode (matmuls and attention, forward and backward: what the device computes, padding
-    included), taught the two ops of our step its table lacks: the CPU kernel SDPA runs on CPU (counted as torch
-    counts the GPU ones) and the in-place addmm_ of the vocabulary kernel's weight gradient."""
+    included), taught the ops of our step its table lacks or miscounts: the CPU kernel SDPA runs on CPU (counted as
+    torch counts the GPU ones), and the vocabulary kernel's weight gradient, an in-place addmm_ in fp32 and, on CUDA
+    in bf16, an addmm into an fp32 output (addmm.dtype_out, whose out_dtype torch's addmm formula takes for a shape:
+    a TypeError in torch 2.11)."""
     from torch.utils import flop_counter as fc
 
     aten = torch.ops.aten
@@ -195,7 +197,7 @@ def flop_counter():
         return formula
 
     counter = fc.FlopCounterMode(display=False, custom_mapping={
-        aten.addmm_: as_torch_counts(aten.addmm),
+        aten.addmm: addmm_flops, aten.addmm_: addmm_flops,
         aten._scaled_dot_product_flash_attention_for_cpu: as_torch_counts(aten._scaled_dot_product_flash_attention),
         aten._scaled_dot_product_flash_attention_for_cpu_backward:
             as_torch_counts(aten._scaled_dot_product_flash_attention_backward)})
@@ -203,6 +205,16 @@ def flop_counter():
     # torch.autograd.grad (the gradient cache's): count everything under "Global" instead.
     counter.mod_tracker = _GlobalOnly()
     return counter
+
+def addmm_flops(bias, mat1, mat2, *args, **kwargs) -> int:
+    """FLOPs of every addmm overload (plain, out=, in place, out_dtype): 2 m n k, the product's; what follows the
+    two matrices (out_dtype, beta, alpha, out) does not change it."""
+    (m, k), n = mat1.shape, mat2.shape[-1]
+    return 2 * m * n * k
+
+
+addmm_flops._get_raw = True
+
 
 class _GlobalOnly:
     """A stand-in for FlopCounterMode's module tracker: every count goes to "Global", no module hooks."""
@@ -223,10 +235,12 @@ def peak_flops(accelerator, args):
     """One device's peak FLOP/s for the MFU estimate: --peak_tflops, else a known GPU's bf16 peak, else None."""
     if args.peak_tflops:
         return args.peak_tflops * 1e12
-    if accelerator.device.type == "cuda":
-        name = torch.cuda.get_device_name(accelerator.device)
-        return next((t * 1e12 for k, t in PEAK_BF16_TFLOPS.items() if k in name), None)
-    return None
+    dev = accelerator.device
+    return device_peak_flops(torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type)
+
+def device_peak_flops(name: str):
+    """The dense bf16 peak FLOP/s of a device named `name` (torch.cuda.get_device_name: "NVIDIA H200"), or None."""
+    return next((t * 1e12 for k, t in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
 def step_flops(model, batch, retention: bool) -> float:
@@ -317,9 +331,8 @@ def memory_estimate(accelerator, args, model, batch, teacher, max_length: int) -
     """Printed before the first step: the activation memory of a step of --per_device_train_batch_size groups at this
     length (layer_tokens_per_group x the measured bytes per token per layer), the fixed memory (fp32 weights, their
     gradients and AdamW's two moments: 16 bytes a parameter, 2 more for autocast's copy; the frozen teacher; the
-    vocabulary kernel's two fp32
-    (1024, V) buffers), and, where the device says its memory (CUDA), the groups that fit and the
-    --gradient_cache_chunk that would (the cache holds one chunk's activations at a time)."""
+    vocabulary kernel's two fp32 (1024, V) buffers), and, where the device says its memory (CUDA: device_memory), the
+    groups that fit and the --gradient_cache_chunk that would (the cache holds one chunk's activations at a time)."""
     import math
 
     if is_zero3(accelerator):  # the measuring copies would be partitioned too; ZeRO-3 plans its memory itself
@@ -343,8 +356,9 @@ def memory_estimate(accelerator, args, model, batch, teacher, max_length: int) -
     line = (f"memory: ~{note['batch_gib']:.1f} GiB for {b} groups per device at {max_length} tokens "
             f"({note['gib_per_group'] * 1024:.0f} MiB of activations a group from {per_tl / 1024:.1f} KiB per token "
             f"per layer, measured; {note['fixed_gib']:.1f} GiB of weights, gradients, AdamW and the teacher)")
-    if dev.type == "cuda":
-        free, total = torch.cuda.mem_get_info(dev)
+    free_total = device_memory(dev)
+    if free_total is not None:
+        free, total = free_total
         fit = max(int((0.9 * free - fixed) // per_group), 0)
         chunk = 2 ** int(math.log2(fit)) if fit >= 1 else 0
         note.update({"device_gib": total / 2**30, "groups_that_fit": fit, "cache_chunk": min(chunk, b)})
@@ -356,6 +370,10 @@ def memory_estimate(accelerator, args, model, batch, teacher, max_length: int) -
     _MEMORY_NOTE.clear()
     _MEMORY_NOTE.update(note)
     return note
+
+def device_memory(device):
+    """(free, total) bytes of the device's memory as its driver says them (CUDA's mem_get_info), None on a CPU."""
+    return torch.cuda.mem_get_info(device) if device.type == "cuda" else None
 
 def explain_oom(main):
     """A script's main, with a device out-of-memory error turned into one line that names the flags to change and

@@ -1404,12 +1404,19 @@ def write_inspect_report(args, sel: Selection, encoder, tfidf, threshold, source
     return path
 
 
+def selection_device(requested, process_device, dtype, bf16=None):
+    """(device, dtype) of a process's selection encoder: --device, else the GPU accelerate gave this process (one
+    per process under torchrun), else the CPU; bf16 on a GPU that has it (common.pick_device_and_dtype)."""
+    on_gpu = process_device.type == "cuda"
+    return pick_device_and_dtype(requested or (str(process_device) if on_gpu else None), dtype, cuda=on_gpu,
+                                 bf16=bf16)
+
+
 def load_selection_encoder(args, sel: Selection, state) -> Encoder:
     """The frozen selection encoder on this process's device, with its length limit (model_folder.max_seq_length)."""
     from transformers import AutoModel, AutoTokenizer
 
-    device = args.device or (str(state.device) if state.device.type == "cuda" else None)
-    device, dtype = pick_device_and_dtype(device, sel.dtype)
+    device, dtype = selection_device(args.device, state.device, sel.dtype)
     path = resolve_model_path(sel.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
     if not tokenizer.is_fast:

@@ -34,6 +34,7 @@ from architectures import load_teacher
 from batches import LengthGroupedBatchSampler, check_batch_fits, sampler_negatives, training_loader
 from common import (ArgumentParser, UserError, atomic_write, check_model_name, is_zero3, local_inputs,
                     non_negative_float, non_negative_int, positive_int, read_json, resolve_model_path, run_script)
+from fused_vocab import weight_grad_path
 from modeling_xprt import OBJECTIVES, objective_class, objective_flags, pretraining_objectives, retention_weight
 from run_log import EVAL_PREFIX, explain_oom, memory_estimate, peak_flops
 from training import (adamw, add_common_args, check_common_args, engine_dtype, load_model, make_accelerator,
@@ -368,6 +369,8 @@ def main(argv=None):
                                                                                      optimizer, dataloader)
     max_steps, world = state.max_steps, accelerator.num_processes
     print_run(accelerator, args, f"{len(rows)} groups", max_steps)
+    if accelerator.mixed_precision != "no":  # probed here, before any step, outside any FLOP counter
+        accelerator.print(f"vocabulary weight gradient: {weight_grad_path(accelerator.device)}")
     scorer = None
     if args.eval_tasks:  # evaluate.py's tasks and mteb's metrics, every --eval_steps and at the end
         import evaluate

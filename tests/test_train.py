@@ -346,8 +346,8 @@ def _loader_batches(tok, groups, workers, process=0, epoch=0):
     sampler = batches.LengthGroupedBatchSampler(group_lengths(rows, 2), 4, seed=3)
     sampler.set_epoch(epoch)
     args = SimpleNamespace(dataloader_num_workers=workers, seed=3)
-    loader = batches.training_loader(SimpleNamespace(process_index=process), args, rows, sampler,
-                                     XPRTCollator(tok, num_related=2))
+    accelerator = SimpleNamespace(process_index=process, device=torch.device("cpu"))
+    loader = batches.training_loader(accelerator, args, rows, sampler, XPRTCollator(tok, num_related=2))
     return [{k: v for k, v in b.items() if torch.is_tensor(v)} for b in loader]
 
 
@@ -652,6 +652,9 @@ def test_retention_is_zero_at_step_0_under_deepspeed_bf16(tiny_bert, groups, tmp
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "DistributedType.DEEPSPEED x 1, mixed precision bf16" in proc.stdout + proc.stderr
+    # the start-up lines name the paths a GPU would take differently (tests/test_device_paths.py)
+    assert "vocabulary weight gradient: one bf16 product per chunk" in proc.stdout + proc.stderr
+    assert "AdamW: torch default kernel" in proc.stdout + proc.stderr
     (rec,) = [r for r in _records(out) if "loss" in r]
     assert rec["retention_loss"] == 0.0 and math.isfinite(rec["loss"])
 
