@@ -181,12 +181,16 @@ def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
     """L_unif (Wang & Isola 2020): log mean_{i != j} exp(-t ||x_i - x_j||^2), x L2-normalised, t = 2.
 
     Applied to the batch's anchors: the closer any two anchors, the larger the penalty, so the
-    vectors do not collapse into one cluster. Local batch only (no gathering).
+    vectors do not collapse into one cluster. Local batch only (no gathering): with one group per device
+    (--per_device_train_batch_size 1, the negatives of L_xp gathered from the other processes) there is no pair,
+    and the term is 0, with a zero gradient.
     """
+    n = vectors.shape[0]
+    if n < 2:  # the mean over no pair: nothing to push apart (and log(n (n - 1)) is undefined)
+        return vectors.float().sum() * 0.0
     with torch.autocast(vectors.device.type, enabled=False):  # fp32, as in cosines; one normalisation for both sides
         x = F.normalize(vectors.float(), dim=-1)
         sq = (2 - 2 * x @ x.t()).clamp(min=0)  # ||x - y||^2 for unit vectors, (N, N)
-    n = vectors.shape[0]
     # i != j by a -inf diagonal, not a boolean-mask gather (whose data-dependent size is a device-to-host sync)
     diag = torch.eye(n, dtype=torch.bool, device=vectors.device)
     return torch.logsumexp((-t * sq).masked_fill(diag, float("-inf")).flatten(), dim=0) - math.log(n * (n - 1))

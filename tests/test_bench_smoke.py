@@ -61,3 +61,32 @@ def test_bench_step_times_every_objective_against_its_own_floor(capsys):
     for objective in modeling_xprt.pretraining_objectives():
         assert re.search(rf"^  {objective} +(floor .* -> \d+\.\d+x|refused: )", out, re.M), objective
     assert RATIO.fullmatch(out.strip().splitlines()[-1])
+
+
+def test_step_ops_counts_each_host_read_once():
+    """bench.bench_step_ops's counter: each read of a device value once (an .item() is not counted again as its
+    aten._local_scalar_dense), data-dependent shapes (a boolean index, nonzero), nothing for plain ops or views, and
+    nothing for AdamW's host-side step counts."""
+    import torch
+
+    from bench.bench_step_ops import StepCounter
+
+    x = torch.arange(6.0)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = torch.optim.AdamW([p], lr=0.1)  # one tensor at a time on a CPU: reads its step count with .item()
+    counter = StepCounter()
+    with counter, counter.ops:
+        counter.on = True
+        x.sum().item()
+        bool(x.any())
+        x[x > 2]
+        torch.nonzero(x)
+        (x * 2).view(2, 3)
+        opt.step()
+        counter.on = False
+        x.sum().item()
+    reads, aten, where = counter.take()
+    assert reads == 4, where
+    assert sorted(k.split(" <- ")[0] for k in where) == ["__bool__", "aten.index", "aten.nonzero", "item"]
+    assert aten > 8 and counter.take()[:2] == (0, 0)

@@ -153,6 +153,16 @@ def test_uniformity_equals_reference_formula():
     assert torch.allclose(mx.uniformity_loss(x), ref, atol=1e-6)
 
 
+def test_uniformity_of_one_anchor_is_zero():
+    """One group per device (--per_device_train_batch_size 1): no pair of anchors, L_unif 0 with a zero gradient
+    (at 146ed67 log(n (n - 1)) raised "math domain error" at step 1, whatever --unif_weight)."""
+    x = torch.randn(1, 10, requires_grad=True)
+    loss = mx.uniformity_loss(x)
+    loss.backward()
+    assert loss.item() == 0.0 and loss.dtype == torch.float32 and torch.equal(x.grad, torch.zeros_like(x))
+    assert torch.isfinite(mx.uniformity_loss(torch.randn(2, 10)))
+
+
 def test_retention_zero_when_student_equals_teacher_and_matches_plain():
     torch.manual_seed(5)
     a, r = torch.randn(6, 8), torch.randn(6, 8)

@@ -351,6 +351,17 @@ def _loader_batches(tok, groups, workers, process=0, epoch=0):
     return [{k: v for k, v in b.items() if torch.is_tensor(v)} for b in loader]
 
 
+def test_one_group_per_device_trains(tiny_bert, groups, tmp_path):
+    """--per_device_train_batch_size 1 (on one process: no in-batch negative, the log says so): L_unif has no pair
+    and is 0, the other terms are finite, and the run finishes (146ed67: "math domain error" at step 1)."""
+    out = tmp_path / "one"
+    run(base_args(tiny_bert, groups, out, **{"--per_device_train_batch_size": 1, "--max_train_steps": 2,
+                                             "--no_save_model": True}))
+    recs = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in recs] == [1, 2]
+    assert all(r["uniformity_loss"] == 0.0 and math.isfinite(r["loss"]) for r in recs)
+
+
 def test_collation_in_workers_gives_the_loops_batches(tiny_bert, groups):
     """The DataLoader's workers build the batches the loop's own process builds (masks from the batch's key, not
     from a generator that runs on); another process draws other masks for the same rows, and the same key the same
