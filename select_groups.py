@@ -1293,7 +1293,9 @@ def calibrate_threshold(args, sel: Selection, state, encoder, tfidf):
     if state.is_main_process and not os.path.exists(path):
         docs = first_valid_records(args, sel.calibration_docs)
         res = select_documents(docs, encoder, tfidf, 1.0, sel, desc="calibration", show_progress=True)
-        c = np.concatenate([r.centrality for r in res])
+        # no valid record in the whole input: no passage to calibrate on; the selection then finds no group and
+        # says why (the records skipped), as it does without --anchor_share
+        c = np.concatenate([r.centrality for r in res]) if res else np.zeros(0)
         thr = anchor_share_threshold(c, sel.anchor_share, default=sel.centrality_threshold)
         cal = {"threshold": thr, "passages": int(len(c)), "documents": len(docs)}
         if sel.per_script_anchor_share:  # one quantile per script; "*": the corpus's, for scripts not seen here

@@ -42,6 +42,7 @@ def data(tmp_path_factory, tiny_bert):
     (root / "ms").mkdir()
     (root / "ms" / "qrels.train.tsv").write_text("q1\t0\tp1\t1\n")
     (root / "bad.jsonl").write_text('{"id": "a", "text": "fine"}\n{"id": "b", "text": broken\n')
+    (root / "empty.jsonl").write_text('{"id": "a", "text": ""}\n{"id": "b", "text": "   "}\n')
     (root / "bad_pairs.jsonl").write_text('{"query": "q", "pos": ["p"]}\n{"query": "r", "pos": broken\n')
     return d
 
@@ -172,6 +173,10 @@ CASES = {
     "select-unwritable": ("select_groups", lambda d, o: S(d, d["under_file"]), "cannot write there", None, None),
     "select-bad-record": ("select_groups", lambda d, o: S(d, o, **{"--input": d["root"] / "bad.jsonl"}),
                           "bad.jsonl:2: malformed_json", None, []),
+    # issue 43: --anchor_share's calibration raised "need at least one array to concatenate" here
+    "select-anchor-share-no-valid-record": ("select_groups", lambda d, o: S(d, o, **{
+        "--input": d["root"] / "empty.jsonl", "--anchor_share": 0.5, "--skip_bad_lines": True}),
+        "none of the 2 records read is a valid document (skipped: {'empty_text': 2})", None, []),
     # evaluate.py
     "evaluate-limit-0": ("evaluate", lambda d, o: E(d, o, **{"--limit": 0}), "--limit: 0 is not an integer >= 1",
                          None, None),
