@@ -207,6 +207,15 @@ def load_groups(groups_dir: str, max_groups=None):
     files = sorted(str(f) for f in Path(groups_dir).glob("*.parquet") if not f.name.startswith("."))
     if not files:
         raise UserError(f"--groups_dir {groups_dir}: no *.parquet shards beside its stats.json")
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    for f in files:  # a truncated or foreign shard named here (its footer), not deep inside datasets' builder
+        try:
+            pq.ParquetFile(f).close()
+        except (pyarrow.ArrowInvalid, OSError) as err:
+            raise UserError(f"--groups_dir: {f} is not a readable parquet file ({str(err).split('.')[0]}): truncated "
+                            "or changed after the selection; select again with --overwrite") from None
     ds = load_dataset("parquet", data_files=files, split="train")
     expected = json.loads(stats.read_text()).get("groups")
     if expected is not None and len(ds) != expected:
@@ -214,8 +223,6 @@ def load_groups(groups_dir: str, max_groups=None):
                         "added or removed after the selection finished")
     # The first load converts the shards into the Arrow cache; pyarrow's allocator keeps the freed conversion
     # buffers unless asked to hand them back. Later loads convert nothing.
-    import pyarrow
-
     pyarrow.default_memory_pool().release_unused()
     for col in ("doc_id", "anchor", "related", "random_passage"):
         if col not in ds.column_names:

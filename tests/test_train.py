@@ -8,6 +8,7 @@ the groups schema of select_groups.group_schema(), so they take seconds each on 
 import json
 import math
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,7 +137,8 @@ def test_length_grouped_batches_are_deterministic_complete_and_pad_less():
 
 def test_groups_are_read_only_from_a_finished_selection(tiny_bert, tmp_path):
     """select_groups.py's real output: a killed run's leftover .tmp-* shard is not read, a folder without the
-    stats.json that select_groups.py writes last is refused, and shards added afterwards are refused by count."""
+    stats.json that select_groups.py writes last is refused, shards added afterwards are refused by count, and a
+    truncated shard is named (146ed67: datasets' DatasetGenerationError, without the file)."""
     import shutil
 
     import select_groups
@@ -155,6 +157,12 @@ def test_groups_are_read_only_from_a_finished_selection(tiny_bert, tmp_path):
     with pytest.raises(ValueError, match="its stats.json"):
         train.load_groups(str(groups))
     (groups / "groups-999999.parquet").unlink()
+    data = shard.read_bytes()  # a shard cut short (a full disk, a partial copy): named, with what to do
+    shard.write_bytes(data[:len(data) // 2])
+    with pytest.raises(UserError, match=rf"--groups_dir: {re.escape(str(shard))} is not a readable parquet file "
+                                        r"\(Parquet magic bytes not found in footer\): truncated"):
+        train.load_groups(str(groups))
+    shard.write_bytes(data)
     (groups / "stats.json").unlink()
     with pytest.raises(UserError, match="no stats.json"):
         train.load_groups(str(groups))
