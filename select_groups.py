@@ -33,6 +33,7 @@ processes. Every chunk's result depends only on its own documents, the corpus ID
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import hashlib
 import html
@@ -304,9 +305,15 @@ def input_files(patterns, skipped=None):
             found.sort()
         else:
             found = sorted(glob.glob(pat)) or ([pat] if os.path.exists(pat) else [])
+        if not found and os.path.isdir(pat):  # a folder that exists but holds nothing this script reads
+            others = collections.Counter(os.path.splitext(n)[1] or n for _, _, names in os.walk(pat) for n in names
+                                         if not n.startswith("."))
+            held = ", ".join(f"{k} {v}" for k, v in others.most_common(5)) or "nothing"
+            raise UserError(f"--input {pat!r}: a folder with no {'/'.join(INPUT_SUFFIXES)} file or datasets "
+                            f"save_to_disk folder under it (it holds: {held}); write the documents as JSON Lines, "
+                            'one {"id": ..., "text": ...} per line')
         if not found:
-            raise UserError(f"--input {pat!r}: no such file (or no {'/'.join(INPUT_SUFFIXES)} file or "
-                            "datasets save_to_disk folder in that folder)")
+            raise UserError(f"--input {pat!r}: no such file")
         files += found
     return files
 

@@ -42,6 +42,9 @@ def data(tmp_path_factory, tiny_bert):
     (root / "ms").mkdir()
     (root / "ms" / "qrels.train.tsv").write_text("q1\t0\tp1\t1\n")
     (root / "bad.jsonl").write_text('{"id": "a", "text": "fine"}\n{"id": "b", "text": broken\n')
+    (root / "txts").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (root / "txts" / name).write_text("One document in a plain text file.\n")
     (root / "empty.jsonl").write_text('{"id": "a", "text": ""}\n{"id": "b", "text": "   "}\n')
     (root / "bad_pairs.jsonl").write_text('{"query": "q", "pos": ["p"]}\n{"query": "r", "pos": broken\n')
     return d
@@ -163,6 +166,10 @@ CASES = {
                         None),
     "select-input-missing": ("select_groups", lambda d, o: S(d, o, **{"--input": d["root"] / "none.jsonl"}),
                              "no such file", None, None),
+    # issue 43: a folder of .txt files was "no such file"
+    "select-folder-of-txt": ("select_groups", lambda d, o: S(d, o, **{"--input": d["root"] / "txts"}),
+                             "save_to_disk folder under it (it holds: .txt 2); write the documents as JSON Lines",
+                             None, None),
     "select-corpus-inside": ("select_groups", lambda d, o: S(d, o, **{"--input": o / "docs.jsonl",
                                                                        "--overwrite": True}), "holds --input",
                              _corpus_inside, None),
