@@ -326,6 +326,21 @@ def _iter_hf_dataset(name, config, split):
         yield f"{name}:row {i}", row, None, ""
 
 
+def unread_splits(files, split) -> list:
+    """A line per save_to_disk DatasetDict among the inputs whose other splits are not read: the split read is
+    --dataset_split's, and the others are named (from its dataset_dict.json), not left out silently."""
+    notes = []
+    for f in files:
+        meta = os.path.join(f, "dataset_dict.json")
+        if os.path.isdir(f) and os.path.isfile(meta):
+            with open(meta, encoding="utf-8") as fh:
+                others = [s for s in json.load(fh).get("splits", []) if s != split]
+            if others:
+                notes.append(f"--input {f}: a saved DatasetDict; its split {split!r} is read, not {others} "
+                             "(--dataset_split picks the split)")
+    return notes
+
+
 def _iter_saved_dataset(path, split, columns):
     """(where, row) of a save_to_disk folder (datasets.load_from_disk, memory-mapped Arrow); a DatasetDict's `split`
     (--dataset_split); columns: the ones to read (those it lacks are left out; None: all)."""
@@ -1476,7 +1491,8 @@ def main(argv=None):
     state = PartialState(cpu=not torch.cuda.is_available() or (args.device or "").startswith("cpu"))
     prepare_selection_dir(args, sel, state)
     skipped = []
-    input_files(args.input, skipped)
+    for line in unread_splits(input_files(args.input, skipped), args.dataset_split):
+        state.print(line)
     if skipped:  # a folder of mixed formats: what is not read is said, not silently left out
         state.print(f"--input: {len(skipped)} file(s) of a format not read ({'/'.join(INPUT_SUFFIXES)} are), skipped: "
                     f"{', '.join(skipped[:10])}{' ...' if len(skipped) > 10 else ''}")

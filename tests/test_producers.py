@@ -35,7 +35,8 @@ def _records(inp, *extra):
 
 def test_a_save_to_disk_folder_is_read_as_the_dataset_it_holds(tmp_path):
     """datasets' save_to_disk folder (its dataset_info.json / state.json are metadata, not JSON Lines): every row, the
-    same documents as the JSONL it was made from; a DatasetDict by --dataset_split; a folder holding it as well."""
+    same documents as the JSONL it was made from; a DatasetDict by --dataset_split, its other splits named; a folder
+    holding it as well."""
     import datasets
 
     docs = _docs(30)
@@ -45,6 +46,11 @@ def test_a_save_to_disk_folder_is_read_as_the_dataset_it_holds(tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_list(docs[:5]),
                           "validation": datasets.Dataset.from_list(docs[5:8])}).save_to_disk(str(tmp_path / "dict"))
     assert len(_records(tmp_path / "dict")[0]) == 5
+    # the splits not read are named (a run's start-up line), from the DatasetDict datasets wrote
+    assert sg.unread_splits(sg.input_files([str(tmp_path / "dict")]), "train") == [
+        f"--input {tmp_path / 'dict'}: a saved DatasetDict; its split 'train' is read, not ['validation'] "
+        "(--dataset_split picks the split)"]
+    assert sg.unread_splits(sg.input_files([str(tmp_path / "saved")]), "train") == []
     assert len(_records(tmp_path / "dict", "--dataset_split", "validation")[0]) == 3
     with pytest.raises(sg.BadInput, match="without split 'test'.*--dataset_split"):
         _records(tmp_path / "dict", "--dataset_split", "test")
