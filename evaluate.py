@@ -472,6 +472,9 @@ def check_task_data(task, flag: str = "--tasks"):
 def local_retrieval_split(folder: Path, wanted: str) -> str:
     """The qrels split a local BEIR folder is scored on: `wanted` (the mteb task's evaluation split) when the folder
     has it, else its one split other than train (a dev-only folder: qrels/dev.tsv)."""
+    if not (folder / "qrels").is_dir():  # BEIR's corpus and queries without the judgements: nothing to score by
+        raise UserError(f"{folder}: corpus.jsonl and queries.jsonl but no qrels/ folder: a BEIR folder's relevance "
+                        f"judgements are qrels/{wanted}.tsv (BEIR's tab-separated query-id, corpus-id, score)")
     splits = sorted(p.stem for p in (folder / "qrels").glob("*.tsv"))
     if wanted in splits:
         return wanted

@@ -5,6 +5,7 @@ functions are replaced by ones that fail the test if they are reached."""
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -293,6 +294,10 @@ def test_a_dev_only_beir_folder_is_scored_on_dev_under_its_own_name(tmp_path):
     (folder / "qrels" / "train.tsv").write_text("q1\td1\t1\n")
     (folder / "qrels" / "dev.tsv").write_text("q1\td1\t1\n")
     with pytest.raises(common.UserError, match=r"no qrels/test.tsv to score, and qrels/ holds \['dev', 'other', "):
+        ev.parse_local_spec(str(folder))
+    shutil.rmtree(folder / "qrels")  # 146ed67 said "qrels/ holds no .tsv" of a folder that is not there
+    with pytest.raises(common.UserError, match=r"corpus.jsonl and queries.jsonl but no qrels/ folder: .* are "
+                                               r"qrels/test.tsv"):
         ev.parse_local_spec(str(folder))
 
 
