@@ -66,9 +66,9 @@ import numpy as np
 
 from architectures import attention_kwargs
 from common import (E5_PROMPTS, MINILM_ALIASES, NO_PROMPTS, ArgumentParser, UserError, atomic_path, atomic_write,
-                    check_model_name, claim_output_folder, hub_cached, hub_offline, load_beir, local_inputs,
-                    model_prompts, pick_device_and_dtype, positive_int, read_json, record_outputs, resolve_model_path,
-                    run_script)
+                    check_model_name, check_writable, claim_output_folder, hub_cached, hub_offline, load_beir,
+                    local_inputs, model_prompts, pick_device_and_dtype, positive_int, read_json, record_outputs,
+                    resolve_model_path, run_script)
 from model_folder import add_eval_results_to_card, check_tokenizer_fits, max_seq_length
 from modeling_xprt import embed_texts
 from run_log import EVAL_PREFIX
@@ -769,6 +769,21 @@ def card_results(results: dict) -> tuple[dict, dict]:
     return standard, local
 
 
+def check_outputs_writable(models, results_dir: str):
+    """Before any scoring: mteb's results folder (each task's result is written there as it finishes) and the
+    folder of every model whose card update_model_card will write can be written (a probe file, common.check_writable),
+    or the run stops in one line now, not after the scoring."""
+    check_writable(results_dir, "--results_dir")
+    for name in models:
+        path = resolve_model_path(name)
+        if os.path.isdir(path) and (Path(path) / "xprt_config.json").is_file() and (Path(path) / "README.md").is_file():
+            try:
+                check_writable(path, "--models")
+            except UserError as err:
+                raise UserError(f"{err}: evaluate.py writes the scores into its model card (README.md); pass "
+                                "--no_card_update to leave it as it is") from None
+
+
 def update_model_card(model_name: str, results: dict, source: str) -> bool:
     """After scoring a local xprt folder (xprt_config.json present): full standard tasks into its card's
     Evaluation section and model-index, local data and samples into a section of their own."""
@@ -1302,6 +1317,9 @@ def parse_args(argv=None):
                         "length limit (e.g. the trained model, so that its start is scored the same way and the Δ is "
                         "training's alone); filed as an mteb experiment. Without it each model is scored as it is "
                         "used, and the report says where their scoring differs")
+    p.add_argument("--no_card_update", action="store_true",
+                   help="leave the model card (README.md) of a scored xprt folder as it is (a folder you may not "
+                        "write); by default the scores are written into it")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="auto: bf16 (fp16 before Ampere) on GPU, fp32 on CPU")
@@ -1328,14 +1346,17 @@ def main(argv=None):
     if existing and not args.overwrite:
         raise UserError(f"{out_dir} already has {[p.name for p in existing]}; pass --overwrite (finished tasks come "
                         "from the results folder)")
+    results_dir = args.results_dir or str(mteb.ResultCache().cache_path)
+    update_cards = not args.score_as and not args.no_card_update
+    check_outputs_writable(args.models if update_cards else [], results_dir)
     record_outputs(out_dir, "evaluate.py", REPORT_FILES)
     out = run_evaluation(args.models, tasks=args.tasks, local_tasks=args.local_tasks, benchmark=args.benchmark,
                          limit=args.limit, corpus_limit=args.corpus_limit, seed=args.seed,
                          prefixes=args.prefixes, batch_size=args.batch_size, max_length=args.max_length,
                          device=args.device, dtype=args.dtype, query_prefix=args.query_prefix,
                          passage_prefix=args.passage_prefix,
-                         results_dir=args.results_dir or str(mteb.ResultCache().cache_path), rerun=args.rerun,
-                         trust_remote_code=args.trust_remote_code, update_cards=not args.score_as,
+                         results_dir=results_dir, rerun=args.rerun,
+                         trust_remote_code=args.trust_remote_code, update_cards=update_cards,
                          score_as=args.score_as)
     retrieval = [t["name"] for t in out["tasks"] if t["type"] == "Retrieval"]
     overlap = [] if args.overlap_analysis is None else (args.overlap_analysis or retrieval)

@@ -585,3 +585,29 @@ def AutoModel_from(path):
     from transformers import AutoModel
 
     return AutoModel.from_pretrained(path).eval()
+
+
+def test_card_and_results_folders_are_checked_writable_before_scoring(tiny_bert, tmp_path, monkeypatch):
+    """Before any scoring (146ed67 scored, then failed writing and wrote nothing): mteb's results folder, and the
+    folder of an xprt model whose card gets the scores; a read-only one (simulated: root writes through file
+    modes, so the probe is made to fail as a read-only mount makes it) stops the run in one line that names
+    --no_card_update, which leaves the card alone."""
+    import common
+
+    model = _xprt_run_folder(tiny_bert, tmp_path / "runs" / "xprt")
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(common.UserError, match="--results_dir .*a_file/results: cannot write there"):
+        ev.check_outputs_writable([str(model)], str(tmp_path / "a_file" / "results"))
+    real = common.check_writable
+
+    def read_only_model(out, flag="--output_dir"):
+        if Path(out) == model:
+            raise common.UserError(f"{flag} {out}: cannot write there (Read-only file system)")
+        return real(out, flag)
+
+    monkeypatch.setattr(ev, "check_writable", read_only_model)
+    with pytest.raises(common.UserError, match=r"--models .*: cannot write there \(Read-only file system\): "
+                                               r"evaluate.py writes the scores into its model card .*--no_card_update"):
+        ev.check_outputs_writable([str(model), str(tiny_bert)], str(tmp_path / "results"))
+    ev.check_outputs_writable([], str(tmp_path / "results"))  # --no_card_update: the results folder only
+    assert ev.parse_args(["--models", str(model), "--no_card_update"]).no_card_update

@@ -208,6 +208,9 @@ CASES = {
                                   "results.md exists and evaluate.py has no record of writing it", _stranger_results,
                                   None),
     "evaluate-unwritable": ("evaluate", lambda d, o: E(d, d["under_file"]), "cannot write there", None, None),
+    # issue 43: mteb's results folder was first written after the scoring
+    "evaluate-results-unwritable": ("evaluate", lambda d, o: E(d, o, **{"--results_dir": d["under_file"]}),
+                                    "--results_dir", None, None),
     "evaluate-model-inside": ("evaluate", lambda d, o: E(d, o, **{"--models": o / "model"}),
                               "holds --models", _model_inside, None),
 }
