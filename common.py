@@ -148,12 +148,15 @@ def hub_cached(repo_id: str, repo_type: str = "model") -> bool:
     except Exception:  # noqa: BLE001 - not a valid repository id: nothing of it can be cached
         return False
 
-def check_model_name(name_or_path: str, flag: str) -> str:
+def check_model_name(name_or_path: str, flag: str, trust_remote_code: bool = False) -> str:
     """A model flag's value checked before anything loads -> the path from_pretrained opens (resolve_model_path).
-    Refused in one line: a path that does not exist, or a name that is no local folder while the Hub is offline
-    and not in its cache (transformers would fail 27 frames deep, after the other loading)."""
+    Refused in one line: a path that does not exist, a name that is no local folder while the Hub is offline and not
+    in its cache (transformers would fail 27 frames deep, after the other loading), or a model that only its own
+    code can build (check_remote_code) without --trust_remote_code."""
     path = resolve_model_path(name_or_path)
     if os.path.isdir(path):
+        if not trust_remote_code:
+            check_remote_code(name_or_path, flag)
         return path
     if os.path.exists(path):
         raise UserError(f"{flag} {name_or_path}: a file, not a model folder")
@@ -163,6 +166,22 @@ def check_model_name(name_or_path: str, flag: str) -> str:
         raise UserError(f"{flag} {name_or_path}: not a local folder, and the Hub is offline (HF_HUB_OFFLINE) with no "
                         "cached copy of it: pass a local model folder (or all-MiniLM-L6-v2, bundled)")
     return path
+
+def check_remote_code(name_or_path: str, flag: str):
+    """Refuse, naming --trust_remote_code, a model whose config.json transformers cannot read without the code its
+    repository ships: a model_type transformers does not know, with an auto_map to that code (transformers' own
+    error names its keyword, not this repository's flag). A known model_type loads with transformers' own class."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = model_file(name_or_path, "config.json")
+    if config is None:
+        return
+    cfg = read_json(config)
+    if isinstance(cfg, dict) and cfg.get("auto_map") and cfg.get("model_type") not in CONFIG_MAPPING:
+        raise UserError(f"{flag} {name_or_path}: model_type {cfg.get('model_type')!r} is built by the code its "
+                        f"repository ships ({config.name}'s auto_map), which runs only with --trust_remote_code "
+                        "(pass it for a model whose code you trust)")
+
 
 def model_file(name_or_path: str, filename: str) -> Optional[Path]:
     """A file a model states its use in (modules.json, config_sentence_transformers.json, 1_Pooling/config.json):

@@ -97,10 +97,10 @@ PER_QUERY_KEY = "xprt_per_query"  # our key in a retrieval result's scores: {que
 # 1. The mteb model wrapper: sentence-transformers' encode with the model's own modules and prompts
 # ---------------------------------------------------------------------------------------------------
 
-def check_model_folder(name_or_path: str, flag: str = "--models") -> str:
-    """Resolve a model name and fail early, in words, on a folder that is not a model, a path that does not exist
-    or a name the offline Hub cannot give (common.check_model_name)."""
-    path = check_model_name(name_or_path, flag)
+def check_model_folder(name_or_path: str, flag: str = "--models", trust_remote_code: bool = False) -> str:
+    """Resolve a model name and fail early, in words, on a folder that is not a model, a path that does not exist,
+    a name the offline Hub cannot give, or custom code without --trust_remote_code (common.check_model_name)."""
+    path = check_model_name(name_or_path, flag, trust_remote_code)
     if os.path.isdir(path) and not (Path(path) / "config.json").is_file():
         raise UserError(f"{flag} {name_or_path}: a folder but not a model (no config.json in {path}); pass a folder "
                         "saved by train.py (or save_pretrained), a hub id, or 'all-MiniLM-L6-v2'")
@@ -254,7 +254,7 @@ class XPRTEncoder(AbsEncoder):
 
         if prefixes not in ("auto", "e5", "none"):
             raise ValueError(f"prefixes must be auto, e5 or none, got {prefixes!r}")
-        path = check_model_folder(name_or_path)
+        path = check_model_folder(name_or_path, trust_remote_code=trust_remote_code)
         self.name = name_or_path
         self.path = path
         self.device, self.dtype = pick_device_and_dtype(device, dtype)
@@ -1334,9 +1334,9 @@ def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     for name in args.models:  # a model that is not here, before any task or model loads
-        check_model_folder(name, "--models")
+        check_model_folder(name, "--models", args.trust_remote_code)
     if args.score_as:
-        check_model_folder(args.score_as, "--score_as")
+        check_model_folder(args.score_as, "--score_as", args.trust_remote_code)
     out_dir = Path(args.output_dir)
     # refused before hours of encoding, not after: inputs inside the folder, a stranger's results.*, earlier
     # results without --overwrite, a folder that cannot be written (common.claim_output_folder)

@@ -138,7 +138,7 @@ def check_inputs(args):
     cache), an MS MARCO layout is complete, a --mined_negatives file exists."""
     for flag in ("model_name_or_path", "generator_model", "cross_encoder_model"):
         if getattr(args, flag):
-            check_model_name(getattr(args, flag), f"--{flag}")
+            check_model_name(getattr(args, flag), f"--{flag}", args.trust_remote_code)
     if args.train_data:
         msmarco_files(args.train_data, args.train_split)  # an incomplete MS MARCO layout, refused before loading
     if args.mined_negatives and not Path(args.mined_negatives).is_file():

@@ -1480,7 +1480,8 @@ def first_documents_unknown_tokens(args, encoder: Encoder, model_name: str, n_do
 
 def main(argv=None):
     args = parse_args(argv)
-    check_model_name(args.model_name_or_path, "--model_name_or_path")  # before anything loads
+    # before anything loads
+    check_model_name(args.model_name_or_path, "--model_name_or_path", args.trust_remote_code)
     sel = Selection.from_args(args)  # the one object every selecting function reads its settings from
     import torch
     from accelerate import PartialState

@@ -166,7 +166,7 @@ def check_inputs(args):
     torchrun / accelerate launch start)."""
     for flag in ("model_name_or_path", "teacher_name_or_path", "mlm_head_from", "generator_name_or_path"):
         if getattr(args, flag):
-            check_model_name(getattr(args, flag), f"--{flag}")
+            check_model_name(getattr(args, flag), f"--{flag}", args.trust_remote_code)
     n_groups = count_groups(args.groups_dir)
     check_batch_fits(min(n_groups, args.max_groups or n_groups), args.per_device_train_batch_size,
                      int(os.environ.get("WORLD_SIZE", 1)), "groups")

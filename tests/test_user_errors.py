@@ -46,6 +46,10 @@ def data(tmp_path_factory, tiny_bert):
     (root / "txts").mkdir()
     for name in ("a.txt", "b.txt"):
         (root / "txts" / name).write_text("One document in a plain text file.\n")
+    (root / "remote").mkdir()  # a model only its own code builds (auto_map, a model_type transformers lacks)
+    (root / "remote" / "config.json").write_text(json.dumps({
+        "model_type": "my_bert", "auto_map": {"AutoConfig": "configuration_my.MyConfig",
+                                              "AutoModel": "modeling_my.MyModel"}}))
     (root / "empty.jsonl").write_text('{"id": "a", "text": ""}\n{"id": "b", "text": "   "}\n')
     (root / "bad_pairs.jsonl").write_text('{"query": "q", "pos": ["p"]}\n{"query": "r", "pos": broken\n')
     return d
@@ -160,6 +164,16 @@ CASES = {
         "--beir_dir": None, "--train_data": d["root"] / "bad_pairs.jsonl"}), "bad_pairs.jsonl:2: not valid JSON",
         None, ["mine_hard_negatives"]),
     "finetune-unwritable": ("finetune", lambda d, o: F(d, d["under_file"]), "cannot write there", None, None),
+    # issue 43: a remote-code model without the flag got transformers' text (its keyword), not this flag
+    "train-remote-code": ("train", lambda d, o: T(d, o, **{"--model_name_or_path": d["root"] / "remote"}),
+                          "model_type 'my_bert' is built by the code its repository ships (config.json's auto_map), "
+                          "which runs only with --trust_remote_code", None, None),
+    "select-remote-code": ("select_groups", lambda d, o: S(d, o, **{"--model_name_or_path": d["root"] / "remote"}),
+                           "runs only with --trust_remote_code", None, None),
+    "evaluate-remote-code": ("evaluate", lambda d, o: E(d, o, **{"--models": d["root"] / "remote"}),
+                             "runs only with --trust_remote_code", None, None),
+    "finetune-remote-code": ("finetune", lambda d, o: F(d, o, **{"--model_name_or_path": d["root"] / "remote"}),
+                             "runs only with --trust_remote_code", None, None),
     # select_groups.py
     "select-unknown-flag": ("select_groups", lambda d, o: S(d, o, **{"--passage_prefix": "p: "}),
                             "unrecognized arguments: --passage_prefix", None, None),
@@ -325,3 +339,16 @@ def test_a_real_process_prints_one_line_and_exits_2(script, argv, says):
     res = subprocess.run([sys.executable, script, *argv], cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith(says), res.stderr
+
+
+def test_custom_code_is_refused_only_where_transformers_needs_it(data, tmp_path):
+    """check_remote_code: a model_type transformers lacks, with an auto_map, needs --trust_remote_code; with the flag
+    it passes; an auto_map beside a model_type transformers knows loads with transformers' own class and passes."""
+    remote = data["root"] / "remote"
+    with pytest.raises(common.UserError, match="--trust_remote_code"):
+        common.check_model_name(str(remote), "--model_name_or_path")
+    assert common.check_model_name(str(remote), "--model_name_or_path", trust_remote_code=True) == str(remote)
+    known = tmp_path / "known"
+    known.mkdir()
+    (known / "config.json").write_text(json.dumps({"model_type": "bert", "auto_map": {"AutoModel": "m.M"}}))
+    assert common.check_model_name(str(known), "--model_name_or_path") == str(known)
