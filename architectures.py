@@ -223,6 +223,36 @@ def check_layers(encoder, name: str = ""):
                          "of the encoder's own kind run on the decoder's input, cannot be built for it")
 
 
+def runs_at_length(base: nn.Module, length: int) -> bool:
+    """Whether the encoder takes an input of `length` positions: its embedding layer (and what follows it before the
+    layers: token_embeddings) run on one row of that length. Measured, not read from the config, so that every
+    family's position rule counts as the model applies it (RoBERTa's table starts after the padding index: 514 rows
+    hold 512 positions; rotary positions have no table)."""
+    device = next(base.parameters()).device
+    # a token that is not padding: RoBERTa-style positions count only the non-padding tokens
+    token = 2 if getattr(base.config, "pad_token_id", None) in (0, 1) else 1
+    was_training = base.training
+    base.eval()
+    try:
+        with torch.no_grad():
+            token_embeddings(base, torch.full((1, length), token, dtype=torch.long, device=device),
+                             torch.ones(1, length, dtype=torch.long, device=device))
+        return True
+    except (IndexError, RuntimeError):  # a position index past the table, a buffer that cannot expand to it
+        return False
+    finally:
+        base.train(was_training)
+
+
+def longest_input(base: nn.Module, upto: int) -> int:
+    """The longest input (at most `upto` positions) the encoder takes (runs_at_length, by bisection)."""
+    lo, hi = 0, upto
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if runs_at_length(base, mid) else (lo, mid - 1)
+    return lo
+
+
 def _probe_ids(base):
     """A tiny batch (2 x 6 ids, the second row padded) for the load-time checks."""
     cfg = base.config

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 import baselines  # noqa: F401  (registers the comparison objectives as --objective choices)
-from architectures import load_teacher
+from architectures import load_teacher, longest_input, runs_at_length
 from batches import LengthGroupedBatchSampler, check_batch_fits, sampler_negatives, training_loader
 from common import (ArgumentParser, UserError, atomic_write, check_model_name, is_zero3, local_inputs,
                     non_negative_float, non_negative_int, positive_int, read_json, resolve_model_path, run_script)
@@ -249,6 +249,32 @@ def load_pretraining_model(accelerator, args):
                       retention_student=args.retention_student, **options)
 
 
+def check_positions(args, model, tokenizer):
+    """--max_length against the positions the model takes, before any work: a step feeds the encoder a passage of
+    --max_length tokens, its special tokens and the passage prefix, and a decoder with conditioning vectors (xPRT's C)
+    takes that many more. Measured on the encoder (architectures.runs_at_length); refused with the --max_length that
+    fits. -> a line to print when the start model is used (and its saved folder will be) at fewer tokens than it
+    is trained on, else None."""
+    prefix = len(tokenizer(model.prompts["document"], add_special_tokens=False)["input_ids"]) \
+        if model.prompts["document"] else 0
+    extra = tokenizer.num_special_tokens_to_add() + prefix
+    extra += max((getattr(m, "num_condition_vectors", 0) for m in model.modules()), default=0)
+    need = args.max_length + extra
+    base = model.encoder.base_model
+    if not runs_at_length(base, need):
+        most = longest_input(base, need)
+        raise UserError(f"--max_length {args.max_length}: {args.model_name_or_path} takes inputs of at most {most} "
+                        f"positions, and a step needs {need} (the passage and {extra} more: special tokens, the "
+                        f"prefix, the decoder's conditioning vectors): pass --max_length {max(most - extra, 0)} or "
+                        "less")
+    encoder_input = args.max_length + tokenizer.num_special_tokens_to_add() + prefix
+    if model.info.max_seq_length < encoder_input:
+        return (f"note: {args.model_name_or_path} is used at {model.info.max_seq_length} tokens (the length its folder "
+                f"states, which the saved folder keeps), and trained here on inputs of up to {encoder_input} "
+                f"(--max_length {args.max_length})")
+    return None
+
+
 def load_data(accelerator, args, model, tokenizer):
     """The groups, the length-grouped sampler over what the objective's collator sorts by (the random-span baseline:
     its crops' lengths, and row_extras(epoch, i) hands each row its crops) and the DataLoader whose workers collate
@@ -351,6 +377,9 @@ def main(argv=None):
 
     # ---- model
     model, tokenizer = load_pretraining_model(accelerator, args)
+    note = check_positions(args, model, tokenizer)
+    if note:
+        accelerator.print(note)
 
     # ---- data: the groups, length-grouped batches collated ahead of the step; the retention term's frozen teacher
     rows, sampler, dataloader = load_data(accelerator, args, model, tokenizer)

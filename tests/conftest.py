@@ -30,7 +30,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests (seconds to minutes); run in CI")
 
 
-def build_tiny_bert(path: Path, hidden: int = 32, layers: int = 2, heads: int = 2, seed: int = 0) -> Path:
+def build_tiny_bert(path: Path, hidden: int = 32, layers: int = 2, heads: int = 2, seed: int = 0,
+                    max_position_embeddings: int = 512) -> Path:
     """Save a random-weight BertForMaskedLM with the MiniLM tokenizer to `path` and return it."""
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
@@ -44,7 +45,7 @@ def build_tiny_bert(path: Path, hidden: int = 32, layers: int = 2, heads: int = 
         num_hidden_layers=layers,
         num_attention_heads=heads,
         intermediate_size=hidden * 2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
     )
     torch.manual_seed(seed)
     BertForMaskedLM(cfg).save_pretrained(path)

@@ -296,3 +296,19 @@ def test_end_to_end(tiny, tmp_path, kind):
                    str(tmp_path / "eval"), "--device", "cpu", "--batch_size", "64"])
     result = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert "SciFact" in json.dumps(result)
+
+
+def test_the_longest_input_is_measured_as_each_family_applies_its_positions():
+    """architectures.longest_input (train.py's --max_length check): a position table of 512 rows takes 512 tokens;
+    RoBERTa-style tables start after the padding index (here 0: 514 rows take 513; 1 in the real models: 512);
+    MPNet's 514 rows take 512; rotary (ModernBERT) and relative-only (DeBERTa-v3) positions have no table, so the
+    probe's bound (600) comes back."""
+    from transformers import AutoModel
+
+    from architectures import longest_input
+
+    want = {"bert": 512, "roberta": 513, "xlm-roberta": 513, "distilbert": 512, "electra": 512, "modernbert": 600,
+            "mpnet": 512, "deberta-v2": 600}
+    for kind in ARCHS:
+        torch.manual_seed(0)
+        assert longest_input(AutoModel.from_config(tiny_config(kind, 30522)), 600) == want[kind], kind

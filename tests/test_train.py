@@ -359,6 +359,35 @@ def _loader_batches(tok, groups, workers, process=0, epoch=0):
     return [{k: v for k, v in b.items() if torch.is_tensor(v)} for b in loader]
 
 
+def test_max_length_past_the_position_table_is_refused_with_the_length_that_fits(groups, tmp_path):
+    """A start whose position table holds 40 positions, at --max_length 128: refused before any work, naming the
+    --max_length that fits (40 - 2 special tokens - xPRT's 4 conditioning vectors = 34); at 34 a step runs
+    (146ed67: "The expanded size of the tensor (130) must match the existing size (64)" inside the first step)."""
+    from conftest import build_tiny_bert
+
+    short = tmp_path / "short"
+    build_tiny_bert(short, max_position_embeddings=40)
+    with pytest.raises(UserError, match=r"--max_length 128: .* takes inputs of at most 40 positions, and a step "
+                                        r"needs 134 .*: pass --max_length 34 or less"):
+        run(base_args(short, groups, tmp_path / "a", **{"--max_length": 128, "--max_train_steps": 1}))
+    run(base_args(short, groups, tmp_path / "b", **{"--max_length": 34, "--max_train_steps": 1,
+                                                    "--no_save_model": True}))
+    assert [r["step"] for r in _records(tmp_path / "b") if "loss" in r] == [1]
+
+
+def test_a_start_served_shorter_than_it_is_trained_is_said(groups, tmp_path, capsys):
+    """A start whose folder states max_seq_length 16 (sentence-transformers' sentence_bert_config.json), trained at
+    --max_length 32: the run says so at the start (146ed67 said nothing)."""
+    from conftest import build_tiny_bert
+
+    served = build_tiny_bert(tmp_path / "served")
+    (served / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 16}))
+    run(base_args(served, groups, tmp_path / "run", **{"--max_length": 32, "--max_train_steps": 1,
+                                                       "--no_save_model": True}))
+    assert (f"note: {served} is used at 16 tokens (the length its folder states, which the saved folder keeps), and "
+            "trained here on inputs of up to 34 (--max_length 32)") in capsys.readouterr().out
+
+
 def test_one_group_per_device_trains(tiny_bert, groups, tmp_path):
     """--per_device_train_batch_size 1 (on one process: no in-batch negative, the log says so): L_unif has no pair
     and is 0, the other terms are finite, and the run finishes (146ed67: "math domain error" at step 1)."""
