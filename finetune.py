@@ -35,8 +35,8 @@ from batches import NoDuplicatesBatchSampler, check_batch_fits, training_loader
 from common import (ArgumentParser, UserError, atomic_write, check_model_name, iter_jsonl, iter_parquet, load_beir,
                     local_inputs, non_negative_int, positive_int, rank_and_world, run_script)
 from modeling_xprt import PairCollator, embed_texts, pair_false_negatives, pair_text_ids
-from training import (adamw, add_common_args, check_common_args, load_model, make_accelerator, prepare_output_dir,
-                      prepare_run, print_run, save_run, train_loop, unpartitioned_loading)
+from training import (adamw, add_common_args, check_common_args, check_input_length, load_model, make_accelerator,
+                      prepare_output_dir, prepare_run, print_run, save_run, train_loop, unpartitioned_loading)
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 
@@ -921,6 +921,8 @@ def main(argv=None):
 
     # ---- model: loaded whole, even under ZeRO-3 (the start model mines negatives before prepare)
     model, tokenizer = load_model(accelerator, args, objective="pair")
+    for flag in ("query_max_length", "passage_max_length"):  # the prefix and special tokens count in these lengths
+        check_input_length(model, args.model_name_or_path, f"--{flag}", getattr(args, flag))
     # PAIR's losses read only the pooled encoder vectors: the decoder and the MLM head's own parameters (transform,
     # output bias; the tied projection is the word embeddings and stays trainable) get no gradient. Frozen, they
     # stay out of the optimiser and DDP's reducer, and are saved unchanged for a later pre-training run.

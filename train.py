@@ -30,15 +30,15 @@ import numpy as np
 import torch
 
 import baselines  # noqa: F401  (registers the comparison objectives as --objective choices)
-from architectures import load_teacher, longest_input, runs_at_length
+from architectures import load_teacher
 from batches import LengthGroupedBatchSampler, check_batch_fits, sampler_negatives, training_loader
 from common import (ArgumentParser, UserError, atomic_write, check_model_name, is_zero3, local_inputs,
                     non_negative_float, non_negative_int, positive_int, read_json, resolve_model_path, run_script)
 from fused_vocab import weight_grad_path
 from modeling_xprt import OBJECTIVES, objective_class, objective_flags, pretraining_objectives, retention_weight
 from run_log import EVAL_PREFIX, explain_oom, memory_estimate, peak_flops
-from training import (adamw, add_common_args, check_common_args, engine_dtype, load_model, make_accelerator,
-                      prepare_output_dir, prepare_run, print_run, save_model, save_run, train_loop,
+from training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype, load_model,
+                      make_accelerator, prepare_output_dir, prepare_run, print_run, save_model, save_run, train_loop,
                       unpartitioned_loading)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
@@ -259,14 +259,8 @@ def check_positions(args, model, tokenizer):
         if model.prompts["document"] else 0
     extra = tokenizer.num_special_tokens_to_add() + prefix
     extra += max((getattr(m, "num_condition_vectors", 0) for m in model.modules()), default=0)
-    need = args.max_length + extra
-    base = model.encoder.base_model
-    if not runs_at_length(base, need):
-        most = longest_input(base, need)
-        raise UserError(f"--max_length {args.max_length}: {args.model_name_or_path} takes inputs of at most {most} "
-                        f"positions, and a step needs {need} (the passage and {extra} more: special tokens, the "
-                        f"prefix, the decoder's conditioning vectors): pass --max_length {max(most - extra, 0)} or "
-                        "less")
+    check_input_length(model, args.model_name_or_path, "--max_length", args.max_length, extra,
+                       f"the passage and {extra} more: special tokens, the prefix, the decoder's conditioning vectors")
     encoder_input = args.max_length + tokenizer.num_special_tokens_to_add() + prefix
     if model.info.max_seq_length < encoder_input:
         return (f"note: {args.model_name_or_path} is used at {model.info.max_seq_length} tokens (the length its folder "

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from architectures import longest_input, runs_at_length
 from batches import batch_to_device, in_batch_negatives, padding_efficiency
 from common import (PAPER_MODEL, UserError, claim_output_folder, describe_prompts, is_zero3, non_negative_float,
                     non_negative_int, positive_float, positive_int, read_jsonl, real_path, record_outputs,
@@ -202,6 +203,17 @@ def load_model(accelerator, args, **kw):
     if args.gradient_checkpointing:
         model.encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer
+
+def check_input_length(model, name: str, flag: str, value: int, extra: int = 0, why: str = ""):
+    """Refuse, before any work, a length flag whose inputs (value + extra positions) the model's encoder cannot take:
+    measured on its embeddings (architectures.runs_at_length: every family's position rule as the model applies it),
+    naming the value that fits."""
+    base = model.encoder.base_model
+    need = value + extra
+    if not runs_at_length(base, need):
+        most = longest_input(base, need)
+        raise UserError(f"{flag} {value}: {name} takes inputs of at most {most} positions, and a step needs {need}"
+                        + (f" ({why})" if why else "") + f": pass {flag} {max(most - extra, 0)} or less")
 
 def engine_dtype(accelerator) -> torch.dtype:
     """The dtype a prepared model's weights compute in: bf16 / fp16 under DeepSpeed's bf16 / fp16, which casts the

@@ -174,6 +174,10 @@ CASES = {
                              "runs only with --trust_remote_code", None, None),
     "finetune-remote-code": ("finetune", lambda d, o: F(d, o, **{"--model_name_or_path": d["root"] / "remote"}),
                              "runs only with --trust_remote_code", None, None),
+    # issue 43: a length past the position table failed inside the first step
+    "finetune-past-positions": ("finetune", lambda d, o: F(d, o, **{"--passage_max_length": 600}),
+                                "takes inputs of at most 512 positions, and a step needs 600: pass "
+                                "--passage_max_length 512 or less", None, ["mine_hard_negatives"]),
     # select_groups.py
     "select-unknown-flag": ("select_groups", lambda d, o: S(d, o, **{"--passage_prefix": "p: "}),
                             "unrecognized arguments: --passage_prefix", None, None),
