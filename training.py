@@ -4,8 +4,9 @@ The training loop train.py and finetune.py share, and what it stands on.
      schedules; log, score and checkpoint on their steps
   2. the model and the optimiser: XPRTModel loaded for a run, AdamW's groups (the heads at their own lr)
   3. the accelerator, the run folder, prepare and the run's length
-  4. checkpoints, resume, the saved model and its card
-  5. the flags both stages share
+  4. a run's identity: the folder's lock, the run record a resume or a rerun is checked against
+  5. checkpoints, resume, the saved model and its card
+  6. the flags both stages share
 A step walks down the floors once: the script's main -> train_loop -> XPRTModel (modeling_xprt.py) -> the encoder's
 layers (architectures.py). It imports modeling_xprt.py and the plumbing below it (batches.py, run_log.py,
 model_folder.py, common.py).
@@ -13,19 +14,25 @@ model_folder.py, common.py).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import hashlib
+import json
 import math
 import os
 import shutil
+import socket
+import subprocess
+import time
 from pathlib import Path
 
 import torch
 
 from architectures import longest_input, runs_at_length
 from batches import batch_to_device, in_batch_negatives, padding_efficiency
-from common import (PAPER_MODEL, UserError, claim_output_folder, describe_prompts, is_zero3, non_negative_float,
-                    non_negative_int, positive_float, positive_int, read_jsonl, real_path, record_outputs,
-                    remove_outputs, resolve_model_path, scheduler_names)
+from common import (PAPER_MODEL, UserError, atomic_write, claim_output_folder, describe_prompts, is_zero3,
+                    non_negative_float, non_negative_int, positive_float, positive_int, read_json, read_jsonl,
+                    real_path, record_outputs, remove_outputs, resolve_model_path, scheduler_names)
 from modeling_xprt import XPRTModel
 from model_folder import check_tokenizer_fits, describe_scoring, model_card, push_to_hub
 from run_log import LogWindow, flop_counter, plot_loss_curves, write_log_record
@@ -354,32 +361,46 @@ def gathered_params(accelerator, model):
     return contextlib.nullcontext()
 
 # What train.py and finetune.py write in --output_dir (the model folder is replaced at the end, in one rename)
-RUN_OUTPUTS = ("model", "checkpoints", "logs", "train_log.jsonl", "loss_curve.png", "best_model", "best.json")
+RUN_OUTPUTS = ("model", "checkpoints", "logs", "train_log.jsonl", "loss_curve.png", "best_model", "best.json",
+               "run.json", "run.lock")
 
 def prepare_output_dir(accelerator, args, script: str, inputs: dict, extra_outputs=(), reuse=()):
     """Make --output_dir ready for a run, deleting nothing the script did not write (claim_output_folder): inputs
     (`inputs`, local_inputs' form) kept out of it, a stranger's file never replaced, the folder checked for writing.
-    A finished run (model/) or its checkpoints are refused unless --overwrite (or resuming). --overwrite removes the
-    previous run's recorded outputs that this run rewrites from its start (checkpoints, logs, train_log.jsonl,
-    ...); its model/ stays until the new one replaces it in one rename (common.atomic_path), so a run that fails
-    leaves the previous model. Every process checks (each stops with the same message); the main one changes."""
+    Then the run's identity (section 4): the folder locked for this run (take_run_lock), --resume_from_checkpoint
+    resolved ('latest': the newest complete checkpoint, none: a fresh run) and checked against the run that wrote
+    it, a fresh run against a killed one's record (check_same_run); run.json written.
+    A finished run (model/) or its checkpoints are refused unless --overwrite (or resuming). A fresh run starts
+    fresh outputs: --overwrite, or a killed run's that logged no step or was this same run, removes the recorded
+    outputs this run rewrites from its start (checkpoints, logs, train_log.jsonl, ...); model/ stays until the new
+    one replaces it in one rename (common.atomic_path), so a run that fails leaves the previous model. A resume cuts
+    train_log.jsonl back to its checkpoint's step. Every process checks (each stops with the same message); the
+    main one locks and changes."""
     out = Path(args.output_dir)
     outputs = (*RUN_OUTPUTS, *extra_outputs)
-    resuming = args.resume_from_checkpoint is not None
-    if resuming and args.resume_from_checkpoint != "latest":  # a checkpoint of this very run is no outside input
+    if args.resume_from_checkpoint not in (None, "latest"):  # a checkpoint of this very run is no outside input
         ckpt = real_path(args.resume_from_checkpoint)
         if real_path(out / "checkpoints") in ckpt.parents:
             reuse = (*reuse, ckpt)
     previous = claim_output_folder(out, script, outputs, inputs, reuse)
+    if accelerator.is_main_process:
+        record_outputs(out, script, outputs)
+        take_run_lock(accelerator, out / RUN_LOCK)
+    accelerator.wait_for_everyone()
+    checkpoint = checkpoint_to_resume(accelerator, args)
+    args.resume_from_checkpoint = str(checkpoint) if checkpoint else None  # resume() loads it (prepare_run)
     if (out / "model").exists() and not args.overwrite:
         raise UserError(f"{out / 'model'} exists: pass --overwrite to replace it (only {script}'s recorded outputs "
                         "are replaced), or choose another --output_dir")
-    if not resuming and list_checkpoints(out / "checkpoints") and not args.overwrite:
+    if checkpoint is None and list_checkpoints(out / "checkpoints") and not args.overwrite:
         raise UserError(f"{out / 'checkpoints'} has checkpoints: --resume_from_checkpoint latest, or --overwrite")
+    identity = check_same_run(accelerator, args, inputs, out, checkpoint)
     if accelerator.is_main_process:
-        record_outputs(out, script, outputs)
-        if args.overwrite and not resuming:
-            remove_outputs(out, script, [p for p in previous if p != out / "model"])
+        if checkpoint is None:  # a fresh run: a fresh log, no killed run's steps before its own
+            remove_outputs(out, script, [p for p in previous if p.name not in ("model", RUN_LOCK)])
+        elif (out / "train_log.jsonl").exists():
+            cut_log(out / "train_log.jsonl", int((checkpoint / "DONE").read_text()))
+        atomic_write(out / RUN_RECORD, json.dumps(identity, indent=1))
     accelerator.wait_for_everyone()
 
 def prepare_run(accelerator, args, model, optimizer, dataloader):
@@ -404,7 +425,7 @@ def prepare_run(accelerator, args, model, optimizer, dataloader):
                                                      num_training_steps=max_steps * world))
     state = TrainState(max_steps)
     accelerator.register_for_checkpointing(state)
-    if args.resume_from_checkpoint is not None:
+    if args.resume_from_checkpoint is not None:  # resolved by prepare_output_dir (None: a fresh run)
         resume(accelerator, args, state)
     if accelerator.is_main_process:
         accelerator.init_trackers("xprt", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
@@ -423,7 +444,168 @@ def print_run(accelerator, args, data: str, max_steps: int):
         f"in_batch_negatives in the log); lr {args.learning_rate}")
 
 # ==============================================================================================================
-# 4. Checkpoints, resume, the saved model
+# 4. A run's identity: one live run per folder, and a resume (or a rerun) that is the same run
+# ==============================================================================================================
+
+RUN_RECORD, RUN_LOCK = "run.json", "run.lock"
+# The flags that change how a run is watched, saved, scored or published, not the steps it takes: every other flag
+# (and any flag added later) decides the trajectory. The batches are the same for any --dataloader_num_workers
+# (SeededCollate), and a local input is compared by its content, not its path (run_identity).
+WATCH_FLAGS = frozenset({
+    "output_dir", "overwrite", "resume_from_checkpoint", "stop_after_steps", "checkpointing_steps",
+    "checkpoints_total_limit", "report_to", "logging_steps", "no_save_model", "eval_tasks", "eval_steps",
+    "eval_limit", "eval_batch_size", "save_best", "license", "push_to_hub", "hub_model_id", "hub_private",
+    "hub_token", "dataloader_num_workers", "peak_tflops", "trust_remote_code", "mining_batch_size",
+    "min_in_batch_negatives"})
+
+def take_run_lock(accelerator, lock: Path):
+    """Lock the run folder for this run (the main process): run.lock holds the owner's pid, its start time and the
+    host. A live owner refuses the run; a dead one's lock (a killed run) is taken over, and said. A lock of another
+    host cannot be checked from here: refused, naming it. Released at exit (release_run_lock)."""
+    import psutil
+
+    me = psutil.Process()
+    mine = {"pid": me.pid, "started": me.create_time(), "host": socket.gethostname()}
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # atomic: one of two racing runs wins
+        except FileExistsError:
+            owner = read_json(lock)
+            if owner.get("host") != mine["host"]:
+                raise UserError(f"{lock.parent} is locked by pid {owner.get('pid')} on host {owner.get('host')}, "
+                                f"which this machine cannot check: if that run has ended, delete {lock}")
+            if owner.get("pid") != me.pid and process_alive(owner):
+                raise UserError(f"{lock.parent} is in use by a live run (pid {owner['pid']}, started "
+                                f"{time.ctime(owner['started'])}): wait for it, or choose another --output_dir")
+            if owner.get("pid") != me.pid:
+                accelerator.print(f"{lock}: the run that held it (pid {owner.get('pid')}) has ended; taken over")
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(mine, f)
+        atexit.register(release_run_lock, lock)
+        return
+    raise UserError(f"{lock}: another run took the folder while this one started; choose another --output_dir")
+
+def process_alive(owner: dict) -> bool:
+    """Whether the lock's pid runs and is the process that wrote it (its start time: a reused pid is not)."""
+    import psutil
+
+    try:
+        return abs(psutil.Process(int(owner["pid"])).create_time() - float(owner["started"])) < 1.0
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+def release_run_lock(lock: Path):
+    """Remove run.lock if this process holds it (the end of save_run, and at exit)."""
+    if read_json(lock).get("pid") == os.getpid():
+        lock.unlink(missing_ok=True)
+
+def checkpoint_to_resume(accelerator, args):
+    """--resume_from_checkpoint resolved -> a complete checkpoint folder, or None for a fresh run ('latest' with no
+    checkpoint yet, said)."""
+    if args.resume_from_checkpoint is None:
+        return None
+    if args.resume_from_checkpoint == "latest":
+        found = list_checkpoints(Path(args.output_dir) / "checkpoints")
+        if not found:
+            accelerator.print(f"no complete checkpoint in {Path(args.output_dir) / 'checkpoints'}: a fresh run")
+        return found[-1] if found else None
+    path = Path(args.resume_from_checkpoint)
+    if not (path / "DONE").exists():
+        raise UserError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no DONE marker)")
+    return path
+
+def check_same_run(accelerator, args, inputs: dict, out: Path, checkpoint) -> dict:
+    """This run's identity (run_identity), checked against the run it continues: a resume against the record its
+    checkpoint carries, a fresh run against a killed run's run.json when that run logged a step (one that did not
+    has nothing to keep). A difference is refused naming each one; --overwrite starts afresh -> the identity."""
+    recorded = out / RUN_RECORD if checkpoint is None else checkpoint / RUN_RECORD
+    then = read_json(recorded)
+    now = run_identity(accelerator, args, inputs, known=then)
+    trained = (out / "train_log.jsonl").exists() and (out / "train_log.jsonl").stat().st_size > 0
+    if checkpoint is None and (args.overwrite or not trained):
+        return now
+    if not then:
+        if checkpoint is not None:
+            accelerator.print(f"{checkpoint} carries no run record (an earlier version wrote it): not checked")
+            return now
+        raise UserError(f"{out} holds a killed run's log and no record of its flags: --overwrite to start afresh")
+    changed = identity_differences(then, now)
+    if changed:
+        what = f"{checkpoint}'s run" if checkpoint is not None else f"the run {out} holds (killed)"
+        raise UserError(f"this run is not {what}: " + "; ".join(changed) + ". Rerun it as it was, or --overwrite "
+                        "to start afresh in this folder")
+    return now
+
+def run_identity(accelerator, args, inputs: dict, known=None) -> dict:
+    """What decides a run's trajectory: its flags but WATCH_FLAGS, the processes and the precision, the content of
+    every local input (content_digest: the start model, the groups or training data, the teacher, ...; a Hub id is
+    its flag's value) and the code (code_revision). `known`: an earlier identity, whose hashes unchanged files keep."""
+    local = {f: paths for f, paths in inputs.items() if f not in ("--eval_tasks", "--resume_from_checkpoint")}
+    flags = {k: v for k, v in sorted(vars(args).items()) if k not in WATCH_FLAGS and f"--{k}" not in local}
+    cache = {name: entry for d in (known or {}).get("inputs", {}).values() for name, entry in d["files"].items()}
+    return {"flags": json.loads(json.dumps(flags, default=str)), "processes": accelerator.num_processes,
+            "mixed_precision": accelerator.mixed_precision,
+            "inputs": {f: content_digest(paths, cache) for f, paths in local.items()}, "code": code_revision()}
+
+def content_digest(paths, cache: dict) -> dict:
+    """sha256 over the files under `paths` (their names relative to each path, and their bytes; hidden files and
+    the '.tmp-' leftovers of atomic writes skipped) -> {"sha256", "files": {file: [size, mtime_ns, sha256]}}. A file
+    whose size and mtime equal `cache`'s entry keeps its hash (make's and rsync's rule): a resume rereads no
+    unchanged shard of a web-scale groups folder."""
+    total, files = hashlib.sha256(), {}
+    for root in map(Path, paths):
+        found = [root] if root.is_file() else sorted(
+            p for p in root.rglob("*") if p.is_file() and not any(n.startswith(".") for n in p.relative_to(root).parts))
+        for f in found:
+            st = f.stat()
+            entry = cache.get(str(f))
+            if not (entry and entry[:2] == [st.st_size, st.st_mtime_ns]):
+                with open(f, "rb") as fh:
+                    entry = [st.st_size, st.st_mtime_ns, hashlib.file_digest(fh, "sha256").hexdigest()]
+            files[str(f)] = entry
+            total.update(f"{f.relative_to(root) if f != root else f.name}\0{entry[2]}\n".encode())
+    return {"sha256": total.hexdigest(), "files": files}
+
+def code_revision() -> dict:
+    """The code a run runs: sha256 of the repository's scripts (*.py beside this file), and the git commit when
+    there is one (for the reader; the hash is what is compared)."""
+    root = Path(__file__).resolve().parent
+    total = hashlib.sha256()
+    for f in sorted(root.glob("*.py")):
+        total.update(f.name.encode() + b"\0" + f.read_bytes())
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return {"sha256": total.hexdigest(), "git": head.stdout.strip() if head.returncode == 0 else None}
+
+def identity_differences(then: dict, now: dict) -> list:
+    """Each way two run identities differ, in words: '--learning_rate 1e-05 there, 0.00011 here'."""
+    changed = []
+    for k in sorted(set(then.get("flags", {})) | set(now["flags"])):
+        a, b = then.get("flags", {}).get(k, "(not given)"), now["flags"].get(k, "(not given)")
+        if a != b:
+            changed.append(f"--{k} {a} there, {b} here")
+    for k in ("processes", "mixed_precision"):
+        if then.get(k) != now[k]:
+            changed.append(f"{k} {then.get(k)} there, {now[k]} here")
+    for flag in sorted(set(then.get("inputs", {})) | set(now["inputs"])):
+        a, b = (d.get("inputs", {}).get(flag, {}).get("sha256", "(none)") for d in (then, now))
+        if a != b:
+            changed.append(f"{flag}'s content (sha256 {a[:12]} there, {b[:12]} here)")
+    if then.get("code", {}).get("sha256") != now["code"]["sha256"]:
+        changed.append(f"the code (git {then.get('code', {}).get('git')} there, {now['code']['git']} here; the "
+                       "scripts' sha256 differs)")
+    return changed
+
+def cut_log(log_path: Path, step: int):
+    """A resume continues train_log.jsonl from its checkpoint: the records of the killed run's steps after it go
+    (the resumed run logs them again)."""
+    keep = [r for r in read_jsonl(log_path) if r.get("step", 0) <= step]
+    atomic_write(log_path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
+# ==============================================================================================================
+# 5. Checkpoints, resume, the saved model
 # ==============================================================================================================
 
 
@@ -466,27 +648,19 @@ def save_checkpoint(accelerator, model, ckpt_dir: Path, step: int, keep: int):
     accelerator.save_state(str(path))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        # the checkpoint carries the identity of the run that wrote it: a resume is checked against it
+        shutil.copyfile(ckpt_dir.parent / RUN_RECORD, path / RUN_RECORD)
         (path / "DONE").write_text(str(step))
         for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
 
 def resume(accelerator, args, state):
-    """--resume_from_checkpoint: model, optimiser, scheduler, RNGs and `state`, from which the data position, the
-    masks (SeededCollate) and the schedules (functions of the step) follow."""
-    ckpt_dir = Path(args.output_dir) / "checkpoints"
-    if args.resume_from_checkpoint == "latest":
-        found = list_checkpoints(ckpt_dir)
-        if not found:
-            accelerator.print(f"no complete checkpoint in {ckpt_dir}: starting from scratch")
-            return
-        path = found[-1]
-    else:
-        path = Path(args.resume_from_checkpoint)
-        if not (path / "DONE").exists():
-            raise UserError(f"--resume_from_checkpoint {path}: not a complete checkpoint (no DONE marker)")
-    accelerator.load_state(str(path))
-    accelerator.print(f"resumed from {path} at step {state.completed_steps}")
+    """--resume_from_checkpoint (resolved and checked by prepare_output_dir): model, optimiser, scheduler, RNGs and
+    `state`, from which the data position, the masks (SeededCollate) and the schedules (functions of the step)
+    follow."""
+    accelerator.load_state(args.resume_from_checkpoint)
+    accelerator.print(f"resumed from {args.resume_from_checkpoint} at step {state.completed_steps}")
 
 def save_model(accelerator, model, tokenizer, dest: Path, card: str):
     """XPRTModel.save_pretrained (atomic: a reader never sees half a model); a model with non-finite weights is
@@ -522,9 +696,11 @@ def save_run(accelerator, args, model, tokenizer, finished: bool, card: dict):
     accelerator.end_training()
     if finished and not args.no_save_model and args.push_to_hub and accelerator.is_main_process:
         push_to_hub(args, out / "model")
+    if accelerator.is_main_process:
+        release_run_lock(out / RUN_LOCK)
 
 # ==============================================================================================================
-# 5. The flags both stages share
+# 6. The flags both stages share
 # ==============================================================================================================
 
 

@@ -1,0 +1,113 @@
+"""A run's identity (training.py, section 4): one live run per folder, a resume or a rerun that is the same run, and
+a log that continues from the checkpoint (issue 43, family 1). Every run here is a real train.py run."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import training
+from common import UserError
+from test_train import base_args, groups, read_log, run  # noqa: F401  (groups: a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def logged_steps(out: Path) -> list:
+    """The steps of train_log.jsonl's loss records, in file order (read_log's dict would hide a repeat)."""
+    return [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_a_second_live_run_is_refused_and_a_killed_ones_lock_taken_over(tiny_bert, groups, tmp_path):
+    """Run A (its own process) trains in the folder; run B, started there meanwhile, is refused naming A's pid and
+    writes nothing; A is killed (SIGKILL: its lock stays); B then takes the dead run's lock over and runs fresh."""
+    out = tmp_path / "run"
+    argv = base_args(tiny_bert, groups, out, **{"--max_train_steps": 100000, "--num_related": 2, "--max_length": 24})
+    log = open(tmp_path / "a.log", "w")
+    a = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *map(str, argv)], cwd=ROOT, stdout=log,
+                         stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        while not (out / "train_log.jsonl").exists():  # A is past its start and training
+            assert a.poll() is None and time.time() < deadline, (tmp_path / "a.log").read_text()[-3000:]
+            time.sleep(0.5)
+        with pytest.raises(UserError, match=f"in use by a live run \\(pid {a.pid}, started"):
+            run(argv + ["--stop_after_steps", "3"])
+        assert json.loads((out / "run.lock").read_text())["pid"] == a.pid  # B left A's lock (and run) alone
+    finally:
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+        log.close()
+    assert (out / "run.lock").exists()  # a killed run cannot remove its lock
+    run(argv + ["--stop_after_steps", "3"])  # the same run: the killed one's lock and log are taken over
+    assert logged_steps(out) == [1, 2, 3] and not (out / "run.lock").exists()  # a fresh log; the lock released
+
+
+def test_a_resume_that_is_another_run_is_refused_naming_each_difference(tiny_bert, groups, tmp_path):
+    """Stopped at step 3 after a checkpoint at 2: a resume with another --learning_rate, or from groups whose
+    content changed, is refused naming it; the same run resumes from step 2 and the log continues from there
+    (no step twice). The checkpoint carries the record it is checked against."""
+    data = tmp_path / "groups"
+    shutil.copytree(groups, data)
+    out = tmp_path / "run"
+    common = {"--max_train_steps": 5, "--num_related": 2, "--max_length": 24, "--learning_rate": 1e-4,
+              "--checkpointing_steps": 2}
+    run(base_args(tiny_bert, data, out, **common, **{"--stop_after_steps": 3}))
+    assert logged_steps(out) == [1, 2, 3] and (out / "checkpoints" / "step_2" / "run.json").exists()
+    resume = {"--resume_from_checkpoint": "latest"}
+    with pytest.raises(UserError, match=r"--learning_rate 0.0001 there, 0.00011 here") as err:
+        run(base_args(tiny_bert, data, out, **{**common, "--learning_rate": 1.1e-4}, **resume))
+    assert "--overwrite" in str(err.value) and logged_steps(out) == [1, 2, 3]
+    shard = next(data.glob("*.parquet"))
+    original = shard.read_bytes()
+    shard.write_bytes(original + b"\0")  # the groups changed under the run (their reader is never reached)
+    with pytest.raises(UserError, match=r"--groups_dir's content \(sha256 \w{12} there, \w{12} here\)"):
+        run(base_args(tiny_bert, data, out, **common, **resume))
+    shard.write_bytes(original)
+    r = run(base_args(tiny_bert, data, out, **common, **resume))
+    assert r["completed_steps"] == 5 and logged_steps(out) == [1, 2, 3, 4, 5]
+    lrs = {s: rec["lr"] for s, rec in read_log(out).items()}
+    assert max(lrs.values()) <= 1e-4  # the old schedule, as the card says
+    card = (out / "model" / "README.md").read_text()
+    assert "1.1e-04" not in card and "0.00011" not in card
+
+
+def test_a_rerun_after_a_kill_starts_a_fresh_log_or_is_refused_when_it_differs(tiny_bert, groups, tmp_path):
+    """A run killed before its first checkpoint (here: stopped at step 2, no checkpoints) leaves a log. The same
+    command again starts a fresh log (not 1, 2, 1, 2, ...); another command is refused naming the difference, and
+    --overwrite starts it afresh. A start that failed before any step has nothing to keep: another command runs."""
+    out = tmp_path / "run"
+    common = {"--max_train_steps": 3, "--num_related": 2, "--max_length": 24}
+    run(base_args(tiny_bert, groups, out, **common, **{"--stop_after_steps": 2}))
+    assert logged_steps(out) == [1, 2]
+    with pytest.raises(UserError, match=r"the run .* holds \(killed\): --seed 7 there, 8 here"):
+        run(base_args(tiny_bert, groups, out, **{**common, "--seed": 8}))
+    run(base_args(tiny_bert, groups, out, **common))
+    assert logged_steps(out) == [1, 2, 3]
+    run(base_args(tiny_bert, groups, out, **{**common, "--seed": 8}, **{"--overwrite": True}))
+    assert logged_steps(out) == [1, 2, 3] and json.loads((out / "run.json").read_text())["flags"]["seed"] == 8
+
+
+def test_unchanged_files_keep_their_recorded_hash_and_changes_are_found(tmp_path, monkeypatch):
+    """content_digest rereads only files whose size or mtime changed; the digest follows content, not the path."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"shard-{i}.parquet").write_bytes(bytes([i]) * 1000)
+    (folder / ".tmp-1-shard-9.parquet").write_bytes(b"leftover")  # skipped: a killed write's leftover
+    first = training.content_digest([folder], {})
+    reads = []
+    real = training.hashlib.file_digest
+    monkeypatch.setattr(training.hashlib, "file_digest", lambda f, name: reads.append(f.name) or real(f, name))
+    assert training.content_digest([folder], first["files"]) == first and reads == []
+    (folder / "shard-1.parquet").write_bytes(b"\1" * 999)
+    changed = training.content_digest([folder], first["files"])
+    assert changed["sha256"] != first["sha256"] and reads == [str(folder / "shard-1.parquet")]
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(folder, moved)
+    assert training.content_digest([moved], {})["sha256"] == changed["sha256"]
