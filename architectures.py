@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common import resolve_model_path
+from common import UserError, resolve_model_path
 
 logger = logging.getLogger("xprt")
 
@@ -622,6 +622,8 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
     # the base model's tensors the MLM model has no module for (BERT's pooler): kept as they are, and written back by
     # XPRTModel.save_pretrained so the saved folder is a complete AutoModel checkpoint
     model.xprt_base_extras = checkpoint_tensors(path, [k for k in info["unexpected_keys"]], prefix)
+    # the start's own code (config.json's auto_map), carried into every folder the model is saved to
+    model.xprt_code_files = remote_code_files(name_or_path, model.config, trust_remote_code)
     missing_head = sorted(k for k in info["missing_keys"] if not k.startswith(prefix))
     missing_base = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and "position_ids" not in k)
     if missing_base:
@@ -662,6 +664,35 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
     logger.info(message)
     return model, message
 
+
+def remote_code_files(name_or_path: str, config, trust_remote_code: bool) -> dict:
+    """The code a model's config.json `auto_map` names, and the files those import relatively (from .x import y),
+    read from the model's folder or Hub repository -> {file name: text}. save_model_folder writes them beside the
+    saved config.json, whose auto_map still names them: transformers copies only the configuration's file
+    (custom_object_save of the config's class), so without these a saved folder's AutoModel, sentence-transformers
+    and evaluate.py all fail on "does not appear to have a file named modeling_x.py". An entry naming another
+    repository ("owner/repo--module.Class") is left to the Hub, as transformers leaves it. With --trust_remote_code
+    a named file that cannot be read is refused here, before any work; without it the code never runs, and what
+    exists is carried."""
+    from transformers.dynamic_module_utils import get_relative_imports
+    from transformers.utils import cached_file
+
+    refs = [r for v in (getattr(config, "auto_map", None) or {}).values()
+            for r in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(r, str) and "--" not in r]
+    todo, files = sorted({r.split(".")[0] + ".py" for r in refs}), {}
+    while todo:
+        name = todo.pop()
+        if name in files:
+            continue
+        found = cached_file(resolve_model_path(name_or_path), name, _raise_exceptions_for_missing_entries=False)
+        if found is None:
+            if trust_remote_code:
+                raise UserError(f"{name_or_path}: config.json's auto_map names {name}, which is not in the model's "
+                                "folder or repository: its custom code cannot travel with the trained model")
+            continue
+        files[name] = Path(found).read_text(encoding="utf-8")
+        todo += [f"{m}.py" for m in get_relative_imports(found)]
+    return files
 
 def load_teacher(name_or_path: str, trust_remote_code: bool = False):
     """The frozen starting model for the retention term: AutoModel, eval mode, no gradients, SDPA attention where the

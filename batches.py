@@ -14,6 +14,7 @@ from __future__ import annotations
 import array
 import os
 import random
+import signal
 from typing import Optional, Sequence
 
 import numpy as np
@@ -460,6 +461,19 @@ class SeededCollate:
             self.collator.generator.manual_seed(int(key.generate_state(1, np.uint64)[0] >> 1))
         return self.collator(rows)
 
+# What a scheduler sends before it ends a job: Slurm SIGTERM (then SIGKILL after its KillWait, 30 s by default) or,
+# asked with `sbatch --signal=USR1@90`, SIGUSR1 ahead of the time limit; Kubernetes and torchrun's agent SIGTERM.
+# The main process answers them (training.StopSignals); the loader's workers leave them to it.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+def leave_stop_signals_to_the_main_process(worker_id: int):
+    """A loader worker's start (worker_init_fn): ignore STOP_SIGNALS. Slurm signals every process of the job,
+    and torch's worker handler dies of a SIGTERM, which fails the main process's step half-way ('DataLoader worker
+    is killed by signal: Terminated') before its checkpoint; a SIGUSR1 would end the worker too. The workers end
+    as always, when the main process is done with them (or dies)."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
 def training_loader(accelerator, args, rows, sampler, collator, make_row=None):
     """The run's DataLoader (not yet prepared): the sampler's batches collated by --dataloader_num_workers processes
     (SeededCollate), pinned by the loader's own thread on CUDA (loader_options). generator: the loader's base seed,
@@ -470,6 +484,7 @@ def training_loader(accelerator, args, rows, sampler, collator, make_row=None):
     collate = SeededCollate(collator, args.seed, accelerator.process_index, make_row)
     return torch.utils.data.DataLoader(RowsDataset(rows), batch_sampler=KeyedBatches(sampler), collate_fn=collate,
                                        num_workers=workers, pin_memory=pin,
+                                       worker_init_fn=leave_stop_signals_to_the_main_process,
                                        generator=torch.Generator().manual_seed(args.seed))
 
 def loader_options(device_type: str, workers=None, local_processes: int = 1, cpus=None) -> tuple[int, bool]:

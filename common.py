@@ -150,10 +150,16 @@ def hub_cached(repo_id: str, repo_type: str = "model") -> bool:
 
 def check_model_name(name_or_path: str, flag: str, trust_remote_code: bool = False) -> str:
     """A model flag's value checked before anything loads -> the path from_pretrained opens (resolve_model_path).
-    Refused in one line: a path that does not exist, a name that is no local folder while the Hub is offline and not
-    in its cache (transformers would fail 27 frames deep, after the other loading), or a model that only its own
-    code can build (check_remote_code) without --trust_remote_code."""
+    Refused in one line: a training checkpoint (naming the command that exports it), a path that does not exist, a
+    name that is no local folder while the Hub is offline and not in its cache (transformers would fail 27 frames
+    deep, after the other loading), or a model that only its own code can build (check_remote_code) without
+    --trust_remote_code."""
     path = resolve_model_path(name_or_path)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "DONE")) and not os.path.isfile(
+            os.path.join(path, "config.json")):  # training.save_checkpoint's folder: accelerate's state, no config
+        raise UserError(f"{flag} {name_or_path}: a training checkpoint, not a model folder. `python train.py "
+                        f"--export_checkpoint {name_or_path} --output_dir DIR` writes its model as DIR/model (for a "
+                        "finetune.py checkpoint, finetune.py the same way)")
     if os.path.isdir(path):
         if not trust_remote_code:
             check_remote_code(name_or_path, flag)
@@ -392,9 +398,40 @@ def atomic_path(path):
             _remove(old)
         else:
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
+        full = disk_full(err, path)  # before the removal frees the space the write took
         _remove(tmp)
+        if full:
+            raise UserError(f"{path} not written: {full}; nothing partial was left (free space, then rerun)") from err
         raise
+
+# A write that ran out of space says so in many ways: an OSError ENOSPC (Python's own writes), EDQUOT (a quota),
+# torch's zip writer's "unexpected pos" and safetensors' IoError (no errno reaches Python). The errno is read where
+# there is one; otherwise the disk itself is asked, at the moment of the failure, before anything is removed.
+NO_SPACE_ERRNOS = {28, 122}  # ENOSPC, EDQUOT
+NEARLY_FULL_BYTES = 64 * 2**20
+
+def disk_full(err: BaseException, path) -> Optional[str]:
+    """Why a failed write of `path` failed, when it is the disk's space: 'the disk is full (N MiB free on /mnt)'
+    for an ENOSPC / EDQUOT anywhere in the exception's chain, or for any OSError / RuntimeError raised while the
+    filesystem holding `path` has less than 64 MiB free; None otherwise (the error is raised as it is)."""
+    chain, e = [], err
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if not any(isinstance(e, (OSError, RuntimeError)) or type(e).__name__ == "SafetensorError" for e in chain):
+        return None
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = None
+    if any(isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS for e in chain) or (
+            free is not None and free < NEARLY_FULL_BYTES):
+        return f"the disk is full ({(free or 0) / 2**20:.1f} MiB free on the filesystem of {where})"
+    return None
 
 def _remove(p: Path):
     if p.is_dir() and not p.is_symlink():

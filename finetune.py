@@ -35,8 +35,9 @@ from batches import NoDuplicatesBatchSampler, check_batch_fits, training_loader
 from common import (ArgumentParser, UserError, atomic_write, check_model_name, iter_jsonl, iter_parquet, load_beir,
                     local_inputs, non_negative_int, positive_int, rank_and_world, run_script)
 from modeling_xprt import PairCollator, embed_texts, pair_false_negatives, pair_text_ids
-from training import (adamw, add_common_args, check_common_args, check_input_length, load_model, make_accelerator,
-                      prepare_output_dir, prepare_run, print_run, save_run, train_loop, unpartitioned_loading)
+from training import (adamw, add_common_args, check_common_args, check_input_length, export_checkpoint,
+                      load_model, make_accelerator, prepare_output_dir, prepare_run, print_run, save_run, train_loop,
+                      unpartitioned_loading)
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 
@@ -111,6 +112,8 @@ def parse_args(argv=None):
     g.add_argument("--pseudo_query_max_length", type=positive_int, default=32, help="max generated query tokens")
     add_common_args(p, DEFAULT_LR)
     args = p.parse_args(argv)
+    if args.export_checkpoint:  # its flags come from the checkpoint (training.export_checkpoint checks them)
+        return args
 
     # Sanity checks that fail early with a clear message.
     check_common_args(args)
@@ -899,8 +902,16 @@ def print_false_negatives(c: dict):
 # ----------------------------------------------------------------------------------------------------------------
 # 4. Main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
 # ----------------------------------------------------------------------------------------------------------------
+def pair_model(accelerator, args):
+    """The model fine-tuned: --model_name_or_path as an XPRTModel with PAIR's objective, and its tokenizer
+    (training.load_model); --export_checkpoint builds a checkpoint's model with it too."""
+    return load_model(accelerator, args, objective="pair")
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.export_checkpoint:  # a checkpoint's model as a model folder, and nothing else
+        return export_checkpoint(args, parse_args, pair_model, "finetune.py")
     check_inputs(args)
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
     from accelerate.utils import set_seed
@@ -920,7 +931,7 @@ def main(argv=None):
     set_seed(args.seed)
 
     # ---- model: loaded whole, even under ZeRO-3 (the start model mines negatives before prepare)
-    model, tokenizer = load_model(accelerator, args, objective="pair")
+    model, tokenizer = pair_model(accelerator, args)
     for flag in ("query_max_length", "passage_max_length"):  # the prefix and special tokens count in these lengths
         check_input_length(model, args.model_name_or_path, f"--{flag}", getattr(args, flag))
     # PAIR's losses read only the pooled encoder vectors: the decoder and the MLM head's own parameters (transform,
@@ -972,8 +983,8 @@ def main(argv=None):
     # ---- the loop (training.train_loop, train.py's): PAIR's alpha at each step
     alpha = functools.partial(pair_alpha_at, total_steps=max_steps, alpha_0=args.pair_alpha,
                               schedule=args.pair_alpha_schedule)
-    train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state, steps_per_epoch,
-               {}, {"pair_alpha": alpha}, skip_tokens=("retain_",), scorer=scorer)
+    stopped_by = train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state,
+                            steps_per_epoch, {}, {"pair_alpha": alpha}, skip_tokens=("retain_",), scorer=scorer)
 
     # ---- save
     # a Hub dataset given as --train_data is named in the model card's metadata (a local file is not)
@@ -982,7 +993,7 @@ def main(argv=None):
     save_run(accelerator, args, model, tokenizer, state.completed_steps >= max_steps,
              {"title": title, "script": "finetune.py", "argv": argv, "datasets": hub_data,
               "summary": {"steps": state.completed_steps, "processes": world, "rows": len(rows),
-                                      "unit": f"(query, positive) rows of {len(set(keys))} queries"}})
+                          "unit": f"(query, positive) rows of {len(set(keys))} queries"}}, stopped_by)
     return {"completed_steps": state.completed_steps, "max_steps": max_steps, "output_dir": args.output_dir,
             "trainable_parameters": trainable}
 

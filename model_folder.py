@@ -272,7 +272,8 @@ def load_post_pooling(name_or_path: str, hidden_size: int, trust_remote_code: bo
 
 
 def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, xprt_config: dict, info: ModelInfo,
-                      model_card: Optional[str] = None, post_pooling: Optional[PostPooling] = None):
+                      model_card: Optional[str] = None, post_pooling: Optional[PostPooling] = None,
+                      code_files: Optional[dict] = None, check=None):
     """A complete sentence-transformers model folder, written to a temporary sibling and renamed into place (an
     existing out_dir is replaced; refusing it unless --overwrite is the script's job): the encoder `base` with
     `state_dict` as safetensors (loadable by transformers.AutoModel), the tokenizer, modules.json (Transformer,
@@ -282,7 +283,10 @@ def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, x
     config_sentence_transformers.json (the prompts, which encode_query / encode_document apply and evaluate.py
     reads, and info.similarity_fn_name), sentence_bert_config.json
     (the length limit), xprt_heads.safetensors (heads: the decoder and MLM head, so training can continue),
-    xprt_config.json (xprt_config plus `info`) and the card README.md."""
+    xprt_config.json (xprt_config plus `info`), the card README.md, and the start's own code (code_files:
+    architectures.remote_code_files), which config.json's auto_map names.
+    check(folder): called on the written temporary before the rename (training.check_saved_folder loads it back the
+    way users do); its error leaves out_dir as it was."""
     from safetensors.torch import save_file
     from sentence_transformers.sentence_transformer.modules import Normalize
 
@@ -322,6 +326,10 @@ def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, x
         save_file(heads, str(tmp / "xprt_heads.safetensors"))
         if model_card:
             (tmp / "README.md").write_text(model_card)
+        for name, text in (code_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        if check is not None:
+            check(tmp)
 
 def heads_state_dict(model) -> dict:
     """The head_parameters() by name (the objective's, e.g. decoder.*; mlm_head.*), or, for an objective without
@@ -359,12 +367,14 @@ def complete_base_state_dict(model) -> dict:
     return sd
 
 
-def save_xprt_folder(model, out_dir: str, tokenizer, model_card: Optional[str] = None):
-    """The XPRTModel's folder (save_model_folder: the encoder with its start's sentence-transformers modules, the
-    tokenizer, xprt_heads.safetensors and xprt_config.json: the objective, tau and what rebuilds the heads)."""
+def save_xprt_folder(model, out_dir: str, tokenizer, model_card: Optional[str] = None, check=None):
+    """The XPRTModel's folder (save_model_folder: the encoder with its start's sentence-transformers modules and
+    code, the tokenizer, xprt_heads.safetensors and xprt_config.json: the objective, tau and what rebuilds the
+    heads); check(folder) before it replaces out_dir."""
     config = {"objective": model.objective_name, "tau": model.tau, "heads": heads_config(model)}
     save_model_folder(out_dir, model.base, complete_base_state_dict(model), tokenizer, heads_state_dict(model),
-                      config, model.info, model_card, model.post_pooling)
+                      config, model.info, model_card, model.post_pooling,
+                      code_files=getattr(model.encoder, "xprt_code_files", None), check=check)
 
 
 def load_xprt_folder(cls, path: str, objective: Optional[str] = None, mlm_head_from: Optional[str] = None,

@@ -866,11 +866,12 @@ class XPRTModel(nn.Module):
         freezes them, xprt_heads.safetensors stores them (heads_state_dict)."""
         return list(self.objective.parameters()) + list(head_params(self.encoder).values())
 
-    def save_pretrained(self, out_dir: str, tokenizer, model_card: Optional[str] = None):
+    def save_pretrained(self, out_dir: str, tokenizer, model_card: Optional[str] = None, check=None):
         """A folder loadable by transformers.AutoModel AND sentence_transformers.SentenceTransformer (the start's
-        pooling, normalisation and similarity), plus xprt_heads.safetensors and xprt_config.json so that training can
-        continue (model_folder.save_xprt_folder: atomic; an existing out_dir is replaced)."""
-        save_xprt_folder(self, out_dir, tokenizer, model_card)
+        pooling, normalisation, similarity and custom code), plus xprt_heads.safetensors and xprt_config.json so that
+        training can continue (model_folder.save_xprt_folder: atomic; an existing out_dir is replaced once
+        check(folder), when given, has passed on the written folder)."""
+        save_xprt_folder(self, out_dir, tokenizer, model_card, check)
 
     @classmethod
     def from_pretrained(cls, path: str, objective: Optional[str] = None, **kw) -> "XPRTModel":

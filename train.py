@@ -37,9 +37,9 @@ from common import (ArgumentParser, UserError, atomic_write, check_model_name, i
 from fused_vocab import weight_grad_path
 from modeling_xprt import OBJECTIVES, objective_class, objective_flags, pretraining_objectives, retention_weight
 from run_log import EVAL_PREFIX, explain_oom, memory_estimate, peak_flops
-from training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype, load_model,
-                      make_accelerator, prepare_output_dir, prepare_run, print_run, save_model, save_run, train_loop,
-                      unpartitioned_loading)
+from training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype, export_checkpoint,
+                      load_model, make_accelerator, prepare_output_dir, prepare_run, print_run,
+                      save_model, save_run, train_loop, unpartitioned_loading)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 
@@ -78,7 +78,7 @@ def build_parser():
         seen.update(mine)
 
     g = p.add_argument_group("pre-training data")
-    g.add_argument("--groups_dir", required=True, help="folder of parquet shards written by select_groups.py")
+    g.add_argument("--groups_dir", default=None, help="folder of parquet shards written by select_groups.py (required)")
     g.add_argument("--num_related", type=positive_int, default=4, help="related passages per group (paper: 4)")
     g.add_argument("--max_length", type=int, default=128,
                    help="max tokens of a passage itself; [CLS], [SEP] and the prefix come on top (select_groups.py "
@@ -136,6 +136,10 @@ def build_parser():
 
 def parse_args(argv=None):
     args = build_parser().parse_args(argv)
+    if args.export_checkpoint:  # its flags come from the checkpoint (training.export_checkpoint checks them)
+        return args
+    if args.groups_dir is None:
+        raise UserError("the following arguments are required: --groups_dir (--help lists the flags)")
 
     check_common_args(args)
     if args.save_best and not args.eval_tasks:
@@ -342,7 +346,7 @@ def keep_best(accelerator, args, model, tokenizer, rec: dict, best: dict) -> dic
     out = Path(args.output_dir)
     card = (f"# best model of {out.name}\n\nStep {rec['step']} of the run, the best {args.save_best} score during "
             f"training ({score:.2f}; train.py --save_best). The finished run's model and card are in model/.\n")
-    save_model(accelerator, model, tokenizer, out / "best_model", card)
+    save_model(accelerator, model, tokenizer, out / "best_model", card, args.trust_remote_code)
     if accelerator.is_main_process:
         atomic_write(out / "best.json", json.dumps(best, indent=1))
     return best
@@ -354,6 +358,8 @@ def keep_best(accelerator, args, model, tokenizer, rec: dict, best: dict) -> dic
 @explain_oom
 def main(argv=None):
     args = parse_args(argv)
+    if args.export_checkpoint:  # a checkpoint's model as a model folder, and nothing else
+        return export_checkpoint(args, parse_args, load_pretraining_model, "train.py")
     check_inputs(args)
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # the card shows the command
     from accelerate.utils import set_seed
@@ -423,11 +429,11 @@ def main(argv=None):
     def before_first_step(unwrapped, batch):  # the memory a step takes, printed before the first one
         memory_estimate(accelerator, args, unwrapped, batch, teacher, args.max_length)
 
-    train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state, steps_per_epoch,
-               {"teacher": teacher}, {"retention_weight": schedule}, peak_flops=peak_flops(accelerator, args),
-               scorer=scorer, on_score=on_score,
-               log_scalars=drift if teacher is not None else None, before_first_step=before_first_step,
-               skip_tokens=() if teacher is not None else ("retain_",))
+    stopped_by = train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state,
+                            steps_per_epoch, {"teacher": teacher}, {"retention_weight": schedule},
+                            peak_flops=peak_flops(accelerator, args), scorer=scorer, on_score=on_score,
+                            log_scalars=drift if teacher is not None else None, before_first_step=before_first_step,
+                            skip_tokens=() if teacher is not None else ("retain_",))
     if best:
         accelerator.print(f"best {best['by']} {best['score']:.2f} at step {best['step']}: "
                           f"{Path(args.output_dir) / 'best_model'}")
@@ -437,7 +443,7 @@ def main(argv=None):
     save_run(accelerator, args, model, tokenizer, state.completed_steps >= max_steps,
              {"title": f"xprt pretrain ({args.objective})", "script": "train.py", "argv": argv,
               "summary": {"steps": state.completed_steps, "processes": world, "rows": len(rows), "unit": "groups"},
-              "datasets": [source] if source else None})
+              "datasets": [source] if source else None}, stopped_by)
     return {"completed_steps": state.completed_steps, "max_steps": max_steps, "output_dir": args.output_dir,
             "trainable_parameters": trainable, "best": best}
 

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -29,11 +30,11 @@ from pathlib import Path
 import torch
 
 from architectures import longest_input, runs_at_length
-from batches import batch_to_device, in_batch_negatives, padding_efficiency
-from common import (PAPER_MODEL, UserError, atomic_write, claim_output_folder, describe_prompts, is_zero3,
-                    non_negative_float, non_negative_int, positive_float, positive_int, read_json, read_jsonl,
-                    real_path, record_outputs, remove_outputs, resolve_model_path, scheduler_names)
-from modeling_xprt import XPRTModel
+from batches import STOP_SIGNALS, batch_to_device, in_batch_negatives, padding_efficiency
+from common import (PAPER_MODEL, UserError, atomic_write, claim_output_folder, describe_prompts,
+                    disk_full, is_zero3, non_negative_float, non_negative_int, positive_float, positive_int, read_json,
+                    read_jsonl, real_path, record_outputs, remove_outputs, resolve_model_path, scheduler_names)
+from modeling_xprt import XPRTModel, embed_texts
 from model_folder import check_tokenizer_fits, describe_scoring, model_card, push_to_hub
 from run_log import LogWindow, flop_counter, plot_loss_curves, write_log_record
 
@@ -54,73 +55,88 @@ def train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sa
     log_scalars(model, batch) -> more scalars on logging steps (the drift from the start model). scorer(model, step,
     epoch) -> a record (its time left out of the window's: LogWindow.exclude); on_score(record) after each
     (--save_best). before_first_step(model, batch): once, on the first collated CPU batch (memory_estimate).
-    skip_tokens: attention masks left out of the token counts."""
+    skip_tokens: attention masks left out of the token counts.
+    A SIGTERM or SIGUSR1 (StopSignals) ends the run after the step it arrives in, with a checkpoint of that step
+    -> the signal's name ('SIGTERM'), or None when the run reached its end (or --stop_after_steps)."""
     model.train()
     max_steps, world = state.max_steps, accelerator.num_processes
     window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops)
     stop_at = min(max_steps, args.stop_after_steps or max_steps)
     log_path, flops_per_token = Path(args.output_dir) / "train_log.jsonl", None
-    for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
-        if state.completed_steps >= stop_at:
-            break
-        for batch in epoch_batches(accelerator, dataloader, sampler, state, epoch):
-            real, proc = padding_efficiency(batch, skip_tokens)  # on the CPU tensors: no device sync
-            window.real_tokens += real
-            window.processed_tokens += proc
-            if before_first_step is not None and flops_per_token is None:
-                before_first_step(accelerator.unwrap_model(model), batch)
-            batch = batch_to_device(batch, accelerator.device)
-            scalars = {k: f(state.completed_steps) for k, f in schedules.items()}
-            kwargs = {**forward_kwargs, **scalars}
-            # FLOPs: counted by torch on the window's first micro-batch (flop_counter), then scaled by each
-            # micro-batch's processed tokens. A recomputed forward (gradient cache, checkpointing) counts: it is work
-            counting = window.n_micro == 0
-            counter = flop_counter() if counting else contextlib.nullcontext()
-            with accelerator.accumulate(model), counter:
-                if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
-                    outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk, **kwargs)
-                else:
-                    outputs = model(batch, **kwargs)
-                if "doc_ids" in batch:  # what the same-document mask left: logged, warned on below a floor
-                    outputs = {**outputs, "in_batch_negatives": in_batch_negatives(accelerator, batch["doc_ids"])}
-                if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
-                    if not args.gradient_cache_chunk:
-                        accelerator.backward(outputs["loss"])
-                    if accelerator.sync_gradients and args.max_grad_norm > 0:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    lr_scheduler.step()
-                optimizer.zero_grad()  # a skipped micro-batch drops the step's accumulated gradients too
-            if counting:
-                first, flops_per_token = flops_per_token is None, counter.get_total_flops() / max(proc, 1)
-                if first:
-                    accum = args.gradient_accumulation_steps * world
-                    accelerator.print(f"tokens per step: ~{real * accum} real, {proc * accum} processed (first "
-                                      f"batch); {flops_per_token * proc * accum / 1e12:.3f} TFLOP per step")
-            window.flops += flops_per_token * proc
-            state.batches_in_epoch += 1
-            if not accelerator.sync_gradients:
-                continue
-            # ---- one optimiser step done: log, score and checkpoint on their steps
-            state.completed_steps += 1
-            step = state.completed_steps
-            if log_scalars is not None and (step % args.logging_steps == 0 or step == stop_at):
-                scalars = {**scalars, **log_scalars(accelerator.unwrap_model(model), batch)}
-            window.step_done(state, epoch, scalars)
-            if scorer and args.eval_steps and step % args.eval_steps == 0:
-                rec = scorer(model, step, epoch)
-                window.exclude(rec["scoring_time_s"])  # tokens/s and time per step count training only
-                write_log_record(accelerator, log_path, rec)
-                if on_score:
-                    on_score(rec)
-            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-                save_checkpoint(accelerator, model, Path(args.output_dir) / "checkpoints", step,
-                                args.checkpoints_total_limit)
-            if step >= stop_at:
+    stop, stopped = StopSignals(accelerator), None  # SIGTERM / SIGUSR1: a checkpoint after the step, then stop
+    try:
+        for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
+            if stopped or state.completed_steps >= stop_at:
                 break
-        else:
-            state.batches_in_epoch = 0  # epoch finished: the next one starts at its first batch
+            for batch in epoch_batches(accelerator, dataloader, sampler, state, epoch):
+                real, proc = padding_efficiency(batch, skip_tokens)  # on the CPU tensors: no device sync
+                window.real_tokens += real
+                window.processed_tokens += proc
+                if before_first_step is not None and flops_per_token is None:
+                    before_first_step(accelerator.unwrap_model(model), batch)
+                batch = batch_to_device(batch, accelerator.device)
+                scalars = {k: f(state.completed_steps) for k, f in schedules.items()}
+                kwargs = {**forward_kwargs, **scalars}
+                # FLOPs: counted by torch on the window's first micro-batch (flop_counter), then scaled by each
+                # micro-batch's processed tokens. A recomputed forward (gradient cache, checkpointing) counts: it is
+                # work
+                counting = window.n_micro == 0
+                counter = flop_counter() if counting else contextlib.nullcontext()
+                with accelerator.accumulate(model), counter:
+                    if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
+                        outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk, **kwargs)
+                    else:
+                        outputs = model(batch, **kwargs)
+                    if "doc_ids" in batch:  # what the same-document mask left: logged, warned on below a floor
+                        outputs = {**outputs, "in_batch_negatives": in_batch_negatives(accelerator, batch["doc_ids"])}
+                    if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
+                        if not args.gradient_cache_chunk:
+                            accelerator.backward(outputs["loss"])
+                        if accelerator.sync_gradients and args.max_grad_norm > 0:
+                            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                        lr_scheduler.step()
+                    optimizer.zero_grad()  # a skipped micro-batch drops the step's accumulated gradients too
+                if counting:
+                    first, flops_per_token = flops_per_token is None, counter.get_total_flops() / max(proc, 1)
+                    if first:
+                        accum = args.gradient_accumulation_steps * world
+                        accelerator.print(f"tokens per step: ~{real * accum} real, {proc * accum} processed (first "
+                                          f"batch); {flops_per_token * proc * accum / 1e12:.3f} TFLOP per step")
+                window.flops += flops_per_token * proc
+                state.batches_in_epoch += 1
+                if not accelerator.sync_gradients:
+                    continue
+                # ---- one optimiser step done: log, score and checkpoint on their steps
+                state.completed_steps += 1
+                step = state.completed_steps
+                if log_scalars is not None and (step % args.logging_steps == 0 or step == stop_at):
+                    scalars = {**scalars, **log_scalars(accelerator.unwrap_model(model), batch)}
+                window.step_done(state, epoch, scalars)
+                if scorer and args.eval_steps and step % args.eval_steps == 0:
+                    rec = scorer(model, step, epoch)
+                    window.exclude(rec["scoring_time_s"])  # tokens/s and time per step count training only
+                    write_log_record(accelerator, log_path, rec)
+                    if on_score:
+                        on_score(rec)
+                # a stop signal (one process: the handler's note itself; several: agreed, so all stop at this step)
+                stopped = stop.signum if stop.group is None else stop.agreed()
+                if stopped or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
+                    save_checkpoint(accelerator, model, Path(args.output_dir) / "checkpoints", step,
+                                    args.checkpoints_total_limit)
+                if stopped or step >= stop_at:
+                    break
+            else:
+                state.batches_in_epoch = 0  # epoch finished: the next one starts at its first batch
+    finally:
+        stop.restore()
     window.close()
+    if stopped:  # the scheduler ends the job: the checkpoint is written, the rest is the resumed run's
+        name = signal.Signals(stopped).name
+        accelerator.print(f"{name} at step {state.completed_steps}: checkpoint written to {Path(args.output_dir)}/"
+                          f"checkpoints/step_{state.completed_steps}; the same command with --resume_from_checkpoint "
+                          "latest continues the run")
+        return name
     if scorer and scorer.last_step != state.completed_steps:  # the final model (or where the run stopped)
         rec = scorer(model, state.completed_steps, state.epoch)
         write_log_record(accelerator, log_path, rec)
@@ -405,8 +421,9 @@ def prepare_output_dir(accelerator, args, script: str, inputs: dict, extra_outpu
 
 def prepare_run(accelerator, args, model, optimizer, dataloader):
     """accelerator.prepare, then what follows from the prepared (sharded: per process) loader's length: the run's
-    steps (--max_train_steps, else epochs), the lr scheduler (--warmup_ratio, then --lr_scheduler_type), the
-    TrainState registered for checkpoints and, with --resume_from_checkpoint, resumed; the trackers started
+    steps (--max_train_steps, else epochs) and its checkpoint interval (checkpoint_interval), the lr scheduler
+    (--warmup_ratio, then --lr_scheduler_type), the TrainState registered for checkpoints and, with
+    --resume_from_checkpoint, resumed; the trackers started
     -> (model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch)."""
     from transformers import get_scheduler
 
@@ -423,6 +440,7 @@ def prepare_run(accelerator, args, model, optimizer, dataloader):
     lr_scheduler = accelerator.prepare(get_scheduler(args.lr_scheduler_type, optimizer,
                                                      num_warmup_steps=int(args.warmup_ratio * max_steps) * world,
                                                      num_training_steps=max_steps * world))
+    args.checkpointing_steps = checkpoint_interval(args, max_steps)
     state = TrainState(max_steps)
     accelerator.register_for_checkpointing(state)
     if args.resume_from_checkpoint is not None:  # resolved by prepare_output_dir (None: a fresh run)
@@ -441,7 +459,9 @@ def print_run(accelerator, args, data: str, max_steps: int):
         f"{max_steps} steps x {args.per_device_train_batch_size} per device x {world} processes x "
         f"{args.gradient_accumulation_steps} accumulation; in-batch negatives per step = "
         f"{args.per_device_train_batch_size * world} (accumulation adds none; a same-document mask leaves fewer: "
-        f"in_batch_negatives in the log); lr {args.learning_rate}")
+        f"in_batch_negatives in the log); lr {args.learning_rate}; "
+        + (f"a checkpoint every {args.checkpointing_steps} steps" if args.checkpointing_steps else "no checkpoints")
+        + " (and one on SIGTERM / SIGUSR1)")
 
 # ==============================================================================================================
 # 4. A run's identity: one live run per folder, and a resume (or a rerun) that is the same run
@@ -551,7 +571,8 @@ def run_identity(accelerator, args, inputs: dict, known=None) -> dict:
 
 def content_digest(paths, cache: dict) -> dict:
     """sha256 over the files under `paths` (their names relative to each path, and their bytes; hidden files and
-    the '.tmp-' leftovers of atomic writes skipped) -> {"sha256", "files": {file: [size, mtime_ns, sha256]}}. A file
+    the '.tmp-' leftovers of atomic writes skipped) -> {"sha256", "paths", "files": {file: [size, mtime_ns,
+    sha256]}}. A file
     whose size and mtime equal `cache`'s entry keeps its hash (make's and rsync's rule): a resume rereads no
     unchanged shard of a web-scale groups folder."""
     total, files = hashlib.sha256(), {}
@@ -566,7 +587,7 @@ def content_digest(paths, cache: dict) -> dict:
                     entry = [st.st_size, st.st_mtime_ns, hashlib.file_digest(fh, "sha256").hexdigest()]
             files[str(f)] = entry
             total.update(f"{f.relative_to(root) if f != root else f.name}\0{entry[2]}\n".encode())
-    return {"sha256": total.hexdigest(), "files": files}
+    return {"sha256": total.hexdigest(), "paths": [str(p) for p in paths], "files": files}
 
 def code_revision() -> dict:
     """The code a run runs: sha256 of the repository's scripts (*.py beside this file), and the git commit when
@@ -609,6 +630,17 @@ def cut_log(log_path: Path, step: int):
 # ==============================================================================================================
 
 
+# A run of more steps than this is checkpointed this often unless --checkpointing_steps says otherwise (about 5 minutes
+# of the harness's 0.29 s step on the H200); two are kept (--checkpoints_total_limit), so a long run killed without
+# a signal (SIGKILL, a node lost) loses at most this many steps.
+DEFAULT_CHECKPOINT_EVERY = 1000
+
+def checkpoint_interval(args, max_steps: int) -> int:
+    """--checkpointing_steps, or DEFAULT_CHECKPOINT_EVERY for a run longer than that (0: no periodic checkpoint)."""
+    if args.checkpointing_steps is not None:
+        return args.checkpointing_steps
+    return DEFAULT_CHECKPOINT_EVERY if max_steps > DEFAULT_CHECKPOINT_EVERY else 0
+
 class TrainState:
     """Steps done, the epoch and the batches done in it, and the run's length, registered for checkpointing: the
     schedules (lr, retention weight, PAIR's alpha) are functions of the step and the run's length, so a resumed run
@@ -626,6 +658,41 @@ class TrainState:
             raise UserError(f"the checkpoint's run has {saved} steps, this one {self.max_steps}: resume with the "
                              "same --max_train_steps / --num_train_epochs and data")
         self.__dict__.update({k: int(v) for k, v in state.items()})
+
+class StopSignals:
+    """train_loop's handler of STOP_SIGNALS (batches.py: what schedulers send) while it runs: the handler only notes
+    the signal (a checkpoint written from inside a handler could interrupt the step half-way); the loop reads it
+    after each optimiser step. Every process must stop at the same step (save_state is collective), so with several
+    processes the note is agreed (`agreed`: max) over a CPU (gloo) group: no wait on the GPU's stream. The loader's
+    workers leave the signals to this process (batches.leave_stop_signals_to_the_main_process). restore() puts the
+    previous handlers back."""
+
+    def __init__(self, accelerator):
+        self.signum, self.previous, self.group = 0, {}, None
+        if accelerator.num_processes > 1:
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo")
+        for s in STOP_SIGNALS:
+            try:
+                self.previous[s] = signal.signal(s, self.note)
+            except ValueError:  # not the main thread (a caller's thread): signals stay as they were
+                break
+
+    def note(self, signum, frame):
+        self.signum = signum
+
+    def agreed(self) -> int:
+        """The stop signal's number (0: none) any process noted, the same on every process."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([self.signum], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag)
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 def list_checkpoints(ckpt_dir: Path):
     """Complete checkpoints (a DONE marker is written last) sorted by step."""
@@ -645,12 +712,22 @@ def save_checkpoint(accelerator, model, ckpt_dir: Path, step: int, keep: int):
     if not finite:
         raise FloatingPointError(f"non-finite weights at step {step}: checkpoint not written")
     path = ckpt_dir / f"step_{step}"
-    accelerator.save_state(str(path))
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(path))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            # the checkpoint carries the identity of the run that wrote it: a resume is checked against it
+            shutil.copyfile(ckpt_dir.parent / RUN_RECORD, path / RUN_RECORD)
+            (path / "DONE").write_text(str(step))
+    except BaseException as err:  # nothing partial is left: a checkpoint is whole (DONE) or absent
+        full = disk_full(err, path)  # asked before the removal frees the space the write took
+        shutil.rmtree(path, ignore_errors=True)
+        if full:
+            raise UserError(f"checkpoint {path} not written: {full}. The partial folder was removed; the earlier "
+                            "checkpoints are kept (free space, then resume with --resume_from_checkpoint latest)"
+                            ) from err
+        raise
     if accelerator.is_main_process:
-        # the checkpoint carries the identity of the run that wrote it: a resume is checked against it
-        shutil.copyfile(ckpt_dir.parent / RUN_RECORD, path / RUN_RECORD)
-        (path / "DONE").write_text(str(step))
         for old in list_checkpoints(ckpt_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
@@ -662,21 +739,132 @@ def resume(accelerator, args, state):
     accelerator.load_state(args.resume_from_checkpoint)
     accelerator.print(f"resumed from {args.resume_from_checkpoint} at step {state.completed_steps}")
 
-def save_model(accelerator, model, tokenizer, dest: Path, card: str):
-    """XPRTModel.save_pretrained (atomic: a reader never sees half a model); a model with non-finite weights is
-    never written."""
+def save_model(accelerator, model, tokenizer, dest: Path, card: str, trust_remote_code: bool = False):
+    """XPRTModel.save_pretrained (atomic: a reader never sees half a model), said "saved" only once the written
+    folder loads back the way users load it and gives this model's vectors (check_saved_folder); a model with
+    non-finite weights is never written."""
     with gathered_params(accelerator, model):
         if accelerator.is_main_process:
             unwrapped = accelerator.unwrap_model(model)
             if not all_finite(unwrapped):
                 raise FloatingPointError("non-finite weights at the end of training: model not written")
-            unwrapped.save_pretrained(str(dest), tokenizer, model_card=card)
-            accelerator.print(f"saved {dest}")
+            checked = {}
+            unwrapped.save_pretrained(str(dest), tokenizer, model_card=card, check=lambda folder: checked.update(
+                check_saved_folder(folder, unwrapped, tokenizer, trust_remote_code)))
+            accelerator.print(f"saved {dest} (loaded back by sentence-transformers: {checked['texts']} texts' vectors "
+                              f"within {checked['max_abs_diff']:.1e} of the run's)")
     accelerator.wait_for_everyone()
 
-def save_run(accelerator, args, model, tokenizer, finished: bool, card: dict):
+def save_model_with_card(accelerator, args, model, tokenizer, card: dict, log_path, dest: Path):
+    """The model folder `dest` (save_model) with its card: model_card(args, info, **card), the losses of the last
+    logged step of `log_path` (train_log.jsonl, up to the step saved), this stage added to the lineage."""
+    # the card's loss table: the last record with losses (score records of --eval_steps come after it)
+    losses = [r for r in read_jsonl(log_path) if "loss" in r and r["step"] <= card["summary"]["steps"]
+              ] if log_path else []
+    summary = {**card["summary"], "last_logged_step": losses[-1] if losses else {}}
+    info = accelerator.unwrap_model(model).info
+    # this run's stage joins the lineage the folder records (and the card shows)
+    info.lineage = [*info.lineage, {"stage": f"{card['title']}, {summary['steps']} steps ({card['script']})",
+                                    "model": args.hub_model_id}]
+    text = model_card(args, info, **{**card, "summary": summary})
+    save_model(accelerator, model, tokenizer, dest, text, args.trust_remote_code)
+
+def export_checkpoint(request, parse_args, build_model, script: str) -> dict:
+    """--export_checkpoint (request: the script's parsed flags, which parse_args returns unchecked when it is given):
+    a checkpoint's model as a model folder, <--output_dir>/model, as a finished run writes
+    it (every script's --model_name_or_path, evaluate.py and sentence-transformers load it), by the code that
+    trained it: the run's flags and inputs read from the checkpoint's run.json, the model built as the run built
+    it (build_model: train.py's load_pretraining_model, finetune.py's load_model), every tensor of the checkpoint's
+    model.safetensors loaded into it (strict), then save_model_with_card (loaded back and checked before "saved").
+    The start model must still be the bytes the run started from -> {"exported": the model folder, "step"}."""
+    from accelerate import Accelerator
+    from safetensors.torch import load_model as load_safetensors_into
+
+    ckpt, out = Path(request.export_checkpoint), Path(request.output_dir)
+    alone = vars(parse_args(["--export_checkpoint", str(ckpt), "--output_dir", str(out)]))
+    extra = [k for k, v in vars(request).items() if v != alone.get(k) and k not in ("overwrite", "trust_remote_code")]
+    if extra:
+        raise UserError(f"--export_checkpoint takes the run's flags from {ckpt / RUN_RECORD}: drop --{extra[0]} (only "
+                        "--output_dir, --overwrite and --trust_remote_code go with it)")
+    if not (ckpt / "DONE").exists():
+        raise UserError(f"--export_checkpoint {ckpt}: not a complete checkpoint (no DONE marker)")
+    if not (ckpt / "model.safetensors").is_file():
+        raise UserError(f"--export_checkpoint {ckpt}: no model.safetensors (a DeepSpeed checkpoint keeps its weights "
+                        "in ZeRO shards: DeepSpeed's zero_to_fp32.py in it gathers them; not exported here)")
+    record = read_json(ckpt / RUN_RECORD)
+    inputs = record.get("inputs", {})
+    if not record.get("flags") or any("paths" not in d for d in inputs.values()):
+        raise UserError(f"{ckpt / RUN_RECORD}: no record of the run's flags and inputs (written by an earlier "
+                        "version): resume the run with this version, or train afresh")
+    step = int((ckpt / "DONE").read_text())
+    argv = ["--output_dir", str(out)] + (["--trust_remote_code"] if request.trust_remote_code else [])
+    for flag, d in inputs.items():
+        argv += [flag, *d["paths"]]
+    for name, value in record["flags"].items():
+        if value is None or value is False:
+            continue
+        argv += [f"--{name}"] if value is True else [f"--{name}", *map(str, value if isinstance(value, list)
+                                                                        else [value])]
+    args = parse_args(argv)
+    start = inputs.get("--model_name_or_path")
+    if start and content_digest(start["paths"], {})["sha256"] != start["sha256"]:
+        raise UserError(f"--model_name_or_path {start['paths'][0]} is not the start model the run of {ckpt} began "
+                        "from (its content changed): the checkpoint holds the weights, the start its folder's "
+                        "settings and code; restore it to export")
+    previous = claim_output_folder(out, script, ["model"], {"--export_checkpoint": [real_path(ckpt)]})
+    if previous and not request.overwrite:
+        raise UserError(f"{out / 'model'} exists: --overwrite to replace it, or choose another --output_dir")
+    record_outputs(out, script, ["model"])
+    accelerator = Accelerator(cpu=True)
+    model, tokenizer = build_model(accelerator, args)
+    load_safetensors_into(model, str(ckpt / "model.safetensors"), strict=True)
+    run_log = ckpt.parent.parent / "train_log.jsonl"
+    card = {"title": f"{script.removesuffix('.py')} checkpoint step {step}", "script": script,
+            "argv": argv, "summary": {"steps": step, "processes": record.get("processes"), "rows": "the run's",
+                                      "unit": "rows"}}
+    save_model_with_card(accelerator, args, model, tokenizer, card, run_log if run_log.exists() else None,
+                         out / "model")
+    return {"exported": str(out / "model"), "step": step}
+
+# Texts the saved folder encodes to prove it loads: of different lengths (one batch pads), one with a non-ASCII
+# word; the run's model encodes them too, on the same device.
+PROBE_TEXTS = ("Cross-passage retrieval pre-training.", "A passage about rivers, their floods and the towns beside "
+               "them, long enough to be padded against the others.", "Zürich's lake")
+
+def check_saved_folder(folder: Path, model, tokenizer, trust_remote_code: bool) -> dict:
+    """Load a just-written model folder as its users will, sentence_transformers.SentenceTransformer (which loads
+    the encoder with transformers' AutoModel, its custom code with the run's --trust_remote_code) on the model's
+    device, and check its vectors of PROBE_TEXTS equal the run's own (modeling_xprt.embed_texts with the folder's
+    pooling, modules and normalisation; allclose, atol 1e-4) -> {"texts", "max_abs_diff"}. A folder that fails to
+    load, or loads as another model, is refused here, before it replaces anything."""
+    from sentence_transformers import SentenceTransformer
+
+    device = next(model.base.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        ours = embed_texts(model.base, tokenizer, list(PROBE_TEXTS), pooling=model.info.pooling,
+                           normalize=model.info.normalize, post_pooling=model.post_pooling)
+    finally:
+        model.train(was_training)
+    try:
+        st = SentenceTransformer(str(folder), device=str(device), trust_remote_code=trust_remote_code,
+                                 local_files_only=True)
+        theirs = torch.as_tensor(st.encode(list(PROBE_TEXTS), convert_to_numpy=True)).float()
+    except Exception as err:
+        raise RuntimeError(f"the folder written for {folder.name.split('-', 2)[-1]} does not load in "
+                           f"sentence-transformers ({type(err).__name__}: {err}): not saved") from err
+    diff = float((ours - theirs).abs().max())
+    if not torch.allclose(ours, theirs, atol=1e-4, rtol=1e-3):
+        raise RuntimeError(f"the folder written for {folder.name.split('-', 2)[-1]} loads as another model (its "
+                           f"vectors differ from the run's by up to {diff:.2e}): not saved")
+    return {"texts": len(PROBE_TEXTS), "max_abs_diff": diff}
+
+def save_run(accelerator, args, model, tokenizer, finished: bool, card: dict, stopped_by=None):
     """End of a run: the loss-curve picture, and for a finished run the model folder with its card (model_card(args,
-    info, **card), with the losses of the last logged step), then the Hub upload (--push_to_hub)."""
+    info, **card), with the losses of the last logged step), then the Hub upload (--push_to_hub). A run a signal
+    stopped before its end (stopped_by, train_loop's answer) exits with the shell's status for it, 128 + its
+    number (143 for SIGTERM), so a scheduler sees it stopped rather than finished."""
     out = Path(args.output_dir)
     log_path = out / "train_log.jsonl"
     accelerator.wait_for_everyone()
@@ -684,20 +872,14 @@ def save_run(accelerator, args, model, tokenizer, finished: bool, card: dict):
     if accelerator.is_main_process and logged:
         plot_loss_curves(log_path, out / "loss_curve.png")
     if finished and not args.no_save_model:
-        # the card's loss table: the last record with losses (score records of --eval_steps come after it)
-        losses = [r for r in read_jsonl(log_path) if "loss" in r] if logged else []
-        summary = {**card["summary"], "last_logged_step": losses[-1] if losses else {}}
-        info = accelerator.unwrap_model(model).info
-        # this run's stage joins the lineage the folder records (and the card shows)
-        info.lineage = [*info.lineage, {"stage": f"{card['title']}, {summary['steps']} steps ({card['script']})",
-                                        "model": args.hub_model_id}]
-        text = model_card(args, info, **{**card, "summary": summary})
-        save_model(accelerator, model, tokenizer, out / "model", text)
+        save_model_with_card(accelerator, args, model, tokenizer, card, log_path if logged else None, out / "model")
     accelerator.end_training()
     if finished and not args.no_save_model and args.push_to_hub and accelerator.is_main_process:
         push_to_hub(args, out / "model")
     if accelerator.is_main_process:
         release_run_lock(out / RUN_LOCK)
+    if stopped_by and not finished:
+        raise SystemExit(128 + signal.Signals[stopped_by].value)
 
 # ==============================================================================================================
 # 6. The flags both stages share
@@ -764,11 +946,18 @@ def add_common_args(p, default_lr: float):
     g.add_argument("--output_dir", required=True,
                    help="run folder: model/, checkpoints/, logs/, train_log.jsonl, loss_curve.png")
     g.add_argument("--overwrite", action="store_true", help="replace an existing run in --output_dir")
-    g.add_argument("--checkpointing_steps", type=positive_int, default=None, help="save_state every N steps")
+    g.add_argument("--checkpointing_steps", type=non_negative_int, default=None,
+                   help="save_state every N optimiser steps (0 = never). Default: every "
+                        f"{DEFAULT_CHECKPOINT_EVERY} steps in a run of more than {DEFAULT_CHECKPOINT_EVERY}, none in a "
+                        "shorter one. A SIGTERM / SIGUSR1 writes one after the step it arrives in, in any case")
     g.add_argument("--checkpoints_total_limit", type=non_negative_int, default=2,
                    help="keep only the last K checkpoints (0 = all)")
     g.add_argument("--resume_from_checkpoint", default=None,
                    help="'latest' (in output_dir/checkpoints) or a checkpoint folder")
+    g.add_argument("--export_checkpoint", default=None, metavar="CHECKPOINT",
+                   help="write a checkpoint's model as --output_dir/model (a model folder, as a finished run saves) "
+                        "and exit; the run's flags and inputs come from the checkpoint's run.json, so only "
+                        "--output_dir, --overwrite and --trust_remote_code go with it")
     g.add_argument("--report_to", default="tensorboard",
                    help="accelerate tracker(s): tensorboard, wandb, all, none")
     g.add_argument("--logging_steps", type=positive_int, default=10, help="log every N steps")
