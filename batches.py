@@ -366,6 +366,44 @@ def capped_batch_count(counts, batch_size: int, max_per_key: int) -> int:
             hi = mid - 1
     return lo
 
+def document_keys(rows, chunk: int = 65536) -> tuple:
+    """Each group's document, for L_xp's same-document mask, the spread and the per-document cap: the groups of one
+    doc_id, and the groups whose anchor or top related passage is the same text as another group's (a page crawled
+    under two ids, a mirrored article, a paragraph every page of a site repeats) are one document: the connected
+    components of groups linked by a shared doc_id, anchor text or s1 text. Otherwise those copies would be each
+    other's in-batch negatives, a row's own positive text among its negatives.
+    -> (keys, merged): keys (groups,) int64, the code of the component's first doc_id in sorted order (so with no
+    shared text, np.unique's codes of doc_id); merged {row: that doc_id} for the rows whose doc_id it replaces, which
+    the collator then reads (train.load_data). Read `chunk` rows at a time from the Arrow table (texts hashed, never
+    held): memory is a few int64 arrays of the group count."""
+    import pyarrow.compute as pc
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    from common import stable_doc_hash
+
+    ids, anchors, firsts = [], [], []
+    for part in rows.with_format("arrow").iter(batch_size=chunk):
+        ids += part.column("doc_id").to_pylist()
+        anchors.append(np.fromiter(map(stable_doc_hash, part.column("anchor").to_pylist()), np.int64))
+        s1 = pc.list_element(part.column("related"), 0).to_pylist()
+        firsts.append(np.fromiter(map(stable_doc_hash, s1), np.int64))
+    names, doc = np.unique(np.asarray(ids, dtype=object).astype(str), return_inverse=True)
+    n = len(doc)
+    # a bipartite graph: the groups 0..n-1, then one node per distinct doc_id, anchor text and s1 text
+    cols, offset = [], n
+    for codes in (doc, *(np.unique(np.concatenate(h), return_inverse=True)[1] for h in (anchors, firsts))):
+        cols.append(codes.reshape(-1) + offset)
+        offset += int(codes.max()) + 1 if n else 0
+    src = np.tile(np.arange(n), 3)
+    graph = coo_matrix((np.ones(3 * n, dtype=np.int8), (src, np.concatenate(cols))), shape=(offset, offset))
+    _, component = connected_components(graph, directed=False)
+    first = np.full(component.max() + 1 if n else 0, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first, component[:n], doc)
+    keys = first[component[:n]]
+    moved = np.flatnonzero(keys != doc)
+    return keys, {int(i): str(names[keys[i]]) for i in moved}
+
 def sampler_negatives(sampler: "LengthGroupedBatchSampler", keys) -> dict:
     """What the same-document mask leaves of one process's batches in epoch 0, exact, from the sampler alone (other
     processes' rows add to it): per row, the batch's rows with another key. -> {"mean", "min", "rows_without",

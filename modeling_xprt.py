@@ -119,7 +119,8 @@ def xp_loss(anchors: torch.Tensor, s1: torch.Tensor, doc_ids: torch.Tensor, tau:
     The denominator runs over the s1' of every group g' of the batch - gathered from all processes,
     with gradients (gather_with_grad) - and, in reverse, s1 picks its anchor among all anchors; the
     two directions are averaged. Groups of the same document are never negatives ("they are related
-    too"): their logits are removed, except the group's own positive. Worked example (paper): 3
+    too"): their logits are removed, except the group's own positive. train.py counts a document's copies under
+    other ids (the same anchor or s1 text) as that document (batches.document_keys). Worked example (paper): 3
     groups, cos 0.8 to the own s1 and 0.5 to the others -> p = e^16 / (e^16 + 2 e^10) = 0.995.
 
     anchors, s1: (N, H) local rows; doc_ids: (N,) int64. Returns the mean over the local rows.

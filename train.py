@@ -26,12 +26,11 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import baselines  # noqa: F401  (registers the comparison objectives as --objective choices)
 from architectures import load_teacher
-from batches import LengthGroupedBatchSampler, check_batch_fits, sampler_negatives, training_loader
+from batches import LengthGroupedBatchSampler, check_batch_fits, document_keys, sampler_negatives, training_loader
 from common import (ArgumentParser, UserError, atomic_write, check_model_name, is_zero3, local_inputs,
                     non_negative_float, non_negative_int, positive_int, read_json, resolve_model_path, run_script)
 from fused_vocab import weight_grad_path
@@ -288,7 +287,13 @@ def load_data(accelerator, args, model, tokenizer):
     spread = args.spread_documents if collator.spread_documents else 1
     bs, world = args.per_device_train_batch_size, accelerator.num_processes
     cap = max(bs // 2, 1) if args.max_document_groups_per_batch is None else args.max_document_groups_per_batch
-    docs = np.unique(rows["doc_id"], return_inverse=True)[1]  # (groups,) a group's document as an integer
+    # (groups,) a group's document as an integer: its doc_id, joined with every other id that shares its anchor or
+    # top related passage text (batches.document_keys); the collator reads the merged id (make_row below)
+    docs, merged = document_keys(rows)
+    if merged:
+        accelerator.print(f"{len(merged):,} groups share an anchor or top related passage text with a group of another "
+                          f"doc_id: {len(set(merged.values())):,} documents under several ids, each masked and spread "
+                          "as one document")
     sampler = LengthGroupedBatchSampler(lengths, bs, args.seed, spread=spread, keys=docs, max_per_key=cap)
     neg, floor = sampler_negatives(sampler, docs), args.min_in_batch_negatives or bs * world // 2
     accelerator.print(f"in-batch negatives left by the same-document mask (epoch 0, exact, per process's batch of "
@@ -300,8 +305,17 @@ def load_data(accelerator, args, model, tokenizer):
         accelerator.print(f"warning: a row keeps {neg['mean']:.2f} in-batch negatives on average (< "
                           f"--min_in_batch_negatives {floor}): few documents fill the batches; lower "
                           "--max_document_groups_per_batch or select from more documents")
-    make_row = None if row_extras is None else lambda epoch, i, row: {**row, **row_extras(epoch, i)}
-    return rows, sampler, training_loader(accelerator, args, rows, sampler, collator, make_row)
+    return rows, sampler, training_loader(accelerator, args, rows, sampler, collator,
+                                          functools.partial(with_extras, merged, row_extras)
+                                          if merged or row_extras else None)
+
+
+def with_extras(merged: dict, row_extras, epoch: int, i: int, row: dict) -> dict:
+    """Row i as the collator reads it: under the doc_id its text copies share (merged: batches.document_keys), with
+    the objective's per-epoch extras (row_extras(epoch, i): the random-span baseline's crops)."""
+    if i in merged:
+        row = {**row, "doc_id": merged[i]}
+    return {**row, **row_extras(epoch, i)} if row_extras is not None else row
 
 
 def load_teacher_model(accelerator, args):

@@ -183,6 +183,48 @@ def test_spread_puts_one_documents_groups_into_different_batches():
     assert max(np.ptp(lengths[b]) for b in spread) <= 10 * 8
 
 
+def test_the_same_text_under_another_doc_id_is_one_document(tiny_bert, tmp_path, capsys):
+    """A groups folder where 3 groups were copied under new doc ids ("mirror-*": a page crawled twice) and one
+    group of another document repeats a group's top related passage: before, each copy was an in-batch negative of
+    its original (its own anchor and positive among a row's negatives). document_keys joins them: the copies and
+    the repeater carry their original's key and doc id, every other group keeps np.unique's code of its own doc_id;
+    the collated doc_ids (L_xp's mask) of a copy and its original are equal; train.py says how many groups it
+    joined and trains."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from transformers import AutoTokenizer
+
+    from batches import document_keys
+    from modeling_xprt import XPRTCollator
+
+    src = make_groups(tmp_path / "src", 24)
+    table = pq.read_table(src / "shard-00000.parquet").to_pylist()
+    copies = [{**table[i], "doc_id": f"mirror-{i}"} for i in (0, 2, 4)]
+    other = next(i for i, r in enumerate(table) if r["doc_id"] != table[0]["doc_id"] and i > 4)
+    table[other]["related"] = [table[0]["related"][0]] + table[other]["related"][1:]  # s1 of group 0, repeated
+    rows_in = table + copies
+    groups = tmp_path / "groups"
+    groups.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows_in, schema=group_schema()), groups / "shard-00000.parquet")
+    (groups / "stats.json").write_text(json.dumps({"groups": len(rows_in)}))
+    rows = train.load_groups(str(groups))
+    keys, merged = document_keys(rows)
+    codes = np.unique([r["doc_id"] for r in rows_in], return_inverse=True)[1]
+    joined = {24, 25, 26} | {i for i in range(24) if rows_in[i]["doc_id"] == rows_in[other]["doc_id"]}
+    assert all(keys[24 + k] == keys[i] for k, i in enumerate((0, 2, 4)))
+    assert keys[other] == keys[0]  # its whole document joins group 0's
+    assert set(merged) == {i for i in range(len(rows_in)) if keys[i] != codes[i]} and set(merged) <= joined
+    assert all(keys[i] == codes[i] for i in range(len(rows_in)) if i not in joined)
+    collator = XPRTCollator(AutoTokenizer.from_pretrained(tiny_bert), num_related=2, max_length=24, seed=0)
+    pair = [train.with_extras(merged, None, 0, i, rows[i]) for i in (0, 24)]
+    assert collator.retention_fields(pair)["doc_ids"].unique().numel() == 1  # masked as one document
+    run(base_args(tiny_bert, groups, tmp_path / "run", **{"--max_train_steps": 2, "--num_related": 2,
+                                                          "--max_length": 24, "--no_save_model": True}))
+    assert f"{len(merged)} groups share an anchor or top related passage text with a group of another doc_id" in \
+        capsys.readouterr().out
+
+
 def test_random_span_batches_are_grouped_by_their_crops(tmp_path):
     """The random-span baseline: crops drawn per (seed, epoch) before batching (sort_lengths), the sampler sorts by
     (longer crop, shorter crop) and each batch pads the longer and the shorter crops separately: padding efficiency
