@@ -26,6 +26,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import baselines  # noqa: F401  (registers the comparison objectives as --objective choices)
@@ -284,6 +285,7 @@ def load_data(accelerator, args, model, tokenizer):
                                           passage_prefix=model.prompts["document"], positive=args.positive,
                                           seed=args.seed)
     lengths, row_extras = collator.sort_lengths(rows, args.seed)
+    accelerator.print(passages_cut(rows, tokenizer, args))
     spread = args.spread_documents if collator.spread_documents else 1
     bs, world = args.per_device_train_batch_size, accelerator.num_processes
     cap = max(bs // 2, 1) if args.max_document_groups_per_batch is None else args.max_document_groups_per_batch
@@ -308,6 +310,30 @@ def load_data(accelerator, args, model, tokenizer):
     return rows, sampler, training_loader(accelerator, args, rows, sampler, collator,
                                           functools.partial(with_extras, merged, row_extras)
                                           if merged or row_extras else None)
+
+
+def passages_cut(rows, tokenizer, args, sample: int = 4096) -> str:
+    """How much of the groups' text --max_length cuts with this run's tokenizer, measured on `sample` groups spread
+    evenly over the folder (all of them in a smaller one): select_groups.py packed the passages to --passage_tokens
+    of *its* encoder's tokenizer, so another tokenizer, or a --max_length below --passage_tokens, cuts passages the
+    collator then truncates. -> the line the run prints: the share of passages (anchor and the num_related it
+    trains on) and of their tokens cut, and what the folder was selected with."""
+    from select_groups import META_DIR
+
+    picked = np.unique(np.linspace(0, len(rows) - 1, min(sample, len(rows))).astype(np.int64))
+    part = rows.select(picked)
+    texts = [t for a, rel in zip(part["anchor"], part["related"]) for t in (a, *rel[:args.num_related])]
+    counts = np.array([len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]])
+    cut = counts > args.max_length
+    lost = int(np.maximum(counts - args.max_length, 0).sum())
+    selected = read_json(Path(args.groups_dir) / META_DIR / "run_config.json")
+    origin = (f"selected with {selected.get('model_name_or_path')}'s tokenizer at --passage_tokens "
+              f"{selected.get('passage_tokens')}" if selected else "no selection record (run_config.json)")
+    line = (f"passages longer than --max_length {args.max_length} tokens of this tokenizer: {int(cut.sum()):,} of "
+            f"{len(texts):,} ({100 * cut.mean():.1f}%), {100 * lost / max(counts.sum(), 1):.1f}% of their tokens cut, "
+            f"measured on {len(picked):,} of {len(rows):,} groups; {origin}")
+    return line if not cut.any() else ("warning: " + line + ": raise --max_length, or select with this model's "
+                                       "tokenizer (select_groups.py --model_name_or_path)")
 
 
 def with_extras(merged: dict, row_extras, epoch: int, i: int, row: dict) -> dict:

@@ -225,6 +225,36 @@ def test_the_same_text_under_another_doc_id_is_one_document(tiny_bert, tmp_path,
         capsys.readouterr().out
 
 
+def test_passages_the_training_tokenizer_cuts_are_counted_and_said(tiny_bert, tmp_path, capsys):
+    """Groups select_groups.py packed to 128 tokens, trained at --max_length 24: before, the collator truncated them
+    without a word. Now the run counts the passages (anchor + the num_related it trains on) longer than --max_length
+    under its tokenizer, as a hand count gives, and warns naming what the folder was selected with; at
+    --max_length 128 (the selection's length, the same tokenizer) nothing is cut."""
+    from transformers import AutoTokenizer
+
+    import select_groups
+    from test_select_groups import _docs, _write_jsonl
+
+    docs, groups = tmp_path / "docs.jsonl", tmp_path / "groups"
+    _write_jsonl(docs, _docs(12))
+    select_groups.main(["--input", str(docs), "--model_name_or_path", str(tiny_bert), "--output_dir", str(groups),
+                        "--centrality_threshold", "-1"])
+    rows = train.load_groups(str(groups))
+    tok = AutoTokenizer.from_pretrained(tiny_bert)
+    texts = [t for r in rows for t in (r["anchor"], *r["related"][:2])]
+    lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    cut_at_24 = sum(n > 24 for n in lengths)
+    assert cut_at_24 > len(texts) // 2  # the case is real: most passages are longer than 24 tokens
+    for max_length, cut in ((24, cut_at_24), (128, 0)):
+        run(base_args(tiny_bert, groups, tmp_path / f"run{max_length}", **{
+            "--max_train_steps": 1, "--num_related": 2, "--max_length": max_length, "--no_save_model": True}))
+        said = capsys.readouterr().out
+        assert (f"passages longer than --max_length {max_length} tokens of this tokenizer: {cut:,} of {len(texts):,} "
+                in said), said
+        assert ("warning: " in said.split("passages longer")[0][-10:]) == (cut > 0)
+        assert f"selected with {tiny_bert}'s tokenizer at --passage_tokens 128" in said
+
+
 def test_random_span_batches_are_grouped_by_their_crops(tmp_path):
     """The random-span baseline: crops drawn per (seed, epoch) before batching (sort_lengths), the sampler sorts by
     (longer crop, shorter crop) and each batch pads the longer and the shorter crops separately: padding efficiency
