@@ -743,14 +743,17 @@ def save_model(accelerator, model, tokenizer, dest: Path, card: str, trust_remot
     """XPRTModel.save_pretrained (atomic: a reader never sees half a model), said "saved" only once the written
     folder loads back the way users load it and gives this model's vectors (check_saved_folder); a model with
     non-finite weights is never written."""
+    unwrapped = accelerator.unwrap_model(model)
+    # every process: under ZeRO-3 a forward gathers each layer's shards from all of them (and inside
+    # gathered_params below it would release them again)
+    ours = probe_vectors(unwrapped, tokenizer)
     with gathered_params(accelerator, model):
         if accelerator.is_main_process:
-            unwrapped = accelerator.unwrap_model(model)
             if not all_finite(unwrapped):
                 raise FloatingPointError("non-finite weights at the end of training: model not written")
             checked = {}
             unwrapped.save_pretrained(str(dest), tokenizer, model_card=card, check=lambda folder: checked.update(
-                check_saved_folder(folder, unwrapped, tokenizer, trust_remote_code)))
+                check_saved_folder(folder, ours, next(unwrapped.base.parameters()).device, trust_remote_code)))
             accelerator.print(f"saved {dest} (loaded back by sentence-transformers: {checked['texts']} texts' vectors "
                               f"within {checked['max_abs_diff']:.1e} of the run's)")
     accelerator.wait_for_everyone()
@@ -831,25 +834,29 @@ def export_checkpoint(request, parse_args, build_model, script: str) -> dict:
 PROBE_TEXTS = ("Cross-passage retrieval pre-training.", "A passage about rivers, their floods and the towns beside "
                "them, long enough to be padded against the others.", "Zürich's lake")
 
-def check_saved_folder(folder: Path, model, tokenizer, trust_remote_code: bool) -> dict:
-    """Load a just-written model folder as its users will, sentence_transformers.SentenceTransformer (which loads
-    the encoder with transformers' AutoModel, its custom code with the run's --trust_remote_code) on the model's
-    device, and check its vectors of PROBE_TEXTS equal the run's own (modeling_xprt.embed_texts with the folder's
-    pooling, modules and normalisation; allclose, atol 1e-4) -> {"texts", "max_abs_diff"}. A folder that fails to
-    load, or loads as another model, is refused here, before it replaces anything."""
-    from sentence_transformers import SentenceTransformer
-
-    device = next(model.base.parameters()).device
+def probe_vectors(model, tokenizer) -> torch.Tensor:
+    """The run's own vectors of PROBE_TEXTS (modeling_xprt.embed_texts with the model's pooling, modules after
+    pooling and normalisation, in eval mode), which check_saved_folder expects of the saved folder."""
     was_training = model.training
     model.eval()
     try:
-        ours = embed_texts(model.base, tokenizer, list(PROBE_TEXTS), pooling=model.info.pooling,
+        return embed_texts(model.base, tokenizer, list(PROBE_TEXTS), pooling=model.info.pooling,
                            normalize=model.info.normalize, post_pooling=model.post_pooling)
     finally:
         model.train(was_training)
+
+def check_saved_folder(folder: Path, ours: torch.Tensor, device, trust_remote_code: bool) -> dict:
+    """Load a just-written model folder as its users will, sentence_transformers.SentenceTransformer (which loads
+    the encoder with transformers' AutoModel, its custom code with the run's --trust_remote_code) on `device`, and
+    check its vectors of PROBE_TEXTS equal the run's own (`ours`: probe_vectors; allclose, atol 1e-4) ->
+    {"texts", "max_abs_diff"}. A folder that fails to load, or loads as another model, is refused here, before it
+    replaces anything."""
+    from sentence_transformers import SentenceTransformer
+
     try:
-        st = SentenceTransformer(str(folder), device=str(device), trust_remote_code=trust_remote_code,
-                                 local_files_only=True)
+        with unpartitioned_loading():  # under ZeRO-3, transformers would partition it (unloadable by one process)
+            st = SentenceTransformer(str(folder), device=str(device), trust_remote_code=trust_remote_code,
+                                     local_files_only=True)
         theirs = torch.as_tensor(st.encode(list(PROBE_TEXTS), convert_to_numpy=True)).float()
     except Exception as err:
         raise RuntimeError(f"the folder written for {folder.name.split('-', 2)[-1]} does not load in "

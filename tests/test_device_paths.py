@@ -38,7 +38,8 @@ def _prepared(monkeypatch, tmp_path):
     model = torch.nn.Linear(4, 2)
     loader = torch.utils.data.DataLoader([{"input_ids": torch.arange(4)} for _ in range(4)], batch_size=2)
     args = argparse.Namespace(gradient_accumulation_steps=1, max_train_steps=2, num_train_epochs=1, warmup_ratio=0.0,
-                              lr_scheduler_type="linear", resume_from_checkpoint=None, output_dir=str(tmp_path))
+                              lr_scheduler_type="linear", resume_from_checkpoint=None, output_dir=str(tmp_path),
+                              checkpointing_steps=None)
     return prepare_run(accelerator, args, model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
 
 
