@@ -213,6 +213,12 @@ def test_tiny_scale_end_to_end(tmp_path):
     assert "47.12 (retrieval 29.21)" in md and "| -4.9 |" in md
     # each arm's setting, as its saved folder states it (the from-BERT setting: the baselines as their authors run them)
     assert "| RetroMAE | official: cls pooling, cosine |" in md and "| SimLM | official: cls pooling, cosine |" in md
+    # the second scoring: every model as the start scores it (--score_as), on the page beside the first
+    same = json.loads((out / "eval_s1_as_start" / "results.json").read_text())
+    assert same["score_as"]["model"] == str(out / "start") and same["models"] == ev["models"]
+    retromae = same["summary"]["average"][same["models"][1 + arms.index("retromae")]]
+    assert "## Every model scored as the start is" in md and "| RetroMAE | " in md.split("## Every model scored")[1]
+    assert f"| {retromae:.2f} |" in md.split("## Every model scored")[1].split("\n## ")[0]
     assert "| Contriever | official: mean pooling, dot |" in md and "| Revela | mean pooling, cosine |" in md
     for a in arms:
         assert json.loads((out / f"s1/{a}/model/xprt_config.json").read_text())
@@ -222,26 +228,48 @@ def test_tiny_scale_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_scale_round_trip_at_toy_size(tmp_path, monkeypatch):
-    arms = ["--arms", "xprt", "contrastive_random_span"]
-    here, there = tmp_path / "here", tmp_path / "there"
-    run.main(["--scale", "gpu", "--toy", "--stage", "build", "--out", str(here), *arms])
-    assert json.loads((here / "carry" / "plan.json").read_text())["sizes"]["with_tree"] < device.CARRY_BYTES
-    # the device: a copy of the tree with the carry folder, $OUT for what comes back
-    (there / "carry").parent.mkdir(parents=True)
+    """Two simulated GPU runs build one table (the ledger). Run 1 is built for the xPRT arm: the device pre-trains
+    the start (rounded to fp16, so the bundle it comes back in holds the very weights), trains xPRT at the config's
+    fixed steps, and `score` records it. Run 2 is built for xPRT and random spans: it carries run 1's start, plans
+    only the missing arm, and brings back only that one, trained from the same start (its digest); the page then
+    has both rows at equal steps, scored both ways, and nothing missing."""
     import shutil
 
-    shutil.copytree(here / "carry", there / "carry")
-    returned = tmp_path / "OUT"
-    monkeypatch.setenv("OUT", str(returned))
-    report = run.main(["--scale", "gpu", "--toy", "--stage", "device", "--out", str(there), *arms])["gpu"]
-    assert report["returned"] == ["start", "s1/xprt", "s1/contrastive_random_span"]
-    assert 2 <= report["steps_per_arm"] <= 3  # the toy rule's [min, max]: what fits 5 s depends on the machine
-    assert set(report["probes"]) == {"xprt", "contrastive_random_span"}  # the heaviest and the lightest arm
-    assert len(list(returned.iterdir())) <= device.RETURN["files"]
-    scored = tmp_path / "scored"
-    run.main(["--scale", "gpu", "--toy", "--stage", "score", "--returned", str(returned), "--out", str(scored),
-              *arms])
-    md = (scored / "results.md").read_text()
-    assert "| xPRT |" in md and "| random spans (Contriever) |" in md
-    log = [json.loads(line) for line in (scored / "s1/xprt/train_log.jsonl").read_text().splitlines()]
-    assert log[-1]["step"] == report["steps_per_arm"]
+    here = tmp_path / "here"
+
+    def device_run(k: int, arms: list) -> dict:
+        there, returned = tmp_path / f"there{k}", tmp_path / f"OUT{k}"
+        shutil.copytree(here / "carry", there / "carry")  # the device: the tree with the carry folder; $OUT
+        monkeypatch.setenv("OUT", str(returned))
+        report = run.main(["--scale", "gpu", "--toy", "--stage", "device", "--out", str(there), "--arms", *arms])
+        assert len(list(returned.iterdir())) <= device.RETURN["files"]
+        run.main(["--scale", "gpu", "--toy", "--stage", "score", "--returned", str(returned), "--out", str(here),
+                  "--arms", *arms])
+        return report["gpu"]
+
+    run.main(["--scale", "gpu", "--toy", "--stage", "build", "--out", str(here), "--arms", "xprt"])
+    plan = json.loads((here / "carry" / "plan.json").read_text())
+    assert plan["sizes"]["with_tree"] < device.CARRY_BYTES and plan["todo"] == ["s1/xprt"]
+    first = device_run(1, ["xprt"])
+    assert first["returned"] == ["start", "s1/xprt"] and first["steps_per_arm"] == 2  # the toy config's per_arm
+    assert set(first["probes"]) == {"xprt"}
+    ledger = device.read_ledger(here)
+    assert list(ledger["runs"]) == ["s1/xprt"] and ledger["start"] == first["start_digest"]
+    assert device.tensors_digest(here / "start") == first["start_digest"]  # the fp16 bundle held the very weights
+
+    both = ["xprt", "contrastive_random_span"]
+    run.main(["--scale", "gpu", "--toy", "--stage", "build", "--out", str(here), "--arms", *both])
+    plan = json.loads((here / "carry" / "plan.json").read_text())
+    assert plan["todo"] == ["s1/contrastive_random_span"] and plan["start_digest"] == first["start_digest"]
+    second = device_run(2, both)
+    assert second["returned"] == ["s1/contrastive_random_span"] and second["start_digest"] == first["start_digest"]
+    assert second["finished"] == ["s1/contrastive_random_span"]  # only what the first run missed
+    ledger = device.read_ledger(here)
+    assert sorted(ledger["runs"]) == ["s1/contrastive_random_span", "s1/xprt"]
+    assert {r["steps"] for r in ledger["runs"].values()} == {2}
+    md = (here / "results.md").read_text()
+    assert "| xPRT |" in md and "| random spans (Contriever) |" in md and "Not yet trained" not in md
+    assert "## Every model scored as the start is" in md
+    for arm in both:
+        log = [json.loads(line) for line in (here / f"s1/{arm}/train_log.jsonl").read_text().splitlines()]
+        assert log[-1]["step"] == 2

@@ -11,7 +11,14 @@ through it) and no mteb.
                    every arm trained;
                    the models packed into $OUT: fp16 safetensors bundles (encoders only: scoring needs no decoder) and
                    one tar.gz of everything else (configs, tokenizers, cards, training logs)
-  score (here)     the bundles unpacked into model folders (fp32), then run.py's score stage
+  score (here)     the bundles unpacked into model folders (fp32), each returned run added to the ledger, then
+                   run.py's score stage over every run the ledger holds
+
+One comparison is built over several short GPU runs (the ledger, <out>/ledger.json): each run returned is recorded
+with its arm, seed, steps, the start's and the groups' content digests and the code; `build` carries the start the
+first run made (so every arm of the table starts from the same bytes) and plans the next run to train only what is
+missing, at the steps per arm the config fixes (its "steps": {"per_arm"}, set from measured step times, never
+re-fitted per run); `score` refuses a run whose start or groups differ from the ledger's.
 """
 from __future__ import annotations
 
@@ -83,9 +90,116 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
         raise SystemExit("over the carry limit: fewer documents (the config's 'documents') or fewer rankings")
     plan = {"sizes": sizes, "flops_per_step": {a: stages.estimate_flops(exp, arm) for a, arm in arms.items()},
             "steps_factor": {a: arm["steps_factor"] for a, arm in arms.items()}}
+    ledger = read_ledger(out)
+    seeds = getattr(args, "seeds", None) or exp.get("seeds", [1])
+    plan["todo"] = missing_runs(arms, seeds, ledger)
+    if ledger.get("start"):  # the start of the first run, carried: every later arm starts from the same bytes
+        shutil.copytree(out / "start", carry / "start", dirs_exist_ok=True)
+        plan["start_digest"] = ledger["start"]
     atomic_write(carry / "plan.json", json.dumps(plan, indent=1))
     print_minutes(exp, plan)
+    print_next_run(exp, out, plan, ledger, args)
     return plan
+
+
+def print_next_run(exp: dict, out: Path, plan: dict, ledger: dict, args):
+    """What the next GPU runs will do: the runs still missing, at the config's fixed steps and its measured step
+    times ("steps": {"per_arm", "step_seconds"}), packed in order into runs of the budget (the first also makes the
+    start); how many runs they need; a run longer than a whole run's budget, said as such; and the one command."""
+    rule, est = exp["steps"], exp.get("estimate", {})
+    per_arm, measured = rule.get("per_arm") or rule.get("min", 0), rule.get("step_seconds", {})
+    startup, budget = est.get("run_startup_s", 15.0), budget_of(exp, args)
+    room = budget - PACK_RESERVE_S
+    runs, too_long = [[]], []
+    used = 0.0 if plan.get("start_digest") else est.get("start_s", 120.0)  # the first run makes the start
+    for run in plan["todo"]:
+        arm = run.split("/", 1)[1]
+        secs = startup + per_arm * plan["steps_factor"][arm] * measured.get(arm, 0.3)
+        if secs > room:  # no run can hold it (a later run carries the start: its whole budget is the arms')
+            too_long.append(f"{run} ({secs:.0f} s)")
+            continue
+        if used + secs > room:
+            runs.append([])
+            used = 0.0  # later runs carry the start
+        runs[-1].append(f"{run} ~{secs / 60:.1f} min")
+        used += secs
+    runs = [r for r in runs if r]
+    print(f"\nthe ledger ({out / LEDGER}): {len(ledger.get('runs', {}))} runs returned; missing "
+          f"{len(plan['todo'])}: {', '.join(plan['todo']) or 'none'}")
+    if not plan["todo"]:
+        return
+    print(f"at {per_arm} steps per arm and the measured step times ({rule.get('step_seconds_source', 'assumed')}): "
+          f"{len(runs)} GPU run(s) of {budget:.0f} s for {sum(map(len, runs))} of them")
+    for k, r in enumerate(runs, 1):
+        print(f"  run {k}: " + ", ".join(r))
+    if too_long:
+        print(f"  longer than one run's {room:.0f} s at this step time (a faster step, issue 42, or fewer steps): "
+              + ", ".join(too_long))
+    if runs:
+        print(f"next GPU run: python3 -m experiments.paper.run --scale {exp.get('scale', 'gpu')} --stage device, "
+              f"which brings back {'' if plan.get('start_digest') else 'the start model and '}the models of run 1 "
+              "(fp16, at most 8 files); then here: --stage score --returned DIR")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The ledger: what came back from each GPU run
+# ----------------------------------------------------------------------------------------------------------------
+LEDGER = "ledger.json"
+
+def read_ledger(out: Path) -> dict:
+    """<out>/ledger.json: {"start": its digest, "groups": {ranking: digest}, "code", "runs": {"s<seed>/<arm>":
+    {"steps", "returned_from", "start", "groups", "code"}}}; {} before any run came back."""
+    return read_json(out / LEDGER)
+
+def missing_runs(arms: dict, seeds: list, ledger: dict) -> list:
+    """The "s<seed>/<arm>" runs of the table the ledger does not hold yet, in the config's order (xPRT first)."""
+    return [f"s{seed}/{a}" for seed in seeds for a in arms if f"s{seed}/{a}" not in ledger.get("runs", {})]
+
+def tensors_digest(folder: Path) -> str:
+    """sha256 over a model folder's model.safetensors tensors (names, dtypes, shapes, bytes), so two files written
+    with other metadata but the same weights have one digest."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in sorted(load_file(str(Path(folder) / "model.safetensors")).items()):
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+def round_to_fp16(folder: Path):
+    """A start model's float weights rounded to fp16 and kept as fp32: the fp16 bundle it comes back in then holds
+    these very values, so the arms trained from it here and those of later runs (which carry it) share one start."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(folder) / "model.safetensors"
+    tensors = {k: v.to(torch.float16).to(v.dtype) if v.is_floating_point() else v
+               for k, v in load_file(str(path)).items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+def record_returned(out: Path, returned: Path, report: dict) -> dict:
+    """Add a returned GPU run's finished runs to the ledger, refusing one whose start (tensors_digest) or groups
+    (their content) differ from the ledger's: a table compares trainings from one start on one groups folder.
+    A run already in the ledger is kept as it was (its first return)."""
+    ledger = read_ledger(out) or {"runs": {}}
+    start, groups = report.get("start_digest"), report.get("groups_digests", {})
+    if ledger.get("start") and start and start != ledger["start"]:
+        raise SystemExit(f"{returned}: its arms started from another start model (digest {start[:12]}) than the "
+                         f"ledger's ({ledger['start'][:12]}): build the next run here (it carries the start)")
+    for ranking, digest in groups.items():
+        if ledger.get("groups", {}).get(ranking, digest) != digest:
+            raise SystemExit(f"{returned}: its {ranking} groups differ from the ledger's")
+    ledger.setdefault("start", start)
+    ledger.setdefault("groups", {}).update(groups)
+    for run in report.get("finished", []):
+        ledger["runs"].setdefault(run, {"steps": report.get("steps_per_arm"), "returned_from": str(returned),
+                                        "start": start, "groups": groups, "code": report.get("code")})
+    atomic_write(out / LEDGER, json.dumps(ledger, indent=1))
+    return ledger
 
 
 def print_minutes(exp: dict, plan: dict):
@@ -98,10 +212,12 @@ def print_minutes(exp: dict, plan: dict):
     for mfu in est.get("mfu", [0.1, 0.25]):
         rate = est.get("peak_tflops", 989.0) * mfu * 1e12
         arms = {n: {"flags": [], "steps_factor": factor[n]} for n in flops}
-        steps = stages.fit_steps({**exp, "steps": rule}, arms, [1], lambda f: a + f / rate,
-                              flops={n: flops[n] for n in flops})
+        steps = rule.get("per_arm") or stages.fit_steps({**exp, "steps": rule}, arms, [1], lambda f: a + f / rate,
+                                                        flops={n: flops[n] for n in flops})
+        how = ("the config's fixed steps per arm" if rule.get("per_arm") else
+               f"the rule: all arms in {rule['fit_seconds']} s, within [{rule['min']}, {rule['max']}]")
         print(f"\nat {mfu:.0%} MFU ({rate / 1e12:.0f} TFLOP/s) and {a * 1e3:.0f} ms per step: {steps} steps per arm "
-              f"(the rule: all arms in {rule['fit_seconds']} s, within [{rule['min']}, {rule['max']}])")
+              f"({how})")
         total = 0.0
         for n, f in flops.items():
             minutes = steps * factor[n] * (a + f / rate) / 60
@@ -132,15 +248,19 @@ def budget_of(exp: dict, args) -> float:
 
 
 def plan_arms(exp: dict, arms: dict, seeds: list, flops: dict, a: float, b: float, startup: float,
-              left: float) -> dict:
-    """The arms' plan against the time left: steps per arm (the config's rule, its "fit_seconds" shortened to what is
-    left after each run's start-up), each run's expected seconds (startup + steps x (a + b x FLOPs)) and its expected
-    end; a run that would end past the budget is planned out, with the reason. Arms run in the config's order (xPRT
-    first), so what a short budget drops is the last arms."""
-    runs = [(seed, name) for seed in seeds for name in arms]
+              left: float, todo=None) -> dict:
+    """The arms' plan against the time left: steps per arm (the config's fixed "steps": {"per_arm"}, the same in
+    every run of one table; else its rule, "fit_seconds" shortened to what is left after each run's start-up), each
+    run's expected seconds (startup + steps x (a + b x FLOPs)) and its expected end; a run that would end past the
+    budget is planned out, with the reason. Arms run in the config's order (xPRT first), so what a short budget
+    drops is the last arms. todo: only these "s<seed>/<arm>" runs (the ledger's missing ones)."""
+    runs = [(seed, name) for seed in seeds for name in arms if todo is None or f"s{seed}/{name}" in todo]
     rule = dict(exp["steps"])
-    rule["fit_seconds"] = max(0.0, min(rule["fit_seconds"], left - startup * len(runs)))
-    steps = stages.fit_steps({**exp, "steps": rule}, arms, seeds, lambda f: a + b * f, flops=flops)
+    if rule.get("per_arm"):
+        steps = rule["per_arm"]
+    else:
+        rule["fit_seconds"] = max(0.0, min(rule["fit_seconds"], left - startup * len(runs)))
+        steps = stages.fit_steps({**exp, "steps": rule}, arms, seeds, lambda f: a + b * f, flops=flops)
     plan, end, skipped = [], 0.0, {}
     for seed, name in runs:
         secs = startup + steps * arms[name]["steps_factor"] * (a + b * flops[name])
@@ -207,30 +327,44 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     def lap(name):
         clock[name] = round(time.time() - t0 - sum(v for k, v in clock.items() if k != name), 1)
 
-    # the start: the carried texts unpacked, then masked-language-model pre-training on this machine
-    texts = out / "texts"
-    texts.mkdir(parents=True, exist_ok=True)
-    inputs = []
-    for src in exp["start"]["flags"]["--inputs"]:
-        path = texts / f"{Path(src).parent.name}.jsonl"
-        with gzip.open(carry / "texts" / f"{path.name}.gz", "rb") as f, open(path, "wb") as g:
-            shutil.copyfileobj(f, g)
-        inputs.append(str(path))
-    start_exp = {**exp, "start": {**exp["start"], "flags": {**exp["start"]["flags"], "--inputs": inputs}}}
-    start = stages.stage_start(start_exp, out, False)
+    plan_here = read_json(carry / "plan.json")
+    if (carry / "start").is_dir():  # an earlier run's start, carried: the table's one start
+        start, folders = str(carry / "start"), {}
+    else:  # the first run: the carried texts unpacked, then masked-language-model pre-training on this machine
+        texts = out / "texts"
+        texts.mkdir(parents=True, exist_ok=True)
+        inputs = []
+        for src in exp["start"]["flags"]["--inputs"]:
+            path = texts / f"{Path(src).parent.name}.jsonl"
+            with gzip.open(carry / "texts" / f"{path.name}.gz", "rb") as f, open(path, "wb") as g:
+                shutil.copyfileobj(f, g)
+            inputs.append(str(path))
+        start_exp = {**exp, "start": {**exp["start"], "flags": {**exp["start"]["flags"], "--inputs": inputs}}}
+        start = stages.stage_start(start_exp, out, False)
+        round_to_fp16(Path(start))
+        folders = {"start": Path(start)}
     lap("start")
-    folders = {"start": Path(start)}
-    report.update(pack(folders, out, dest))
-    write_report(dest, report)
+    from training import code_revision, content_digest
+
     groups = {r: str(carry / ("groups" if r == "rrf" else f"groups_{r}"))
               for r in {a["ranking"] for a in arms.values()}}
+    report.update({"start_digest": tensors_digest(Path(start)), "code": code_revision(),
+                   "groups_digests": {r: content_digest([g], {})["sha256"] for r, g in groups.items()}})
+    if "todo" in plan_here:  # build's plan: only the runs the ledger misses
+        report["todo"] = plan_here["todo"]
+    if folders:
+        report.update(pack(folders, out, dest))
+    write_report(dest, report)
     # the probes: the heaviest and the lightest arm for a few steps each; their second logging windows (after the
     # warm-up) give a step's time as a + b x FLOPs (a: the per-step cost a small model's step pays whatever its FLOPs);
     # a probe's wall time beyond its steps is what each train.py run costs to start (load, data, save)
     rule = exp["steps"]
     flops = {a: stages.estimate_flops(exp, arm) for a, arm in arms.items()}
     probes, startup = {}, []
-    for name in dict.fromkeys([max(flops, key=flops.get), min(flops, key=flops.get)]):
+    # the probes among the arms this run trains (build's todo), so a run of one missing arm probes that arm only
+    todo_arms = {a for a in arms if "todo" not in report or any(r.endswith(f"/{a}") for r in report["todo"])}
+    pick = {a: f for a, f in flops.items() if a in todo_arms} or flops
+    for name in dict.fromkeys([max(pick, key=pick.get), min(pick, key=pick.get)]):
         probe = out / f"probe_{name}"
         argv = stages.train_argv(exp, {**arms[name], "steps_factor": 1}, start, groups, seeds[0], rule["probe_steps"],
                               probe)
@@ -247,7 +381,8 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     a = max(p_hi["time_per_step_s"] - b * flops[hi], 0.0)
     lap("probe")
     t_plan = time.time() - t0
-    plan = plan_arms(exp, arms, seeds, flops, a, b, max(startup), budget - t_plan - PACK_RESERVE_S)
+    plan = plan_arms(exp, arms, seeds, flops, a, b, max(startup), budget - t_plan - PACK_RESERVE_S,
+                     todo=report.get("todo"))
     print(f"probes {json.dumps(probes)}: a step takes {a * 1e3:.1f} ms + FLOPs at {1 / b / 1e12:.3g} TFLOP/s, a run "
           f"starts in {max(startup):.1f} s", flush=True)
     print_plan(plan, t_plan, budget)
@@ -357,4 +492,8 @@ def unpack(returned: Path, out: Path):
           f"the device run's status: {report.get('status')})")
     for k, why in missing.items():
         print(f"  not brought back: {k}: {why}")
+    if "start" in per_model and report.get("start_digest") and tensors_digest(out / "start") != report["start_digest"]:
+        raise SystemExit(f"{returned}: the start model unpacked here is not the one its arms trained from (digest)")
     atomic_write(out / "device_run.json", json.dumps(report, indent=1))
+    ledger = record_returned(out, returned, report)
+    print(f"ledger {out / LEDGER}: {len(ledger['runs'])} runs ({', '.join(sorted(ledger['runs']))})")

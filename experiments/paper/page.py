@@ -78,8 +78,9 @@ def published_main(setting: str, arm: str) -> str:
     return f"{E5_SETTING['average_delta'][key][0]} (Δ start, 41 tasks)"
 
 
-def write(exp: dict, out: Path, arms: list, results: list, seconds: float) -> dict:
-
+def write(exp: dict, out: Path, arms: list, results: list, seconds: float, as_start: list = ()) -> dict:
+    """results.md / results.json from evaluate.py's results.json per seed: `results` with each model scored as it
+    is used, `as_start` (stages.stage_score) with every model scored as the start is (--score_as)."""
     data = collect(arms, results)
     setting, cats, n = exp.get("setting", "from_mlm"), data["categories"], len(data["per_seed"])
     objectives = [a for a in arms if a not in stages.ABLATIONS]
@@ -102,6 +103,20 @@ def write(exp: dict, out: Path, arms: list, results: list, seconds: float) -> di
                      f"{fmt(values(data, a, lambda r: r['average']))} | {d} | " +
                      " | ".join(fmt(values(data, a, lambda r, c=c: r["per_category"][c])) for c in cats) +
                      f" | {published_main(setting, a)} |")
+    if as_start:  # the same weights scored the start's way: what training did, with no change of scoring in it
+        same = collect(arms, as_start)
+        above = {a: sum(1 for seed in same["per_seed"] for tk in same["tasks"]
+                        if seed[a]["per_task"][tk] > seed["start"]["per_task"][tk]) for a in objectives + ablations}
+        lines += ["", "## Every model scored as the start is (evaluate.py --score_as: its pooling and similarity for "
+                  "all), beside the scores above", "",
+                  "| method | average as used | Δ start as used | average as the start | Δ start as the start | "
+                  "task x seed above the start |", "|---|---|---|---|---|---|"]
+        for a in ["start"] + objectives + ablations:
+            used, same_way = (fmt(values(d, a, lambda r: r["average"])) for d in (data, same))
+            d_used, d_same = ("", "") if a == "start" else (
+                fmt(deltas(d, a, "start", lambda r: r["average"]), True) for d in (data, same))
+            count = "" if a == "start" else f"{above[a]} of {len(same['tasks']) * len(same['per_seed'])}"
+            lines.append(f"| {LABELS.get(a, a)} | {used} | {d_used} | {same_way} | {d_same} | {count} |")
     if "xprt" in arms and ablations:
         lines += ["", "## Ablations (paper Table 3, from BERT): difference to xPRT", "",
                   "| ablation | average Δ xPRT | " + " | ".join(f"{c} Δ xPRT" for c in cats) + " | paper |",
@@ -136,12 +151,16 @@ def write(exp: dict, out: Path, arms: list, results: list, seconds: float) -> di
                 lines.append(f"| {task}: xPRT - start | " + " | ".join(cells) +
                              f" | {E5_SETTING['overlap_thirds']['xprt'][0]} (BoW-DPR "
                              f"{E5_SETTING['overlap_thirds']['bow_dpr'][0]}) |")
+    if exp.get("missing_runs"):
+        lines += ["", f"**Not yet trained** (the ledger's missing runs; `--stage build` plans the next GPU run): "
+                  f"{', '.join(exp['missing_runs'])}."]
     lines += ["", "## Does the gain survive fine-tuning?", "",
               f"Paper: {E5_SETTING['fine_tuning'][0]} (\"{E5_SETTING['fine_tuning'][1]}\"). This harness does not "
               "fine-tune; `experiments/finetune_scifact.sh` does, for any model folder "
               "(`XPRT_MODEL=<out>/s<seed>/xprt/model`), with the start model fine-tuned the same way beside it.", ""]
     atomic_write(out / "results.md", "\n".join(lines))
     res = {"experiment": exp["name"], "setting": setting, "arms": arms, "seeds": n, **data,
+           "scored_as_start": collect(arms, as_start) if as_start else None,
            "published": {"e5": E5_SETTING, "from_mlm": FROM_MLM_SETTING}}
     atomic_write(out / "results.json", json.dumps(res, indent=1))
     return res

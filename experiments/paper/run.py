@@ -67,8 +67,12 @@ def run_experiment(exp: dict, out: Path, args) -> dict:
         stage_score(exp, out, start, models, True)
         if not fit:
             print_estimate(exp, gpu_hours(exp, arms, seeds, steps))
-        else:  # the device stage's plan against its wall-clock budget
+        else:  # the device stage's plan against its wall-clock budget, and the runs the ledger still misses
             device.print_expected(exp, arms, seeds, args)
+            ledger = device.read_ledger(out)
+            device.print_next_run(exp, out, {"todo": device.missing_runs(arms, seeds, ledger),
+                                             "steps_factor": {a: arm["steps_factor"] for a, arm in arms.items()},
+                                             "start_digest": ledger.get("start")}, ledger, args)
         return {}
     missing = [p for p, _ in exp.get("documents", [])] + list(exp["eval"].get("--local_tasks", []))
     missing = [p for p in missing if not os.path.exists(p)]
@@ -90,16 +94,18 @@ def run_experiment(exp: dict, out: Path, args) -> dict:
         stage_train(exp, out, arms, start, groups, seeds, steps, False)
     if "score" not in stages:
         return {}
-    if (out / "device_run.json").is_file():  # the steps the device set, and the arms it brought back
-        dev = read_json(out / "device_run.json")
-        exp = {**exp, "steps_used": dev.get("steps_per_arm")}
-        back = {a: arm for a, arm in arms.items() if all(f"s{s}/{a}" in dev["returned"] for s in seeds)}
+    ledger = device.read_ledger(out)
+    if ledger:  # a table built over GPU runs: the arms every seed of which the ledger holds, the rest said missing
+        steps_used = sorted({r["steps"] for r in ledger["runs"].values()})
+        exp = {**exp, "steps_used": steps_used[0] if len(steps_used) == 1 else steps_used,
+               "missing_runs": device.missing_runs(arms, seeds, ledger)}
+        back = {a: arm for a, arm in arms.items() if all(f"s{s}/{a}" in ledger["runs"] for s in seeds)}
         if len(back) < len(arms):
-            print(f"scoring the {len(back)} arms the device run brought back; not: {sorted(set(arms) - set(back))}")
+            print(f"scoring the {len(back)} arms the ledger holds; missing: {sorted(set(arms) - set(back))}")
         arms = back
     models = {s: {a: str(out / f"s{s}" / a / "model") for a in arms} for s in seeds}
-    results = stage_score(exp, out, start, models, False)
-    res = page.write(exp, out, list(arms), results, time.time() - t0)
+    results, as_start = stage_score(exp, out, start, models, False)
+    res = page.write(exp, out, list(arms), results, time.time() - t0, as_start)
     print((out / "results.md").read_text())
     return res
 

@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from common import atomic_write  # noqa: E402
+from common import atomic_write, read_json  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # The ablations of xPRT (paper Table 3): flags added to the xprt arm, the groups' ranking, a factor on the steps.
@@ -259,17 +259,21 @@ def stage_train(exp: dict, out: Path, arms: dict, start: str, groups: dict, seed
     return models
 
 
-def stage_score(exp: dict, out: Path, start: str, models: dict, dry_run: bool) -> list:
-    """evaluate.py per seed: the start first (every difference is to it), then the arms; the overlap thirds on every
-    retrieval task -> the results.json paths."""
-    paths = []
+def stage_score(exp: dict, out: Path, start: str, models: dict, dry_run: bool) -> tuple:
+    """evaluate.py per seed, twice: every model scored as it is used (its own pooling, similarity, prefixes: an arm's
+    setting is part of what it is), and every model scored as the start is (--score_as: the same pooling and
+    similarity for all, so that a difference is the training's alone). The start first (every difference is to
+    it), then the arms; the overlap thirds on every retrieval task -> (results.json paths as used, as the start)."""
+    paths = ([], [])
     for seed, arm_models in models.items():
-        dest = out / f"eval_s{seed}"
-        paths.append(dest / "results.json")
-        if dry_run or not (dest / "results.json").is_file():
-            argv = ["--models", start, *arm_models.values(), *argv_of(exp["eval"]), "--overlap_analysis",
-                    "--output_dir", str(dest), "--overwrite"]
-            run_script(exp, "evaluate", argv, dry_run)
+        for dest, extra, found in ((out / f"eval_s{seed}", [], paths[0]),
+                                   (out / f"eval_s{seed}_as_start", ["--score_as", start], paths[1])):
+            found.append(dest / "results.json")
+            wanted = [start, *arm_models.values()]  # a ledger's new arms: scored again with them
+            if dry_run or read_json(dest / "results.json").get("models") != wanted:
+                argv = ["--models", start, *arm_models.values(), *argv_of(exp["eval"]), "--overlap_analysis",
+                        *extra, "--output_dir", str(dest), "--overwrite"]
+                run_script(exp, "evaluate", argv, dry_run)
     return paths
 
 
