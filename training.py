@@ -34,7 +34,7 @@ from batches import STOP_SIGNALS, batch_to_device, in_batch_negatives, padding_e
 from common import (PAPER_MODEL, UserError, atomic_write, claim_output_folder, describe_prompts,
                     disk_full, is_zero3, non_negative_float, non_negative_int, positive_float, positive_int, read_json,
                     read_jsonl, real_path, record_outputs, remove_outputs, resolve_model_path, scheduler_names)
-from modeling_xprt import XPRTModel, embed_texts
+from modeling_xprt import XPRTModel
 from model_folder import check_tokenizer_fits, describe_scoring, model_card, push_to_hub
 from run_log import LogWindow, flop_counter, plot_loss_curves, write_log_record
 
@@ -835,13 +835,21 @@ PROBE_TEXTS = ("Cross-passage retrieval pre-training.", "A passage about rivers,
                "them, long enough to be padded against the others.", "Zürich's lake")
 
 def probe_vectors(model, tokenizer) -> torch.Tensor:
-    """The run's own vectors of PROBE_TEXTS (modeling_xprt.embed_texts with the model's pooling, modules after
-    pooling and normalisation, in eval mode), which check_saved_folder expects of the saved folder."""
+    """The run's own vectors of PROBE_TEXTS (XPRTModel.encode's pooled vector, the start's modules after pooling,
+    and the Normalize the saved folder adds, in eval mode), which check_saved_folder expects of the saved folder."""
+    from sentence_transformers.sentence_transformer.modules import Normalize
+
     was_training = model.training
     model.eval()
     try:
-        return embed_texts(model.base, tokenizer, list(PROBE_TEXTS), pooling=model.info.pooling,
-                           normalize=model.info.normalize, post_pooling=model.post_pooling)
+        enc = tokenizer(list(PROBE_TEXTS), padding=True, return_tensors="pt")
+        device = next(model.base.parameters()).device
+        with torch.no_grad():
+            vec = model.post_pooling(model.encode(enc["input_ids"].to(device), enc["attention_mask"].to(device))[1])
+        # save_model_folder adds Normalize after the start's modules when the start normalised and had none
+        if model.info.normalize and not any(isinstance(m, Normalize) for m in model.post_pooling.modules_):
+            vec = torch.nn.functional.normalize(vec, dim=-1)
+        return vec.float().cpu()
     finally:
         model.train(was_training)
 
