@@ -132,7 +132,10 @@ def test_the_plan_skips_what_the_budget_cannot_hold():
     from experiments.paper import device, stages
 
     exp = stages.load_config("gpu", toy=True)["experiments"][0]
-    exp = {**exp, "steps": {**exp["steps"], "fit_seconds": 100, "min": 10, "max": 1000}}
+    fixed = {**exp, "steps": {**exp["steps"], "per_arm": 50}}
+    # the rule that fits steps to the time left is for a config without fixed steps per arm
+    exp = {**exp, "steps": {k: v for k, v in exp["steps"].items() if k != "per_arm"}}
+    exp["steps"].update({"fit_seconds": 100, "min": 10, "max": 1000})
     arms = {n: {"flags": [], "ranking": "rrf", "steps_factor": 1} for n in ("a", "b", "c")}
     flops = {"a": 2e9, "b": 1e9, "c": 1e9}
     plan = device.plan_arms(exp, arms, [1], flops, a=0.01, b=1e-11, startup=5.0, left=60.0)
@@ -144,3 +147,8 @@ def test_the_plan_skips_what_the_budget_cannot_hold():
     tight = device.plan_arms(exp, arms, [1], flops, a=0.01, b=1e-11, startup=5.0, left=12.0)
     assert tight["steps_per_arm"] == 10
     assert [r["run"] for r in tight["runs"]] == ["s1/a", "s1/b"] and "planned out: expected" in tight["skipped"]["s1/c"]
+    # fixed steps per arm (one table over several GPU runs): never re-fitted to the time left; 50 steps of a take
+    # 5 + 50 x 0.03 = 6.5 s, of b and c 6.0 s each: 12 s hold a only
+    held = device.plan_arms(fixed, arms, [1], flops, a=0.01, b=1e-11, startup=5.0, left=12.0)
+    assert held["steps_per_arm"] == 50 and [r["steps"] for r in held["runs"]] == [50]
+    assert set(held["skipped"]) == {"s1/b", "s1/c"}
