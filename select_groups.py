@@ -232,6 +232,28 @@ def _output_flags(g):
                    help="Characters of each passage shown in the report.")
 
 
+def _executor_flags(g):
+    g.add_argument("--executor", choices=("local", "slurm", "ray"), default=None,
+                   help="Run the selection as datatrove stages (selection_stages.py: document frequencies, merge, "
+                        "selection, finish) on this executor; the input files are dealt to --tasks tasks. Default: "
+                        "this process (or torchrun's processes), as above.")
+    g.add_argument("--tasks", type=positive_int, default=1,
+                   help="--executor: tasks of the document-frequency and selection stages; task t reads every "
+                        "--tasks-th input file from file t. Fixed for a folder: a rerun with another count is "
+                        "refused.")
+    g.add_argument("--workers", type=int, default=-1,
+                   help="--executor: tasks run at once (datatrove's workers; -1: all).")
+    g.add_argument("--gpus_per_task", type=non_negative_int, default=None,
+                   help="--executor slurm / ray: GPUs of each task of the stages that embed (selection; the merge "
+                        "with --anchor_share, the finish with --inspect). Default: 1 on slurm and ray.")
+    g.add_argument("--executor_option", action="append", default=[], metavar="KEY=VALUE",
+                   help="An option of the datatrove executor, passed through to every stage (value read as JSON, "
+                        "else as text): e.g. partition=gpu time=04:00:00 cpus_per_task=8 for slurm. Repeatable.")
+    g.add_argument("--dry_run", action="store_true",
+                   help="--executor: print the stages as built (pipeline, tasks, dependencies, resources) and exit "
+                        "without running them.")
+
+
 def parse_args(argv=None):
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -240,6 +262,7 @@ def parse_args(argv=None):
     _selection_flags(p.add_argument_group("selection (paper: threshold 0.825, RRF k = 10 with weights 2 / 1, "
                                           "4 related)"))
     _output_flags(p.add_argument_group("output"))
+    _executor_flags(p.add_argument_group("datatrove executors (selection at web scale)"))
     args = p.parse_args(argv)
 
     # Sanity checks, early and with the fix in the message.
@@ -257,6 +280,14 @@ def parse_args(argv=None):
         p.error("--max_groups_per_document must be >= 0 (0 = no cap)")
     if args.per_script_anchor_share and args.anchor_share is None:
         p.error("--per_script_anchor_share needs --anchor_share")
+    if args.executor and args.dataset:
+        p.error("--executor deals --input files to its tasks: download the --dataset and give its files as --input")
+    if args.executor and args.max_docs > 0:
+        p.error("--executor reads every input file whole (its tasks read different files): cut the input instead of "
+                "--max_docs")
+    if not args.executor and (args.tasks != 1 or args.workers != -1 or args.executor_option or args.dry_run
+                              or args.gpus_per_task is not None):
+        p.error("--tasks, --workers, --gpus_per_task, --executor_option and --dry_run need --executor")
     return args
 
 
@@ -374,6 +405,41 @@ def _iter_local_files(patterns, columns, split="train"):
                 yield (where, rec, None, "") if problem is None else (where, None, *problem)
 
 
+def file_records(args, path):
+    """One input file's (or save_to_disk folder's) raw records, in the form of iter_raw_records."""
+    return _iter_local_files([path], record_fields(args), args.dataset_split)
+
+
+class _Counted:
+    """An iterator that counts what it yields (input_sources: the records a file gave under --max_docs)."""
+
+    def __init__(self, it):
+        self.it, self.n = it, 0
+
+    def __iter__(self):
+        for x in self.it:
+            self.n += 1
+            yield x
+
+
+def input_sources(args):
+    """The input as one iterator of raw records per input file (one for a Hub dataset), in order, at most
+    --max_docs records in all: chunks never span two files (iter_chunks), so a datatrove task that reads whole
+    files cuts the same chunks (selection_stages.py)."""
+    left = args.max_docs if args.max_docs > 0 else None
+    if args.dataset:
+        opens = [lambda: _iter_hf_dataset(args.dataset, args.dataset_config, args.dataset_split)]
+    else:
+        opens = [lambda path=path: file_records(args, path) for path in input_files(args.input)]
+    for open_source in opens:
+        if left == 0:
+            return
+        source = _Counted(itertools.islice(open_source(), left))
+        yield source
+        if left is not None:
+            left -= source.n
+
+
 def iter_raw_records(args):
     """Yield (where, obj, skip, detail): the decoded record and skip None, or obj None and a SKIP_REASONS entry
     for a record that could not be decoded. (A line that decodes to a JSON string or number is a record of the
@@ -381,11 +447,7 @@ def iter_raw_records(args):
 
     At most --max_docs records (blank lines are not records) when it is positive.
     """
-    if args.dataset:
-        records = _iter_hf_dataset(args.dataset, args.dataset_config, args.dataset_split)
-    else:
-        records = _iter_local_files(args.input, record_fields(args), args.dataset_split)
-    return itertools.islice(records, args.max_docs if args.max_docs > 0 else None)
+    return itertools.chain.from_iterable(input_sources(args))
 
 
 def record_fields(args) -> list:
@@ -477,25 +539,29 @@ def with_title(title, text: str) -> str:
     return f"{title.strip()}\n{text}"
 
 
-def iter_records(args):
+def iter_records(args, raw=None, start=0, seen=None, dropped=frozenset()):
     """Every input record, validated: a Doc with doc_id/text, or with .skip set.
 
     Every process reads ALL records (cheap next to embedding) so that record indices, chunk
     boundaries and duplicate-id checks are the same whatever the number of processes. Duplicates
     are found with a set of 64-bit id hashes: the only state that grows with the corpus (~100 bytes
     per document).
+
+    A datatrove task (selection_stages.py) reads only its own files: raw, one file's records; start, the global
+    index of its first record; seen, the task's id hashes so far; dropped, the record numbers within raw that the
+    merge found to repeat an id of an earlier file of another task (the first occurrence is kept, as here).
     """
-    seen = set()
+    seen = set() if seen is None else seen
     id_field = None if row_number_ids(args) else args.id_field
-    for i, (where, obj, skip, detail) in enumerate(iter_raw_records(args)):
+    for i, (where, obj, skip, detail) in enumerate(iter_raw_records(args) if raw is None else raw):
         if skip:  # the reader could not decode the record (a SKIP_REASONS entry)
-            d = Doc(index=i, where=where, skip=skip, detail=detail)
+            d = Doc(index=start + i, where=where, skip=skip, detail=detail)
         else:
-            d = parse_record(i, where, obj, id_field=id_field, text_field=args.text_field,
+            d = parse_record(start + i, where, obj, id_field=id_field, text_field=args.text_field,
                              title_field=args.title_field, url_field=args.url_field, max_doc_chars=args.max_doc_chars)
         if not d.skip:
             h = stable_doc_hash(d.doc_id)
-            if h in seen:
+            if h in seen or i in dropped:
                 d.skip, d.detail = "duplicate_id", f"id {d.doc_id!r} was already seen"
             seen.add(h)
         if d.skip and not args.skip_bad_lines:
@@ -505,16 +571,24 @@ def iter_records(args):
 
 
 def iter_chunks(args, rank=0, world=1):
-    """Yield (chunk_id, records) for the chunks this process owns: chunk c -> process c % world."""
-    buf, c = [], 0
-    for d in iter_records(args):
-        buf.append(d)
-        if len(buf) == args.chunk_docs:
+    """Yield (chunk_id, records) for the chunks this process owns: chunk c -> process c % world. A chunk is up to
+    --chunk_docs consecutive records of one input file, never of two: a chunk's passages are embedded together
+    (their batches, and so the last bits of their vectors, depend on the chunk), and a datatrove task that reads
+    whole files (selection_stages.py) cuts the same chunks, so it writes the same rows."""
+    seen, start, c = set(), 0, 0
+    for source in input_sources(args):
+        buf = []
+        for d in iter_records(args, source, start=start, seen=seen):
+            buf.append(d)
+            if len(buf) == args.chunk_docs:
+                if c % world == rank:
+                    yield c, buf
+                buf, c = [], c + 1
+        if buf:
             if c % world == rank:
                 yield c, buf
-            buf, c = [], c + 1
-    if buf and c % world == rank:
-        yield c, buf
+            c += 1
+        start += source.n
 
 
 def first_valid_records(args, n):
@@ -790,13 +864,15 @@ class CorpusTfidf:
         self.n_docs = 0
         self.idf = None
 
-    def add_documents(self, texts):
+    def add_documents(self, texts, sign=1):
+        """Count the terms present in each of `texts`; sign -1 takes documents back out (the datatrove merge's
+        duplicates, counted by a task before the merge saw the whole corpus)."""
         if not texts:  # a chunk of bad records only
             return
         x = self.vec.transform(texts)
         x.data[:] = 1  # presence, not counts
-        self.df += np.asarray(x.sum(axis=0)).ravel().astype(np.int64)
-        self.n_docs += len(texts)
+        self.df += sign * np.asarray(x.sum(axis=0)).ravel().astype(np.int64)
+        self.n_docs += sign * len(texts)
 
     def finalize(self):
         self.idf = np.log((1.0 + self.n_docs) / (1.0 + self.df)) + 1.0
@@ -1230,13 +1306,20 @@ def write_group_shard(path, rows):
 
 def run_config(args, sel: Selection):
     """Everything the groups depend on, the key of the resume check: the records read (RECORD_FLAGS) and every
-    selection setting (the fields of Selection, whole). A rerun resumes only when this is identical."""
-    return {**{k: getattr(args, k) for k in RECORD_FLAGS}, **asdict(sel)}
+    selection setting (the fields of Selection, whole). A rerun resumes only when this is identical. Under
+    --executor, the task count too: a task's files are every --tasks-th input file, so another count would pair
+    finished tasks with other files (datatrove: "do not change the total number of tasks")."""
+    # "chunks": the rule that cuts chunks (iter_chunks); a folder cut by another rule is not resumed
+    config = {**{k: getattr(args, k) for k in RECORD_FLAGS}, **asdict(sel), "chunks": "per input file"}
+    if args.executor:
+        config["datatrove_tasks"] = args.tasks
+    return config
 
 
 # What select_groups.py writes in --output_dir (common.claim_output_folder: nothing else there is ever removed)
 SELECTION_OUTPUTS = ("stats.json", "inspect.md", "groups-*.parquet", f"{META_DIR}/run_config.json",
-                     f"{META_DIR}/chunk-*.json", f"{META_DIR}/df-r*-w*.npz", f"{META_DIR}/calibration.json")
+                     f"{META_DIR}/chunk-*.json", f"{META_DIR}/df-r*-w*.npz", f"{META_DIR}/calibration.json",
+                     f"{META_DIR}/datatrove")  # --executor: the stages' files and datatrove's logs and markers
 
 
 def prepare_selection_dir(args, sel: Selection, state):
@@ -1332,21 +1415,27 @@ def calibrate_threshold(args, sel: Selection, state, encoder, tfidf):
     return cal["threshold"], source
 
 
-def select_chunk(args, sel: Selection, c, recs, encoder, tfidf, threshold):
-    """Pass 2 for one chunk: its groups parquet file, then its counters (which mark it finished)."""
+def chunk_done(args, name: str) -> bool:
+    """Whether chunk `name` finished before a crash (its counters are written last; its parquet file is in place)."""
+    return os.path.exists(os.path.join(args.output_dir, META_DIR, f"chunk-{name}.json"))
+
+
+def select_chunk(args, sel: Selection, name: str, recs, encoder, tfidf, threshold):
+    """Pass 2 for one chunk: its groups parquet file, then its counters (which mark it finished). name: the chunk's
+    number ("000012"; a datatrove task's "t00003-000012")."""
     counts = empty_counts()
     counts["records"] = len(recs)
     for d in recs:
         if d.skip:
             counts["skipped"][d.skip] = counts["skipped"].get(d.skip, 0) + 1
     res = select_documents([d for d in recs if not d.skip], encoder, tfidf, threshold, sel,
-                           desc=f"embedding chunk {c}", show_progress=False)
+                           desc=f"embedding chunk {name}", show_progress=False)
     count_results(counts, res)
     rows = [g for r in res for g in r.groups]
     if rows:
-        write_group_shard(os.path.join(args.output_dir, f"groups-{c:06d}.parquet"), rows)
+        write_group_shard(os.path.join(args.output_dir, f"groups-{name}.parquet"), rows)
     # written last: marks the chunk finished
-    atomic_write(os.path.join(args.output_dir, META_DIR, f"chunk-{c:06d}.json"), json.dumps(counts))
+    atomic_write(os.path.join(args.output_dir, META_DIR, f"chunk-{name}.json"), json.dumps(counts))
     return counts["groups"]
 
 
@@ -1357,9 +1446,8 @@ def selection_pass(args, sel: Selection, state, encoder, tfidf, threshold):
     rank, world = state.process_index, state.num_processes
     bar = tqdm(desc=f"selecting (process {rank})", unit="doc", disable=not state.is_main_process)
     for c, recs in iter_chunks(args, rank, world):
-        # finished before a crash: its parquet file is already in place
-        if not os.path.exists(os.path.join(args.output_dir, META_DIR, f"chunk-{c:06d}.json")):
-            n_groups = select_chunk(args, sel, c, recs, encoder, tfidf, threshold)
+        if not chunk_done(args, f"{c:06d}"):  # finished before a crash: its parquet file is already in place
+            n_groups = select_chunk(args, sel, f"{c:06d}", recs, encoder, tfidf, threshold)
             bar.set_postfix(groups=n_groups, refresh=False)
         bar.update(len(recs))
     bar.close()
@@ -1408,6 +1496,8 @@ def merge_stats(args, sel: Selection, threshold, source, state, wall):
         "idf": "corpus-level: document frequencies of every valid document (HashingVectorizer, smooth idf)",
         "seed": sel.seed,
         "world_size": state.num_processes,
+        "executor": (f"datatrove {args.executor} executor, {args.tasks} tasks" if args.executor
+                     else "select_groups.py's processes"),
         "chunks": len(files),
         "wall_seconds": round(wall, 1),
     })
@@ -1483,6 +1573,10 @@ def main(argv=None):
     # before anything loads
     check_model_name(args.model_name_or_path, "--model_name_or_path", args.trust_remote_code)
     sel = Selection.from_args(args)  # the one object every selecting function reads its settings from
+    if args.executor:  # the same passes as datatrove stages over tasks: selection_stages.py
+        import selection_stages
+
+        return selection_stages.run(args, sel)
     import torch
     from accelerate import PartialState
 

@@ -14,6 +14,7 @@ From the repository root (it imports the repository's modules from there):
 
     python -m bench.bench_select       # defaults: bundled data/docs.jsonl, all-MiniLM-L6-v2
     python -m bench.bench_select --toy  # seconds: 2 documents, tiny encoder, 4 -> 8 documents for memory
+    python -m bench.bench_select --executor local --tasks 2   # the same, selection as datatrove stages
 
 Last line: `ratio: <selection CPU time / embedding CPU time>` (wall-time ratio printed above it).
 """
@@ -48,6 +49,11 @@ def parse_args(argv=None):
                    help="'tiny' (random 2-layer BERT, MiniLM tokenizer) or a model name / folder.")
     p.add_argument("--chunk_docs", type=int, default=25,
                    help="select_groups.py --chunk_docs in the memory runs: 4 chunks at 1x, 40 at 10x.")
+    p.add_argument("--executor", choices=("local",), default=None,
+                   help="Run the selections as datatrove stages (select_groups.py --executor local): the timed "
+                        "selection and both memory runs, its tasks run one after another in the process (workers 1).")
+    p.add_argument("--tasks", type=int, default=1,
+                   help="--executor: tasks of the stages; the documents are written as this many files.")
     add_toy_flag(p, "2 documents, 1 repeat, the tiny encoder, memory at 4 and 8 documents")
     p.add_argument("--_child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return toy_sized(p.parse_args(argv), num_docs=2, repeats=1, model_name_or_path="tiny", memory_docs=4,
@@ -70,6 +76,21 @@ def write_jsonl(path, docs):
     with open(path, "w", encoding="utf-8") as fh:
         fh.writelines(json.dumps(d) + "\n" for d in docs)
     return path
+
+
+def write_input(path, docs, files: int):
+    """The documents as one JSONL file, or as a folder of `files` files (datatrove tasks deal whole files)."""
+    if files <= 1:
+        return write_jsonl(path + ".jsonl", docs)
+    os.makedirs(path, exist_ok=True)
+    for f in range(files):
+        write_jsonl(os.path.join(path, f"part-{f:03d}.jsonl"), docs[f::files])
+    return path
+
+
+def engine_flags(args) -> list:
+    """select_groups.py's flags for the engine measured: none (its own processes), or datatrove's local executor."""
+    return ["--executor", "local", "--tasks", str(args.tasks), "--workers", "1"] if args.executor else []
 
 
 def child(argv):
@@ -101,7 +122,7 @@ def main(argv=None):
     if args.model_name_or_path == "tiny":
         args.model_name_or_path = tiny
     docs = read_docs(args.input, args.num_docs)
-    inp = write_jsonl(os.path.join(tmp, "time.jsonl"), docs)
+    inp = write_input(os.path.join(tmp, "time"), docs, args.tasks if args.executor else 1)
     path = resolve_model_path(args.model_name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModel.from_pretrained(path).eval()
@@ -111,8 +132,11 @@ def main(argv=None):
     max_length = max_seq_length(model.config, read_max_seq_length(path))
     passages = [p for ps in sg.split_passages([d["text"] for d in docs], tok, sel.passage_tokens,
                                               sel.min_passage_tokens) for p in ps]
-    print(f"timing: {len(docs)} documents, {len(passages)} passages, {args.model_name_or_path}, "
-          f"{torch.get_num_threads()} threads")
+    n_tokens = sum(len(ids) for ids in tok([sel.passage_prefix + p for p in passages], truncation=True,
+                                           max_length=max_length)["input_ids"])
+    engine = f"datatrove local executor, {args.tasks} task(s)" if args.executor else "select_groups.py's own"
+    print(f"timing: {len(docs)} documents, {len(passages)} passages ({n_tokens:,} tokens), {args.model_name_or_path}, "
+          f"{torch.get_num_threads()} threads; selection: {engine}")
     embed_texts(model, tok, passages[:64], batch_size=args.batch_size, max_length=max_length,
                 prefix=sel.passage_prefix)  # warm-up
 
@@ -128,13 +152,13 @@ def main(argv=None):
 
     def selection(i):
         sg.main(["--input", inp, "--output_dir", os.path.join(tmp, f"sel{i}"), "--model_name_or_path",
-                 args.model_name_or_path, "--batch_size", str(args.batch_size)])
+                 args.model_name_or_path, "--batch_size", str(args.batch_size), *engine_flags(args)])
 
     # warm-up selection: the first call pays one-time imports (scikit-learn, scipy, pyarrow), as the
     # embedding warm-up above pays the first-batch costs; neither belongs to a corpus-sized run
     warm = write_jsonl(os.path.join(tmp, "warm.jsonl"), docs[:2])
     sg.main(["--input", warm, "--output_dir", os.path.join(tmp, "warm"),
-             "--model_name_or_path", args.model_name_or_path])
+             "--model_name_or_path", args.model_name_or_path, *(["--executor", "local"] if args.executor else [])])
     emb, whole = [], []
     for i in range(args.repeats):
         emb.append(timed(embedding_only))
@@ -143,7 +167,8 @@ def main(argv=None):
     med = lambda xs, k: statistics.median(x[k] for x in xs)
     for name, xs in (("embedding pass alone", emb), ("whole selection", whole)):
         print(f"{name:21s} wall {', '.join(f'{x[0]:.1f}' for x in xs)} s (median {med(xs, 0):.1f}); "
-              f"CPU {', '.join(f'{x[1]:.1f}' for x in xs)} s (median {med(xs, 1):.1f})")
+              f"CPU {', '.join(f'{x[1]:.1f}' for x in xs)} s (median {med(xs, 1):.1f}); "
+              f"{len(passages) / med(xs, 0):,.0f} passages/s, {n_tokens / med(xs, 0):,.0f} tokens/s (wall)")
     wall_ratio, ratio = med(whole, 0) / med(emb, 0), med(whole, 1) / med(emb, 1)
 
     # ---- 2. memory at 1x and 10x the documents, each in a fresh process ----
@@ -151,16 +176,16 @@ def main(argv=None):
     peaks = {}
     for scale in (1, args.memory_scale):
         n = args.memory_docs * scale
-        f = write_jsonl(os.path.join(tmp, f"mem{scale}.jsonl"), read_docs(args.input, n))
+        f = write_input(os.path.join(tmp, f"mem{scale}"), read_docs(args.input, n), args.tasks if args.executor else 1)
         t = time.perf_counter()
         cmd = [sys.executable, "-m", "bench.bench_select", "--_child", "--input", f,
-               "--output_dir", os.path.join(tmp, f"mem{scale}"), "--model_name_or_path", mem_model,
-               "--chunk_docs", str(args.chunk_docs)]
+               "--output_dir", os.path.join(tmp, f"mem{scale}-out"), "--model_name_or_path", mem_model,
+               "--chunk_docs", str(args.chunk_docs), *engine_flags(args)]
         res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if res.returncode:
             raise RuntimeError(res.stderr[-3000:])
         peaks[scale] = json.loads(res.stdout.strip().splitlines()[-1])["peak_rss_mb"]
-        groups = json.load(open(os.path.join(tmp, f"mem{scale}", "stats.json")))["groups"]
+        groups = json.load(open(os.path.join(tmp, f"mem{scale}-out", "stats.json")))["groups"]
         print(f"memory {scale:>2}x: {n:,} documents, {groups:,} groups, peak RSS {peaks[scale]:.0f} MB "
               f"({time.perf_counter() - t:.0f} s, encoder {args.memory_model}, --chunk_docs {args.chunk_docs})")
     growth = peaks[args.memory_scale] / peaks[1]

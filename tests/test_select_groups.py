@@ -234,6 +234,9 @@ NOT_KEYED = {
     "trust_remote_code": "a permission, not a setting",
     "output_dir": "where, not what", "overwrite": "what to do with an old output",
     "inspect": "the report", "inspect_only": "the report", "inspect_chars": "the report",
+    "executor": "the engine: the same rows (tests/test_selection_stages.py); a folder's config says which",
+    "tasks": "keyed as datatrove_tasks under --executor", "workers": "speed", "gpus_per_task": "placement",
+    "executor_option": "placement and scheduling", "dry_run": "runs nothing",
 }
 
 
@@ -248,7 +251,7 @@ def test_every_flag_is_in_the_resume_key_or_left_out_on_purpose():
     sel = sg.Selection.from_args(args)
     assert sel == sg.PAPER  # the flags' defaults are the dataclass's
     config = sg.run_config(args, sel)
-    assert set(config) == keyed
+    assert set(config) == keyed | {"chunks"}  # and the rule that cuts chunks (iter_chunks)
     for f in dataclasses.fields(sg.Selection):  # every field keys the check
         other = dataclasses.replace(sel, **{f.name: "changed"})
         assert sg.run_config(args, other) != config, f.name
