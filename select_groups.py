@@ -1033,15 +1033,20 @@ def embed_passages(encoder: Encoder, texts, prefix: str, show_progress: bool = F
                        pooling=encoder.pooling, post_pooling=encoder.post_pooling)
 
 
-def select_documents(docs, encoder: Encoder, tfidf, threshold, sel: Selection, *, desc="embedding",
-                     show_progress=False):
-    """Passages, centralities and groups of `docs` (valid Docs). Returns one DocResult per doc."""
+def embed_documents(docs, encoder: Encoder, sel: Selection, *, desc="embedding", show_progress=False):
+    """The encoder's half of select_documents: (passages per doc, (tokens, unknown) per doc, (N, D) passage vectors)
+    of `docs` (valid Docs)."""
     tokens = []
     passages = split_passages([d.text for d in docs], encoder.tokenizer, sel.passage_tokens, sel.min_passage_tokens,
                               tokens)
     flat = [p for ps in passages for p in ps]
     # One embedding call per chunk: length sorting works across documents, so batches stay full.
-    vecs = embed_passages(encoder, flat, sel.passage_prefix, show_progress, desc).numpy()
+    return passages, tokens, embed_passages(encoder, flat, sel.passage_prefix, show_progress, desc).numpy()
+
+
+def group_documents(docs, passages, tokens, vecs, tfidf, threshold, sel: Selection):
+    """The CPU's half of select_documents: one DocResult per doc from embed_documents' passages and vectors
+    (centrality, anchors, TF-IDF, ranks); it needs no encoder, so it can run beside the next chunk's embedding."""
     results, pos = [], 0
     for d, ps, tok in zip(docs, passages, tokens):
         v = vecs[pos : pos + len(ps)].astype(np.float64)  # (P, H)
@@ -1052,6 +1057,13 @@ def select_documents(docs, encoder: Encoder, tfidf, threshold, sel: Selection, *
         r.status, r.groups, r.repeats = document_groups(d.doc_id, ps, v, r.centrality, tfidf, r.threshold, sel)
         results.append(r)
     return results
+
+
+def select_documents(docs, encoder: Encoder, tfidf, threshold, sel: Selection, *, desc="embedding",
+                     show_progress=False):
+    """Passages, centralities and groups of `docs` (valid Docs). Returns one DocResult per doc."""
+    return group_documents(docs, *embed_documents(docs, encoder, sel, desc=desc, show_progress=show_progress), tfidf,
+                           threshold, sel)
 
 
 # Per-chunk counters (summed into stats.json); STATUS_KEY maps a DocResult.status to its counter.
@@ -1420,23 +1432,50 @@ def chunk_done(args, name: str) -> bool:
     return os.path.exists(os.path.join(args.output_dir, META_DIR, f"chunk-{name}.json"))
 
 
-def select_chunk(args, sel: Selection, name: str, recs, encoder, tfidf, threshold):
-    """Pass 2 for one chunk: its groups parquet file, then its counters (which mark it finished). name: the chunk's
-    number ("000012"; a datatrove task's "t00003-000012")."""
+def finish_chunk(args, sel: Selection, name: str, recs, embedded, tfidf, threshold):
+    """The CPU's half of a chunk: groups from its embedded documents (embed_documents' output), its parquet file,
+    then its counters (written last: they mark the chunk finished). -> the chunk's group count."""
     counts = empty_counts()
     counts["records"] = len(recs)
     for d in recs:
         if d.skip:
             counts["skipped"][d.skip] = counts["skipped"].get(d.skip, 0) + 1
-    res = select_documents([d for d in recs if not d.skip], encoder, tfidf, threshold, sel,
-                           desc=f"embedding chunk {name}", show_progress=False)
+    res = group_documents([d for d in recs if not d.skip], *embedded, tfidf, threshold, sel)
     count_results(counts, res)
     rows = [g for r in res for g in r.groups]
     if rows:
         write_group_shard(os.path.join(args.output_dir, f"groups-{name}.parquet"), rows)
-    # written last: marks the chunk finished
     atomic_write(os.path.join(args.output_dir, META_DIR, f"chunk-{name}.json"), json.dumps(counts))
     return counts["groups"]
+
+
+def select_chunks(args, sel: Selection, chunks, encoder, tfidf, threshold, on_done=None):
+    """Pass 2 over `chunks`, (name, records) pairs: each chunk's groups parquet file and counters. The encoder's
+    half of a chunk (split, embed: embed_documents) runs here while a thread does the CPU's half of the chunk
+    before it (finish_chunk: centrality, TF-IDF, ranks, writing), so on a GPU the encoder does not wait for the CPU
+    work nor the CPU for the encoder; at most two chunks are held. The rows are those of one chunk after another.
+    on_done(records, groups): called for each finished chunk (a progress bar). -> groups written."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    total, pending = 0, None
+
+    def settle():
+        nonlocal total
+        recs, future = pending
+        groups = future.result()  # the thread's error, if any, is raised here
+        total += groups
+        if on_done:
+            on_done(recs, groups)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="finish_chunk") as pool:
+        for name, recs in chunks:
+            embedded = embed_documents([d for d in recs if not d.skip], encoder, sel, desc=f"embedding chunk {name}")
+            if pending:
+                settle()
+            pending = recs, pool.submit(finish_chunk, args, sel, name, recs, embedded, tfidf, threshold)
+        if pending:
+            settle()
+    return total
 
 
 def selection_pass(args, sel: Selection, state, encoder, tfidf, threshold):
@@ -1445,11 +1484,19 @@ def selection_pass(args, sel: Selection, state, encoder, tfidf, threshold):
 
     rank, world = state.process_index, state.num_processes
     bar = tqdm(desc=f"selecting (process {rank})", unit="doc", disable=not state.is_main_process)
-    for c, recs in iter_chunks(args, rank, world):
-        if not chunk_done(args, f"{c:06d}"):  # finished before a crash: its parquet file is already in place
-            n_groups = select_chunk(args, sel, f"{c:06d}", recs, encoder, tfidf, threshold)
-            bar.set_postfix(groups=n_groups, refresh=False)
+
+    def todo():
+        for c, recs in iter_chunks(args, rank, world):
+            if chunk_done(args, f"{c:06d}"):  # finished before a crash: its parquet file is already in place
+                bar.update(len(recs))
+            else:
+                yield f"{c:06d}", recs
+
+    def done(recs, groups):
+        bar.set_postfix(groups=groups, refresh=False)
         bar.update(len(recs))
+
+    select_chunks(args, sel, todo(), encoder, tfidf, threshold, on_done=done)
     bar.close()
 
 

@@ -14,7 +14,7 @@ before (as FineWeb's MinHash chains its stages), each reading the files the stag
   2. merge (1 task): sums the counts into the corpus IDF, gives each file the global index of its first record, and
      finds ids that repeat across tasks (the first occurrence in input order is kept, as the one-process reader
      keeps it; the later ones' terms are taken back out of the counts); --anchor_share is calibrated here;
-  3. select (--tasks tasks): task t reads the same files and runs select_groups.select_chunk on its chunks (up to
+  3. select (--tasks tasks): task t reads the same files and runs select_groups.select_chunks on its chunks (up to
      --chunk_docs records of one file, numbered as the one-process command numbers them), on the task's GPU where
      it has one: groups-<chunk>.parquet and the chunk's counters;
   4. finish (1 task): stats.json and the --inspect report, as select_groups.py writes them.
@@ -30,6 +30,7 @@ duplicate check), and the merge's duplicate list; the merge reads the tasks' sor
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -260,7 +261,7 @@ class MergeFrequencies(SelectionStage):
 
 
 class SelectChunks(SelectionStage):
-    """Stage 3, one task per share of the files (the same share as stage 1): select_groups.select_chunk on chunks
+    """Stage 3, one task per share of the files (the same share as stage 1): select_groups.select_chunks on chunks
     of --chunk_docs of the task's records, each chunk a groups parquet file and its counters."""
 
     name = "3. select: passages, embeddings, centrality, anchors, RRF-ranked related passages"
@@ -289,19 +290,24 @@ class SelectChunks(SelectionStage):
 
         args, sel = self.args, self.sel
         threshold, _ = merged_threshold(args)
-        encoder = tfidf = None
-        done = new = groups = 0
-        for c, recs in self.chunks(rank, world_size):
-            if sg.chunk_done(args, f"{c:06d}"):  # finished before the task was killed
-                done += 1
-                continue
-            if encoder is None:  # loaded once, and only for a chunk left to do
-                encoder = sg.load_selection_encoder(args, sel, TaskState(task_device(rank, torch.cuda.device_count())))
-                tfidf = merged_tfidf(args, sel, encoder.tokenizer)
-            groups += sg.select_chunk(args, sel, f"{c:06d}", recs, encoder, tfidf, threshold)
-            new += 1
-        print(f"select task {rank}/{world_size}: {new} chunk(s) selected ({groups:,} groups), {done} finished before",
-              flush=True)
+        done = [0, 0]  # chunks finished before a kill, chunks selected now
+
+        def left():  # streamed: one chunk's records at a time
+            for c, recs in self.chunks(rank, world_size):
+                finished = sg.chunk_done(args, f"{c:06d}")
+                done[0 if finished else 1] += 1
+                if not finished:
+                    yield f"{c:06d}", recs
+
+        chunks = left()
+        first = next(chunks, None)
+        groups = 0
+        if first is not None:  # the encoder loaded only for a chunk left to do
+            encoder = sg.load_selection_encoder(args, sel, TaskState(task_device(rank, torch.cuda.device_count())))
+            groups = sg.select_chunks(args, sel, itertools.chain([first], chunks), encoder,
+                                      merged_tfidf(args, sel, encoder.tokenizer), threshold)
+        print(f"select task {rank}/{world_size}: {done[1]} chunk(s) selected ({groups:,} groups), {done[0]} finished "
+              "before", flush=True)
 
 
 class Finish(SelectionStage):

@@ -17,7 +17,11 @@ It prints, in order:
      plain;
   4. host syncs in one optimiser step (torch.cuda.set_sync_debug_mode; CUDA only);
   5. select_groups.py -> `accelerate launch --mixed_precision bf16 train.py` -> evaluate.py on the bundled SciFact
-     sample, with a small random model: the pipeline end to end in bf16, ending in a scored model folder.
+     sample, with a small random model: the pipeline end to end in bf16, ending in a scored model folder;
+  6. selection's speed on the device: select_groups.select_documents (split, embed, centrality, TF-IDF, ranks) with an
+     E5-base-size encoder (BERT-base config, random weights) in bf16 over the bundled documents, against its embedding
+     pass alone, at two batch sizes: passages/s and tokens/s, beside FineWeb-Edu's classifier (about 0.69M tokens/s
+     per H100) and the goal (1M per H200).
 
 A GPU machine without datasets or mteb (the lent one has torch, transformers, accelerate, sentence-transformers):
 run `bash bench/device_wheels.sh` here first and carry bench/wheels; this check installs them offline
@@ -50,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/xprt_device_check"),
                    help="folder for the end-to-end run's outputs and device_check.json (default: $OUT)")
     p.add_argument("--skip_e2e", action="store_true", help="skip part 5 (select -> train -> evaluate)")
+    p.add_argument("--selection_docs", type=int, default=None,
+                   help="documents of part 6 (the bundled 300 repeated under new ids; default 1500; toy 4)")
     p.add_argument("--wheels", default=str(HERE / "wheels"),
                    help="carried wheels installed (--no-deps) when datasets / mteb are missing "
                         "(bench/device_wheels.sh)")
@@ -340,6 +346,54 @@ def end_to_end(args, device):
     return {"last_loss": log[-1].get("loss"), "scifact": score}
 
 
+def selection_speed(args, device):
+    """Part 6: select_groups.select_documents against its embedding pass alone, E5-base size, bf16 on a GPU."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    import select_groups as sg
+
+    tok = AutoTokenizer.from_pretrained(str(HERE / "tokenizer"))
+    small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) if args.toy else {}
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # select_groups.selection_device's choice
+    model = BertModel(BertConfig(vocab_size=tok.vocab_size, attn_implementation="sdpa", **small)).to(device, dtype)
+    lines = (ROOT_DIR / "data" / "docs.jsonl").read_text(encoding="utf-8").splitlines()
+    n = args.selection_docs or (4 if args.toy else 1500)
+    docs = [sg.Doc(index=k, where=f"docs.jsonl:{k % len(lines) + 1}", doc_id=f"{k}",
+                   text=json.loads(lines[k % len(lines)])["text"]) for k in range(n)]
+    tfidf = sg.CorpusTfidf()
+    tfidf.add_documents([d.text for d in docs])
+    tfidf.finalize()
+    passages = [p for ps in sg.split_passages([d.text for d in docs], tok) for p in ps]
+    n_tokens = sum(len(x) for x in tok(passages, truncation=True, max_length=512)["input_ids"])
+    print(f"== 6. selection on {device.type} ({dtype}): {n} documents, {len(passages):,} passages, {n_tokens:,} "
+          f"tokens, a {'toy' if args.toy else 'BERT-base (E5-base size)'} encoder", flush=True)
+    out = {}
+    for batch_size in ((8,) if args.toy else (256, 1024)):
+        enc = sg.Encoder(tok, model.eval(), 512, batch_size)
+        with torch.inference_mode():
+            sg.embed_passages(enc, passages[:batch_size], "")  # warm-up: kernels chosen, memory pooled
+            sync(device)
+            t = time.perf_counter()
+            sg.embed_passages(enc, passages, "")
+            sync(device)
+            embed_s = time.perf_counter() - t
+            t = time.perf_counter()
+            res = sg.select_documents(docs, enc, tfidf, sg.PAPER.centrality_threshold, sg.PAPER)
+            sync(device)
+            select_s = time.perf_counter() - t
+        row = {"batch_size": batch_size, "embed_s": round(embed_s, 3), "select_s": round(select_s, 3),
+               "embed_tokens_per_s": round(n_tokens / embed_s), "tokens_per_s": round(n_tokens / select_s),
+               "passages_per_s": round(len(passages) / select_s), "groups": sum(len(r.groups) for r in res)}
+        print(f"  batch {batch_size:5d}: embedding alone {row['embed_tokens_per_s']:>12,} tokens/s; selection "
+              f"{row['tokens_per_s']:>12,} tokens/s, {row['passages_per_s']:,} passages/s ({select_s / embed_s:.2f}x "
+              f"the embedding's time; FineWeb-Edu's classifier: about 690,000 tokens/s per H100; goal 1,000,000 per "
+              "H200)", flush=True)
+        out[str(batch_size)] = row
+    return out
+
+
 def main(argv=None):
     args = parse_args(argv)
     args.max_length = args.max_length or (16 if args.toy else 128)
@@ -365,6 +419,7 @@ def main(argv=None):
             report["e2e"] = {"skipped": f"{still_missing} missing"}
         else:
             report["e2e"] = end_to_end(args, device)
+    report["selection"] = selection_speed(args, device)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "device_check.json").write_text(json.dumps(report, indent=1))
     print(f"ratio: {best['mfu'] if peak else best['tflops_per_s']:.4f}")

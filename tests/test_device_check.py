@@ -19,4 +19,5 @@ def test_device_check_runs_at_toy_size_on_cpu(tmp_path):
     assert vocab["ours fused"]["max_grad_diff_vs_plain"] < 1e-4
     assert report["host_syncs"] is None  # CUDA only
     assert report["e2e"]["scifact"] >= 0 and (tmp_path / "run" / "model" / "model.safetensors").exists()
+    assert report["selection"]["8"]["tokens_per_s"] > 0 and report["selection"]["8"]["groups"] > 0
     assert json.loads((tmp_path / "device_check.json").read_text())["step"] == report["step"]
