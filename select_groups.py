@@ -165,8 +165,10 @@ def _embedding_flags(g):
                    help="Token budget of one passage (tokenizer of the selection encoder, without special tokens).")
     g.add_argument("--min_passage_tokens", type=non_negative_int, default=PAPER.min_passage_tokens,
                    help="A shorter packed passage is merged into a neighbour when that stays within the budget.")
-    g.add_argument("--batch_size", type=positive_int, default=64,
-                   help="Passages per embedding batch (batches are sorted by length).")
+    g.add_argument("--batch_size", type=positive_int, default=None,
+                   help="Passages per embedding batch (batches are sorted by length). Default: 512 on a GPU "
+                        "(FineWeb-Edu's GPU scoring batch; bench/device_check.py part 6 times 256 and 1024), 64 on "
+                        "a CPU.")
     g.add_argument("--device", default=None,
                    help="cpu / cuda / cuda:1 (default: this process's GPU if any, else CPU).")
     g.add_argument("--dtype", default=PAPER.dtype, choices=["auto", "fp32", "bf16", "fp16"],
@@ -1573,8 +1575,15 @@ def selection_device(requested, process_device, dtype, bf16=None):
                                  bf16=bf16)
 
 
+def selection_batch_size(requested, device) -> int:
+    """Passages per embedding batch: --batch_size, else 512 on a GPU (FineWeb-Edu's batch for its BERT-base-size
+    scorer; bench/device_check.py part 6 times 256 and 1024) and 64 on a CPU."""
+    return requested or (512 if device.type == "cuda" else 64)
+
+
 def load_selection_encoder(args, sel: Selection, state) -> Encoder:
     """The frozen selection encoder on this process's device, with its length limit (model_folder.max_seq_length)."""
+    import torch
     from transformers import AutoModel, AutoTokenizer
 
     device, dtype = selection_device(args.device, state.device, sel.dtype)
@@ -1586,7 +1595,8 @@ def load_selection_encoder(args, sel: Selection, state) -> Encoder:
     check_tokenizer_fits(tokenizer, model.config, sel.model_name_or_path)
     model = model.to(device).eval()
     post = load_post_pooling(path, model.config.hidden_size, args.trust_remote_code).to(device)
-    encoder = Encoder(tokenizer, model, max_seq_length(model.config, read_max_seq_length(path)), args.batch_size,
+    encoder = Encoder(tokenizer, model, max_seq_length(model.config, read_max_seq_length(path)),
+                      selection_batch_size(args.batch_size, torch.device(device)),
                       read_pooling(path), post)
     vector = ", ".join([f"{encoder.pooling} pooling", *post.describe()])
     state.print(f"selection encoder {sel.model_name_or_path} on {device} ({dtype}), {state.num_processes} "

@@ -13,7 +13,8 @@ that reaches each:
   the RNG states kept around scoring (evaluate.preserved_rng)                          test_preserved_rng_*
   the fused AdamW on CUDA (training.adamw_kernel)                                      test_fused_adamw_*
   the device and dtype of evaluate.py / select_groups.py (pick_device_and_dtype,
-  select_groups.selection_device)                                                      test_device_choice_*
+  select_groups.selection_device), selection's batch (select_groups.selection_batch_size),
+  a datatrove task's GPU (selection_stages.task_device)                                test_device_choice_*
 Taken on a CPU too (no test of their own here): make_accelerator's cpu= (CPU runs take the other side),
 matmul_precision_policy (sets CUDA's flags on any machine), fused_vocab._padded (the padding bf16 takes on a CPU)."""
 
@@ -204,6 +205,12 @@ def test_device_choice_on_a_gpu_machine():
                                                                                  torch.bfloat16)
     assert selection_device(None, torch.device("cpu"), None) == (torch.device("cpu"), torch.float32)
     assert selection_device("cpu", torch.device("cuda", 1), None) == (torch.device("cpu"), torch.float32)
+    from select_groups import selection_batch_size
+    from selection_stages import task_device
+
+    assert selection_batch_size(None, torch.device("cuda", 1)) == 512 and selection_batch_size(None, torch.device("cpu")) == 64
+    assert selection_batch_size(32, torch.device("cuda")) == 32
+    assert task_device(5, 4) == torch.device("cuda", 1) and task_device(5, 0) == torch.device("cpu")
 
 
 def test_fused_adamw_on_a_gpu():
