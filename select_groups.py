@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import glob
 import hashlib
 import html
@@ -831,7 +832,9 @@ class EncoderTerms:
     term every unknown word would share)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+        # its own copy: select_chunks runs TF-IDF in a thread beside the encoder's tokenising, and a fast tokenizer's
+        # truncation settings are state that two threads must not share
+        self.tokenizer = copy.deepcopy(tokenizer)
 
     def __call__(self, text: str) -> list:
         unk = self.tokenizer.unk_token
@@ -1035,12 +1038,18 @@ def embed_passages(encoder: Encoder, texts, prefix: str, show_progress: bool = F
                        pooling=encoder.pooling, post_pooling=encoder.post_pooling)
 
 
-def embed_documents(docs, encoder: Encoder, sel: Selection, *, desc="embedding", show_progress=False):
-    """The encoder's half of select_documents: (passages per doc, (tokens, unknown) per doc, (N, D) passage vectors)
-    of `docs` (valid Docs)."""
+def split_documents(docs, tokenizer, sel: Selection):
+    """(passages per doc, (tokens, unknown) per doc) of `docs` (valid Docs): split_passages under the selection
+    encoder's tokenizer."""
     tokens = []
-    passages = split_passages([d.text for d in docs], encoder.tokenizer, sel.passage_tokens, sel.min_passage_tokens,
-                              tokens)
+    passages = split_passages([d.text for d in docs], tokenizer, sel.passage_tokens, sel.min_passage_tokens, tokens)
+    return passages, tokens
+
+
+def embed_documents(docs, encoder: Encoder, sel: Selection, *, desc="embedding", show_progress=False, split=None):
+    """The encoder's half of select_documents: (passages per doc, (tokens, unknown) per doc, (N, D) passage vectors)
+    of `docs` (valid Docs). split: split_documents' output when it was made beforehand (select_chunks)."""
+    passages, tokens = split or split_documents(docs, encoder.tokenizer, sel)
     flat = [p for ps in passages for p in ps]
     # One embedding call per chunk: length sorting works across documents, so batches stay full.
     return passages, tokens, embed_passages(encoder, flat, sel.passage_prefix, show_progress, desc).numpy()
@@ -1452,14 +1461,16 @@ def finish_chunk(args, sel: Selection, name: str, recs, embedded, tfidf, thresho
 
 
 def select_chunks(args, sel: Selection, chunks, encoder, tfidf, threshold, on_done=None):
-    """Pass 2 over `chunks`, (name, records) pairs: each chunk's groups parquet file and counters. The encoder's
-    half of a chunk (split, embed: embed_documents) runs here while a thread does the CPU's half of the chunk
-    before it (finish_chunk: centrality, TF-IDF, ranks, writing), so on a GPU the encoder does not wait for the CPU
-    work nor the CPU for the encoder; at most two chunks are held. The rows are those of one chunk after another.
-    on_done(records, groups): called for each finished chunk (a progress bar). -> groups written."""
+    """Pass 2 over `chunks`, (name, records) pairs: each chunk's groups parquet file and counters. Three chunks at a
+    time: while the encoder embeds chunk k here, one thread splits chunk k+1 into passages (split_documents, the
+    tokenising) and another does the CPU's half of chunk k-1 (finish_chunk: centrality, TF-IDF, ranks, writing), so
+    on a GPU the encoder waits neither for the tokenising nor for the ranking. The rows are those of one chunk after
+    another. on_done(records, groups): called for each finished chunk (a progress bar). -> groups written."""
     from concurrent.futures import ThreadPoolExecutor
 
     total, pending = 0, None
+    splitter = copy.deepcopy(encoder.tokenizer)  # a fast tokenizer's settings are state: one copy per thread
+    valid = lambda recs: [d for d in recs if not d.skip]  # noqa: E731
 
     def settle():
         nonlocal total
@@ -1469,12 +1480,19 @@ def select_chunks(args, sel: Selection, chunks, encoder, tfidf, threshold, on_do
         if on_done:
             on_done(recs, groups)
 
-    with ThreadPoolExecutor(1, thread_name_prefix="finish_chunk") as pool:
-        for name, recs in chunks:
-            embedded = embed_documents([d for d in recs if not d.skip], encoder, sel, desc=f"embedding chunk {name}")
+    with ThreadPoolExecutor(1, thread_name_prefix="split") as ahead, \
+            ThreadPoolExecutor(1, thread_name_prefix="finish_chunk") as behind:
+        items = iter(chunks)
+        nxt = next(items, None)
+        split = nxt and ahead.submit(split_documents, valid(nxt[1]), splitter, sel)
+        while nxt is not None:
+            (name, recs), passages = nxt, split.result()
+            nxt = next(items, None)  # the next chunk's records read, and its splitting started, before the encoder
+            split = nxt and ahead.submit(split_documents, valid(nxt[1]), splitter, sel)
+            embedded = embed_documents(valid(recs), encoder, sel, desc=f"embedding chunk {name}", split=passages)
             if pending:
                 settle()
-            pending = recs, pool.submit(finish_chunk, args, sel, name, recs, embedded, tfidf, threshold)
+            pending = recs, behind.submit(finish_chunk, args, sel, name, recs, embedded, tfidf, threshold)
         if pending:
             settle()
     return total

@@ -403,3 +403,31 @@ def test_a_plain_json_string_record_is_not_an_object(tmp_path):
     path.write_text('"hello"\n"malformed_json"\n')
     args = sg.parse_args(["--input", str(path), "--output_dir", str(tmp_path / "o"), "--skip_bad_lines"])
     assert [d.skip for d in sg.iter_records(args)] == ["not_an_object", "not_an_object"]
+
+
+@pytest.mark.parametrize("terms", ["script", "encoder"])
+def test_pipelined_chunks_equal_one_chunk_at_a_time(tmp_path, tiny_bert, terms):
+    """select_chunks splits the next chunk and ranks the last in threads beside the encoder: its rows equal
+    select_documents run on each chunk in turn, with TF-IDF terms of scikit-learn's analyzer or of the encoder's
+    tokenizer (a copy per thread)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    inp = _write_jsonl(tmp_path / "docs.jsonl", _docs(12))
+    flags = ["--input", str(inp), "--model_name_or_path", str(tiny_bert), "--chunk_docs", "3", "--tfidf_terms", terms]
+    sg.main([*flags, "--output_dir", str(tmp_path / "out")])
+    args = sg.parse_args([*flags, "--output_dir", str(tmp_path / "unused")])
+    sel = sg.Selection.from_args(args)
+    state = SimpleNamespace(device=torch.device("cpu"), num_processes=1, print=lambda *a: None)
+    encoder = sg.load_selection_encoder(args, sel, state)
+    tfidf = sg.CorpusTfidf(sel.tfidf_features, sg.tfidf_analyzer(terms, encoder.tokenizer))
+    tfidf.add_documents([d["text"] for d in _docs(12)])
+    tfidf.finalize()
+    want = [g for _, recs in sg.iter_chunks(args) for r in sg.select_documents(recs, encoder, tfidf, 0.825, sel)
+            for g in r.groups]
+    assert len(want) > 20
+    import pyarrow as pa
+
+    want = pa.Table.from_pylist(want, schema=sg.group_schema()).to_pylist()  # the file's float32 columns
+    assert _rows(tmp_path / "out") == sorted(want, key=lambda r: (r["doc_id"], r["group_index"]))
