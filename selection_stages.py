@@ -30,9 +30,11 @@ duplicate check), and the merge's duplicate list; the merge reads the tasks' sor
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -416,6 +418,13 @@ def run(args, sel: sg.Selection):
     if args.dry_run:
         print(describe(executors))
         return
+    # what the executor needs from this machine, before the output folder is touched
+    if args.executor == "ray" and importlib.util.find_spec("ray") is None:
+        raise UserError("--executor ray: the ray package is not installed here (pip install ray); the stages run on "
+                        "the cluster ray.init() connects to")
+    if args.executor == "slurm" and shutil.which("sbatch") is None:
+        raise UserError("--executor slurm: no sbatch on this machine's PATH: run it where jobs are submitted (a Slurm "
+                        "login node), or --dry_run to see the stages")
     sg.prepare_selection_dir(args, sel, TaskState(None))
     listed = stage_path(args, "files.json")
     if os.path.exists(listed) and json.load(open(listed)) != files:  # a resumed run over changed input files

@@ -208,6 +208,16 @@ def test_executor_flags_are_checked():
         "time": "04:00:00", "cpus_per_task": 8, "sbatch_args": {"a": 1}}
 
 
+def test_an_executor_this_machine_cannot_reach_is_refused_before_any_work(tmp_path):
+    """No sbatch here, no ray package: one line each, and the output folder is never made."""
+    base = ["--input", str(DOCS), "--output_dir", str(tmp_path / "out"), "--model_name_or_path", "all-MiniLM-L6-v2"]
+    with pytest.raises(UserError, match="--executor slurm: no sbatch on this machine's PATH"):
+        sg.main([*base, "--executor", "slurm", "--executor_option", "partition=gpu", "--executor_option", "time=1:00"])
+    with pytest.raises(UserError, match="--executor ray: the ray package is not installed"):
+        sg.main([*base, "--executor", "ray"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_task_embeds_on_its_gpu():
     """The CUDA branch of a task's device, from a CPU: GPU rank % visible GPUs, the CPU without any."""
     assert str(stages.task_device(5, 4)) == "cuda:1" and str(stages.task_device(5, 1)) == "cuda:0"
