@@ -36,6 +36,7 @@ import json
 import os
 import shutil
 import time
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,7 +145,8 @@ class CountFrequencies(SelectionStage):
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         args, sel = self.args, self.sel
         files = read_files(args)
-        tfidf, seen, hashes, positions, records = tfidf_of(args, sel), set(), [], [], {}
+        # 8 bytes each (array, not a list of ints): what grows with the task's share of the corpus, with `seen`
+        tfidf, seen, hashes, positions, records = tfidf_of(args, sel), set(), array("q"), array("q"), {}
         ids = not sg.row_number_ids(args)  # row-number ids are unique by construction
         for fi in task_file_indices(len(files), rank, world_size):
             texts, n = [], 0
@@ -230,8 +232,9 @@ class MergeFrequencies(SelectionStage):
         # each file's first record's global index, and its first chunk's number (a chunk is up to --chunk_docs
         # records of one file: select_groups.iter_chunks), so that rows and shard names are the one-process ones
         counts = [records[fi] for fi in range(len(files))]
+        chunks = [-(-n // args.chunk_docs) for n in counts]  # ceil: a file's last chunk may be short
         offsets = {"records_before": np.concatenate([[0], np.cumsum(counts)]).tolist(),
-                   "chunks_before": np.concatenate([[0], np.cumsum([-(-n // args.chunk_docs) for n in counts])]).tolist()}
+                   "chunks_before": np.concatenate([[0], np.cumsum(chunks)]).tolist()}
         repeats = repeated_ids(args, tasks)
         if repeats.shape[1] and not args.skip_bad_lines:
             k = int(np.argmin(repeats[0]))  # the first repeat in input order, as the one-process reader stops there
@@ -257,7 +260,8 @@ class MergeFrequencies(SelectionStage):
             encoder = sg.load_selection_encoder(args, sel, TaskState(task_device(0, torch.cuda.device_count())))
         threshold, source = sg.calibrate_threshold(args, sel, TaskState(None), encoder, tfidf.finalize())
         atomic_write(stage_path(args, "threshold.json"), json.dumps({"threshold": threshold, "source": source}))
-        print(f"merge: IDF over {tfidf.n_docs:,} documents of {offsets['records_before'][-1]:,} records in {len(files)} file(s), "
+        print(f"merge: IDF over {tfidf.n_docs:,} documents of {offsets['records_before'][-1]:,} records in "
+              f"{len(files)} file(s), "
               f"{len(dropped):,} ids repeated across tasks; centrality threshold {sg.threshold_text(threshold)} "
               f"({source})", flush=True)
 

@@ -64,7 +64,8 @@ def test_the_same_groups_whatever_the_engine(tmp_path, tiny_bert, monkeypatch):
     inp = corpus(tmp_path / "in")
     monkeypatch.setattr(stages, "HASHES_PER_SLICE", 5)  # workers=1 runs the tasks in this process
     ref = select(inp, tmp_path / "one", tiny_bert)
-    assert {k: v for k, v in ref["documents_skipped_by_reason"].items() if v} == {"duplicate_id": 2, "malformed_json": 1}
+    skipped = {k: v for k, v in ref["documents_skipped_by_reason"].items() if v}
+    assert skipped == {"duplicate_id": 2, "malformed_json": 1}
     runs = {"local, 1 task": ["--tasks", "1"], "local, 3 tasks": ["--tasks", "3", "--workers", "1"],
             "local, 3 tasks on 2 workers": ["--tasks", "3", "--workers", "2"]}
     want = rows_digest(tmp_path / "one")
