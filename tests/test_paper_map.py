@@ -5,6 +5,7 @@ and ran in one of these runs."""
 
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -65,11 +66,14 @@ def profiled(fn):
         if event == "call" and frame.f_code.co_filename in files:
             seen.add(frame.f_code.co_qualname)
 
+    # threads too: select_groups.select_chunks ranks (document_groups -> rrf_score) in a thread beside the encoder
     sys.setprofile(prof)
+    threading.setprofile(prof)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        threading.setprofile(None)
     return seen
 
 
