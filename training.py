@@ -391,7 +391,8 @@ def prepare_output_dir(accelerator, args, script: str, inputs: dict, extra_outpu
     outputs this run rewrites from its start (checkpoints, logs, train_log.jsonl, ...); model/ stays until the new
     one replaces it in one rename (common.atomic_path), so a run that fails leaves the previous model. A resume cuts
     train_log.jsonl back to its checkpoint's step. Every process checks (each stops with the same message); the
-    main one locks and changes."""
+    main one locks and changes only once all have checked (a barrier between), so no process reads a half-changed
+    folder."""
     out = Path(args.output_dir)
     outputs = (*RUN_OUTPUTS, *extra_outputs)
     if args.resume_from_checkpoint not in (None, "latest"):  # a checkpoint of this very run is no outside input
@@ -399,6 +400,9 @@ def prepare_output_dir(accelerator, args, script: str, inputs: dict, extra_outpu
         if real_path(out / "checkpoints") in ckpt.parents:
             reuse = (*reuse, ckpt)
     previous = claim_output_folder(out, script, outputs, inputs, reuse)
+    # every process has checked the folder as it was before the main one records and locks it: a process that
+    # checked after would find run.lock (or a half-written record) and refuse a run that is its own
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         record_outputs(out, script, outputs)
         take_run_lock(accelerator, out / RUN_LOCK)
@@ -411,6 +415,7 @@ def prepare_output_dir(accelerator, args, script: str, inputs: dict, extra_outpu
     if checkpoint is None and list_checkpoints(out / "checkpoints") and not args.overwrite:
         raise UserError(f"{out / 'checkpoints'} has checkpoints: --resume_from_checkpoint latest, or --overwrite")
     identity = check_same_run(accelerator, args, inputs, out, checkpoint)
+    accelerator.wait_for_everyone()  # all have read run.json and the log before the main process rewrites them
     if accelerator.is_main_process:
         if checkpoint is None:  # a fresh run: a fresh log, no killed run's steps before its own
             remove_outputs(out, script, [p for p in previous if p.name not in ("model", RUN_LOCK)])

@@ -2,6 +2,7 @@
 a log that continues from the checkpoint (issue 43, family 1). Every run here is a real train.py run."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import common
 import training
 from common import UserError
 from test_train import base_args, groups, read_log, run  # noqa: F401  (groups: a fixture)
@@ -111,3 +113,59 @@ def test_unchanged_files_keep_their_recorded_hash_and_changes_are_found(tmp_path
     moved = tmp_path / "elsewhere"
     shutil.copytree(folder, moved)
     assert training.content_digest([moved], {})["sha256"] == changed["sha256"]
+
+
+def test_every_process_checks_the_folder_before_the_main_one_locks_it(tiny_bert, groups, tmp_path, monkeypatch):
+    """Two processes (threads here, with a barrier as accelerate's wait_for_everyone) prepare one fresh folder; the
+    second is slow between reading the folder's record and listing its files (the window a 2-process CI run hit).
+    It must not find the main one's run.lock (and refuse its own run, as a 2-process
+    torchrun once did): the main process records and locks only after every process has checked."""
+    import threading
+
+    import train
+    from common import local_inputs
+
+    barrier = threading.Barrier(2, timeout=60)
+
+    class Rank:  # the part of an Accelerator prepare_output_dir uses, one per 'process'
+        def __init__(self, rank):
+            self.is_main_process, self.num_processes, self.mixed_precision = rank == 0, 2, "no"
+
+        def wait_for_everyone(self):
+            barrier.wait()
+
+        def print(self, *a):
+            pass
+
+    present = common.present_outputs
+    calls = []
+
+    def slow_for_rank_1(out, patterns):
+        found = present(out, patterns)
+        if threading.current_thread().name == "rank1" and not calls:
+            calls.append(1)
+            time.sleep(1.0)  # between reading the record and listing the folder: the main process locks it now,
+        return found  # unless it waits
+
+    monkeypatch.setattr(common, "present_outputs", slow_for_rank_1)
+    out = tmp_path / "run"
+    args = train.parse_args(list(map(str, base_args(tiny_bert, groups, out))))
+    inputs = local_inputs(groups_dir=args.groups_dir, model_name_or_path=args.model_name_or_path)
+    errors = {}
+
+    def prepare(rank):
+        try:
+            training.prepare_output_dir(Rank(rank), args, "train.py", inputs)
+        except BaseException as err:  # noqa: BLE001  (the test reports it)
+            errors[rank] = err
+            barrier.abort()
+
+    threads = [threading.Thread(target=prepare, args=(r,), name=f"rank{r}") for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert json.loads((out / "run.lock").read_text())["pid"] == os.getpid()
+    assert (out / "run.json").exists()
+    training.release_run_lock(out / "run.lock")
