@@ -140,13 +140,57 @@ def test_pack_and_unpack_keep_every_weight_within_the_return_limits(tmp_path, mo
             assert torch.equal(got[k], v.half().float()) if v.is_floating_point() else torch.equal(got[k], v)
         assert (back / folder.relative_to(out) / "tokenizer.json").is_file()
     assert (back / "s1" / "x" / "train_log.jsonl").read_text().startswith('{"step": 1')
-    # a model that does not fit the files allowed is left out whole and named
-    monkeypatch.setitem(device.RETURN, "files", 3)
-    monkeypatch.setitem(device.RETURN, "file_bytes", os.path.getsize(folders["start"] / "model.safetensors") // 4)
-    dest2 = tmp_path / "OUT2"
+    # a model over one file's limit spans files (all-MiniLM-L6-v2 is 45 MB in fp16, a file 16 MiB) and comes back
+    # whole; one that does not fit the files left is left out whole and named
+    biggest = max(v.numel() * 2 for v in load_file(str(folders["start"] / "model.safetensors")).values())
+    monkeypatch.setitem(device.RETURN, "files", 5)  # 3 for the bundles
+    monkeypatch.setitem(device.RETURN, "file_bytes", biggest + 1024)  # a model's fp16 tensors need two files
+    dest2, back2 = tmp_path / "OUT2", tmp_path / "back2"
     dest2.mkdir()
-    small = device.pack(folders, out, dest2)
+    split = device.pack(folders, out, dest2)
+    assert split["returned"] == ["start"] and split["not_returned"] == ["s1/x", "s1/y"] and split["bundles"] >= 2
+    assert all(p.stat().st_size <= biggest + 1024 + 8192 for p in dest2.glob("models_*"))  # + the header
+    (dest2 / "run.json").write_text(json.dumps({**split, "steps_per_arm": 3}))
+    device.unpack(dest2, back2)
+    got = load_file(str(back2 / "start" / "model.safetensors"))
+    assert all(torch.equal(got[k], v.half().float()) for k, v in load_file(str(folders["start"] /
+                                                                            "model.safetensors")).items())
+    assert not (back2 / "s1" / "x" / "model.safetensors").exists()
+    # a tensor over one file's limit travels in row slices (MiniLM's word embeddings: 23 MB); a model that needs
+    # more files than are left is left out whole
+    monkeypatch.setitem(device.RETURN, "files", 8)
+    monkeypatch.setitem(device.RETURN, "file_bytes", biggest // 3)
+    dest4, back4 = tmp_path / "OUT4", tmp_path / "back4"
+    dest4.mkdir()
+    sliced = device.pack({"start": folders["start"]}, out, dest4)
+    assert sliced["returned"] == ["start"] and sliced["bundles"] >= 3
+    (dest4 / "run.json").write_text(json.dumps({**sliced, "steps_per_arm": 3}))
+    device.unpack(dest4, back4)
+    got = load_file(str(back4 / "start" / "model.safetensors"))
+    orig = load_file(str(folders["start"] / "model.safetensors"))
+    assert set(got) == set(orig) and all(torch.equal(got[k], v.half().float()) for k, v in orig.items())
+    monkeypatch.setitem(device.RETURN, "file_bytes", 1024)
+    dest3 = tmp_path / "OUT3"
+    dest3.mkdir()
+    small = device.pack(folders, out, dest3)
     assert small["returned"] == [] and small["not_returned"] == list(folders)
+
+
+def test_the_gpu_plans_count_what_a_run_can_bring_back(capsys):
+    """The plans of both gpu settings (dry runs): a MiniLM (the E5 stand-in) is 43 MiB in fp16, so one run brings
+    back one arm and the 21 runs of 7 arms x 3 seeds need 21 GPU runs, the carried start never among the returns;
+    the from-MLM start's 5.2 MiB encoders come back 11 to a run. The arms that do not run at a scale say why."""
+    e5 = stages.load_config("gpu_e5")["experiments"][0]
+    assert device.models_per_run(e5) == 1 and device.encoder_bytes(e5) == 2 * 22_713_216
+    run.main(["--scale", "gpu_e5", "--dry_run"])
+    text = capsys.readouterr().out
+    assert "at most 1 models of 43.3 MiB (fp16) come back from one run: 21 GPU run(s) of 540 s for 21 of them" in text
+    assert "brings back the models of run 1" in text  # not the start: every run carries it
+    assert "run 21: s3/self_reconstruction" in text and "simlm" not in text.split("arms:")[1].split("\n")[0]
+    mlm = stages.load_config("gpu")["experiments"][0]
+    assert device.models_per_run(mlm) == 11
+    assert set(mlm["exclude"]) == {"e5_ranking", "tfidf_ranking", "self_reconstruction_5x", "revela"}
+    assert all(len(why) > 40 for why in {**mlm["exclude"], **e5["exclude"]}.values())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -273,3 +317,28 @@ def test_gpu_scale_round_trip_at_toy_size(tmp_path, monkeypatch):
     for arm in both:
         log = [json.loads(line) for line in (here / f"s1/{arm}/train_log.jsonl").read_text().splitlines()]
         assert log[-1]["step"] == 2
+
+@pytest.mark.slow
+def test_the_e5_setting_carries_its_start_and_brings_back_only_the_arms(tmp_path, monkeypatch):
+    """The gpu_e5 round trip at toy size: build carries all-MiniLM-L6-v2 (weights rounded to fp16, packed as a run
+    returns models), the device restores it and trains xPRT from it with retention on, and only the arm comes back;
+    every arm of the table starts from the bytes build digested, and the page says why SimLM does not run."""
+    import shutil
+
+    here, there, returned = tmp_path / "here", tmp_path / "there", tmp_path / "OUT"
+    run.main(["--scale", "gpu_e5", "--toy", "--stage", "build", "--out", str(here), "--arms", "xprt"])
+    plan = json.loads((here / "carry" / "plan.json").read_text())
+    assert plan["start_digest"] == device.tensors_digest(here / "start") and plan["todo"] == ["s1/xprt"]
+    assert plan["sizes"]["start"] > 40 * device.MIB and plan["sizes"]["with_tree"] < device.CARRY_BYTES
+    shutil.copytree(here / "carry", there / "carry")
+    monkeypatch.setenv("OUT", str(returned))
+    report = run.main(["--scale", "gpu_e5", "--toy", "--stage", "device", "--out", str(there), "--arms", "xprt"])
+    report = report["gpu_e5"]
+    assert report["returned"] == ["s1/xprt"] and report["start_digest"] == plan["start_digest"]
+    log = [json.loads(line) for line in (there / "s1" / "xprt" / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 2 and "retention_loss" in log[0]  # retention on, to the carried start
+    run.main(["--scale", "gpu_e5", "--toy", "--stage", "score", "--returned", str(returned), "--out", str(here),
+              "--arms", "xprt"])
+    assert device.read_ledger(here)["start"] == plan["start_digest"]
+    md = (here / "results.md").read_text()
+    assert "| xPRT |" in md and "## Arms not run at this scale" in md and "no MLM generator" in md

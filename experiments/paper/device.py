@@ -37,6 +37,7 @@ from common import atomic_write, read_json
 from experiments.paper import stages
 
 MIB = 1 << 20
+START_PACKED = "start_packed"  # <carry>/start_packed: the start a run carries, as pack writes it
 # the machine's limits on what comes back, with room for the safetensors headers
 RETURN = {"files": 8, "file_bytes": 16 * MIB - 64 * 1024, "total_bytes": 64 * MIB - 256 * 1024}
 CARRY_BYTES = 64 * MIB
@@ -58,7 +59,7 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
     groups = stages.stage_groups(exp, carry, arms, False, docs_dir=out)  # the documents stay here
     texts = carry / "texts"
     texts.mkdir(exist_ok=True)
-    for src in exp["start"]["flags"]["--inputs"]:
+    for src in exp["start"].get("flags", {}).get("--inputs", []):  # a start pre-trained there: its texts
         dest = texts / f"{Path(src).parent.name}.jsonl.gz"
         if not dest.is_file():
             with open(src, "rb") as f, gzip.open(dest, "wb", compresslevel=9) as g:
@@ -76,26 +77,35 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
                         "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux2014_x86_64",
                         "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux_2_28_x86_64", "-d",
                         str(wheels), *pins], check=True)
+    ledger, start_digest = read_ledger(out), None
+    if ledger.get("start") or exp["start"].get("carry"):
+        # the start carried, in fp16 (its values are fp16 ones: round_to_fp16): the first run's, so every later arm
+        # starts from the same bytes, or a named model the device cannot fetch (all-MiniLM-L6-v2 standing in for E5)
+        start = out / "start" if ledger.get("start") else Path(stages.stage_start(exp, out, False))
+        (carry / START_PACKED).mkdir(exist_ok=True)
+        packed = pack({"start": start}, out, carry / START_PACKED)
+        if packed["not_returned"]:
+            raise SystemExit(f"{start}: over the limits of a packed folder ({RETURN}): it cannot be carried")
+        start_digest = ledger.get("start") or tensors_digest(start)
     tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=stages.ROOT, check=True).stdout
     tree = sum(os.path.getsize(stages.ROOT / f) for f in tracked.decode().split("\0") if f and
                os.path.isfile(stages.ROOT / f))
     sizes = {"groups": {r: folder_bytes(Path(g)) for r, g in groups.items()}, "texts": folder_bytes(texts),
+             "start": folder_bytes(carry / START_PACKED) if (carry / START_PACKED).is_dir() else 0,
              "wheels": folder_bytes(wheels), "carry": folder_bytes(carry), "tracked_tree": tree}
     sizes["with_tree"] = sizes["carry"] + tree
-    print(f"\ncarried: {carry} {sizes['carry'] / MIB:.1f} MiB (groups "
-          f"{sum(sizes['groups'].values()) / MIB:.1f}, texts {sizes['texts'] / MIB:.1f}, wheels "
+    print(f"\ncarried: {carry} {sizes['carry'] / MIB:.1f} MiB (groups {sum(sizes['groups'].values()) / MIB:.1f}, "
+          f"start {sizes['start'] / MIB:.1f}, texts {sizes['texts'] / MIB:.1f}, wheels "
           f"{sizes['wheels'] / MIB:.1f}) + the tracked tree {tree / MIB:.1f} MiB = {sizes['with_tree'] / MIB:.1f} MiB "
           f"of the {CARRY_BYTES / MIB:.0f} MiB a run may carry")
     if sizes["with_tree"] > CARRY_BYTES:
         raise SystemExit("over the carry limit: fewer documents (the config's 'documents') or fewer rankings")
     plan = {"sizes": sizes, "flops_per_step": {a: stages.estimate_flops(exp, arm) for a, arm in arms.items()},
             "steps_factor": {a: arm["steps_factor"] for a, arm in arms.items()}}
-    ledger = read_ledger(out)
     seeds = getattr(args, "seeds", None) or exp.get("seeds", [1])
     plan["todo"] = missing_runs(arms, seeds, ledger)
-    if ledger.get("start"):  # the start of the first run, carried: every later arm starts from the same bytes
-        shutil.copytree(out / "start", carry / "start", dirs_exist_ok=True)
-        plan["start_digest"] = ledger["start"]
+    if start_digest:
+        plan["start_digest"] = start_digest
     atomic_write(carry / "plan.json", json.dumps(plan, indent=1))
     print_minutes(exp, plan)
     print_next_run(exp, out, plan, ledger, args)
@@ -107,29 +117,34 @@ def print_next_run(exp: dict, out: Path, plan: dict, ledger: dict, args):
     times ("steps": {"per_arm", "step_seconds"}), packed in order into runs of the budget (the first also makes the
     start); how many runs they need; a run longer than a whole run's budget, said as such; and the one command."""
     rule, est = exp["steps"], exp.get("estimate", {})
-    per_arm, measured = rule.get("per_arm") or rule.get("min", 0), rule.get("step_seconds", {})
+    per_arm = rule.get("per_arm") or rule.get("min", 0)
     startup, budget = est.get("run_startup_s", 15.0), budget_of(exp, args)
     room = budget - PACK_RESERVE_S
+    # a run brings back at most `capacity` models (the return limits, models_per_run); the first also its start
+    capacity, model_mib = models_per_run(exp), encoder_bytes(exp) / MIB
     runs, too_long = [[]], []
     used = 0.0 if plan.get("start_digest") else est.get("start_s", 120.0)  # the first run makes the start
+    held = 0 if plan.get("start_digest") else 1
     for run in plan["todo"]:
         arm = run.split("/", 1)[1]
-        secs = startup + per_arm * plan["steps_factor"][arm] * measured.get(arm, 0.3)
+        secs = startup + per_arm * plan["steps_factor"][arm] * step_seconds(exp, arm, plan["flops_per_step"][arm])
         if secs > room:  # no run can hold it (a later run carries the start: its whole budget is the arms')
             too_long.append(f"{run} ({secs:.0f} s)")
             continue
-        if used + secs > room:
+        if used + secs > room or held >= capacity:
             runs.append([])
-            used = 0.0  # later runs carry the start
+            used, held = 0.0, 0  # later runs carry the start
         runs[-1].append(f"{run} ~{secs / 60:.1f} min")
         used += secs
+        held += 1
     runs = [r for r in runs if r]
     print(f"\nthe ledger ({out / LEDGER}): {len(ledger.get('runs', {}))} runs returned; missing "
           f"{len(plan['todo'])}: {', '.join(plan['todo']) or 'none'}")
     if not plan["todo"]:
         return
-    print(f"at {per_arm} steps per arm and the measured step times ({rule.get('step_seconds_source', 'assumed')}): "
-          f"{len(runs)} GPU run(s) of {budget:.0f} s for {sum(map(len, runs))} of them")
+    print(f"at {per_arm} steps per arm and the step times of {step_seconds_source(exp)}; at most {capacity} models "
+          f"of {model_mib:.1f} MiB (fp16) come back from one run: {len(runs)} GPU run(s) of {budget:.0f} s for "
+          f"{sum(map(len, runs))} of them")
     for k, r in enumerate(runs, 1):
         print(f"  run {k}: " + ", ".join(r))
     if too_long:
@@ -139,6 +154,39 @@ def print_next_run(exp: dict, out: Path, plan: dict, ledger: dict, args):
         print(f"next GPU run: python3 -m experiments.paper.run --scale {exp.get('scale', 'gpu')} --stage device, "
               f"which brings back {'' if plan.get('start_digest') else 'the start model and '}the models of run 1 "
               "(fp16, at most 8 files); then here: --stage score --returned DIR")
+
+
+def step_seconds(exp: dict, arm: str, flops: float) -> float:
+    """One step of `arm` on the GPU, in seconds: measured ("steps": {"step_seconds"}), else from the config's fit
+    of measured steps ("steps": {"step_time_fit": {"a_s", "tflops_per_s"}}: a + FLOPs / rate, for a model no GPU
+    has run yet), else 0.3 s (an assumption, said by step_seconds_source)."""
+    rule = exp["steps"]
+    if arm in rule.get("step_seconds", {}):
+        return rule["step_seconds"][arm]
+    fit = rule.get("step_time_fit")
+    return fit["a_s"] + flops / (fit["tflops_per_s"] * 1e12) if fit else 0.3
+
+def step_seconds_source(exp: dict) -> str:
+    rule = exp["steps"]
+    return (rule.get("step_seconds_source") or (rule.get("step_time_fit") or {}).get("source")
+            or "an assumed 0.3 s (nothing measured)")
+
+def encoder_bytes(exp: dict) -> int:
+    """The fp16 bytes of the start's encoder (what pack brings back of each model), from its config's shapes."""
+    import torch
+    from transformers import BertModel
+
+    with torch.device("meta"):
+        return 2 * sum(p.numel() for p in BertModel(stages.model_config(exp)).parameters())
+
+def models_per_run(exp: dict) -> int:
+    """How many encoders of this size one run brings back within RETURN (pack fills its files in order; the tar.gz
+    of configs and logs and run.json take a file each, and about a MiB)."""
+    size, files, total = encoder_bytes(exp), RETURN["files"] - 2, RETURN["total_bytes"] - 2 * MIB
+    n = 0
+    while (n + 1) * size <= total and -(-(n + 1) * size // RETURN["file_bytes"]) <= files:
+        n += 1
+    return n
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -248,12 +296,14 @@ def budget_of(exp: dict, args) -> float:
 
 
 def plan_arms(exp: dict, arms: dict, seeds: list, flops: dict, a: float, b: float, startup: float,
-              left: float, todo=None) -> dict:
+              left: float, todo=None, capacity: int = None) -> dict:
     """The arms' plan against the time left: steps per arm (the config's fixed "steps": {"per_arm"}, the same in
     every run of one table; else its rule, "fit_seconds" shortened to what is left after each run's start-up), each
     run's expected seconds (startup + steps x (a + b x FLOPs)) and its expected end; a run that would end past the
     budget is planned out, with the reason. Arms run in the config's order (xPRT first), so what a short budget
-    drops is the last arms. todo: only these "s<seed>/<arm>" runs (the ledger's missing ones)."""
+    drops is the last arms. todo: only these "s<seed>/<arm>" runs (the ledger's missing ones). capacity: the models
+    this run can bring back (models_per_run, less the start when it comes back too); the runs past it are planned
+    out, since their models would not come back."""
     runs = [(seed, name) for seed in seeds for name in arms if todo is None or f"s{seed}/{name}" in todo]
     rule = dict(exp["steps"])
     if rule.get("per_arm"):
@@ -265,6 +315,10 @@ def plan_arms(exp: dict, arms: dict, seeds: list, flops: dict, a: float, b: floa
     for seed, name in runs:
         secs = startup + steps * arms[name]["steps_factor"] * (a + b * flops[name])
         key = f"s{seed}/{name}"
+        if capacity is not None and len(plan) >= capacity:
+            skipped[key] = (f"planned out: one run brings back {capacity} such model(s) "
+                            f"({encoder_bytes(exp) / MIB:.1f} MiB each in fp16) besides what it returns already")
+            continue
         if end + secs > left:
             skipped[key] = (f"planned out: expected {secs:.0f} s ({steps * arms[name]['steps_factor']} steps), "
                             f"{max(left - end, 0):.0f} s of the budget left after the arms before it")
@@ -280,8 +334,12 @@ def print_plan(plan: dict, t_plan: float, budget: float):
     for r in plan["runs"]:
         end = t_plan + r["expected_end_s"]
         print(f"  {r['run']:<32}{r['steps']:>7} steps  ~{r['expected_s']:7.1f} s  ends ~{end:6.0f} s", flush=True)
-    for k, why in plan["skipped"].items():
-        print(f"  {k:<32}skipped: {why}", flush=True)
+    by_reason = {}
+    for k, why in plan["skipped"].items():  # runs planned out for one reason, said once
+        by_reason.setdefault(why, []).append(k)
+    for why, runs in by_reason.items():
+        print(f"  {', '.join(runs) if len(runs) < 4 else f'{runs[0]} and {len(runs) - 1} more':<31} skipped: {why}",
+              flush=True)
 
 
 def print_expected(exp: dict, arms: dict, seeds: list, args, stop_at: float = 300.0):
@@ -298,12 +356,14 @@ def print_expected(exp: dict, arms: dict, seeds: list, args, stop_at: float = 30
         # before the arms: set-up and the start's pre-training, then the two probes
         probes = 2 * (startup + exp["steps"]["probe_steps"] * (a + b * max(flops.values())))
         t_plan = est.get("start_s", 120.0) + probes
-        plan = plan_arms(exp, arms, seeds, flops, a, b, startup, budget - t_plan - PACK_RESERVE_S)
+        plan = plan_arms(exp, arms, seeds, flops, a, b, startup, budget - t_plan - PACK_RESERVE_S,
+                         capacity=models_per_run(exp) - (0 if exp["start"].get("carry") else 1))
         print(f"\nat {mfu:.0%} MFU, {a * 1e3:.0f} ms per step, {startup:.0f} s to start a run, the start model ready "
               f"at ~{est.get('start_s', 120.0):.0f} s, the probes done at ~{t_plan:.0f} s (assumed, not measured):")
         print_plan(plan, t_plan, budget)
         back = [r["run"] for r in plan["runs"] if t_plan + r["expected_end_s"] <= stop_at]
-        print(f"  stopped at {stop_at:.0f} s: the start model and {len(back)} arms come back ({', '.join(back)})")
+        start = "" if exp["start"].get("carry") else "the start model and "
+        print(f"  stopped at {stop_at:.0f} s: {start}{len(back)} arms come back ({', '.join(back)})")
 
 
 def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
@@ -328,8 +388,9 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
         clock[name] = round(time.time() - t0 - sum(v for k, v in clock.items() if k != name), 1)
 
     plan_here = read_json(carry / "plan.json")
-    if (carry / "start").is_dir():  # an earlier run's start, carried: the table's one start
-        start, folders = str(carry / "start"), {}
+    if (carry / START_PACKED).is_dir():  # the table's one start, carried (build): restored in fp32
+        unpack_folders(carry / START_PACKED, out)
+        start, folders = str(out / "start"), {}
     else:  # the first run: the carried texts unpacked, then masked-language-model pre-training on this machine
         texts = out / "texts"
         texts.mkdir(parents=True, exist_ok=True)
@@ -382,7 +443,7 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     lap("probe")
     t_plan = time.time() - t0
     plan = plan_arms(exp, arms, seeds, flops, a, b, max(startup), budget - t_plan - PACK_RESERVE_S,
-                     todo=report.get("todo"))
+                     todo=report.get("todo"), capacity=models_per_run(exp) - len(folders))
     print(f"probes {json.dumps(probes)}: a step takes {a * 1e3:.1f} ms + FLOPs at {1 / b / 1e12:.3g} TFLOP/s, a run "
           f"starts in {max(startup):.1f} s", flush=True)
     print_plan(plan, t_plan, budget)
@@ -426,8 +487,9 @@ def write_report(dest: Path, report: dict):
 
 
 def pack(folders: dict, out: Path, dest: Path) -> dict:
-    """Model folders -> dest/models_<k>.safetensors (each encoder's tensors in fp16, named "<folder>::<tensor>", as
-    many bundles as the return limits allow) and dest/folders.tar.gz (every other file of each folder, the training
+    """Model folders -> dest/models_<k>.safetensors (each encoder's tensors in fp16, named "<folder>::<tensor>", a
+    tensor over half a file's limit in row slices "<folder>::<tensor>::<j>/<parts>", as many bundles as the return
+    limits allow) and dest/folders.tar.gz (every other file of each folder, the training
     logs beside them). A model whose tensors do not fit is left out whole and named in "not_returned". Called again
     after each arm with every folder so far: each file is replaced atomically, so what dest holds is always whole."""
     import torch
@@ -446,23 +508,29 @@ def pack(folders: dict, out: Path, dest: Path) -> dict:
                     tar.add(folder.parent / log, arcname=str((folder.parent / log).relative_to(out)))
     atomic_write(dest / "folders.tar.gz", buf.getvalue())
     room = {"files": RETURN["files"] - 2, "total": RETURN["total_bytes"] - buf.tell() - 1 * MIB}  # + run.json
-    bundles, current, size, returned, left = [], {}, 0, [], []
+    bundles, returned, left = [{}], [], []
     for name, folder in folders.items():
-        tensors = {f"{folder.relative_to(out)}::{k}": v.to(torch.float16) if v.is_floating_point() else v
-                   for k, v in load_file(str(folder / "model.safetensors")).items()}
-        need = sum(v.numel() * v.element_size() for v in tensors.values())
-        if size + need > RETURN["file_bytes"] and current:
-            bundles.append(current)
-            current, size = {}, 0
-        used = sum(sum(v.numel() * v.element_size() for v in b.values()) for b in bundles) + size
-        if need > RETURN["file_bytes"] or len(bundles) >= room["files"] or used + need > room["total"]:
+        tensors = {}
+        for k, v in load_file(str(folder / "model.safetensors")).items():
+            v = v.to(torch.float16) if v.is_floating_point() else v
+            # a tensor over one file's limit travels in row slices (MiniLM's word embeddings are 23 MB in fp16)
+            parts = -(-v.numel() * v.element_size() // (RETURN["file_bytes"] // 2)) if v.dim() else 1
+            for j, piece in enumerate(v.chunk(parts) if parts > 1 else [v]):
+                tensors[f"{folder.relative_to(out)}::{k}" + (f"::{j}/{parts}" if parts > 1 else "")] = piece
+        # the model's tensors fill the open file and as many more as they need (all-MiniLM-L6-v2 is 45 MB in fp16,
+        # over one file's 16 MiB); it comes back whole or not at all: a trial placement, kept only if it fits
+        trial = [dict(b) for b in bundles]
+        for key, v in tensors.items():
+            if bundle_bytes(trial[-1]) + v.numel() * v.element_size() > RETURN["file_bytes"] and trial[-1]:
+                trial.append({})
+            trial[-1][key] = v
+        if (any(bundle_bytes(b) > RETURN["file_bytes"] for b in trial) or len(trial) > room["files"]
+                or sum(map(bundle_bytes, trial)) > room["total"]):
             left.append(name)
             continue
-        current.update(tensors)
-        size += need
+        bundles = trial
         returned.append(name)
-    if current:
-        bundles.append(current)
+    bundles = [b for b in bundles if b]
     for k, b in enumerate(bundles, 1):
         with atomic_path(dest / f"models_{k}.safetensors") as tmp:
             save_file({n: v.contiguous() for n, v in b.items()}, str(tmp))
@@ -471,21 +539,14 @@ def pack(folders: dict, out: Path, dest: Path) -> dict:
                       not p.name.startswith(".tmp-")}}
 
 
+def bundle_bytes(tensors: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in tensors.values())
+
+
 def unpack(returned: Path, out: Path):
     """The device's files -> model folders under out (fp32 weights, as train.py saves them), logs beside them."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     report = read_json(returned / "run.json")
-    with tarfile.open(returned / "folders.tar.gz", "r:gz") as tar:
-        tar.extractall(out, filter="data")
-    per_model = {}
-    for bundle in sorted(returned.glob("models_*.safetensors")):
-        for key, v in load_file(str(bundle)).items():
-            folder, _, name = key.partition("::")
-            per_model.setdefault(folder, {})[name] = v.to(torch.float32) if v.is_floating_point() else v
-    for folder, tensors in per_model.items():
-        save_file(tensors, str(out / folder / "model.safetensors"))
+    per_model = unpack_folders(returned, out)
     missing = {**{k: "over the return limits" for k in report.get("not_returned", [])}, **report.get("skipped", {}),
                **report.get("failed", {})}
     print(f"unpacked {len(per_model)} models from {returned} into {out} (steps per arm {report.get('steps_per_arm')}; "
@@ -497,3 +558,29 @@ def unpack(returned: Path, out: Path):
     atomic_write(out / "device_run.json", json.dumps(report, indent=1))
     ledger = record_returned(out, returned, report)
     print(f"ledger {out / LEDGER}: {len(ledger['runs'])} runs ({', '.join(sorted(ledger['runs']))})")
+
+
+def unpack_folders(packed: Path, out: Path) -> dict:
+    """pack's files (folders.tar.gz and the models_<k>.safetensors bundles) -> the model folders under out, their
+    weights in fp32 (as train.py saves them; the values are the fp16 ones) -> {folder: its tensors}. A returned
+    run's models here, and on the device the start a run carries."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    with tarfile.open(packed / "folders.tar.gz", "r:gz") as tar:
+        tar.extractall(out, filter="data")
+    per_model, slices = {}, {}
+    for bundle in sorted(packed.glob("models_*.safetensors")):
+        for key, v in load_file(str(bundle)).items():
+            folder, _, name = key.partition("::")
+            v = v.to(torch.float32) if v.is_floating_point() else v
+            name, _, part = name.partition("::")  # "<tensor>::<j>/<parts>": a row slice of a large tensor
+            if part:
+                slices.setdefault((folder, name), {})[int(part.split("/")[0])] = v
+            else:
+                per_model.setdefault(folder, {})[name] = v
+    for (folder, name), pieces in slices.items():
+        per_model.setdefault(folder, {})[name] = torch.cat([pieces[j] for j in sorted(pieces)])
+    for folder, tensors in per_model.items():
+        save_file(tensors, str(out / folder / "model.safetensors"), metadata={"format": "pt"})
+    return per_model

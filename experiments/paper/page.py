@@ -151,6 +151,9 @@ def write(exp: dict, out: Path, arms: list, results: list, seconds: float, as_st
                 lines.append(f"| {task}: xPRT - start | " + " | ".join(cells) +
                              f" | {E5_SETTING['overlap_thirds']['xprt'][0]} (BoW-DPR "
                              f"{E5_SETTING['overlap_thirds']['bow_dpr'][0]}) |")
+    if isinstance(exp.get("exclude"), dict) and exp["exclude"]:  # the config's arms that do not run, with why
+        lines += ["", "## Arms not run at this scale", ""] + [f"- {LABELS.get(a, a)}: {why}"
+                                                              for a, why in exp["exclude"].items()]
     if exp.get("missing_runs"):
         lines += ["", f"**Not yet trained** (the ledger's missing runs; `--stage build` plans the next GPU run): "
                   f"{', '.join(exp['missing_runs'])}."]

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 # stages first: it puts the repository on sys.path and sets the offline defaults before anything else imports
-from experiments.paper.stages import (ROOT, arms_of, gpu_hours, load_config, print_estimate, stage_groups,  # noqa: I001
+from experiments.paper.stages import (ROOT, arms_of, estimate_flops, gpu_hours, load_config, print_estimate, stage_groups,  # noqa: I001
                                       stage_lm, stage_score, stage_start, stage_train)
 from experiments.paper import device, page  # the GPU round trip; the results page
 from common import read_json
@@ -70,9 +70,12 @@ def run_experiment(exp: dict, out: Path, args) -> dict:
         else:  # the device stage's plan against its wall-clock budget, and the runs the ledger still misses
             device.print_expected(exp, arms, seeds, args)
             ledger = device.read_ledger(out)
+            carried = ledger.get("start") or ("(carried)" if exp["start"].get("carry") else None)
             device.print_next_run(exp, out, {"todo": device.missing_runs(arms, seeds, ledger),
                                              "steps_factor": {a: arm["steps_factor"] for a, arm in arms.items()},
-                                             "start_digest": ledger.get("start")}, ledger, args)
+                                             "flops_per_step": {a: estimate_flops(exp, arm)
+                                                                for a, arm in arms.items()},
+                                             "start_digest": carried}, ledger, args)
         return {}
     missing = [p for p, _ in exp.get("documents", [])] + list(exp["eval"].get("--local_tasks", []))
     missing = [p for p in missing if not os.path.exists(p)]

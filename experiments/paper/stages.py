@@ -75,7 +75,8 @@ def objective_choices() -> list:
 
 def arms_of(exp: dict, only=None) -> dict:
     """{arm: {"flags", "ranking", "steps_factor"}}: xprt, the ablations, one arm per other objective train.py offers,
-    the config's "extra_arms"; its "arms" ("all", "objectives": no ablations, or a list) picks, "exclude" drops."""
+    the config's "extra_arms"; its "arms" ("all", "objectives": no ablations, or a list) picks, "exclude" drops (a
+    list, or {arm: why it does not run}, which the page says)."""
     arms = {"xprt": {}}
     arms.update(ABLATIONS)
     # an objective's own flags from the config ("objective_flags": SimLM's --generator_name_or_path; "{start}" is the
@@ -148,13 +149,35 @@ def run_script(exp: dict, script: str, argv: list, dry_run: bool, log=print):
 # Stages
 # ----------------------------------------------------------------------------------------------------------------
 def stage_start(exp: dict, out: Path, dry_run: bool) -> str:
-    """The start model -> its path or name. kinds: "model" (a name or folder: E5, BERT), "random_bert" (a BERT built
+    """The start model -> its path or name. kinds: "model" (a name or folder: E5, BERT; with "carry": a copy in
+    <out>/start, for a GPU run to carry), "random_bert" (a BERT built
     from a config with a given tokenizer: the tiny scale's stand-in for an MLM start), "pretrain_mlm"
     (experiments/nano/pretrain_mlm.py: a vocabulary and masked-language-model pre-training on the config's texts)."""
     start = exp["start"]
+    dest = out / "start"
+    if start["kind"] == "model" and start.get("carry"):
+        # a start a GPU run carries (that machine fetches nothing): the named model's folder copied here, its weights
+        # rounded to fp16, so the fp16 it travels in holds these very values and every arm starts from them
+        print(f"+ ({start['name']} copied to {dest}, its weights rounded to fp16)")
+        if not dry_run and not (dest / "config.json").is_file():
+            import shutil
+
+            from common import atomic_path, resolve_model_path
+            from experiments.paper.device import round_to_fp16
+
+            src = Path(resolve_model_path(start["name"]))
+            if not src.is_dir():
+                from huggingface_hub import snapshot_download
+
+                src = Path(snapshot_download(start["name"]))
+            with atomic_path(dest) as tmp:  # the weights as safetensors only (other formats would travel too)
+                shutil.copytree(src, tmp, copy_function=shutil.copyfile,  # not the modes: a package's may be read-only
+                                ignore=shutil.ignore_patterns("*.bin", "*.h5", "*.msgpack", "*.ot", "*.onnx", "onnx",
+                                                              "openvino"))
+                round_to_fp16(tmp)
+        return str(dest)
     if start["kind"] == "model":
         return start["name"]
-    dest = out / "start"
     if start["kind"] == "random_bert":
         print(f"+ (random BERT {start['config']} with {start['tokenizer']}'s vocabulary -> {dest})")
         if not dry_run and not (dest / "config.json").is_file():
