@@ -314,6 +314,8 @@ def test_gpu_scale_round_trip_at_toy_size(tmp_path, monkeypatch):
     md = (here / "results.md").read_text()
     assert "| xPRT |" in md and "| random spans (Contriever) |" in md and "Not yet trained" not in md
     assert "## Every model scored as the start is" in md
+    assert "## Arms not run at this scale" in md and "- Revela: not run at this scale: its Qwen2.5-0.5B" in md
+    assert "tears the encoder" not in md  # the config's note on Contriever: on the page only where it is an arm
     for arm in both:
         log = [json.loads(line) for line in (here / f"s1/{arm}/train_log.jsonl").read_text().splitlines()]
         assert log[-1]["step"] == 2

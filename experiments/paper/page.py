@@ -103,6 +103,9 @@ def write(exp: dict, out: Path, arms: list, results: list, seconds: float, as_st
                      f"{fmt(values(data, a, lambda r: r['average']))} | {d} | " +
                      " | ".join(fmt(values(data, a, lambda r, c=c: r["per_category"][c])) for c in cats) +
                      f" | {published_main(setting, a)} |")
+    notes = {a: why for a, why in exp.get("notes", {}).items() if a in arms}  # what a row's number is, measured
+    if notes:
+        lines += [""] + [f"- {LABELS.get(a, a)}: {why}" for a, why in notes.items()]
     if as_start:  # the same weights scored the start's way: what training did, with no change of scoring in it
         same = collect(arms, as_start)
         above = {a: sum(1 for seed in same["per_seed"] for tk in same["tasks"]
