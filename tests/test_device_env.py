@@ -57,22 +57,22 @@ def test_device_check_runs_in_the_device_environment(env, tmp_path):
     assert "(--no-deps)" in proc.stdout and report["e2e"] == {"skipped": "['mteb'] missing"}  # datasets came
 
 
-def build_here(tmp_path) -> Path:
+def build_here(tmp_path, arms=ARMS) -> Path:
     """The build stage here (not simulated: it needs the registry and the groups' model), then the copy of the tree
     the device gets: carry/ with the wheels the device installs."""
     from experiments.paper import run
 
     here, there = tmp_path / "here", tmp_path / "there"
-    run.main(["--scale", "gpu", "--toy", "--stage", "build", "--out", str(here), *ARMS])
+    run.main(["--scale", "gpu", "--toy", "--stage", "build", "--out", str(here), *arms])
     shutil.copytree(here / "carry", there / "carry")
     for whl in (Path(device_env.DEFAULT_DIR) / "carried").glob("*.whl"):  # toy builds carry no wheels
         shutil.copy(whl, there / "carry" / "wheels")
     return there
 
 
-def device_stage(there: Path, returned: Path, extra=(), **kw):
+def device_stage(there: Path, returned: Path, extra=(), arms=ARMS, **kw):
     cmd = ["python", "-m", "experiments.paper.run", "--scale", "gpu", "--toy", "--stage", "device", "--out",
-           str(there), *ARMS, *extra]
+           str(there), *arms, *extra]
     env = {**os.environ, "OUT": str(returned), "TMPDIR": str(there)}  # the carried site folder per test
     cmd = [sys.executable if c == "python" else c for c in cmd]
     return subprocess.Popen(cmd, env=device_env.environ(base=env), cwd=ROOT, stdout=subprocess.PIPE,
@@ -81,21 +81,25 @@ def device_stage(there: Path, returned: Path, extra=(), **kw):
 
 @pytest.mark.slow
 def test_gpu_scale_device_stage_in_the_device_environment(env, tmp_path):
-    """--stage device at toy size inside the simulation (the start pre-trained with the shipped tokenizer, the
-    carried datasets installed --no-deps), then scored here from what came back."""
+    """--stage device at toy size inside the simulation (the start and Revela's language model pre-trained with the
+    shipped tokenizer, the carried datasets installed --no-deps, Revela through the machine's peft), then scored
+    here from what came back."""
     from experiments.paper import run
 
-    there, returned = build_here(tmp_path), tmp_path / "OUT"
-    proc = device_stage(there, returned)
+    arms = [*ARMS, "revela"]
+    there, returned = build_here(tmp_path, arms), tmp_path / "OUT"
+    proc = device_stage(there, returned, arms=arms)
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-4000:]
     report = json.loads((returned / "run.json").read_text())
-    assert report["status"] == "done" and report["finished"] == ["s1/xprt", "s1/contrastive_random_span"]
-    assert report["returned"] == ["start", "s1/xprt", "s1/contrastive_random_span"] and not report["failed"]
+    finished = ["s1/xprt", "s1/contrastive_random_span", "s1/revela"]
+    assert report["status"] == "done" and report["finished"] == finished
+    assert report["returned"] == ["start", "lm", *finished] and not report["failed"]
     assert [r["run"] for r in report["plan"]] == report["finished"] and report["step_time_model"]["startup_s"] >= 0
     run.main(["--scale", "gpu", "--toy", "--stage", "score", "--returned", str(returned), "--out",
-              str(tmp_path / "scored"), *ARMS])
-    assert "| xPRT |" in (tmp_path / "scored" / "results.md").read_text()
+              str(tmp_path / "scored"), *arms])
+    md = (tmp_path / "scored" / "results.md").read_text()
+    assert "| xPRT |" in md and "| Revela |" in md
 
 
 @pytest.mark.slow

@@ -189,7 +189,7 @@ def test_the_gpu_plans_count_what_a_run_can_bring_back(capsys):
     assert "run 21: s3/self_reconstruction" in text and "simlm" not in text.split("arms:")[1].split("\n")[0]
     mlm = stages.load_config("gpu")["experiments"][0]
     assert device.models_per_run(mlm) == 11
-    assert set(mlm["exclude"]) == {"e5_ranking", "tfidf_ranking", "self_reconstruction_5x", "revela"}
+    assert set(mlm["exclude"]) == {"e5_ranking", "tfidf_ranking", "self_reconstruction_5x"}  # Revela runs
     assert all(len(why) > 40 for why in {**mlm["exclude"], **e5["exclude"]}.values())
 
 
@@ -301,20 +301,30 @@ def test_gpu_scale_round_trip_at_toy_size(tmp_path, monkeypatch):
     assert list(ledger["runs"]) == ["s1/xprt"] and ledger["start"] == first["start_digest"]
     assert device.tensors_digest(here / "start") == first["start_digest"]  # the fp16 bundle held the very weights
 
-    both = ["xprt", "contrastive_random_span"]
+    both = ["xprt", "contrastive_random_span", "revela"]
     run.main(["--scale", "gpu", "--toy", "--stage", "build", "--out", str(here), "--arms", *both])
     plan = json.loads((here / "carry" / "plan.json").read_text())
-    assert plan["todo"] == ["s1/contrastive_random_span"] and plan["start_digest"] == first["start_digest"]
+    assert plan["todo"] == ["s1/contrastive_random_span", "s1/revela"] and plan["start_digest"] == first["start_digest"]
     second = device_run(2, both)
-    assert second["returned"] == ["s1/contrastive_random_span"] and second["start_digest"] == first["start_digest"]
-    assert second["finished"] == ["s1/contrastive_random_span"]  # only what the first run missed
+    # Revela's language model is made by the first run that trains Revela (a causal LM pre-trained there) and
+    # comes back with the arms
+    assert second["returned"] == ["lm", "s1/contrastive_random_span", "s1/revela"]
+    assert second["start_digest"] == first["start_digest"]
+    assert second["finished"] == ["s1/contrastive_random_span", "s1/revela"]  # only what the first run missed
     ledger = device.read_ledger(here)
-    assert sorted(ledger["runs"]) == ["s1/contrastive_random_span", "s1/xprt"]
+    assert sorted(ledger["runs"]) == ["s1/contrastive_random_span", "s1/revela", "s1/xprt"]
     assert {r["steps"] for r in ledger["runs"].values()} == {2}
+    assert ledger["lm"] == second["lm_digest"] == device.tensors_digest(here / "lm")
+    assert json.loads((here / "lm" / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     md = (here / "results.md").read_text()
-    assert "| xPRT |" in md and "| random spans (Contriever) |" in md and "Not yet trained" not in md
+    assert "| xPRT |" in md and "| random spans (Contriever) |" in md and "| Revela |" in md
+    assert "Not yet trained" not in md
+    # a later build carries the language model as it carries the start
+    run.main(["--scale", "gpu", "--toy", "--stage", "build", "--out", str(here), "--arms", *both, "--seeds", "2"])
+    plan = json.loads((here / "carry" / "plan.json").read_text())
+    assert plan["sizes"]["lm"] > 0 and plan["todo"] == ["s2/xprt", "s2/contrastive_random_span", "s2/revela"]
     assert "## Every model scored as the start is" in md
-    assert "## Arms not run at this scale" in md and "- Revela: not run at this scale: its Qwen2.5-0.5B" in md
+    assert "## Arms not run at this scale" in md and "- xPRT, E5-only ranking: not run at this scale" in md
     assert "tears the encoder" not in md  # the config's note on Contriever: on the page only where it is an arm
     for arm in both:
         log = [json.loads(line) for line in (here / f"s1/{arm}/train_log.jsonl").read_text().splitlines()]

@@ -16,7 +16,8 @@ sentence_bert_config.json and tokenizer limit encoding to that length, so evalua
 
 Output (`--output_dir`): a BertForMaskedLM folder (safetensors, MLM head included: train.py loads it as is),
 tokenizer, sentence_bert_config.json, mlm_log.jsonl (train loss per logging step, held-out loss at the end),
-mlm_loss_curve.png, mlm_stats.json.
+mlm_loss_curve.png, mlm_stats.json. `--causal qwen2` makes a causal language model of the same sizes the same way
+(next-token loss; the files keep their names): the language model Revela trains through, where none can be fetched.
 
     python experiments/nano/pretrain_mlm.py \\
         --inputs ../shared/data/{wikipedia_sample,fineweb_legal_sample,c4_sample}/docs.jsonl \\
@@ -56,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--intermediate_size", type=int, default=1024, help="feed-forward width (4 x hidden, as BERT)")
     p.add_argument("--block_size", type=int, default=128, help="tokens per training block (and encoding limit)")
     p.add_argument("--mlm_probability", type=float, default=0.15, help="share of tokens masked (BERT: 0.15)")
+    p.add_argument("--causal", default=None, metavar="ARCHITECTURE",
+                   help="pre-train a causal language model of this transformers architecture (qwen2, llama) at the "
+                        "same sizes instead, by next-token prediction: Revela's language model at the gpu scale")
     p.add_argument("--per_device_train_batch_size", type=int, default=64, help="blocks per step")
     p.add_argument("--learning_rate", type=float, default=1e-3,
                    help="peak AdamW learning rate (small BERTs train at 5e-4 to 1e-3)")
@@ -135,7 +139,7 @@ def blocks_dataset(texts, tokenizer, block_size, seed, eval_share):
     return split["train"], split["test"]
 
 
-def plot_curve(log, path):
+def plot_curve(log, path, what="MLM"):
     """Train loss per logging step and the held-out loss at the end, on one axis."""
     import matplotlib
 
@@ -145,12 +149,12 @@ def plot_curve(log, path):
     tr = [(r["step"], r["loss"]) for r in log if "loss" in r]
     ev = [(r["step"], r["eval_loss"]) for r in log if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(*zip(*tr), label="train MLM loss")
+    ax.plot(*zip(*tr), label=f"train {what} loss")
     if ev:
-        ax.scatter(*zip(*ev), color="C3", zorder=3, label="held-out MLM loss")
+        ax.scatter(*zip(*ev), color="C3", zorder=3, label=f"held-out {what} loss")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats)")
-    ax.set_title("nano BERT, masked-language-model pre-training")
+    ax.set_title(f"nano model, {what} pre-training")
     ax.legend()
     fig.tight_layout()
     with atomic_path(path) as tmp:
@@ -201,13 +205,21 @@ def main(argv=None):
           f"{args.max_steps * args.per_device_train_batch_size / max(1, len(train_ds)):.2f} epochs", flush=True)
 
     # BERT's architecture at a small size; positions beyond the block are never trained (and never read: the
-    # folder's encoding limit is the block).
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-                        num_attention_heads=args.num_heads, intermediate_size=args.intermediate_size,
-                        max_position_embeddings=max(512, args.block_size), pad_token_id=tokenizer.pad_token_id)
-    model = BertForMaskedLM(config)
+    # folder's encoding limit is the block). --causal: a decoder of the same sizes, its loss the next token's (the
+    # collator's mlm=False: labels are the inputs, shifted inside the model)
+    sizes = dict(vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                 num_attention_heads=args.num_heads, intermediate_size=args.intermediate_size,
+                 max_position_embeddings=max(512, args.block_size), pad_token_id=tokenizer.pad_token_id)
+    if args.causal:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(args.causal, num_key_value_heads=args.num_heads,
+                                                                      **sizes))
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    else:
+        model = BertForMaskedLM(BertConfig(**sizes))
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=args.mlm_probability)
     n_params = sum(p.numel() for p in model.parameters())
-    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=args.mlm_probability)
     targs = TrainingArguments(
         output_dir=str(out / "trainer"), max_steps=args.max_steps,
         per_device_train_batch_size=args.per_device_train_batch_size, per_device_eval_batch_size=128,
@@ -231,7 +243,7 @@ def main(argv=None):
     atomic_write(out / "sentence_bert_config.json", json.dumps({"max_seq_length": args.block_size,
                                                                 "do_lower_case": False}))
     atomic_write(out / "mlm_log.jsonl", "".join(json.dumps(r) + "\n" for r in log))
-    plot_curve(log, out / "mlm_loss_curve.png")
+    plot_curve(log, out / "mlm_loss_curve.png", "next-token" if args.causal else "MLM")
     shutil.rmtree(out / "trainer", ignore_errors=True)
     stats = {"documents": len(texts), "vocab_size": len(tokenizer), "parameters": n_params,
              "train_blocks": len(train_ds), "heldout_blocks": len(eval_ds), "steps": trainer.state.global_step,
@@ -242,7 +254,7 @@ def main(argv=None):
              "args": {k: v for k, v in vars(args).items() if k not in ("inputs", "output_dir")},
              "inputs": [os.path.basename(os.path.dirname(f)) or f for f in args.inputs]}
     atomic_write(out / "mlm_stats.json", json.dumps(stats, indent=1))
-    print(f"held-out MLM loss {metrics['eval_loss']:.3f} (perplexity {math.exp(metrics['eval_loss']):.1f}); "
+    print(f"held-out {'next-token' if args.causal else 'MLM'} loss {metrics['eval_loss']:.3f} (perplexity {math.exp(metrics['eval_loss']):.1f}); "
           f"{n_params / 1e6:.1f}M parameters; training {t_train / 60:.1f} min; wrote {out}")
     return stats
 

@@ -38,6 +38,7 @@ from experiments.paper import stages
 
 MIB = 1 << 20
 START_PACKED = "start_packed"  # <carry>/start_packed: the start a run carries, as pack writes it
+LM_PACKED = "lm_packed"  # <carry>/lm_packed: Revela's language model, made by an earlier run, carried the same way
 # the machine's limits on what comes back, with room for the safetensors headers
 RETURN = {"files": 8, "file_bytes": 16 * MIB - 64 * 1024, "total_bytes": 64 * MIB - 256 * 1024}
 CARRY_BYTES = 64 * MIB
@@ -59,7 +60,7 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
     groups = stages.stage_groups(exp, carry, arms, False, docs_dir=out)  # the documents stay here
     texts = carry / "texts"
     texts.mkdir(exist_ok=True)
-    for src in exp["start"].get("flags", {}).get("--inputs", []):  # a start pre-trained there: its texts
+    for src in dict.fromkeys(pretraining_inputs(exp)):  # a start (or Revela's LM) pre-trained there: its texts
         dest = texts / f"{Path(src).parent.name}.jsonl.gz"
         if not dest.is_file():
             with open(src, "rb") as f, gzip.open(dest, "wb", compresslevel=9) as g:
@@ -87,11 +88,16 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
         if packed["not_returned"]:
             raise SystemExit(f"{start}: over the limits of a packed folder ({RETURN}): it cannot be carried")
         start_digest = ledger.get("start") or tensors_digest(start)
+    if ledger.get("lm"):  # Revela's language model, made by an earlier run: every Revela arm trains through it
+        (carry / LM_PACKED).mkdir(exist_ok=True)
+        if pack({"lm": out / "lm"}, out, carry / LM_PACKED)["not_returned"]:
+            raise SystemExit(f"{out / 'lm'}: over the limits of a packed folder ({RETURN}): it cannot be carried")
     tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=stages.ROOT, check=True).stdout
     tree = sum(os.path.getsize(stages.ROOT / f) for f in tracked.decode().split("\0") if f and
                os.path.isfile(stages.ROOT / f))
     sizes = {"groups": {r: folder_bytes(Path(g)) for r, g in groups.items()}, "texts": folder_bytes(texts),
              "start": folder_bytes(carry / START_PACKED) if (carry / START_PACKED).is_dir() else 0,
+             "lm": folder_bytes(carry / LM_PACKED) if (carry / LM_PACKED).is_dir() else 0,
              "wheels": folder_bytes(wheels), "carry": folder_bytes(carry), "tracked_tree": tree}
     sizes["with_tree"] = sizes["carry"] + tree
     print(f"\ncarried: {carry} {sizes['carry'] / MIB:.1f} MiB (groups {sum(sizes['groups'].values()) / MIB:.1f}, "
@@ -112,6 +118,18 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
     return plan
 
 
+def pretraining_inputs(exp: dict) -> list:
+    """The texts a run pre-trains on (its MLM start's, Revela's causal LM's): carried gzipped, unpacked there."""
+    return [*exp["start"].get("flags", {}).get("--inputs", []),
+            *(exp.get("lm") or {}).get("flags", {}).get("--inputs", [])]
+
+def makes_lm(exp: dict, todo, ledger: dict) -> bool:
+    """Whether a run with these "s<seed>/<arm>" runs to do makes Revela's language model: a Revela arm among them,
+    a language model the config has made on the GPU ("pretrain_clm"), and none in the ledger yet."""
+    return ((exp.get("lm") or {}).get("kind") == "pretrain_clm" and not ledger.get("lm")
+            and any(r.endswith("/revela") for r in todo))
+
+
 def print_next_run(exp: dict, out: Path, plan: dict, ledger: dict, args):
     """What the next GPU runs will do: the runs still missing, at the config's fixed steps and its measured step
     times ("steps": {"per_arm", "step_seconds"}), packed in order into runs of the budget (the first also makes the
@@ -124,19 +142,22 @@ def print_next_run(exp: dict, out: Path, plan: dict, ledger: dict, args):
     capacity, model_mib = models_per_run(exp), encoder_bytes(exp) / MIB
     runs, too_long = [[]], []
     used = 0.0 if plan.get("start_digest") else est.get("start_s", 120.0)  # the first run makes the start
-    held = 0 if plan.get("start_digest") else 1
+    held, lm_made = (0 if plan.get("start_digest") else 1), False
     for run in plan["todo"]:
         arm = run.split("/", 1)[1]
         secs = startup + per_arm * plan["steps_factor"][arm] * step_seconds(exp, arm, plan["flops_per_step"][arm])
+        lm = int(not lm_made and makes_lm(exp, [run], ledger))  # the run that makes Revela's LM returns it too
+        secs += lm * est.get("lm_s", 90.0)
         if secs > room:  # no run can hold it (a later run carries the start: its whole budget is the arms')
             too_long.append(f"{run} ({secs:.0f} s)")
             continue
-        if used + secs > room or held >= capacity:
+        if used + secs > room or held + 1 + lm > capacity:
             runs.append([])
             used, held = 0.0, 0  # later runs carry the start
-        runs[-1].append(f"{run} ~{secs / 60:.1f} min")
+        runs[-1].append(f"{run} ~{secs / 60:.1f} min" + (" (and its language model)" if lm else ""))
         used += secs
-        held += 1
+        held += 1 + lm
+        lm_made = lm_made or bool(lm)
     runs = [r for r in runs if r]
     print(f"\nthe ledger ({out / LEDGER}): {len(ledger.get('runs', {}))} runs returned; missing "
           f"{len(plan['todo'])}: {', '.join(plan['todo']) or 'none'}")
@@ -168,8 +189,8 @@ def step_seconds(exp: dict, arm: str, flops: float) -> float:
 
 def step_seconds_source(exp: dict) -> str:
     rule = exp["steps"]
-    return (rule.get("step_seconds_source") or (rule.get("step_time_fit") or {}).get("source")
-            or "an assumed 0.3 s (nothing measured)")
+    said = [rule.get("step_seconds_source"), (rule.get("step_time_fit") or {}).get("source")]
+    return "; and ".join(s for s in said if s) or "an assumed 0.3 s (nothing measured)"
 
 def encoder_bytes(exp: dict) -> int:
     """The fp16 bytes of the start's encoder (what pack brings back of each model), from its config's shapes."""
@@ -195,8 +216,8 @@ def models_per_run(exp: dict) -> int:
 LEDGER = "ledger.json"
 
 def read_ledger(out: Path) -> dict:
-    """<out>/ledger.json: {"start": its digest, "groups": {ranking: digest}, "code", "runs": {"s<seed>/<arm>":
-    {"steps", "returned_from", "start", "groups", "code"}}}; {} before any run came back."""
+    """<out>/ledger.json: {"start": its digest, "lm": Revela's LM's, "groups": {ranking: digest}, "code", "runs":
+    {"s<seed>/<arm>": {"steps", "returned_from", "start", "groups", "code"}}}; {} before any run came back."""
     return read_json(out / LEDGER)
 
 def missing_runs(arms: dict, seeds: list, ledger: dict) -> list:
@@ -241,7 +262,13 @@ def record_returned(out: Path, returned: Path, report: dict) -> dict:
     for ranking, digest in groups.items():
         if ledger.get("groups", {}).get(ranking, digest) != digest:
             raise SystemExit(f"{returned}: its {ranking} groups differ from the ledger's")
+    lm = report.get("lm_digest")
+    if ledger.get("lm") and lm and lm != ledger["lm"]:
+        raise SystemExit(f"{returned}: its Revela arms trained through another language model (digest {lm[:12]}) "
+                         f"than the ledger's ({ledger['lm'][:12]}): build the next run here (it carries the model)")
     ledger.setdefault("start", start)
+    if lm:
+        ledger.setdefault("lm", lm)
     ledger.setdefault("groups", {}).update(groups)
     for run in report.get("finished", []):
         ledger["runs"].setdefault(run, {"steps": report.get("steps_per_arm"), "returned_from": str(returned),
@@ -391,21 +418,27 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     if (carry / START_PACKED).is_dir():  # the table's one start, carried (build): restored in fp32
         unpack_folders(carry / START_PACKED, out)
         start, folders = str(out / "start"), {}
-    else:  # the first run: the carried texts unpacked, then masked-language-model pre-training on this machine
-        texts = out / "texts"
-        texts.mkdir(parents=True, exist_ok=True)
-        inputs = []
-        for src in exp["start"]["flags"]["--inputs"]:
-            path = texts / f"{Path(src).parent.name}.jsonl"
-            with gzip.open(carry / "texts" / f"{path.name}.gz", "rb") as f, open(path, "wb") as g:
-                shutil.copyfileobj(f, g)
-            inputs.append(str(path))
-        start_exp = {**exp, "start": {**exp["start"], "flags": {**exp["start"]["flags"], "--inputs": inputs}}}
-        start = stages.stage_start(start_exp, out, False)
+    else:  # the first run: masked-language-model pre-training on this machine, from the carried texts
+        start = stages.stage_start(with_carried_texts(exp, "start", carry, out), out, False)
         round_to_fp16(Path(start))
         folders = {"start": Path(start)}
     lap("start")
     from training import code_revision, content_digest
+
+    # Revela's language model, where this run trains a Revela arm: carried from the run that made it, else made here
+    # as the start is (pre-trained, rounded to fp16) and brought back with the arms
+    if "revela" in arms and (exp.get("lm") or {}).get("kind") == "pretrain_clm" and (
+            "todo" not in plan_here or any(r.endswith("/revela") for r in plan_here["todo"])):
+        if (carry / LM_PACKED).is_dir():
+            unpack_folders(carry / LM_PACKED, out)
+            lm = out / "lm"
+        else:
+            lm = Path(stages.stage_lm(with_carried_texts(exp, "lm", carry, out), out, False))
+            round_to_fp16(lm)
+            folders["lm"] = lm
+        exp = {**exp, "lm_path": str(lm)}
+        report["lm_digest"] = tensors_digest(lm)
+        lap("lm")
 
     groups = {r: str(carry / ("groups" if r == "rrf" else f"groups_{r}"))
               for r in {a["ranking"] for a in arms.values()}}
@@ -475,6 +508,20 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     write_report(dest, report)
     print(json.dumps(report, indent=1))
     return report
+
+
+def with_carried_texts(exp: dict, key: str, carry: Path, out: Path) -> dict:
+    """exp with its "start" or "lm" pre-training reading the carried texts, unpacked into out/texts."""
+    texts = out / "texts"
+    texts.mkdir(parents=True, exist_ok=True)
+    inputs = []
+    for src in exp[key]["flags"]["--inputs"]:
+        path = texts / f"{Path(src).parent.name}.jsonl"
+        if not path.is_file():
+            with gzip.open(carry / "texts" / f"{path.name}.gz", "rb") as f, open(path, "wb") as g:
+                shutil.copyfileobj(f, g)
+        inputs.append(str(path))
+    return {**exp, key: {**exp[key], "flags": {**exp[key]["flags"], "--inputs": inputs}}}
 
 
 # seconds kept at the end of the budget for the last pack and run.json
@@ -553,8 +600,9 @@ def unpack(returned: Path, out: Path):
           f"the device run's status: {report.get('status')})")
     for k, why in missing.items():
         print(f"  not brought back: {k}: {why}")
-    if "start" in per_model and report.get("start_digest") and tensors_digest(out / "start") != report["start_digest"]:
-        raise SystemExit(f"{returned}: the start model unpacked here is not the one its arms trained from (digest)")
+    for name, key in (("start", "start_digest"), ("lm", "lm_digest")):
+        if name in per_model and report.get(key) and tensors_digest(out / name) != report[key]:
+            raise SystemExit(f"{returned}: the {name} unpacked here is not the one its arms trained from (digest)")
     atomic_write(out / "device_run.json", json.dumps(report, indent=1))
     ledger = record_returned(out, returned, report)
     print(f"ledger {out / LEDGER}: {len(ledger['runs'])} runs ({', '.join(sorted(ledger['runs']))})")

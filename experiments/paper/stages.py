@@ -201,14 +201,21 @@ def stage_start(exp: dict, out: Path, dry_run: bool) -> str:
 
 def stage_lm(exp: dict, out: Path, dry_run: bool):
     """Revela's language model, where a config names one as "lm" -> its path or name (None without one). kinds:
-    "model" (a name or folder: Qwen/Qwen2.5-0.5B, from the Hub or carried), "random_causal_lm" (a causal LM built
-    from a config with a given tokenizer: the tiny scale's stand-in)."""
+    "model" (a name or folder: Qwen/Qwen2.5-0.5B, from the Hub or carried), "pretrain_clm" (pre-trained by
+    next-token prediction on the config's texts, experiments/nano/pretrain_mlm.py --causal: the gpu scale's, made on
+    the GPU as its MLM start is), "random_causal_lm" (a causal LM built from a config with a given tokenizer: the
+    tiny scale's stand-in)."""
     lm = exp.get("lm")
     if not lm:
         return None
     if lm["kind"] == "model":
         return lm["name"]
     dest = out / "lm"
+    if lm["kind"] == "pretrain_clm":  # experiments/nano/pretrain_mlm.py --causal: made as the MLM start is
+        if dry_run or not (dest / "mlm_stats.json").is_file():
+            run_script(exp, "experiments/nano/pretrain_mlm.py",
+                       argv_of({**lm["flags"], "--output_dir": str(dest), "--overwrite": True}), dry_run)
+        return str(dest)
     print(f"+ (random {lm['architecture']} {lm['config']} with {lm['tokenizer']}'s vocabulary -> {dest})")
     if not dry_run and not (dest / "config.json").is_file():
         import torch
@@ -365,16 +372,24 @@ def estimate_flops(exp: dict, arm: dict) -> float:
 
 def revela_estimate_options(exp: dict, flags: list) -> dict:
     """Revela's options for the FLOP estimate: its language model built without weights (meta device) from the
-    config's "lm_config" (the real model's published shapes; the harness reads no Hub) or the tiny "lm", its
-    tokenizer MiniLM's (shapes only: one token a word), LoRA as the arm's flags set it."""
+    config's "lm_config" (the real model's published shapes; the harness reads no Hub) or its "lm"'s sizes, its
+    tokenizer the shipped bench/tokenizer (shapes only: one token a word), LoRA as the arm's flags set it."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from common import resolve_model_path
-
-    spec = exp.get("lm_config") or {"architecture": exp["lm"]["architecture"], **exp["lm"]["config"]}
-    spec = dict(spec)
-    tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    lm = exp["lm"]
+    if exp.get("lm_config"):
+        spec = dict(exp["lm_config"])
+    elif lm["kind"] == "pretrain_clm":  # pretrain_mlm.py --causal's sizes
+        f = lm["flags"]
+        spec = {"architecture": f["--causal"], "vocab_size": f.get("--vocab_size", 8192),
+                "hidden_size": f.get("--hidden_size", 256), "num_hidden_layers": f.get("--num_layers", 4),
+                "num_attention_heads": f.get("--num_heads", 4), "num_key_value_heads": f.get("--num_heads", 4),
+                "intermediate_size": f.get("--intermediate_size", 1024)}
+    else:
+        spec = {"architecture": lm["architecture"], **lm["config"]}
+    # shapes only (one token a word): the shipped tokenizer, which the GPU machine has (it has no MiniLM package)
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "bench" / "tokenizer"))
     config = AutoConfig.for_model(spec.pop("architecture"), **{"vocab_size": len(tok), **spec})
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config)
