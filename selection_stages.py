@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 
 import select_groups as sg
-from common import UserError, atomic_path, atomic_write
+from common import UserError, atomic_path, atomic_write, stable_doc_hash
+from readers import INPUT_SUFFIXES, BadInput, file_records, input_files, iter_records, row_number_ids, unread_splits
 
 STAGES_DIR = os.path.join(sg.META_DIR, "datatrove")  # every file of the stages, and datatrove's logs and markers
 STAGES = ("frequencies", "merge", "select", "finish")
@@ -147,17 +148,17 @@ class CountFrequencies(SelectionStage):
         files = read_files(args)
         # 8 bytes each (array, not a list of ints): what grows with the task's share of the corpus, with `seen`
         tfidf, seen, hashes, positions, records = tfidf_of(args, sel), set(), array("q"), array("q"), {}
-        ids = not sg.row_number_ids(args)  # row-number ids are unique by construction
+        ids = not row_number_ids(args)  # row-number ids are unique by construction
         for fi in task_file_indices(len(files), rank, world_size):
             texts, n = [], 0
             # start: the record's position as its index, so that row-number ids (unused here) stay unique
-            for d in sg.iter_records(args, sg.file_records(args, files[fi]), start=position(fi, 0), seen=seen):
+            for d in iter_records(args, file_records(args, files[fi]), start=position(fi, 0), seen=seen):
                 n += 1
                 if d.skip:
                     continue
                 texts.append(d.text)
                 if ids:
-                    hashes.append(sg.stable_doc_hash(d.doc_id))
+                    hashes.append(stable_doc_hash(d.doc_id))
                     positions.append(d.index)
                 if len(texts) == args.chunk_docs:  # bounded memory, as the one-process pass
                     tfidf.add_documents(texts)
@@ -208,7 +209,7 @@ def repeated_ids(args, tasks: int) -> np.ndarray:
 def record_at(args, files, pos: int):
     """(where, doc_id) of the record at position `pos` (for a message naming both places of a repeated id)."""
     fi, i = pos >> FILE_BITS, pos & ((1 << FILE_BITS) - 1)
-    for k, d in enumerate(sg.iter_records(args, sg.file_records(args, files[fi]))):
+    for k, d in enumerate(iter_records(args, file_records(args, files[fi]))):
         if k == i:
             return d.where, d.doc_id
     raise RuntimeError(f"{files[fi]}: record {i} not found")  # the file changed under the run
@@ -230,7 +231,7 @@ class MergeFrequencies(SelectionStage):
             tfidf.n_docs += int(z["n_docs"])
             records.update({int(k): v for k, v in json.load(open(stage_path(args, f"records-t{r:05d}.json"))).items()})
         # each file's first record's global index, and its first chunk's number (a chunk is up to --chunk_docs
-        # records of one file: select_groups.iter_chunks), so that rows and shard names are the one-process ones
+        # records of one file: readers.iter_chunks), so that rows and shard names are the one-process ones
         counts = [records[fi] for fi in range(len(files))]
         chunks = [-(-n // args.chunk_docs) for n in counts]  # ceil: a file's last chunk may be short
         offsets = {"records_before": np.concatenate([[0], np.cumsum(counts)]).tolist(),
@@ -240,12 +241,12 @@ class MergeFrequencies(SelectionStage):
             k = int(np.argmin(repeats[0]))  # the first repeat in input order, as the one-process reader stops there
             where, doc_id = record_at(args, files, int(repeats[0, k]))
             first, _ = record_at(args, files, int(repeats[1, k]))
-            raise sg.BadInput(f"{where}: duplicate_id: id {doc_id!r} was already seen at {first}. Fix the input, or "
-                              "pass --skip_bad_lines to count and skip such records.")
+            raise BadInput(f"{where}: duplicate_id: id {doc_id!r} was already seen at {first}. Fix the input, or "
+                           "pass --skip_bad_lines to count and skip such records.")
         dropped = np.sort(repeats[0])
         for fi in np.unique(dropped >> FILE_BITS):  # the repeats' terms were counted by their tasks: take them out
             mine = set((dropped[(dropped >> FILE_BITS) == fi] & ((1 << FILE_BITS) - 1)).tolist())
-            texts = [d.text for d in sg.iter_records(args, sg.file_records(args, files[int(fi)]))
+            texts = [d.text for d in iter_records(args, file_records(args, files[int(fi)]))
                      if d.index in mine and not d.skip]
             tfidf.add_documents(texts, sign=-1)
         with atomic_path(stage_path(args, "merged-df.npz")) as tmp:
@@ -274,7 +275,7 @@ class SelectChunks(SelectionStage):
 
     def chunks(self, rank: int, world_size: int):
         """(chunk number, records) of the task's files: chunks of up to --chunk_docs records of one file, numbered
-        as select_groups.iter_chunks numbers them."""
+        as readers.iter_chunks numbers them."""
         args = self.args
         files, offsets = read_files(args), json.load(open(stage_path(args, "offsets.json")))
         repeats = np.load(stage_path(args, "repeated-ids.npy"))
@@ -282,8 +283,8 @@ class SelectChunks(SelectionStage):
         for fi in task_file_indices(len(files), rank, world_size):
             mine = repeats[(repeats >> FILE_BITS) == fi] & ((1 << FILE_BITS) - 1)
             buf, c = [], offsets["chunks_before"][fi]
-            for d in sg.iter_records(args, sg.file_records(args, files[fi]), start=offsets["records_before"][fi],
-                                     seen=seen, dropped=frozenset(mine.tolist())):
+            for d in iter_records(args, file_records(args, files[fi]), start=offsets["records_before"][fi],
+                                  seen=seen, dropped=frozenset(mine.tolist())):
                 buf.append(d)
                 if len(buf) == args.chunk_docs:
                     yield c, buf
@@ -405,18 +406,18 @@ def run(args, sel: sg.Selection):
     input file list, build the stages and run (local) or submit (slurm, ray) the last, which runs its dependencies
     first."""
     skipped = []
-    files = sg.input_files(args.input, skipped)
+    files = input_files(args.input, skipped)
     if not files:
-        raise UserError(f"--input {' '.join(args.input)}: no input file found ({'/'.join(sg.INPUT_SUFFIXES)})")
+        raise UserError(f"--input {' '.join(args.input)}: no input file found ({'/'.join(INPUT_SUFFIXES)})")
     if skipped:
         print(f"--input: {len(skipped)} file(s) of a format not read, skipped: {', '.join(skipped[:10])}"
               f"{' ...' if len(skipped) > 10 else ''}")
-    for line in sg.unread_splits(files, args.dataset_split):
+    for line in unread_splits(files, args.dataset_split):
         print(line)
     if args.tasks > len(files):
         print(f"warning: --tasks {args.tasks} > {len(files)} input file(s): tasks deal whole files, so "
               f"{args.tasks - len(files)} task(s) have none")
-    sg.row_number_ids(args)  # decided once here, from the input's first record, and carried to every task
+    row_number_ids(args)  # decided once here, from the input's first record, and carried to every task
     args.launched_at = time.time()
     executors = build_executors(args, sel)
     if args.dry_run:

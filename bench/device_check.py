@@ -351,6 +351,7 @@ def selection_speed(args, device):
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
+    import readers
     import select_groups as sg
 
     tok = AutoTokenizer.from_pretrained(str(HERE / "tokenizer"))
@@ -360,8 +361,8 @@ def selection_speed(args, device):
     model = BertModel(BertConfig(vocab_size=tok.vocab_size, attn_implementation="sdpa", **small)).to(device, dtype)
     lines = (ROOT_DIR / "data" / "docs.jsonl").read_text(encoding="utf-8").splitlines()
     n = args.selection_docs or (4 if args.toy else 1500)
-    docs = [sg.Doc(index=k, where=f"docs.jsonl:{k % len(lines) + 1}", doc_id=f"{k}",
-                   text=json.loads(lines[k % len(lines)])["text"]) for k in range(n)]
+    docs = [readers.Doc(index=k, where=f"docs.jsonl:{k % len(lines) + 1}", doc_id=f"{k}",
+                        text=json.loads(lines[k % len(lines)])["text"]) for k in range(n)]
     tfidf = sg.CorpusTfidf()
     tfidf.add_documents([d.text for d in docs])
     tfidf.finalize()

@@ -8,6 +8,7 @@ import json
 import pytest
 
 import finetune
+import readers
 import select_groups as sg
 from test_select_groups import _docs, _rows, _run, _write_jsonl
 
@@ -113,7 +114,7 @@ def test_id_less_corpus_is_selected_with_row_numbers_as_ids(tmp_path, tiny_bert)
     # a corpus WITH ids still refuses a record without one
     (tmp_path / "holes.jsonl").write_text(json.dumps({"id": "a", "text": "x"}) + "\n" + json.dumps({"text": "y"}) + "\n")
     args = sg.parse_args(["--input", str(tmp_path / "holes.jsonl"), "--output_dir", "o", "--skip_bad_lines"])
-    assert [d.skip for d in sg.iter_records(args)] == ["", "missing_id"]
+    assert [d.skip for d in readers.iter_records(args)] == ["", "missing_id"]
 
 
 def test_zst_input_reads_the_same_documents_as_the_plain_file(tmp_path):
@@ -126,7 +127,7 @@ def test_zst_input_reads_the_same_documents_as_the_plain_file(tmp_path):
     got = {}
     for inp in (plain, tmp_path / "z" / "a.jsonl.zst", tmp_path / "z"):  # a file, and a folder holding .zst
         args = sg.parse_args(["--input", str(inp), "--output_dir", "x"])
-        got[str(inp)] = [(d.doc_id, d.text, d.skip) for d in sg.iter_records(args)]
+        got[str(inp)] = [(d.doc_id, d.text, d.skip) for d in readers.iter_records(args)]
     want = [(d["id"], d["text"], "") for d in docs]
     assert all(v == want for v in got.values()), got.keys()
 

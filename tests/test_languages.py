@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import readers
 import select_groups as sg
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +46,7 @@ def test_script_terms_are_scikit_learns_words_on_spaced_text_and_bigrams_on_unsp
 def test_unspaced_passages_of_one_document_share_tfidf_terms(tok, lang, words_pct, script_pct):
     """Pairs of passages of one document whose TF-IDF cosine is exactly 0 (no term in common): with the former word
     terms nearly all of them in Chinese and Japanese (a clause is one term), with script terms few."""
-    texts = [sg.with_title(d["title"], d["text"]) for d in _sample(lang)]
+    texts = [readers.with_title(d["title"], d["text"]) for d in _sample(lang)]
     passages = sg.split_passages(texts, tok, 128, 16)
 
     def zero_pairs_pct(terms):
@@ -108,7 +109,7 @@ def test_unknown_token_share_is_counted_and_warned_with_the_models_name(mixed_ru
     stats, log = mixed_runs["one"]
     unk = {}
     for d in _sample():
-        ids = tok([line for line in sg.with_title(d["title"], d["text"]).split("\n") if line.strip()],
+        ids = tok([line for line in readers.with_title(d["title"], d["text"]).split("\n") if line.strip()],
                   add_special_tokens=False)["input_ids"]
         n, u = unk.get(d["lang"], (0, 0))
         unk[d["lang"]] = (n + sum(map(len, ids)), u + sum(x.count(tok.unk_token_id) for x in ids))

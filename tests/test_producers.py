@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import finetune
+import readers
 import select_groups as sg
 import common
 import model_folder
@@ -28,7 +29,7 @@ def _records(inp, *extra):
     """The valid documents select_groups reads from --input `inp` (no model: only the reader)."""
     args = sg.parse_args(["--input", *map(str, inp if isinstance(inp, list) else [inp]), "--output_dir", "unused",
                           *extra])
-    return [d for d in sg.iter_records(args) if not d.skip], args
+    return [d for d in readers.iter_records(args) if not d.skip], args
 
 
 # ---- select_groups.py: corpora as datasets, gzip and pyarrow write them -------------------------------------------
@@ -47,12 +48,12 @@ def test_a_save_to_disk_folder_is_read_as_the_dataset_it_holds(tmp_path):
                           "validation": datasets.Dataset.from_list(docs[5:8])}).save_to_disk(str(tmp_path / "dict"))
     assert len(_records(tmp_path / "dict")[0]) == 5
     # the splits not read are named (a run's start-up line), from the DatasetDict datasets wrote
-    assert sg.unread_splits(sg.input_files([str(tmp_path / "dict")]), "train") == [
+    assert readers.unread_splits(readers.input_files([str(tmp_path / "dict")]), "train") == [
         f"--input {tmp_path / 'dict'}: a saved DatasetDict; its split 'train' is read, not ['validation'] "
         "(--dataset_split picks the split)"]
-    assert sg.unread_splits(sg.input_files([str(tmp_path / "saved")]), "train") == []
+    assert readers.unread_splits(readers.input_files([str(tmp_path / "saved")]), "train") == []
     assert len(_records(tmp_path / "dict", "--dataset_split", "validation")[0]) == 3
-    with pytest.raises(sg.BadInput, match="without split 'test'.*--dataset_split"):
+    with pytest.raises(readers.BadInput, match="without split 'test'.*--dataset_split"):
         _records(tmp_path / "dict", "--dataset_split", "test")
     (tmp_path / "outer").mkdir()
     datasets.Dataset.from_list(docs[:4]).save_to_disk(str(tmp_path / "outer" / "part"))
@@ -72,7 +73,7 @@ def test_a_folder_of_c4_json_gz_shards_is_read_like_its_files(tmp_path):
     files = _records(sorted((tmp_path / "c4").iterdir()))[0]
     assert [d.text for d in folder] == [d.text for d in files] == [d["text"] for d in docs]
     assert [d.doc_id for d in folder] == [str(i) for i in range(12)]
-    assert sg.unused_fields(args) == ["timestamp"]
+    assert readers.unused_fields(args) == ["timestamp"]
 
 
 def test_wikipedia_parquet_titles_are_joined_and_said(tmp_path):
@@ -87,11 +88,11 @@ def test_wikipedia_parquet_titles_are_joined_and_said(tmp_path):
              "text": "Autism is a developmental disorder."}]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "wiki.parquet")
     got, args = _records(tmp_path / "wiki.parquet")
-    assert [d.text for d in got] == [f"{r['title']}\n{r['text']}" for r in rows] and sg.unused_fields(args) == []
+    assert [d.text for d in got] == [f"{r['title']}\n{r['text']}" for r in rows] and readers.unused_fields(args) == []
     got, args = _records(tmp_path / "wiki.parquet", "--title_field", "")
-    assert [d.text for d in got] == [r["text"] for r in rows] and sg.unused_fields(args) == ["title"]
+    assert [d.text for d in got] == [r["text"] for r in rows] and readers.unused_fields(args) == ["title"]
     # a text that already starts with its title (WikiExtractor kept the title line) is not given it twice
-    assert sg.with_title("Autism", "Autism\nAutism is ...") == "Autism\nAutism is ..."
+    assert readers.with_title("Autism", "Autism\nAutism is ...") == "Autism\nAutism is ..."
 
 
 def test_a_repeated_block_is_never_an_anchors_related_passage_and_html_is_counted(tmp_path, tiny_bert):

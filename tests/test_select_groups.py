@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import readers
 import select_groups as sg
 from common import UserError
 
@@ -150,7 +151,7 @@ def _bad_file(tmp_path, reason):
 @pytest.mark.parametrize("reason", list(BAD_LINES))
 def test_bad_input_names_file_and_line(tmp_path, tiny_bert, reason):
     path = _bad_file(tmp_path, reason)
-    with pytest.raises(sg.BadInput, match=f"{path}:3: {reason}"):
+    with pytest.raises(readers.BadInput, match=f"{path}:3: {reason}"):
         _run(tiny_bert, path, tmp_path / "out", "--max_doc_chars", "20000")
 
 
@@ -164,7 +165,7 @@ def test_bad_input_skipped_and_counted(tmp_path, tiny_bert):
     stats = _run(tiny_bert, path, tmp_path / "out", "--skip_bad_lines", "--max_doc_chars", "20000", "--chunk_docs", "4")
     assert stats["documents_read"] == 6 + len(BAD_LINES)
     assert stats["documents_valid"] == 6
-    assert stats["documents_skipped_by_reason"] == {r: 1 for r in sg.SKIP_REASONS}
+    assert stats["documents_skipped_by_reason"] == {r: 1 for r in readers.SKIP_REASONS}
     assert stats["documents_valid"] + stats["documents_skipped"] == stats["documents_read"]
     assert {r["doc_id"] for r in _rows(tmp_path / "out")} <= {d["id"] for d in _docs(6)}
 
@@ -173,7 +174,7 @@ def test_lone_surrogate_is_invalid_utf8(tmp_path):
     path = tmp_path / "s.jsonl"
     path.write_text('{"id": "a", "text": "bad \\ud800 text"}\n')
     args = sg.parse_args(["--input", str(path), "--output_dir", str(tmp_path / "o"), "--skip_bad_lines"])
-    assert [d.skip for d in sg.iter_records(args)] == ["invalid_utf8"]
+    assert [d.skip for d in readers.iter_records(args)] == ["invalid_utf8"]
 
 
 def test_readers_agree_jsonl_gz_parquet_and_hf_streaming(tmp_path):
@@ -190,12 +191,12 @@ def test_readers_agree_jsonl_gz_parquet_and_hf_streaming(tmp_path):
     for inp in (["--input", str(tmp_path / "a.jsonl")], ["--input", str(tmp_path / "a.jsonl.gz")],
                 ["--input", str(tmp_path / "pq" / "a.parquet")], ["--dataset", str(tmp_path / "pq")]):
         args = sg.parse_args(inp + ["--output_dir", "x", "--max_docs", "5"])
-        assert [(d.doc_id, d.text) for d in sg.iter_records(args)] == want, inp
+        assert [(d.doc_id, d.text) for d in readers.iter_records(args)] == want, inp
     # field names are flags
     _write_jsonl(tmp_path / "b.jsonl", [{"doc": d["id"], "body": d["text"]} for d in docs])
     args = sg.parse_args(["--input", str(tmp_path / "b.jsonl"), "--output_dir", "x",
                           "--id_field", "doc", "--text_field", "body"])
-    assert [d.doc_id for d in sg.iter_records(args)] == [d["id"] for d in docs]
+    assert [d.doc_id for d in readers.iter_records(args)] == [d["id"] for d in docs]
 
 
 def test_a_byte_order_mark_on_line_1_is_not_part_of_the_first_record(tmp_path):
@@ -204,7 +205,7 @@ def test_a_byte_order_mark_on_line_1_is_not_part_of_the_first_record(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b'{"id": "a", "text": "first"}\n{"id": "b", "text": "second"}\n')
     args = sg.parse_args(["--input", str(path), "--output_dir", str(tmp_path / "o")])
-    assert [(d.doc_id, d.text, d.skip) for d in sg.iter_records(args)] == [("a", "first", ""), ("b", "second", "")]
+    assert [(d.doc_id, d.text, d.skip) for d in readers.iter_records(args)] == [("a", "first", ""), ("b", "second", "")]
 
 
 # ---- settings -----------------------------------------------------------------------------------
@@ -402,7 +403,7 @@ def test_a_plain_json_string_record_is_not_an_object(tmp_path):
     path = tmp_path / "s.jsonl"
     path.write_text('"hello"\n"malformed_json"\n')
     args = sg.parse_args(["--input", str(path), "--output_dir", str(tmp_path / "o"), "--skip_bad_lines"])
-    assert [d.skip for d in sg.iter_records(args)] == ["not_an_object", "not_an_object"]
+    assert [d.skip for d in readers.iter_records(args)] == ["not_an_object", "not_an_object"]
 
 
 @pytest.mark.parametrize("terms", ["script", "encoder"])
@@ -424,7 +425,7 @@ def test_pipelined_chunks_equal_one_chunk_at_a_time(tmp_path, tiny_bert, terms):
     tfidf = sg.CorpusTfidf(sel.tfidf_features, sg.tfidf_analyzer(terms, encoder.tokenizer))
     tfidf.add_documents([d["text"] for d in _docs(12)])
     tfidf.finalize()
-    want = [g for _, recs in sg.iter_chunks(args) for r in sg.select_documents(recs, encoder, tfidf, 0.825, sel)
+    want = [g for _, recs in readers.iter_chunks(args) for r in sg.select_documents(recs, encoder, tfidf, 0.825, sel)
             for g in r.groups]
     assert len(want) > 20
     import pyarrow as pa

@@ -14,6 +14,7 @@ import pytest
 
 import evaluate as ev
 import finetune
+import readers
 import select_groups as sg
 import common
 import train
@@ -287,11 +288,11 @@ def test_skipped_files_of_a_folder_are_named(data, tmp_path, capsys):
     (folder / "b.csv").write_text("id,text\n1,hello\n")
     (folder / "c.txt").write_text("hello\n")
     skipped = []
-    assert sg.input_files([str(folder)], skipped) == [str(folder / "a.jsonl")]
+    assert readers.input_files([str(folder)], skipped) == [str(folder / "a.jsonl")]
     assert skipped == [str(folder / "b.csv"), str(folder / "c.txt")]
     sg.main(S(data, tmp_path / "out", **{"--input": folder, "--centrality_threshold": -1}))
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--input:")]
-    assert said == [f"--input: 2 file(s) of a format not read ({'/'.join(sg.INPUT_SUFFIXES)} are), skipped: "
+    assert said == [f"--input: 2 file(s) of a format not read ({'/'.join(readers.INPUT_SUFFIXES)} are), skipped: "
                     f"{folder / 'b.csv'}, {folder / 'c.txt'}"]
 
 
