@@ -178,18 +178,18 @@ def test_pack_and_unpack_keep_every_weight_within_the_return_limits(tmp_path, mo
 
 def test_the_gpu_plans_count_what_a_run_can_bring_back(capsys):
     """The plans of both gpu settings (dry runs): a MiniLM (the E5 stand-in) is 43 MiB in fp16, so one run brings
-    back one arm and the 21 runs of 7 arms x 3 seeds need 21 GPU runs, the carried start never among the returns;
+    back one arm and the 27 runs of 9 arms x 3 seeds need 27 GPU runs, the carried start never among the returns;
     the from-MLM start's 5.2 MiB encoders come back 11 to a run. The arms that do not run at a scale say why."""
     e5 = stages.load_config("gpu_e5")["experiments"][0]
     assert device.models_per_run(e5) == 1 and device.encoder_bytes(e5) == 2 * 22_713_216
     run.main(["--scale", "gpu_e5", "--dry_run"])
     text = capsys.readouterr().out
-    assert "at most 1 models of 43.3 MiB (fp16) come back from one run: 21 GPU run(s) of 540 s for 21 of them" in text
+    assert "at most 1 models of 43.3 MiB (fp16) come back from one run: 27 GPU run(s) of 540 s for 27 of them" in text
     assert "brings back the models of run 1" in text  # not the start: every run carries it
-    assert "run 21: s3/self_reconstruction" in text and "simlm" not in text.split("arms:")[1].split("\n")[0]
+    assert "run 27: s3/self_reconstruction" in text and "simlm" not in text.split("arms:")[1].split("\n")[0]
     mlm = stages.load_config("gpu")["experiments"][0]
     assert device.models_per_run(mlm) == 11
-    assert set(mlm["exclude"]) == {"e5_ranking", "tfidf_ranking", "self_reconstruction_5x"}  # Revela runs
+    assert set(mlm["exclude"]) == {"self_reconstruction_5x"}  # Revela and the rankings run
     assert all(len(why) > 40 for why in {**mlm["exclude"], **e5["exclude"]}.values())
 
 
@@ -324,7 +324,7 @@ def test_gpu_scale_round_trip_at_toy_size(tmp_path, monkeypatch):
     plan = json.loads((here / "carry" / "plan.json").read_text())
     assert plan["sizes"]["lm"] > 0 and plan["todo"] == ["s2/xprt", "s2/contrastive_random_span", "s2/revela"]
     assert "## Every model scored as the start is" in md
-    assert "## Arms not run at this scale" in md and "- xPRT, E5-only ranking: not run at this scale" in md
+    assert "## Arms not run at this scale" in md and "- self-reconstruction, 5x steps (as much text as xPRT): not run" in md
     assert "tears the encoder" not in md  # the config's note on Contriever: on the page only where it is an arm
     for arm in both:
         log = [json.loads(line) for line in (here / f"s1/{arm}/train_log.jsonl").read_text().splitlines()]
@@ -354,3 +354,39 @@ def test_the_e5_setting_carries_its_start_and_brings_back_only_the_arms(tmp_path
     assert device.read_ledger(here)["start"] == plan["start_digest"]
     md = (here / "results.md").read_text()
     assert "| xPRT |" in md and "## Arms not run at this scale" in md and "no MLM generator" in md
+
+
+@pytest.mark.slow
+def test_each_run_carries_the_groups_its_arms_read(tmp_path, monkeypatch):
+    """Where the carry holds one ranking's groups beside the rest (a MiniLM start, or 27 MB groups folders), build
+    carries those of the first missing runs' ranking and leaves the other ranking's runs to a later build, which
+    carries theirs: the E5-only ranking gets its row from the second run, both on one page."""
+    import shutil
+
+    here = tmp_path / "here"
+    arms = ["xprt", "e5_ranking"]
+
+    def build() -> dict:
+        run.main(["--scale", "gpu", "--toy", "--stage", "build", "--out", str(here), "--arms", *arms])
+        return json.loads((here / "carry" / "plan.json").read_text())
+
+    limit = device.CARRY_BYTES
+    for k, (todo, folder) in enumerate([(["s1/xprt"], "groups"), (["s1/e5_ranking"], "groups_e5")], 1):
+        monkeypatch.setattr(device, "CARRY_BYTES", limit)
+        sizes = build()["sizes"]  # everything fits at toy size: measure, then leave room for one ranking only
+        assert set(sizes["groups"]) == ({"rrf", "e5"} if k == 1 else {"e5"})
+        room = max(sizes["groups_selected"].values()) + 1024
+        monkeypatch.setattr(device, "CARRY_BYTES", limit - sizes["room_for_groups"] + room)
+        plan = build()
+        assert plan["todo"] == todo and [p.name for p in (here / "carry").glob("groups*")] == [folder]
+        there, returned = tmp_path / f"there{k}", tmp_path / f"OUT{k}"
+        shutil.copytree(here / "carry", there / "carry")
+        monkeypatch.setenv("OUT", str(returned))
+        report = run.main(["--scale", "gpu", "--toy", "--stage", "device", "--out", str(there), "--arms", *arms])
+        assert report["gpu"]["finished"] == todo and list(report["gpu"]["groups_digests"]) == [folder[7:] or "rrf"]
+        run.main(["--scale", "gpu", "--toy", "--stage", "score", "--returned", str(returned), "--out", str(here),
+                  "--arms", *arms])
+    ledger = device.read_ledger(here)
+    assert sorted(ledger["runs"]) == ["s1/e5_ranking", "s1/xprt"] and set(ledger["groups"]) == {"rrf", "e5"}
+    md = (here / "results.md").read_text()
+    assert "| xPRT, E5-only ranking |" in md and "Not yet trained" not in md

@@ -57,7 +57,7 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
     """Everything the device stage needs that the repository does not hold, in <out>/carry (git ignores outputs/)."""
     carry = carry_dir(out)
     carry.mkdir(parents=True, exist_ok=True)
-    groups = stages.stage_groups(exp, carry, arms, False, docs_dir=out)  # the documents stay here
+    selected = stages.stage_groups(exp, out, arms, False)  # every ranking the arms need, selected here
     texts = carry / "texts"
     texts.mkdir(exist_ok=True)
     for src in dict.fromkeys(pretraining_inputs(exp)):  # a start (or Revela's LM) pre-trained there: its texts
@@ -95,7 +95,20 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
     tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=stages.ROOT, check=True).stdout
     tree = sum(os.path.getsize(stages.ROOT / f) for f in tracked.decode().split("\0") if f and
                os.path.isfile(stages.ROOT / f))
-    sizes = {"groups": {r: folder_bytes(Path(g)) for r, g in groups.items()}, "texts": folder_bytes(texts),
+    # the groups of the rankings the next run trains, as many as the carry holds beside the rest (a ranking's groups
+    # folder is tens of MB at the gpu scale: each run carries what its arms read, later runs the others)
+    seeds = getattr(args, "seeds", None) or exp.get("seeds", [1])
+    missing = missing_runs(arms, seeds, ledger)
+    for old in [p for p in carry.iterdir() if p.name == "groups" or p.name.startswith("groups_")]:
+        shutil.rmtree(old)
+    group_bytes = {r: folder_bytes(Path(g)) for r, g in selected.items()}
+    room = CARRY_BYTES - folder_bytes(carry) - tree
+    carried = carried_rankings(missing, arms, group_bytes, room)
+    for r in carried:
+        shutil.copytree(selected[r], carry / Path(selected[r]).name)
+    groups = {r: str(carry / Path(selected[r]).name) for r in carried}
+    sizes = {"groups": {r: folder_bytes(Path(g)) for r, g in groups.items()}, "groups_selected": group_bytes,
+             "room_for_groups": room, "texts": folder_bytes(texts),
              "start": folder_bytes(carry / START_PACKED) if (carry / START_PACKED).is_dir() else 0,
              "lm": folder_bytes(carry / LM_PACKED) if (carry / LM_PACKED).is_dir() else 0,
              "wheels": folder_bytes(wheels), "carry": folder_bytes(carry), "tracked_tree": tree}
@@ -104,12 +117,16 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
           f"start {sizes['start'] / MIB:.1f}, texts {sizes['texts'] / MIB:.1f}, wheels "
           f"{sizes['wheels'] / MIB:.1f}) + the tracked tree {tree / MIB:.1f} MiB = {sizes['with_tree'] / MIB:.1f} MiB "
           f"of the {CARRY_BYTES / MIB:.0f} MiB a run may carry")
-    if sizes["with_tree"] > CARRY_BYTES:
-        raise SystemExit("over the carry limit: fewer documents (the config's 'documents') or fewer rankings")
+    if sizes["with_tree"] > CARRY_BYTES or (missing and not carried):
+        raise SystemExit("over the carry limit: fewer documents (the config's 'documents') for a smaller groups "
+                         "folder")
     plan = {"sizes": sizes, "flops_per_step": {a: stages.estimate_flops(exp, arm) for a, arm in arms.items()},
-            "steps_factor": {a: arm["steps_factor"] for a, arm in arms.items()}}
-    seeds = getattr(args, "seeds", None) or exp.get("seeds", [1])
-    plan["todo"] = missing_runs(arms, seeds, ledger)
+            "steps_factor": {a: arm["steps_factor"] for a, arm in arms.items()},
+            "ranking": {a: arm["ranking"] for a, arm in arms.items()}}
+    # the runs this carry can train (their groups are in it); the others wait for a build that carries theirs
+    plan["todo"] = [r for r in missing if arms[r.split("/", 1)[1]]["ranking"] in carried]
+    plan["later"] = [r for r in missing if r not in plan["todo"]]
+    plan["missing"] = missing
     if start_digest:
         plan["start_digest"] = start_digest
     atomic_write(carry / "plan.json", json.dumps(plan, indent=1))
@@ -117,6 +134,17 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
     print_next_run(exp, out, plan, ledger, args)
     return plan
 
+
+def carried_rankings(todo: list, arms: dict, group_bytes: dict, room: int) -> list:
+    """The rankings whose groups one run carries: those of the missing runs, in their order, while their folders
+    fit the room the rest of the carry leaves."""
+    carried, used = [], 0
+    for run in todo:
+        r = arms[run.split("/", 1)[1]]["ranking"]
+        if r not in carried and used + group_bytes[r] <= room:
+            carried.append(r)
+            used += group_bytes[r]
+    return carried
 
 def pretraining_inputs(exp: dict) -> list:
     """The texts a run pre-trains on (its MLM start's, Revela's causal LM's): carried gzipped, unpacked there."""
@@ -143,25 +171,37 @@ def print_next_run(exp: dict, out: Path, plan: dict, ledger: dict, args):
     runs, too_long = [[]], []
     used = 0.0 if plan.get("start_digest") else est.get("start_s", 120.0)  # the first run makes the start
     held, lm_made = (0 if plan.get("start_digest") else 1), False
-    for run in plan["todo"]:
+    # a run carries the groups of its arms' rankings, within the room build measured (unknown in a dry run: the
+    # groups are not selected yet, so not counted)
+    sizes = plan.get("sizes", {})
+    group_bytes, room_bytes = sizes.get("groups_selected"), sizes.get("room_for_groups")
+    rankings = set()
+    for run in plan.get("missing", plan["todo"]):
         arm = run.split("/", 1)[1]
+        r = plan.get("ranking", {}).get(arm, "rrf")
+        over = bool(group_bytes) and r not in rankings and sum(group_bytes[x] for x in rankings | {r}) > room_bytes
         secs = startup + per_arm * plan["steps_factor"][arm] * step_seconds(exp, arm, plan["flops_per_step"][arm])
         lm = int(not lm_made and makes_lm(exp, [run], ledger))  # the run that makes Revela's LM returns it too
         secs += lm * est.get("lm_s", 90.0)
         if secs > room:  # no run can hold it (a later run carries the start: its whole budget is the arms')
             too_long.append(f"{run} ({secs:.0f} s)")
             continue
-        if used + secs > room or held + 1 + lm > capacity:
+        if used + secs > room or held + 1 + lm > capacity or over:
             runs.append([])
-            used, held = 0.0, 0  # later runs carry the start
+            used, held, rankings = 0.0, 0, set()  # later runs carry the start
         runs[-1].append(f"{run} ~{secs / 60:.1f} min" + (" (and its language model)" if lm else ""))
         used += secs
         held += 1 + lm
+        rankings.add(r)
         lm_made = lm_made or bool(lm)
     runs = [r for r in runs if r]
+    missing = plan.get("missing", plan["todo"])
     print(f"\nthe ledger ({out / LEDGER}): {len(ledger.get('runs', {}))} runs returned; missing "
-          f"{len(plan['todo'])}: {', '.join(plan['todo']) or 'none'}")
-    if not plan["todo"]:
+          f"{len(missing)}: {', '.join(missing) or 'none'}")
+    if plan.get("later"):
+        print(f"this build carries the groups of {len(plan['todo'])} of them; a later build carries the others' "
+              f"({', '.join(plan['later'])})")
+    if not missing:
         return
     print(f"at {per_arm} steps per arm and the step times of {step_seconds_source(exp)}; at most {capacity} models "
           f"of {model_mib:.1f} MiB (fp16) come back from one run: {len(runs)} GPU run(s) of {budget:.0f} s for "
@@ -440,12 +480,15 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
         report["lm_digest"] = tensors_digest(lm)
         lap("lm")
 
+    # the groups this run carries (build carries the rankings of the runs it plans; those are the runs trained)
     groups = {r: str(carry / ("groups" if r == "rrf" else f"groups_{r}"))
               for r in {a["ranking"] for a in arms.values()}}
+    groups = {r: g for r, g in groups.items() if Path(g).is_dir()}
     report.update({"start_digest": tensors_digest(Path(start)), "code": code_revision(),
                    "groups_digests": {r: content_digest([g], {})["sha256"] for r, g in groups.items()}})
-    if "todo" in plan_here:  # build's plan: only the runs the ledger misses
-        report["todo"] = plan_here["todo"]
+    # build's plan: only the runs the ledger misses whose groups came; without one, every run whose groups came
+    report["todo"] = [r for r in plan_here.get("todo", [f"s{seed}/{a}" for seed in seeds for a in arms])
+                      if r.split("/", 1)[1] in arms and arms[r.split("/", 1)[1]]["ranking"] in groups]
     if folders:
         report.update(pack(folders, out, dest))
     write_report(dest, report)
@@ -456,7 +499,7 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     flops = {a: stages.estimate_flops(exp, arm) for a, arm in arms.items()}
     probes, startup = {}, []
     # the probes among the arms this run trains (build's todo), so a run of one missing arm probes that arm only
-    todo_arms = {a for a in arms if "todo" not in report or any(r.endswith(f"/{a}") for r in report["todo"])}
+    todo_arms = {a for a in arms if any(r.endswith(f"/{a}") for r in report["todo"])}
     pick = {a: f for a, f in flops.items() if a in todo_arms} or flops
     for name in dict.fromkeys([max(pick, key=pick.get), min(pick, key=pick.get)]):
         probe = out / f"probe_{name}"
