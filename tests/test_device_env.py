@@ -57,21 +57,21 @@ def test_device_check_runs_in_the_device_environment(env, tmp_path):
     assert "(--no-deps)" in proc.stdout and report["e2e"] == {"skipped": "['mteb'] missing"}  # datasets came
 
 
-def build_here(tmp_path, arms=ARMS) -> Path:
+def build_here(tmp_path, arms=ARMS, scale="gpu") -> Path:
     """The build stage here (not simulated: it needs the registry and the groups' model), then the copy of the tree
     the device gets: carry/ with the wheels the device installs."""
     from experiments.paper import run
 
     here, there = tmp_path / "here", tmp_path / "there"
-    run.main(["--scale", "gpu", "--toy", "--stage", "build", "--out", str(here), *arms])
+    run.main(["--scale", scale, "--toy", "--stage", "build", "--out", str(here), *arms])
     shutil.copytree(here / "carry", there / "carry")
     for whl in (Path(device_env.DEFAULT_DIR) / "carried").glob("*.whl"):  # toy builds carry no wheels
         shutil.copy(whl, there / "carry" / "wheels")
     return there
 
 
-def device_stage(there: Path, returned: Path, extra=(), arms=ARMS, **kw):
-    cmd = ["python", "-m", "experiments.paper.run", "--scale", "gpu", "--toy", "--stage", "device", "--out",
+def device_stage(there: Path, returned: Path, extra=(), arms=ARMS, scale="gpu", **kw):
+    cmd = ["python", "-m", "experiments.paper.run", "--scale", scale, "--toy", "--stage", "device", "--out",
            str(there), *arms, *extra]
     env = {**os.environ, "OUT": str(returned), "TMPDIR": str(there)}  # the carried site folder per test
     cmd = [sys.executable if c == "python" else c for c in cmd]
@@ -100,6 +100,22 @@ def test_gpu_scale_device_stage_in_the_device_environment(env, tmp_path):
               str(tmp_path / "scored"), *arms])
     md = (tmp_path / "scored" / "results.md").read_text()
     assert "| xPRT |" in md and "| Revela |" in md
+
+
+@pytest.mark.slow
+def test_the_e5_setting_device_stage_in_the_device_environment(env, tmp_path):
+    """gpu_e5's device stage inside the simulation, which has no MiniLM package: the carried start (packed in fp16)
+    restored, xPRT trained from it with retention (the start its teacher), only the arm back, and the start the
+    device trained from is the one build digested."""
+    arms = ["--arms", "xprt"]
+    there, returned = build_here(tmp_path, arms, "gpu_e5"), tmp_path / "OUT"
+    plan = json.loads((there / "carry" / "plan.json").read_text())
+    proc = device_stage(there, returned, arms=arms, scale="gpu_e5")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    report = json.loads((returned / "run.json").read_text())
+    assert report["status"] == "done" and report["returned"] == ["s1/xprt"] and not report["failed"]
+    assert report["start_digest"] == plan["start_digest"]
 
 
 @pytest.mark.slow
