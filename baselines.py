@@ -607,15 +607,28 @@ def contriever_loss(q: torch.Tensor, k: torch.Tensor, tau: float = 0.05, normali
 
 class ContrieverCollator(AnchorCollator):
     """Rows -> two views of each anchor: q_input_ids / q_attention_mask and k_input_ids / k_attention_mask (G, L_v),
-    each an independent random_crop of the anchor's own tokens (ratio U[0.1, 0.5]), then delete_words (p 0.1), then
+    each an independent random_crop of the anchor's own tokens (ratio U[0.1, 0.5]; in train.py drawn before batching,
+    a row's "crop_spans", so that batches group by crop length), then delete_words (p 0.1), then
     [CLS] prefix ... [SEP] around it (data.py's add_bos_eos; the prefix is never cropped), in drawn order (q: the first
     crop, as data.py's q_tokens), each view padded to its own longest."""
 
     DEFAULT_RATES = (0.0, 0.0)
+    spread_documents = False  # batches grouped by crop length (sort_lengths): dealing documents apart would undo it
 
     def __init__(self, tokenizer, crop_ratio: tuple = (0.1, 0.5), delete_prob: float = 0.1, **kw):
         super().__init__(tokenizer, **kw)
         self.crop_ratio, self.delete_prob = tuple(crop_ratio), delete_prob
+
+    def sort_lengths(self, groups, seed: int):
+        """The crops drawn per (seed, epoch) before batching (presampled_crops, random_crop's int(n r)), the sampler
+        sorting by (q crop, k crop): each view pads to its own longest, so both are tight (the official batches pad
+        random crops together: 52% real tokens in the 2026-12-04 GPU run). The deletions stay the collator's."""
+        return presampled_crops(groups, self.crop_token_ids, seed, self.crop_ratio, by="views", floor=True)
+
+    def crop_token_ids(self, texts) -> list:
+        """The tokens random_crop draws from: each anchor's own tokens, cut to max_length (no specials)."""
+        return self.tokenizer(list(texts), add_special_tokens=False, truncation=True,
+                              max_length=self.max_length)["input_ids"]
 
     def __call__(self, rows: list) -> dict:
         batch = self.retention_fields(rows)
@@ -623,10 +636,11 @@ class ContrieverCollator(AnchorCollator):
         first = tok.cls_token_id if tok.cls_token_id is not None else tok.bos_token_id
         last = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
         views = ([], [])
-        texts = [r["anchor"] for r in rows]
-        for toks in tok(texts, add_special_tokens=False, truncation=True, max_length=self.max_length)["input_ids"]:
+        spans = [r["crop_spans"] for r in rows] if "crop_spans" in rows[0] else None  # drawn before batching
+        for i, toks in enumerate(self.crop_token_ids([r["anchor"] for r in rows])):
             for v in range(2):
-                start, length = random_crop(len(toks), self.crop_ratio, self.generator)
+                start, length = (int(spans[i][v][0]), int(spans[i][v][1])) if spans is not None else random_crop(
+                    len(toks), self.crop_ratio, self.generator)
                 crop = delete_words(toks[start:start + length], self.delete_prob, self.generator)
                 views[v].append([first] + self.prefix_ids + crop + [last])
         for name, vs in zip("qk", views):
@@ -923,34 +937,10 @@ class RandomSpanCollator(GroupCollator):
         batch["layout"] = Layout(len(rows))
         return batch
 
-    def sort_lengths(self, groups, seed: int, batch_size: int = 8192):
-        """The random-span baseline's batching: (epoch -> lengths for the sampler, (epoch, row) -> its crop spans).
-
-        Its views are two random crops of each anchor (XPRTCollator._crops), not the texts: grouping rows by text length
-        left about half of each batch padding (padding efficiency 0.49-0.53). So the crops are drawn before batching,
-        per (seed, epoch) for every row at once (modeling_xprt.crop_spans, from each anchor's token count, counted
-        here once: one tokenizer pass over the anchors, an int32 per row), the sampler sorts by the crops' lengths
-        (longer, shorter: two tensors, LengthGroupedBatchSampler._longest_first), and the loop hands each row its
-        spans. One epoch's spans are kept at a time (16 bytes per row)."""
-        num_tokens = np.empty(len(groups), dtype=np.int32)
-        pos = 0
-        for batch in groups.select_columns(["anchor"]).iter(batch_size=batch_size):
-            ids = self.crop_token_ids(batch["anchor"])
-            num_tokens[pos:pos + len(ids)] = [len(x) for x in ids]
-            pos += len(ids)
-        cache = {}
-
-        def spans_for(epoch):
-            if epoch not in cache:
-                cache.clear()
-                cache[epoch] = crop_spans(num_tokens, seed, epoch, self.crop_ratio)
-            return cache[epoch]
-
-        def lengths_for(epoch):  # (N, 2): the longer and the shorter crop
-            k = spans_for(epoch)[:, :, 1]
-            return np.stack([k.max(1), k.min(1)], axis=1)
-
-        return lengths_for, lambda epoch, i: {"crop_spans": spans_for(epoch)[i]}
+    def sort_lengths(self, groups, seed: int):
+        """The random-span baseline's batching (presampled_crops): its tensors are the longer and the shorter crop of
+        each row, so the sampler sorts by (longer, shorter)."""
+        return presampled_crops(groups, self.crop_token_ids, seed, self.crop_ratio, by="longer_shorter")
 
     def _crops(self, texts, spans=None):
         """Contriever's random cropping: two independent spans of each text, each of length
@@ -1002,17 +992,49 @@ class RandomSpanCollator(GroupCollator):
                               max_length=self.max_length)["input_ids"]
 
 
-def crop_spans(num_tokens, seed: int, epoch: int, crop_ratio: tuple = (0.1, 0.5)):
+def presampled_crops(groups, token_ids, seed: int, crop_ratio: tuple, by: str, floor: bool = False,
+                     batch_size: int = 8192):
+    """Batching for the baselines that read two random crops of each anchor (random spans, Contriever): (epoch ->
+    lengths for the sampler, (epoch, row) -> its crop spans).
+
+    Their views are crops, not the texts: grouping rows by text length left about half of each batch padding (padding
+    efficiency 0.49-0.53). So the crops are drawn before batching, per (seed, epoch) for every row at once (crop_spans,
+    from each anchor's token count, counted here once: one tokenizer pass over the anchors, an int32 per row), the
+    sampler sorts by the crops' lengths (two tensors, LengthGroupedBatchSampler._longest_first) and the loop hands each
+    row its spans. by: "longer_shorter" (tensors of the longer and the shorter crop: random spans) or "views" (the
+    first and the second crop drawn, as Contriever's q and k). One epoch's spans are kept at a time (16 bytes a row)."""
+    num_tokens = np.empty(len(groups), dtype=np.int32)
+    pos = 0
+    for batch in groups.select_columns(["anchor"]).iter(batch_size=batch_size):
+        ids = token_ids(batch["anchor"])
+        num_tokens[pos:pos + len(ids)] = [len(x) for x in ids]
+        pos += len(ids)
+    cache = {}
+
+    def spans_for(epoch):
+        if epoch not in cache:
+            cache.clear()
+            cache[epoch] = crop_spans(num_tokens, seed, epoch, crop_ratio, floor=floor)
+        return cache[epoch]
+
+    def lengths_for(epoch):  # (N, 2)
+        k = spans_for(epoch)[:, :, 1]
+        return k if by == "views" else np.stack([k.max(1), k.min(1)], axis=1)
+
+    return lengths_for, lambda epoch, i: {"crop_spans": spans_for(epoch)[i]}
+
+
+def crop_spans(num_tokens, seed: int, epoch: int, crop_ratio: tuple = (0.1, 0.5), floor: bool = False):
     """Both random crops of every row, drawn at once for an epoch: (N, 2, 2) int64 [start, length] per view, from
-    num_tokens (N,) (RandomSpanCollator.crop_token_ids' lengths). A function of (seed, epoch) only, so the batch sampler
-    can group rows by their crops' lengths before any batch is collated, and a resumed run draws the same crops.
+    num_tokens (N,) (crop_token_ids' lengths). A function of (seed, epoch) only, so the batch sampler can group rows by
+    their crops' lengths before any batch is collated, and a resumed run draws the same crops.
     The draws of RandomSpanCollator._crops: length = max(1, round(ratio * n)), ratio ~ U[crop_ratio], start uniform over
-    the places the span fits."""
+    the places the span fits; floor: Contriever's random_crop, length = int(n * ratio) (0 for a short text)."""
     n = np.asarray(num_tokens, dtype=np.int64)[:, None]  # (N, 1)
     rng = np.random.default_rng([seed, epoch])
     lo, hi = crop_ratio
     ratio = lo + (hi - lo) * rng.random((len(n), 2))
-    k = np.maximum(1, np.round(ratio * n).astype(np.int64))
+    k = np.floor(ratio * n).astype(np.int64) if floor else np.maximum(1, np.round(ratio * n).astype(np.int64))
     start = np.floor(rng.random((len(n), 2)) * np.maximum(1, n - k + 1)).astype(np.int64)
     return np.stack([start, k], axis=-1)
 
