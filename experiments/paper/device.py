@@ -3,21 +3,25 @@
 accelerate, sentence-transformers, pyarrow there, but no datasets (train.py's load_groups and pretrain_mlm.py read
 through it) and no mteb.
 
-  build (here)     the groups (select_groups.py, one folder per ranking), the start's pre-training texts (gzip), the
-                   wheels of datasets and the two packages it needs that the machine lacks (dill, multiprocess), all in
+  build (here)     the groups (select_groups.py, one folder per ranking, selected here; the carry holds those of
+                   the next missing runs' rankings that fit), the pre-training texts (gzip) of a start or a language
+                   model made there, a carried start or language model (packed as pack writes models), the wheels of
+                   datasets and the two packages it needs that the machine lacks (dill, multiprocess), all in
                    <out>/carry; its size against the limit; the FLOP count of every arm and the expected GPU minutes
-  device (there)   the wheels installed to /tmp/site; the start pre-trained (pretrain_mlm.py); probes of the heaviest
-                   and the lightest arm time a step as a + b x FLOPs, so the steps per arm fit the config's seconds;
-                   every arm trained;
-                   the models packed into $OUT: fp16 safetensors bundles (encoders only: scoring needs no decoder) and
-                   one tar.gz of everything else (configs, tokenizers, cards, training logs)
+  device (there)   the wheels installed to /tmp/site; the start pre-trained (pretrain_mlm.py) or restored from the
+                   carry, Revela's language model likewise (pretrain_mlm.py --causal); probes of the heaviest and the
+                   lightest arm time a step as a + b x FLOPs, which plans the arms against the clock and what can come
+                   back; every planned arm trained;
+                   the models packed into $OUT: fp16 safetensors bundles (encoders only: scoring needs no decoder; a
+                   large tensor in row slices, a model over several files) and one tar.gz of everything else
+                   (configs, tokenizers, cards, training logs)
   score (here)     the bundles unpacked into model folders (fp32), each returned run added to the ledger, then
                    run.py's score stage over every run the ledger holds
 
 One comparison is built over several short GPU runs (the ledger, <out>/ledger.json): each run returned is recorded
-with its arm, seed, steps, the start's and the groups' content digests and the code; `build` carries the start the
-first run made (so every arm of the table starts from the same bytes) and plans the next run to train only what is
-missing, at the steps per arm the config fixes (its "steps": {"per_arm"}, set from measured step times, never
+with its arm, seed, steps, the start's, the language model's and the groups' content digests and the code; `build`
+carries the start the first run made or the config names (so every arm of the table starts from the same bytes) and
+plans the next run to train only what is missing, at the steps per arm the config fixes (its "steps": {"per_arm"}, set from measured step times, never
 re-fitted per run); `score` refuses a run whose start or groups differ from the ledger's.
 """
 from __future__ import annotations
