@@ -605,7 +605,26 @@ def contriever_loss(q: torch.Tensor, k: torch.Tensor, tau: float = 0.05, normali
     return F.cross_entropy(scores, labels)
 
 
-class ContrieverCollator(AnchorCollator):
+class CropsBeforeBatching:
+    """What the collators of two random crops of each anchor share (Contriever, random spans): the crops are drawn
+    per (seed, epoch) before batching (sort_lengths: presampled_crops) and handed to each row as its "crop_spans", the
+    sampler grouping rows by the crops' lengths (crop_by: "views" or "longer_shorter", as the collator's two tensors
+    are cut), which dealing one document's groups apart would undo. crop_floor: random_crop's int(n r)."""
+
+    spread_documents = False
+    crop_by, crop_floor = "views", False
+
+    def sort_lengths(self, groups, seed: int):
+        return presampled_crops(groups, self.crop_token_ids, seed, self.crop_ratio, by=self.crop_by,
+                                floor=self.crop_floor)
+
+    def crop_token_ids(self, texts) -> list:
+        """The tokens the crops are drawn from: each anchor's own tokens, cut to max_length (no specials)."""
+        return self.tokenizer(list(texts), add_special_tokens=False, truncation=True,
+                              max_length=self.max_length)["input_ids"]
+
+
+class ContrieverCollator(CropsBeforeBatching, AnchorCollator):
     """Rows -> two views of each anchor: q_input_ids / q_attention_mask and k_input_ids / k_attention_mask (G, L_v),
     each an independent random_crop of the anchor's own tokens (ratio U[0.1, 0.5]; in train.py drawn before batching,
     a row's "crop_spans", so that batches group by crop length), then delete_words (p 0.1), then
@@ -613,22 +632,11 @@ class ContrieverCollator(AnchorCollator):
     crop, as data.py's q_tokens), each view padded to its own longest."""
 
     DEFAULT_RATES = (0.0, 0.0)
-    spread_documents = False  # batches grouped by crop length (sort_lengths): dealing documents apart would undo it
+    crop_by, crop_floor = "views", True  # sorted by (q crop, k crop); random_crop's int(n r)
 
     def __init__(self, tokenizer, crop_ratio: tuple = (0.1, 0.5), delete_prob: float = 0.1, **kw):
         super().__init__(tokenizer, **kw)
         self.crop_ratio, self.delete_prob = tuple(crop_ratio), delete_prob
-
-    def sort_lengths(self, groups, seed: int):
-        """The crops drawn per (seed, epoch) before batching (presampled_crops, random_crop's int(n r)), the sampler
-        sorting by (q crop, k crop): each view pads to its own longest, so both are tight (the official batches pad
-        random crops together: 52% real tokens in the 2026-12-04 GPU run). The deletions stay the collator's."""
-        return presampled_crops(groups, self.crop_token_ids, seed, self.crop_ratio, by="views", floor=True)
-
-    def crop_token_ids(self, texts) -> list:
-        """The tokens random_crop draws from: each anchor's own tokens, cut to max_length (no specials)."""
-        return self.tokenizer(list(texts), add_special_tokens=False, truncation=True,
-                              max_length=self.max_length)["input_ids"]
 
     def __call__(self, rows: list) -> dict:
         batch = self.retention_fields(rows)
@@ -918,13 +926,13 @@ class RandomSpanObjective(Objective):
         return {"contrastive_loss": contrastive_random_span(vec[:, 0], vec[:, 1], model.tau)}  # the longer crop: query
 
 
-class RandomSpanCollator(GroupCollator):
+class RandomSpanCollator(CropsBeforeBatching, GroupCollator):
     """Contriever's random cropping of each group's anchor (ratio uniform in [0.1, 0.5]), plus the retention fields.
     Its batches are grouped by the crops' lengths (sort_lengths), which dealing one document's groups apart would
     undo."""
 
     DEFAULT_RATES = (0.0, 0.0)
-    spread_documents = False
+    crop_by = "longer_shorter"  # its tensors: the longer and the shorter crop of each row
 
     def __init__(self, tokenizer, crop_ratio: tuple = (0.1, 0.5), **kw):
         super().__init__(tokenizer, **kw)
@@ -936,11 +944,6 @@ class RandomSpanCollator(GroupCollator):
         batch.update(self._crops([r["anchor"] for r in rows], spans))
         batch["layout"] = Layout(len(rows))
         return batch
-
-    def sort_lengths(self, groups, seed: int):
-        """The random-span baseline's batching (presampled_crops): its tensors are the longer and the shorter crop of
-        each row, so the sampler sorts by (longer, shorter)."""
-        return presampled_crops(groups, self.crop_token_ids, seed, self.crop_ratio, by="longer_shorter")
 
     def _crops(self, texts, spans=None):
         """Contriever's random cropping: two independent spans of each text, each of length
@@ -986,10 +989,6 @@ class RandomSpanCollator(GroupCollator):
         return {"input_ids": ids, "attention_mask": am, "short_input_ids": sids, "short_attention_mask": sam,
                 "view1_is_long": view1_is_long}
 
-    def crop_token_ids(self, texts) -> list:
-        """The tokens random cropping draws from: each text's own tokens, cut to max_length (no specials)."""
-        return self.tokenizer(list(texts), add_special_tokens=False, truncation=True,
-                              max_length=self.max_length)["input_ids"]
 
 
 def presampled_crops(groups, token_ids, seed: int, crop_ratio: tuple, by: str, floor: bool = False,

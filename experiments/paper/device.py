@@ -87,15 +87,10 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
         # the start carried, in fp16 (its values are fp16 ones: round_to_fp16): the first run's, so every later arm
         # starts from the same bytes, or a named model the device cannot fetch (all-MiniLM-L6-v2 standing in for E5)
         start = out / "start" if ledger.get("start") else Path(stages.stage_start(exp, out, False))
-        (carry / START_PACKED).mkdir(exist_ok=True)
-        packed = pack({"start": start}, out, carry / START_PACKED)
-        if packed["not_returned"]:
-            raise SystemExit(f"{start}: over the limits of a packed folder ({RETURN}): it cannot be carried")
+        carry_packed(out, "start", carry / START_PACKED)
         start_digest = ledger.get("start") or tensors_digest(start)
     if ledger.get("lm"):  # Revela's language model, made by an earlier run: every Revela arm trains through it
-        (carry / LM_PACKED).mkdir(exist_ok=True)
-        if pack({"lm": out / "lm"}, out, carry / LM_PACKED)["not_returned"]:
-            raise SystemExit(f"{out / 'lm'}: over the limits of a packed folder ({RETURN}): it cannot be carried")
+        carry_packed(out, "lm", carry / LM_PACKED)
     tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, cwd=stages.ROOT, check=True).stdout
     tree = sum(os.path.getsize(stages.ROOT / f) for f in tracked.decode().split("\0") if f and
                os.path.isfile(stages.ROOT / f))
@@ -138,6 +133,13 @@ def build(exp: dict, out: Path, arms: dict, args) -> dict:
     print_next_run(exp, out, plan, ledger, args)
     return plan
 
+
+def carry_packed(out: Path, name: str, dest: Path):
+    """out/<name> (a model folder) packed into dest as pack packs a run's models; the device restores it with
+    unpack_folders."""
+    dest.mkdir(exist_ok=True)
+    if pack({name: out / name}, out, dest)["not_returned"]:
+        raise SystemExit(f"{out / name}: over the limits of a packed folder ({RETURN}): it cannot be carried")
 
 def carried_rankings(todo: list, arms: dict, group_bytes: dict, room: int) -> list:
     """The rankings whose groups one run carries: those of the missing runs, in their order, while their folders
