@@ -101,10 +101,59 @@ def run_layers(base: torch.nn.Module, layers: torch.nn.ModuleList, hidden: torch
     owner._modules[name] = layers  # the encoder's layer list swapped for `layers` for this one call
     handle = layers[0].register_forward_pre_hook(replace, with_kwargs=True)
     try:
-        return base(inputs_embeds=dummy, attention_mask=attention_mask)[0]
+        return base(inputs_embeds=dummy, attention_mask=mask_for_layers(base, attention_mask))[0]
     finally:
         handle.remove()
         owner._modules[name] = own
+
+
+def mask_for_layers(base: nn.Module, attention_mask: Optional[torch.Tensor]):
+    """attention_mask (N, L) -> the mask in the form `base`'s layers take, made here: transformers'
+    create_bidirectional_mask for its config and attention implementation, never dropped, which base's forward then
+    takes as it is. Left to itself, base's forward builds the same mask, but first asks whether every token is real
+    to drop it (masking_utils.sdpa_mask: `padding_mask.all()`): a read of a device value, which makes the host wait
+    for the GPU's queue, once per encoder call (bench/bench_step_ops.py). Only for an encoder whose output the load
+    probe found the same with this mask (probe_prepared_mask); any other gets its 2D mask back."""
+    if attention_mask is None or attention_mask.ndim != 2 or not getattr(base, "xprt_prepared_mask", False):
+        return attention_mask
+    from transformers.masking_utils import create_bidirectional_mask
+
+    n, l = attention_mask.shape
+    # what the mask builder reads of the embeddings: batch, length, dtype (an eager mask's fill value) and device
+    shape = torch.empty((n, l, 0), dtype=base.get_input_embeddings().weight.dtype, device=attention_mask.device)
+    return create_bidirectional_mask(base.config, shape, attention_mask, allow_is_bidirectional_skip=False)
+
+
+def probe_prepared_mask(model: nn.Module) -> str:
+    """At load, once: whether the encoder gives the same output on a padded probe (2 rows of up to 512 tokens, one
+    padded; eval mode) with its layers' mask made by mask_for_layers as with its 2D mask; records the answer on the
+    encoder (xprt_prepared_mask) -> the line the start-up message says. An encoder that builds more than one mask
+    from the 2D one (ModernBERT's sliding-window layers: its output differs) or its own kind of mask (DeBERTa-v2: it
+    refuses a prepared one) keeps the 2D mask, and with it whatever syncs its own mask building makes."""
+    base = getattr(model, "base_model", model)
+    base.xprt_prepared_mask = False
+    if next(base.parameters()).is_meta:  # a weightless model (the harness's FLOP estimate) runs no mask
+        return "attention mask: none (weightless model)"
+    # as long as the encoder takes, up to 512 tokens: a local window (ModernBERT's 128) must be shorter than the probe
+    length = next(n for n in (512, 256, 128, 64, 32, 16, 6) if n == 6 or runs_at_length(base, n))
+    ids, mask = _probe_ids(base, length)
+    was_training = base.training
+    base.eval()
+    try:
+        with torch.no_grad():
+            want = base(input_ids=ids, attention_mask=mask)[0]
+            base.xprt_prepared_mask = True
+            got = base(input_ids=ids, attention_mask=mask_for_layers(base, mask))[0]
+        same = got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=1e-5, rtol=1e-4)
+        why = "" if same else f"its output differs by {(got.float() - want.float()).abs().max().item():.2g}"
+    except Exception as err:  # noqa: BLE001 - any refusal of the 4D mask means: keep the 2D one
+        same, why = False, f"it refuses it ({type(err).__name__})"
+    finally:
+        base.train(was_training)
+    base.xprt_prepared_mask = same
+    if same:
+        return "attention mask: prepared per call (no host sync)"
+    return f"attention mask: {type(base).__name__}'s own, from the 2D mask (with one prepared here {why})"
 
 
 def _hidden_arg(args, kwargs):
@@ -253,13 +302,17 @@ def longest_input(base: nn.Module, upto: int) -> int:
     return lo
 
 
-def _probe_ids(base):
-    """A tiny batch (2 x 6 ids, the second row padded) for the load-time checks."""
+def _probe_ids(base, length: int = 6):
+    """A tiny batch (2 x `length` ids, the second row padded from two thirds on) for the load-time checks."""
     cfg = base.config
     device = next(base.parameters()).device
     v = cfg.vocab_size
-    ids = torch.tensor([[5, 7, 11, 13, 17, 19], [23, 29, 31, 37, 0, 0]], device=device) % max(v, 1)
-    mask = torch.tensor([[1] * 6, [1] * 4 + [0, 0]], device=device)
+    primes = torch.tensor([5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43], device=device)
+    at = torch.arange(length, device=device)
+    ids = torch.stack([primes[at % 12], primes[(at + 6) % 12]]) % max(v, 1)
+    real = max(1, (2 * length) // 3)
+    mask = torch.ones(2, length, dtype=torch.long, device=device)
+    mask[1, real:] = 0
     pad = getattr(cfg, "pad_token_id", None)
     if pad is not None and 0 <= pad < v:
         ids = ids.masked_fill(mask == 0, pad)
@@ -661,6 +714,7 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
                     "pooler's output)")
     if attn_note:
         message += f"; {attn_note}"
+    message += f"; {probe_prepared_mask(model)}"
     logger.info(message)
     return model, message
 
@@ -714,6 +768,7 @@ def load_teacher(name_or_path: str, trust_remote_code: bool = False):
         message += f"; {len(missing)} weights not in the checkpoint, initialised fresh (e.g. {missing[0]})"
     if attn_note:
         message += f"; {attn_note}"
+    message += f"; {probe_prepared_mask(teacher)}"
     logger.info(message)
     teacher.xprt_load_message = message
     teacher.eval()

@@ -71,7 +71,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from architectures import copy_last_layers, decoder_layers, layer_multiply_adds
+from architectures import (copy_last_layers, decoder_layers, layer_multiply_adds, mask_for_layers,
+                           probe_prepared_mask)
 from batches import Layout, group_bounds, group_lengths
 from common import UserError, momentum, positive_int, rank_and_world, resolve_model_path
 from fused_vocab import linear_cross_entropy
@@ -120,21 +121,6 @@ def scoring_of(choices: dict) -> dict:
 # ==============================================================================================================
 
 
-def word_ids_of(encoding, num_rows: int, skip: int = 0) -> torch.Tensor:
-    """Each token's word in its row, from a fast tokenizer's pre-tokenizer (BatchEncoding.word_ids): (N, L) int64,
-    -1 where a token is no masking candidate: specials, padding and the `skip` tokens after position 0 (the prefix).
-
-    For WordPiece this is the official rule (a "##" piece continues the word before it; [CLS] / [SEP] are never
-    candidates): BERT's pre-tokenizer splits on whitespace and punctuation, and "##" pieces are the later pieces of one
-    such word (tests: test_word_ids_follow_the_wordpiece_rule). Other tokenizers get their own pre-tokenizer's words."""
-    rows = []
-    for i in range(num_rows):
-        ids = [-1 if w is None else w for w in encoding.word_ids(i)]
-        ids[1 : 1 + skip] = [-1] * min(skip, max(0, len(ids) - 1))
-        rows.append(ids)
-    return torch.tensor(rows, dtype=torch.long)
-
-
 def whole_word_mask(word_ids: torch.Tensor, num_tokens: torch.Tensor, rate: float,
                     generator: Optional[torch.Generator] = None, max_predictions: int = 512) -> torch.Tensor:
     """The whole-word mask of RetroMAE and SimLM (transformers' DataCollatorForWholeWordMask._whole_word_mask, copied
@@ -146,9 +132,9 @@ def whole_word_mask(word_ids: torch.Tensor, num_tokens: torch.Tensor, rate: floa
     rate is a count, not a Bernoulli draw: exactly round(0.3 n) tokens when the words fit (RetroMAE's and SimLM's
     encoder 0.3, decoder 0.5, tests: test_whole_word_mask_*).
 
-    word_ids (N, L) int64 (-1: not a candidate; word_ids_of), num_tokens (N,) -> (N, L) bool. Tensor operations on
-    word_ids' device; the one Python loop runs over the L word slots, each step over all N rows at once (the greedy
-    skip makes each word's fate depend on the words before it)."""
+    word_ids (N, L) int64 (-1: not a candidate; GroupCollator._tokenize), num_tokens (N,) -> (N, L) bool. Tensor
+    operations on word_ids' device; the one Python loop runs over the L word slots, each step over all N rows at once
+    (the greedy skip makes each word's fate depend on the words before it)."""
     n, l = word_ids.shape
     device = word_ids.device
     valid = word_ids >= 0
@@ -201,6 +187,8 @@ class AnchorCollator(GroupCollator):
     masking candidates as words (word_ids: the prefix, [CLS], [SEP] and padding are none), the retention fields, and
     a sampler that sorts the groups by their anchors' lengths (the only text these arms read)."""
 
+    needs_words = True
+
     def __init__(self, tokenizer, **kw):
         super().__init__(tokenizer, **kw)
         if not getattr(tokenizer, "is_fast", False):
@@ -214,9 +202,8 @@ class AnchorCollator(GroupCollator):
         num_tokens (G,) the tokens the official masking budget counts ([CLS] + passage + [SEP]), targets (G, L) the
         original token at every maskable position (-100 elsewhere)."""
         batch = self.retention_fields(rows)
-        enc = self._tokenize([r["anchor"] for r in rows])
-        word_ids = word_ids_of(enc, len(rows), skip=len(self.prefix_ids))
-        am = enc["attention_mask"]
+        enc = self._tokenize([self.passage(r, "anchor") for r in rows])
+        word_ids, am = enc["word_ids"], enc["attention_mask"]
         batch.update(input_ids=enc["input_ids"], attention_mask=am, word_ids=word_ids,
                      num_tokens=am.sum(1) - len(self.prefix_ids),
                      targets=enc["input_ids"].masked_fill(word_ids < 0, -100))
@@ -430,7 +417,8 @@ def replace_tokens(generator: nn.Module, input_ids: torch.Tensor, attention_mask
     out = input_ids.clone()
     with torch.no_grad():
         for a in range(0, g, rows):
-            logits = generator(input_ids=input_ids[a:a + rows], attention_mask=attention_mask[a:a + rows]).logits
+            mask = mask_for_layers(generator.base_model, attention_mask[a:a + rows])
+            logits = generator(input_ids=input_ids[a:a + rows], attention_mask=mask).logits
             # validate_args=False: the check that the logits are finite reads a device value (a host sync each
             # call; bench/bench_step_ops.py); it draws nothing, so the samples are the same
             sampled = torch.distributions.Categorical(logits=logits.float(), validate_args=False).sample()
@@ -509,6 +497,7 @@ class SimLM(Objective):
         # frozen; its mode follows the objective's in the official setting (the Trainer's model.train() reaches it),
         # eval mode (no dropout) in the paper's (prepare)
         gen.eval().requires_grad_(False)
+        probe_prepared_mask(gen)  # its masks made per call: no host sync (architectures.mask_for_layers)
         self._generator = (gen,)  # a tuple: nn.Module does not register what it holds
 
     @property
@@ -1106,7 +1095,7 @@ class SelfReconstructionCollator(GroupCollator):
 
     def __call__(self, rows: list) -> dict:
         batch = self.retention_fields(rows)
-        enc = self._tokenize([r["anchor"] for r in rows])
+        enc = self._tokenize([self.passage(r, "anchor") for r in rows])
         ids, am = enc["input_ids"], enc["attention_mask"]
         g, l = ids.shape
         cand = enc["candidates"]

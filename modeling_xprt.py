@@ -25,11 +25,13 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from architectures import decoder_layers, encoder_pieces, head_params, layer_multiply_adds, layer_runner
+from architectures import (decoder_layers, encoder_pieces, head_params, layer_multiply_adds, layer_runner,
+                           mask_for_layers)
 from batches import Layout, group_bounds, group_lengths
 from common import stable_doc_hash
 from fused_vocab import linear_cross_entropy, linear_kl_div
@@ -752,7 +754,7 @@ class XPRTModel(nn.Module):
         BGE-style folder trains and saves the vector it is used by. encoder: another encoder pooled the same way (the
         retention teacher, MoCo's key encoder); default the model's own."""
         encoder = self.base if encoder is None else encoder
-        hidden = encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = encoder(input_ids=input_ids, attention_mask=mask_for_layers(encoder, attention_mask)).last_hidden_state
         return hidden, hidden[:, 0].float() if self.info.pooling == "cls" else mean_pool(hidden, attention_mask)
 
     # -- the step ----------------------------------------------------------------------------------
@@ -962,6 +964,49 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
 # ==============================================================================================================
 
 
+def special_template(tokenizer) -> tuple[list, list]:
+    """The special tokens the tokenizer puts around one passage -> (head, tail) token ids: [CLS] / [SEP] for BERT,
+    <s> / </s> for RoBERTa, none / </s> for T5, measured by tokenising a probe with and without them, so it holds for
+    any tokenizer whose single-sequence template is head + passage + tail (every encoder's); another is refused."""
+    probe = "probe, 12 words: the template holds around any text."
+    full = tokenizer(probe)["input_ids"]
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    for at in range(len(full) - len(plain) + 1):
+        if full[at:at + len(plain)] == plain:
+            return full[:at], full[at + len(plain):]
+    raise ValueError(f"{type(tokenizer).__name__}: its special tokens are not a head and a tail around the passage")
+
+
+def passage_tokens(tokenizer, texts, prefix: str, length: int, words: bool = False) -> dict:
+    """Passages as the encoder reads them, without special tokens: the prefix and the text tokenised together (as
+    the prefix meets the text: a BPE merges across the space), cut to `length` tokens (the prefix's and the
+    passage's max_length) -> {"ids": [[int]], "words": [[int]] each token's word, with words}. The one tokenisation
+    of the collators (GroupCollator._tokenize); train.py runs it once per passage at load (tokenize_groups)."""
+    enc = tokenizer([prefix + t for t in texts], add_special_tokens=False, truncation=True, max_length=length)
+    out = {"ids": enc["input_ids"]}
+    if words:
+        out["words"] = [[-1 if w is None else w for w in enc.word_ids(i)] for i in range(len(texts))]
+    return out
+
+
+def tokenize_groups(batch: dict, tokenizer, prefix: str, length: int, words: bool, fields) -> dict:
+    """datasets.map's function over the groups (train.py): each passage column in `fields` tokenised once
+    (passage_tokens) -> <field>_ids (and <field>_words) beside the text: a list per passage, a list of lists for
+    "related". The collators then only mask and pad (GroupCollator.passage)."""
+    out = {}
+    for field in fields:
+        column = batch[field]
+        nested = bool(column) and isinstance(column[0], list)
+        flat = [t for texts in column for t in texts] if nested else column
+        tokens = passage_tokens(tokenizer, flat, prefix, length, words)
+        for key, values in tokens.items():
+            if nested:  # back into each group's list of related passages
+                ends = np.cumsum([len(texts) for texts in column])
+                values = [values[e - len(texts):e] for e, texts in zip(ends, column)]
+            out[f"{field}_{key}"] = values
+    return out
+
+
 class GroupCollator:
     """What every pre-training collator shares: tokenising with the passage prefix, BERT-style masking drawn from
     self.generator, the retention fields (every objective gets the same term), and the batch sampler's
@@ -973,6 +1018,8 @@ class GroupCollator:
 
     DEFAULT_RATES = (0.15, 0.0)
     spread_documents = True  # the sampler may deal one document's groups into different batches (train.py)
+    needs_words = False  # the baselines' whole-word masking reads each token's word (AnchorCollator)
+    passage_fields = ("anchor", "related", "random_passage")  # the text columns train.py tokenises once
 
     def __init__(self, tokenizer, num_related: int = 4, max_length: int = 128,
                  encoder_mask_rate: Optional[float] = None, decoder_mask_rate: Optional[float] = None,
@@ -991,6 +1038,7 @@ class GroupCollator:
         self.passage_prefix = passage_prefix
         self.prefix_ids = tokenizer(passage_prefix, add_special_tokens=False)["input_ids"] if passage_prefix else []
         self.seq_length = max_length + len(self.prefix_ids) + tokenizer.num_special_tokens_to_add(pair=False)
+        self.head, self.tail = special_template(tokenizer)
         self.generator = torch.Generator().manual_seed(seed)  # training re-seeds it per batch (batches.SeededCollate)
 
     def sort_lengths(self, groups, seed: int):
@@ -999,15 +1047,49 @@ class GroupCollator:
         return group_lengths(groups, self.num_related), None
 
     # -- helpers -------------------------------------------------------------------------------
-    def _tokenize(self, texts, max_length=None):
-        """Tokenised passages, with "candidates": the maskable positions (never [CLS], [SEP], padding or the prefix,
-        right after [CLS])."""
-        enc = self.tokenizer([self.passage_prefix + t for t in texts], padding=True, truncation=True,
-                             max_length=max_length or self.seq_length, return_tensors="pt",
-                             return_special_tokens_mask=True)
-        enc["candidates"] = enc["attention_mask"].bool() & ~enc["special_tokens_mask"].bool()
-        enc["candidates"][:, 1 : 1 + len(self.prefix_ids)] = False
-        return enc
+    def passage(self, row: dict, field: str, j: Optional[int] = None):
+        """A row's passage (`field`, and its j-th entry for "related") as _tokenize takes it: the tokens the row
+        carries (train.py tokenises every passage once at load: tokenized_groups), else its text."""
+        if field + "_ids" not in row:
+            return row[field] if j is None else row[field][j]
+        ids, words = row[field + "_ids"], row.get(field + "_words")
+        if j is not None:
+            ids, words = ids[j], None if words is None else words[j]
+        return ids, words
+
+    def _tokenize(self, passages) -> dict:
+        """Passages (texts, or (ids, words) tokenised before: passage_tokens) -> the encoder's padded batch:
+        input_ids, attention_mask (N, L) with the tokenizer's special tokens around each passage and its padding
+        side; "candidates": the maskable positions (never a special token, padding or the prefix); with
+        needs_words, "word_ids" (N, L): each candidate's word, -1 elsewhere. A text is tokenised here, with the very
+        call train.py makes once per passage (passage_tokens), so both give the same batch (tested)."""
+        texts = [i for i, p in enumerate(passages) if isinstance(p, str)]
+        if texts:
+            done = passage_tokens(self.tokenizer, [passages[i] for i in texts], self.passage_prefix,
+                                  len(self.prefix_ids) + self.max_length, self.needs_words)
+            passages = list(passages)
+            for k, i in enumerate(texts):
+                passages[i] = done["ids"][k], done["words"][k] if self.needs_words else None
+        head, tail, skip = self.head, self.tail, len(self.head) + len(self.prefix_ids)
+        n, width = len(passages), len(head) + len(tail) + max(len(ids) for ids, _ in passages)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = np.full((n, width), pad, dtype=np.int64)
+        am, cand = np.zeros((n, width), dtype=np.int64), np.zeros((n, width), dtype=bool)
+        words = np.full((n, width), -1, dtype=np.int64) if self.needs_words else None
+        left = self.tokenizer.padding_side == "left"
+        for i, (p, w) in enumerate(passages):
+            length = len(head) + len(p) + len(tail)
+            at = width - length if left else 0  # where the row's tokens start
+            ids[i, at:at + length] = head + list(p) + tail
+            am[i, at:at + length] = 1
+            cand[i, at + skip:at + len(head) + len(p)] = True  # the passage's own tokens, the prefix left out
+            if words is not None:
+                words[i, at + skip:at + len(head) + len(p)] = w[len(self.prefix_ids):]
+        out = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(am),
+               "candidates": torch.from_numpy(cand)}
+        if words is not None:
+            out["word_ids"] = torch.from_numpy(words)
+        return out
 
     def _mask(self, ids, candidates, rate, bert: bool = True, pick=None):
         """Mask Bernoulli(rate) of the candidate positions (..., L), at least one in each row that has any, or the
@@ -1040,7 +1122,8 @@ class GroupCollator:
                 raise ValueError(f"group of {r['doc_id']} has {len(r['related'])} related passages, "
                                  f"need {self.num_related}")
         g = len(rows)
-        clean = self._tokenize([t for r in rows for t in (r["anchor"], r["related"][0])])
+        clean = self._tokenize([p for r in rows
+                               for p in (self.passage(r, "anchor"), self.passage(r, "related", 0))])
         lr = clean["input_ids"].shape[1]
         return {"doc_ids": torch.tensor([stable_doc_hash(r["doc_id"]) for r in rows], dtype=torch.long),
                 "retain_input_ids": clean["input_ids"].view(g, 2, lr),
@@ -1064,9 +1147,10 @@ class XPRTCollator(GroupCollator):
     def __call__(self, rows: list) -> dict:
         batch = self.retention_fields(rows)
         g, p = len(rows), 1 + self.num_related
-        second = [r["random_passage"] if self.positive == "random" else r["related"][0] for r in rows]
-        texts = [t for r, s in zip(rows, second) for t in [r["anchor"], s] + list(r["related"][1 : self.num_related])]
-        enc = self._tokenize(texts)
+        second = [self.passage(r, "random_passage") if self.positive == "random" else self.passage(r, "related", 0)
+                  for r in rows]
+        enc = self._tokenize([p for r, s in zip(rows, second) for p in [self.passage(r, "anchor"), s] +
+                              [self.passage(r, "related", j) for j in range(1, self.num_related)]])
         ids, am = enc["input_ids"], enc["attention_mask"]
         l = ids.shape[1]
         cand = enc["candidates"]

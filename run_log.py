@@ -72,6 +72,18 @@ class LogWindow:
             self.progress.set_postfix(loss=f"{rec.get('loss', float('nan')):.4f}",
                                       s_per_step=f"{rec['time_per_step_s']:.2f}")
 
+    def timed(self, batches):
+        """The loader's batches, each wait of the loop for the next one (its workers not keeping up with the step)
+        added to the window: logged as data_wait_share, of the window's time."""
+        it, done = iter(batches), object()
+        while True:
+            t0 = time.perf_counter()
+            batch = next(it, done)
+            if batch is done:
+                return
+            self.data_wait += time.perf_counter() - t0
+            yield batch
+
     def exclude(self, seconds: float):
         """Leave `seconds` spent on other work in this window (a scoring during training) out of its training time,
         so tokens/s and time per step count training only."""
@@ -85,6 +97,7 @@ class LogWindow:
         self.start_time, self.sums, self.n_micro, self.n_skipped = time.time(), {}, 0, 0
         self.real_tokens = self.processed_tokens = 0  # attention-mask ones, and every position the device computes
         self.flops = 0.0  # FLOPs of the window's micro-batches (train_loop's count), this process
+        self.data_wait = 0.0  # seconds the loop waited for its next batch (timed)
         self.steps = 0  # optimiser steps in the window: the last window of a run may be shorter
         self.bad, self.first_bad = {}, None  # per-term "was ever non-finite"; the first step that was
 
@@ -144,7 +157,8 @@ class LogWindow:
         rec.update({k: vals[i] / world for i, k in enumerate(keys + on_device)})
         rec.update({"lr": lr_scheduler.get_last_lr()[0], **{k: v for k, v in scalars.items() if k not in on_device},
                     "padding_efficiency": vals[-2] / max(vals[-1], 1),
-                    "tokens_per_s": vals[-2] / dt, "time_per_step_s": dt / max(self.steps, 1)})
+                    "tokens_per_s": vals[-2] / dt, "time_per_step_s": dt / max(self.steps, 1),
+                    "data_wait_share": self.data_wait / dt})
         if self.flops:  # every process does the same work: its FLOP/s over its device's peak
             rec["tflops_per_s"] = self.flops / dt / 1e12
             if self.peak_flops:

@@ -35,7 +35,8 @@ from batches import LengthGroupedBatchSampler, check_batch_fits, document_keys, 
 from common import (ArgumentParser, UserError, atomic_write, check_model_name, is_zero3, local_inputs,
                     non_negative_float, non_negative_int, positive_int, read_json, resolve_model_path, run_script)
 from fused_vocab import weight_grad_path
-from modeling_xprt import OBJECTIVES, objective_class, objective_flags, pretraining_objectives, retention_weight
+from modeling_xprt import (OBJECTIVES, objective_class, objective_flags, pretraining_objectives, retention_weight,
+                           tokenize_groups)
 from run_log import EVAL_PREFIX, explain_oom, memory_estimate, peak_flops
 from training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype, export_checkpoint,
                       load_model, make_accelerator, prepare_output_dir, prepare_run, print_run,
@@ -286,6 +287,7 @@ def load_data(accelerator, args, model, tokenizer):
                                           seed=args.seed)
     lengths, row_extras = collator.sort_lengths(rows, args.seed)
     accelerator.print(passages_cut(rows, tokenizer, args))
+    rows = tokenized(accelerator, rows, collator)
     spread = args.spread_documents if collator.spread_documents else 1
     bs, world = args.per_device_train_batch_size, accelerator.num_processes
     cap = max(bs // 2, 1) if args.max_document_groups_per_batch is None else args.max_document_groups_per_batch
@@ -310,6 +312,31 @@ def load_data(accelerator, args, model, tokenizer):
     return rows, sampler, training_loader(accelerator, args, rows, sampler, collator,
                                           functools.partial(with_extras, merged, row_extras)
                                           if merged or row_extras else None)
+
+
+def tokenized(accelerator, rows, collator, groups_per_process: int = 20_000):
+    """The groups with every passage tokenised once (modeling_xprt.tokenize_groups: <field>_ids beside each text
+    column, int32, and <field>_words for whole-word masking), so the loader's workers only mask and pad: tokenising
+    was 95% of xPRT's collation (bench/README.md, bench_step_ops). datasets.map writes the columns to an Arrow cache
+    beside the groups' own, keyed by the tokenizer, the prefix and --max_length: a later run with the same ones
+    reads them back, and the main process computes them while the others wait, then read its cache."""
+    from datasets import Sequence, Value
+
+    fields = [f for f in collator.passage_fields if f in rows.column_names]
+    features = rows.features.copy()
+    for f in fields:
+        one = Sequence(Value("int32"))
+        for key in ("ids", "words") if collator.needs_words else ("ids",):
+            features[f"{f}_{key}"] = Sequence(one) if f == "related" else one
+    kwargs = dict(tokenizer=collator.tokenizer, prefix=collator.passage_prefix,
+                  length=len(collator.prefix_ids) + collator.max_length, words=collator.needs_words, fields=fields)
+    # one process per groups_per_process groups, up to this machine's cores shared by its processes: about 800
+    # groups/s a core here (64-token passages), so the paper's 7M groups take minutes on a GPU machine's cores, once
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    procs = min(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(rows) // groups_per_process)
+    with accelerator.main_process_first():
+        return rows.map(tokenize_groups, batched=True, fn_kwargs=kwargs, features=features,
+                        num_proc=procs if procs > 1 else None, desc="tokenising each passage once")
 
 
 def passages_cut(rows, tokenizer, args, sample: int = 4096) -> str:

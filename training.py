@@ -68,7 +68,7 @@ def train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sa
         for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
             if stopped or state.completed_steps >= stop_at:
                 break
-            for batch in epoch_batches(accelerator, dataloader, sampler, state, epoch):
+            for batch in window.timed(epoch_batches(accelerator, dataloader, sampler, state, epoch)):
                 real, proc = padding_efficiency(batch, skip_tokens)  # on the CPU tensors: no device sync
                 window.real_tokens += real
                 window.processed_tokens += proc

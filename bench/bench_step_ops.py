@@ -15,7 +15,9 @@ offers, at two sizes (those of bench_collation):
              to the CPU cannot be told from a CPU tensor on a CPU: `.cpu()` counts as a read, `.to(device)` does not;
              reads inside torch.optim do not (AdamW's step counts live on the host unless it is fused).
   aten ops   the aten ops of that step that are not views (each launches at least one kernel on a GPU)
-  collate    CPU milliseconds per group of the objective's collator (tokenise, mask, pad), in this process
+  collate    CPU milliseconds per group of the objective's collator (mask, pad), in this process, reading the rows
+             as a loader worker does: from the rows train.py hands the loader (each passage tokenised once at load:
+             train.tokenized) and, for comparison, from the texts (tokenised in every batch, as before)
 AdamW is the one train.py builds on this CPU (torch's default: one tensor at a time); `--adamw cuda` builds the one it
 builds on CUDA (fused: training.adamw_kernel) on the CPU instead, so the aten ops are those a GPU step launches.
 
@@ -176,21 +178,31 @@ def count_steps(argv: list, steps: int, adamw: str = "default") -> list:
 
 
 def collate_ms_per_group(objective: str, folder: Path, tok, rows, max_length: int, options: dict, repeats: int):
-    """CPU milliseconds per group of the objective's collator over `rows` (best of `repeats`)."""
+    """CPU milliseconds per group of the objective's collator over `rows` (a datasets.Dataset), best of `repeats`,
+    the rows' reading from the Arrow table included, as a loader worker does: -> (from the texts, as every batch was
+    collated before train.py tokenised each passage once; from the rows train.py hands the loader, train.tokenized)."""
+    from accelerate import PartialState
+
     import architectures
     import modeling_xprt as mx
+    import train
+    from batches import RowsDataset
 
-    with contextlib.redirect_stderr(io.StringIO()):  # the loading bar
+    with contextlib.redirect_stderr(io.StringIO()):  # the loading and map bars
         mlm, _ = architectures.load_mlm_encoder(str(folder))
-    collator = mx.XPRTModel(mlm, objective=objective, **options).objective.make_collator(tok, max_length=max_length)
+        collator = mx.XPRTModel(mlm, objective=objective, **options).objective.make_collator(tok, max_length=max_length)
+        tokens = train.tokenized(PartialState(), rows, collator)
     _, extras = collator.sort_lengths(rows, 0)
-    batch = [rows[i] if extras is None else {**rows[i], **extras(0, i)} for i in range(len(rows))]
-    best = float("inf")
-    for _ in range(repeats):
-        c0 = time.process_time()
-        collator(batch)
-        best = min(best, time.process_time() - c0)
-    return 1000 * best / len(rows)
+    out = []
+    for table in (rows, tokens):
+        best, keys = float("inf"), [(0, 0, i) for i in range(len(table))]
+        for _ in range(repeats):
+            c0 = time.process_time()
+            read = RowsDataset(table).__getitems__(keys)  # as the DataLoader's fetcher reads a batch
+            collator([row if extras is None else {**row, **extras(0, i)} for (_, _, i), row in read])
+            best = min(best, time.process_time() - c0)
+        out.append(1000 * best / len(rows))
+    return tuple(out)
 
 
 def parse_args(argv=None):
@@ -223,7 +235,7 @@ def main(argv=None):
     work = Path(tempfile.mkdtemp(prefix="bench_step_ops-"))
     results, origins = [], collections.Counter()
     print(f"{'size':>9} {'objective':<24} {'syncs: first':>12} {'steady':>7} {'logging':>8} "
-          f"{'aten ops: first':>15} {'steady':>7} {'collate ms/group':>17}", flush=True)
+          f"{'aten ops: first':>15} {'steady':>7} {'collate ms/group: text':>23} {'tokens':>7}", flush=True)
     for size in args.sizes:
         hidden, layers, heads, inner, max_length, retention = SIZES[size]
         folder = work / size / "model"
@@ -251,13 +263,15 @@ def main(argv=None):
                    "syncs_first": per_step[0][0], "syncs_steady": sum(s for s, _, _ in steady) / len(steady),
                    "syncs_logging": per_step[-1][0], "aten_first": per_step[0][1],
                    "aten_steady": sum(a for _, a, _ in steady) / len(steady),
-                   "collate_ms_per_group": collate_ms_per_group(objective, folder, tok, rows, max_length, options, 3)}
+                   }
+            rec["collate_text_ms_per_group"], rec["collate_ms_per_group"] = collate_ms_per_group(
+                objective, folder, tok, rows, max_length, options, 3)
             for _, _, where in steady:
                 origins.update({f"{k}  [{size} {objective}]": v / len(steady) for k, v in where.items()})
             results.append(rec)
             print(f"{size:>9} {objective:<24} {rec['syncs_first']:>12} {rec['syncs_steady']:>7.1f} "
                   f"{rec['syncs_logging']:>8} {rec['aten_first']:>15} {rec['aten_steady']:>7.0f} "
-                  f"{rec['collate_ms_per_group']:>17.2f}", flush=True)
+                  f"{rec['collate_text_ms_per_group']:>23.2f} {rec['collate_ms_per_group']:>7.2f}", flush=True)
     if origins:
         print("\nwhere the steady steps' syncs come from (per step):")
         for k, v in sorted(origins.items(), key=lambda kv: -kv[1]):

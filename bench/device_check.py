@@ -1,20 +1,23 @@
 """
-The device check: one command for the first GPU this project is lent (at most about 8 minutes on one GPU), and the
-same code at toy size on a CPU (`--toy`, kept working by tests/test_device_check.py).
+The device check: one command for a GPU this project is lent (a few minutes on one GPU: it runs before the
+harness's arms in the same 15-minute run), and the same code at toy size on a CPU (`--toy`, kept working by
+tests/test_device_check.py and, with the GPU machine's packages, tests/test_device_env.py).
 
     python -m bench.device_check               # on a GPU
     python -m bench.device_check --toy         # on a CPU: toy sizes, same code
 
 It prints, in order:
   1. torch / CUDA / transformers / accelerate versions and the device;
-  2. the paper's bf16 xPRT step (BERT-base config, random weights, the bundled tokenizer bench/tokenizer, 128 tokens,
-     retention on) as train.py runs it: real length-grouped batches of data/docs.jsonl with their padding, collated
-     inside the timed step; groups per step doubled until the device's memory is full, the largest that fits with
-     its time, collation's share, peak memory, tokens/s, TFLOP/s (run_log.step_flops, padding counted) and MFU
-     against the device's dense bf16 peak (run_log.PEAK_BF16_TFLOPS);
-  3. the vocabulary loss of that step's rows three ways in bf16 autocast: ours fused (linear_cross_entropy),
-     torch's chunked F.linear_cross_entropy (where that torch has it), plain full logits: time and agreement with
-     plain;
+  2. train.py's own loop (train.main in this process: its loader and workers, the one move to the device, the step,
+     its logging) in bf16 at two sizes: the paper's BERT-base step (128 tokens, 128 groups, retention on) and the
+     harness's gpu scale (4 x 192, 64 tokens, 256 groups), random weights, the bundled tokenizer, the bundled
+     documents' real passages: seconds per step, MFU (train.py's own FLOP count over run_log.PEAK_BF16_TFLOPS), the
+     share of the time waiting for data, host syncs and aten ops per steady step (bench_step_ops' counter), the
+     peak memory, the top kernels (torch.profiler), and a stock BertForMaskedLM step of the same config in the same
+     run as the peer (train.py's MFU over the stock step's); `--memory_sweep` adds the bf16 xPRT step at doubling
+     groups per step until the memory is full;
+  3. the vocabulary loss of a step's rows three ways in bf16 autocast: ours fused (linear_cross_entropy), torch's
+     chunked F.linear_cross_entropy (where that torch has it), plain full logits: time and agreement with plain;
   4. host syncs in one optimiser step (torch.cuda.set_sync_debug_mode; CUDA only);
   5. select_groups.py -> `accelerate launch --mixed_precision bf16 train.py` -> evaluate.py on the bundled SciFact
      sample, with a small random model: the pipeline end to end in bf16, ending in a scored model folder;
@@ -26,7 +29,8 @@ It prints, in order:
 A GPU machine without datasets or mteb (the lent one has torch, transformers, accelerate, sentence-transformers):
 run `bash bench/device_wheels.sh` here first and carry bench/wheels; this check installs them offline
 (pip --no-index --no-deps) when it finds them missing. Proven here first in the device's own environment:
-`python -m bench.device_env run -- python -m bench.device_check --toy` (tests/test_device_env.py). Last line `ratio: <MFU of the largest step>` (TFLOP/s on CPU).
+`python -m bench.device_env run -- python -m bench.device_check --toy` (tests/test_device_env.py). Last line
+`ratio: <train.py's BERT-base step's MFU over the stock step's>` (TFLOP/s on a CPU).
 """
 
 import argparse
@@ -53,7 +57,13 @@ def parse_args(argv=None):
     p.add_argument("--max_groups", type=int, default=None, help="largest groups per step tried (default 2048; toy 8)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/xprt_device_check"),
                    help="folder for the end-to-end run's outputs and device_check.json (default: $OUT)")
+    p.add_argument("--loop_sizes", nargs="+", default=list(LOOP_SIZES), choices=list(LOOP_SIZES),
+                   help="part 2's sizes of train.py's own loop (default both: the paper's BERT-base step, the "
+                        "harness's gpu scale)")
+    p.add_argument("--memory_sweep", action="store_true",
+                   help="also the bf16 xPRT step at doubling groups per step until the memory is full (minutes)")
     p.add_argument("--skip_e2e", action="store_true", help="skip part 5 (select -> train -> evaluate)")
+    p.add_argument("--skip_selection", action="store_true", help="skip part 6 (selection's speed)")
     p.add_argument("--selection_docs", type=int, default=None,
                    help="documents of part 6 (the bundled 300 repeated under new ids; default 1500; toy 4)")
     p.add_argument("--wheels", default=str(HERE / "wheels"),
@@ -168,7 +178,7 @@ def step_bench(tok, model, teacher, device, args, peak):
     collator = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)
     rows = real_rows(args.max_length)
     best, groups = None, 8 if not args.toy else 2
-    print(f"== 2. the bf16 xPRT step (autocast, fp32 weights), {'toy config' if args.toy else 'BERT-base config'}, "
+    print(f"== 2b. the bf16 xPRT step (autocast, fp32 weights), {'toy config' if args.toy else 'BERT-base config'}, "
           f"at most {args.max_length} tokens per passage, retention on; real batches of data/docs.jsonl "
           f"({len(rows)} groups), length-grouped, collated inside the step", flush=True)
     while groups <= args.max_groups:
@@ -217,6 +227,157 @@ def step_bench(tok, model, teacher, device, args, peak):
         del out, cpu_batch
         groups *= 2
     return best, collator(grouped_batches(rows, min(best["groups"], 64 if not args.toy else 4))[0])
+
+
+# train.py's own loop at two sizes: (hidden, layers, heads, intermediate, tokens per passage, groups per step,
+# retention weight). The paper's step (the 2026-12-04 check ran 64 and 128 groups) and experiments/paper's gpu
+# scale; --toy shrinks both to a 2-layer model.
+LOOP_SIZES = {"bert-base": (768, 12, 12, 3072, 128, 128, 40.0), "harness": (192, 4, 3, 768, 64, 256, 0.0)}
+TOY_LOOP_SIZES = {"bert-base": (64, 2, 2, 128, 16, 4, 40.0), "harness": (32, 2, 2, 64, 16, 8, 0.0)}
+
+
+def loop_groups(folder: Path, max_length: int, n: int) -> Path:
+    """n groups of the bundled documents' real passages (real_rows: their uneven lengths, their padding) in
+    select_groups.py's schema, the rows repeated under new document ids where the documents hold fewer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from select_groups import group_schema
+
+    rows = real_rows(max_length)
+    rows = [{**rows[i % len(rows)], "doc_id": f"{rows[i % len(rows)]['doc_id']}-{i // len(rows)}", "group_index": i,
+             "anchor_index": 0, "anchor_centrality": 0.9, "related_index": [1, 2, 3, 4], "related_cosine": [0.8] * 4,
+             "related_tfidf": [0.3] * 4, "related_rrf": [0.2] * 4, "num_passages": 6} for i in range(n)]
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=group_schema()), folder / "shard-00000.parquet")
+    (folder / "stats.json").write_text(json.dumps({"groups": len(rows)}))
+    return folder
+
+
+def stock_step(cfg, device, rows: int, tokens: int, peak, steps: int = 6) -> dict:
+    """The peer: a stock transformers BertForMaskedLM step of the same config in bf16 autocast (on a GPU), on `rows`
+    full sequences of `tokens` (the passages xPRT's encoder reads a step), 15% of positions labelled, forward with the
+    full vocabulary logits, backward, AdamW as train.py builds it (fused on CUDA) -> seconds per step, TFLOP/s
+    (FlopCounterMode's count), MFU."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import BertForMaskedLM
+
+    import training
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(cfg).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **training.adamw_kernel(device.type))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, cfg.vocab_size, (rows, tokens), generator=g)
+    labels = ids.masked_fill(torch.rand(rows, tokens, generator=g) >= 0.15, -100)
+    ids, labels = ids.to(device), labels.to(device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    flops = counter.get_total_flops()
+    step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)
+    dt = (time.perf_counter() - t0) / steps
+    return {"step_s": dt, "tflops_per_s": flops / dt / 1e12, "mfu": flops / dt / peak if peak else None}
+
+
+def train_py_loop(args, device, size: str, peak) -> dict:
+    """Part 2: train.py's own loop (train.main in this process: its loader and workers, one move to the device, the
+    step, its FLOP count), bf16 on a GPU, at one size of LOOP_SIZES, on real length-grouped groups. Three runs:
+      timed     24 steps logged every 6 (toy: 12, every 3): windows 2 and 3 give seconds per step, MFU (train.py's
+                own count, its FlopCounterMode step included: one a window), the share of the time the loop waited
+                for data (data_wait_share); two steps of window 4 run under torch.profiler (the top kernels); the
+                peak memory
+      counted   3 steps under bench_step_ops' counter: host syncs and aten ops of the steady step
+      stock     a stock BertForMaskedLM step of the same config on the passages xPRT's encoder reads (stock_step)"""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    import run_log
+    import train
+    from bench.bench_step_ops import count_steps
+
+    hidden, layers, heads, inner, max_length, groups, retention = (TOY_LOOP_SIZES if args.toy else LOOP_SIZES)[size]
+    every = 3 if args.toy else 6  # logging steps: 4 windows, the first warms up, the last is profiled
+    steps = 4 * every
+    work = Path(args.out) / f"loop_{size}"
+    tok = AutoTokenizer.from_pretrained(str(HERE / "tokenizer"))
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=heads, intermediate_size=inner, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    BertForMaskedLM(cfg).save_pretrained(work / "model")
+    tok.save_pretrained(work / "model")
+    data = loop_groups(work / "groups", max_length, groups * (steps + 1))
+    argv = ["--model_name_or_path", str(work / "model"), "--groups_dir", str(data), "--max_length", str(max_length),
+            "--per_device_train_batch_size", str(groups), "--retention_weight", str(retention), "--seed", "0",
+            "--max_document_groups_per_batch", "0", "--no_save_model", "--report_to", "none", "--overwrite",
+            "--learning_rate", "1e-5"] + (["--mixed_precision", "bf16"] if device.type == "cuda" else [])
+    print(f"== 2. train.py's own loop, {size} ({layers} x {hidden}, {max_length} tokens, {groups} groups a step, "
+          f"retention {retention:g}{', bf16' if device.type == 'cuda' else ''}): {steps} steps", flush=True)
+    # two steps of the last window that neither count FLOPs (its first step: train_loop's FlopCounterMode) nor log
+    profiled, top = (3 * every + 2, 4 * every - 1), []
+    step_done, prof = run_log.LogWindow.step_done, torch.profiler.profile(activities=[
+        torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda"
+                                                else []))
+
+    def done(window, state, *a, **kw):  # the profiler over two steady steps that are not logging steps
+        if state.completed_steps == profiled[0] - 1:
+            prof.__enter__()
+        out = step_done(window, state, *a, **kw)
+        if state.completed_steps == profiled[1]:
+            sync(device)
+            prof.__exit__(None, None, None)
+        return out
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    run_log.LogWindow.step_done = done
+    t0 = time.time()
+    try:
+        train.main(argv + ["--output_dir", str(work / "timed"), "--max_train_steps", str(steps), "--logging_steps",
+                           str(every)])
+    finally:
+        run_log.LogWindow.step_done = step_done
+    wall = time.time() - t0
+    memory = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+    log = [json.loads(line) for line in (work / "timed" / "train_log.jsonl").read_text().splitlines()]
+    steady = [r for r in log if every < r["step"] <= 3 * every]  # windows 2 and 3: after the warm-up, unprofiled
+    mean = {k: sum(r.get(k) or 0 for r in steady) / len(steady)
+            for k in ("time_per_step_s", "tflops_per_s", "mfu", "data_wait_share", "padding_efficiency")}
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0))
+    total = sum(getattr(e, key) for e in events) or 1
+    top = [(e.key, getattr(e, key) / total) for e in events[:8]]
+    counted = count_steps(argv + ["--output_dir", str(work / "counted"), "--max_train_steps", "3", "--logging_steps",
+                                  "3"], 3)
+    syncs, aten = counted[1][0], counted[1][1]
+    peer = stock_step(cfg, device, groups * 5, max_length + 2, peak)
+    rate = "mfu" if peak else "tflops_per_s"
+    out = {"size": size, "groups": groups, "steps": steps, "wall_s": round(wall, 1), **mean,
+           "host_syncs_per_step": syncs, "aten_ops_per_step": aten, "peak_memory_gib": memory, "top": top,
+           "stock": peer, "vs_stock": mean[rate] / peer[rate] if peer[rate] else None}
+    print(f"  {mean['time_per_step_s'] * 1000:8.1f} ms/step, {mean['tflops_per_s']:.3f} TFLOP/s, MFU "
+          f"{'n/a' if not peak else f'{mean[rate]:.3f}'}; waiting for data {mean['data_wait_share']:.1%} of the time; "
+          f"padding efficiency {mean['padding_efficiency']:.2f}; host syncs {syncs} and aten ops {aten} per steady "
+          f"step; peak memory {'n/a' if memory is None else f'{memory:.1f} GiB'}", flush=True)
+    print(f"  stock BertForMaskedLM step ({groups * 5} x {max_length + 2} tokens): {peer['step_s'] * 1000:.1f} ms, "
+          f"{peer['tflops_per_s']:.3f} TFLOP/s{'' if not peak else f', MFU {peer[rate]:.3f}'}: train.py's step at "
+          f"{out['vs_stock']:.2f}x its {'MFU' if peak else 'TFLOP/s'}", flush=True)
+    print(f"  top kernels of steps {profiled[0]}-{profiled[1]} ({key}): "
+          + "; ".join(f"{name} {share:.0%}" for name, share in top), flush=True)
+    return out
 
 
 def vocab_three_ways(model, batch, device):
@@ -402,6 +563,7 @@ def main(argv=None):
     still_missing = ensure_packages(Path(args.wheels))
     import torch
 
+    import modeling_xprt as mx
     import run_log
     import training
 
@@ -409,10 +571,14 @@ def main(argv=None):
     training.matmul_precision_policy()  # train.py's (make_accelerator): fp32 products IEEE, TF32 off
     name = versions(device)
     peak = next((t * 1e12 for k, t in run_log.PEAK_BF16_TFLOPS.items() if k in name), None)
+    report = {"device": name, "torch": torch.__version__,
+              "loop": {size: train_py_loop(args, device, size, peak) for size in args.loop_sizes}}
     tok, model, teacher = build_model(args.toy, device)
-    best, batch = step_bench(tok, model, teacher, device, args, peak)
-    report = {"device": name, "torch": torch.__version__, "step": best,
-              "vocab": vocab_three_ways(model, batch, device), "host_syncs": host_syncs(model, teacher, batch, device)}
+    if args.memory_sweep:
+        report["step"], _ = step_bench(tok, model, teacher, device, args, peak)
+    batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(grouped_batches(real_rows(args.max_length),
+                                                                                      4 if args.toy else 64)[0])
+    report.update(vocab=vocab_three_ways(model, batch, device), host_syncs=host_syncs(model, teacher, batch, device))
     if not args.skip_e2e:
         if still_missing:
             print(f"== 5. skipped: {still_missing} missing from this machine and from {args.wheels} "
@@ -420,10 +586,12 @@ def main(argv=None):
             report["e2e"] = {"skipped": f"{still_missing} missing"}
         else:
             report["e2e"] = end_to_end(args, device)
-    report["selection"] = selection_speed(args, device)
+    if not args.skip_selection:
+        report["selection"] = selection_speed(args, device)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "device_check.json").write_text(json.dumps(report, indent=1))
-    print(f"ratio: {best['mfu'] if peak else best['tflops_per_s']:.4f}")
+    first = report["loop"][args.loop_sizes[0]]
+    print(f"ratio: {first['vs_stock']:.4f}")  # train.py's step over the stock step, MFU (TFLOP/s on a CPU)
     return report
 
 

@@ -137,6 +137,35 @@ def test_parts_reproduce_the_encoder(tiny, kind):
         assert head.weight.shape == (tok.vocab_size, 32) and head.transform(h).shape[-1] == 32
 
 
+PREPARED_MASK = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "mpnet"}  # measured by the load's probe
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+def test_the_prepared_mask_gives_the_encoders_own_output(tiny, kind):
+    """The load says which attention mask the encoder runs with (probe_prepared_mask). Where it is the one made per call
+    (mask_for_layers: no host sync), the encoder's states on a padded batch longer than ModernBERT's 16-token window
+    equal those of its own mask. ModernBERT keeps its 2D mask: forced to take a prepared one, its sliding-window
+    layers would see the whole passage (the output moves); DeBERTa-v2 refuses one."""
+    from transformers import AutoTokenizer
+
+    mlm, msg = A.load_mlm_encoder(tiny[kind])
+    base = mlm.base_model.eval()
+    assert ("attention mask: prepared per call" in msg) == (kind in PREPARED_MASK), msg
+    tok = AutoTokenizer.from_pretrained(tiny[kind])
+    b = _batch(tok, [" ".join(TEXTS * 3), TEXTS[0]])
+    ids, mask = b["input_ids"], b["attention_mask"]
+    assert ids.shape[1] > 40 and not mask.all()
+    real = mask.bool()
+    with torch.no_grad():
+        want = base(input_ids=ids, attention_mask=mask)[0]
+        got = base(input_ids=ids, attention_mask=A.mask_for_layers(base, mask))[0]
+        assert torch.allclose(got[real], want[real], atol=1e-5)
+        if kind == "modernbert":
+            base.xprt_prepared_mask = True
+            forced = base(input_ids=ids, attention_mask=A.mask_for_layers(base, mask))[0]
+            assert not torch.allclose(forced[real], want[real], atol=1e-3)
+
+
 def test_attention_falls_back_where_the_architecture_has_no_sdpa(tiny):
     """MPNet and DeBERTa-v2 have no SDPA attention in transformers: they load with their own, and the messages say so;
     BERT keeps SDPA."""

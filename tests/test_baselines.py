@@ -85,10 +85,11 @@ def official_whole_word_mask(words: list, n_tokens: int, rate: float, order: lis
 
 
 def test_word_ids_follow_the_wordpiece_rule(tok):
-    """word_ids_of groups tokens as the official "##" rule does ([CLS] / [SEP] never candidates), on real passages."""
+    """The baselines' collators group tokens into words as the official "##" rule does ([CLS] / [SEP] never
+    candidates), on real passages."""
     rows = rows_from_docs(20)
-    enc = tok([r["anchor"] for r in rows], padding=True, truncation=True, max_length=96)
-    got = B.word_ids_of(enc, len(rows))
+    enc = B.AnchorCollator(tok, max_length=94)._tokenize([r["anchor"] for r in rows])
+    got = enc["word_ids"]
     for i in range(len(rows)):
         tokens = tok.convert_ids_to_tokens(enc["input_ids"][i])
         official, w = [], -1

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = {"device_env"}  # not benchmarks: the device's environment simulated (tests/test_device_env.py)
 BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__" and p.stem not in TOOLS)
-OWN_TEST = {"device_check": "tests/test_device_check.py"}
+OWN_TEST = {"device_check": "tests/test_device_check.py", "bench_step_ops": "this file"}
 RATIO = re.compile(r"ratio: (-?\d+\.\d+|nan|inf)")
 
 
@@ -90,3 +90,17 @@ def test_step_ops_counts_each_host_read_once():
     assert reads == 4, where
     assert sorted(k.split(" <- ")[0] for k in where) == ["__bool__", "aten.index", "aten.nonzero", "item"]
     assert aten > 8 and counter.take()[:2] == (0, 0)
+
+
+def test_step_ops_no_host_sync_and_collation_from_tokens(capsys):
+    """bench.bench_step_ops at toy size, train.py's own loop: no steady step of an encoder objective reads a device
+    value (the attention masks prepared per call: architectures.mask_for_layers); Revela's language model keeps its
+    causal mask's 2 checks. Collation from the tokens train.py hands the loader is cheaper than from the texts."""
+    from bench import bench_step_ops
+
+    results = bench_step_ops.main(["--toy"])
+    assert RATIO.fullmatch(capsys.readouterr().out.strip().splitlines()[-1])
+    syncs = {r["objective"]: r["syncs_steady"] for r in results}
+    assert syncs == {o: (2.0 if o == "revela" else 0.0) for o in syncs} and len(syncs) == 7
+    assert all(r["collate_ms_per_group"] < r["collate_text_ms_per_group"]
+               for r in results if r["objective"] != "revela")

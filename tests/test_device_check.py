@@ -1,6 +1,6 @@
-"""bench/device_check.py, the command ready for the first GPU, runs here at toy size (--toy): every part (the bf16
-step at doubling batch sizes, the vocabulary loss three ways, select -> accelerate launch bf16 train.py -> evaluate.py)
-and writes its report."""
+"""bench/device_check.py, the command ready for the first GPU, runs here at toy size (--toy): every part (train.py's
+own loop at both sizes beside the stock step, the bf16 step at doubling batch sizes, the vocabulary loss three ways,
+select -> accelerate launch bf16 train.py -> evaluate.py, selection's speed) and writes its report."""
 
 import json
 
@@ -11,7 +11,12 @@ from bench import device_check
 
 @pytest.mark.slow
 def test_device_check_runs_at_toy_size_on_cpu(tmp_path):
-    report = device_check.main(["--toy", "--out", str(tmp_path)])
+    report = device_check.main(["--toy", "--out", str(tmp_path), "--memory_sweep"])
+    for size, loop in report["loop"].items():  # train.py's own loop: timed, counted, profiled, beside the stock step
+        assert loop["host_syncs_per_step"] == 0 and loop["time_per_step_s"] > 0 and loop["tflops_per_s"] > 0, size
+        assert 0 <= loop["data_wait_share"] < 1 and loop["aten_ops_per_step"] > 0 and len(loop["top"]) == 8
+        assert loop["stock"]["step_s"] > 0 and loop["vs_stock"] > 0 and loop["peak_memory_gib"] is None  # a CPU
+    assert set(report["loop"]) == {"bert-base", "harness"}
     assert report["step"]["groups"] == 8 and report["step"]["tflops_per_s"] > 0  # 2, 4, 8 groups all fit
     vocab = report["vocab"]
     assert set(vocab) >= {"ours fused", "plain"}

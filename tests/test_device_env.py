@@ -45,15 +45,18 @@ def test_pins_and_blocks_what_the_device_has_and_lacks(env):
 
 @pytest.mark.slow
 def test_device_check_runs_in_the_device_environment(env, tmp_path):
-    """bench/device_check.py --toy inside the simulation: the retention step (transformers 5.17), the carried
-    datasets wheels installed --no-deps (with dependency resolution datasets 5.2's pins abort the install)."""
+    """bench/device_check.py --toy inside the simulation: train.py's own loop at both sizes with the device's
+    packages (transformers 5.17: its attention mask made per call, no host sync), the carried datasets wheels
+    installed --no-deps (with dependency resolution datasets 5.2's pins abort the install)."""
     wheels = tmp_path / "wheels"
     shutil.copytree(Path(env["dir"]) / "carried", wheels)
     proc = device_env.run(["python", "-m", "bench.device_check", "--toy", "--out", str(tmp_path / "out"),
                            "--wheels", str(wheels)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "device_check.json").read_text())
-    assert report["step"]["groups"] == 8 and report["step"]["loss"] > 0  # retention on, every size fitted
+    for size in ("bert-base", "harness"):  # train.py's own loop with the device's transformers: no host sync
+        assert report["loop"][size]["host_syncs_per_step"] == 0 and report["loop"][size]["vs_stock"] > 0, size
+    assert "attention mask: prepared per call" in proc.stdout
     assert "(--no-deps)" in proc.stdout and report["e2e"] == {"skipped": "['mteb'] missing"}  # datasets came
 
 

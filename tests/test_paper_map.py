@@ -175,7 +175,7 @@ def traced_step(argv, step: int = 1, end: str = "XPRTModel.forward") -> dict:
             return
         name = code.co_qualname
         if event == "call":
-            if name == "RowsDataset.__getitem__" and st["fetching"] is None:
+            if name in ("RowsDataset.__getitem__", "RowsDataset.__getitems__") and st["fetching"] is None:
                 st["fetching"] = st["collated"] + 1  # the batch whose rows are being read
             st["loop"] = st["loop"] or (step == 1 and name == "epoch_batches")
             st["model"] = st["model"] or (name == end and st["loop"])
@@ -210,10 +210,12 @@ def traced_step(argv, step: int = 1, end: str = "XPRTModel.forward") -> dict:
 # estimate and the FLOP count (run_log.py). The function counts are those of the tree before support.py was split
 # into rooms (the same functions run); the file counts grew with the rooms. Issue 42 added two to the first step:
 # run_log.device_memory (the memory estimate's free memory, a CPU-testable CUDA branch) and run_log.addmm_flops (the
-# FLOP count of every addmm overload; inside the model's step too).
+# FLOP count of every addmm overload; inside the model's step too); then architectures.mask_for_layers (the attention
+# mask made per call, no host sync), GroupCollator.passage (the tokens train.py reads once) and
+# RowsDataset.__getitems__ (a batch read in one take, in place of __getitem__).
 STEP_BOUNDS = {
-    "xprt": {1: {"sampler": (70, 9), "model": (34, 5)}, 2: {"sampler": (47, 6), "model": (32, 4)}},
-    "retromae": {1: {"sampler": (66, 9), "model": (29, 5)}, 2: {"sampler": (43, 6), "model": (27, 4)}},
+    "xprt": {1: {"sampler": (72, 9), "model": (35, 5)}, 2: {"sampler": (49, 6), "model": (33, 4)}},
+    "retromae": {1: {"sampler": (67, 10), "model": (30, 6)}, 2: {"sampler": (44, 7), "model": (28, 5)}},
 }
 
 
