@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 import math
 from dataclasses import asdict, dataclass, replace
@@ -1071,20 +1072,34 @@ class GroupCollator:
             for k, i in enumerate(texts):
                 passages[i] = done["ids"][k], done["words"][k] if self.needs_words else None
         head, tail, skip = self.head, self.tail, len(self.head) + len(self.prefix_ids)
-        n, width = len(passages), len(head) + len(tail) + max(len(ids) for ids, _ in passages)
+        lengths = np.fromiter((len(ids) for ids, _ in passages), dtype=np.int64, count=len(passages))
+        n, width = len(passages), len(head) + len(tail) + int(lengths.max())
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = np.full((n, width), pad, dtype=np.int64)
-        am, cand = np.zeros((n, width), dtype=np.int64), np.zeros((n, width), dtype=bool)
-        words = np.full((n, width), -1, dtype=np.int64) if self.needs_words else None
+        # each row's first token: its padding before it on a left-padding tokenizer
         left = self.tokenizer.padding_side == "left"
-        for i, (p, w) in enumerate(passages):
-            length = len(head) + len(p) + len(tail)
-            at = width - length if left else 0  # where the row's tokens start
-            ids[i, at:at + length] = head + list(p) + tail
-            am[i, at:at + length] = 1
-            cand[i, at + skip:at + len(head) + len(p)] = True  # the passage's own tokens, the prefix left out
-            if words is not None:
-                words[i, at + skip:at + len(head) + len(p)] = w[len(self.prefix_ids):]
+        at = width - lengths - len(head) - len(tail) if left else np.zeros_like(lengths)
+        col = np.arange(width)
+        rel = col[None, :] - at[:, None]  # (N, L) each position's place in its row's tokens
+        am = (rel >= 0) & (rel < (lengths + len(head) + len(tail))[:, None])
+        cand = (rel >= skip) & (rel < (lengths + len(head))[:, None])  # the passage's own tokens, the prefix left out
+        # the passages' tokens in one assignment (row, column) <- the flat token list
+        rows = np.repeat(np.arange(n), lengths)
+        cols = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths) + np.repeat(
+            at + len(head), lengths)
+        ids[rows, cols] = np.fromiter(itertools.chain.from_iterable(p for p, _ in passages), dtype=np.int64,
+                                      count=len(rows))
+        for k, t in enumerate(head):  # the template's special tokens around each passage
+            ids[np.arange(n), at + k] = t
+        for k, t in enumerate(tail):
+            ids[np.arange(n), at + len(head) + lengths + k] = t
+        am = am.astype(np.int64)
+        words = None
+        if self.needs_words:  # each candidate's word (the prefix's words dropped), -1 elsewhere
+            words = np.full((n, width), -1, dtype=np.int64)
+            words[rows, cols] = np.fromiter(itertools.chain.from_iterable(w for _, w in passages), dtype=np.int64,
+                                            count=len(rows))
+            words[~cand] = -1
         out = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(am),
                "candidates": torch.from_numpy(cand)}
         if words is not None:

@@ -323,6 +323,8 @@ def tokenized(accelerator, rows, collator, groups_per_process: int = 20_000):
     from datasets import Sequence, Value
 
     fields = [f for f in collator.passage_fields if f in rows.column_names]
+    if not fields:  # a collator that reads texts only (Revela)
+        return rows
     features = rows.features.copy()
     for f in fields:
         one = Sequence(Value("int32"))

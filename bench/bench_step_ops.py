@@ -15,9 +15,10 @@ offers, at two sizes (those of bench_collation):
              to the CPU cannot be told from a CPU tensor on a CPU: `.cpu()` counts as a read, `.to(device)` does not;
              reads inside torch.optim do not (AdamW's step counts live on the host unless it is fused).
   aten ops   the aten ops of that step that are not views (each launches at least one kernel on a GPU)
-  collate    CPU milliseconds per group of the objective's collator (mask, pad), in this process, reading the rows
-             as a loader worker does: from the rows train.py hands the loader (each passage tokenised once at load:
-             train.tokenized) and, for comparison, from the texts (tokenised in every batch, as before)
+  collate    CPU milliseconds per group of the objective's collator (mask, pad), in this process on one thread,
+             reading the rows as a loader worker does: from the rows train.py hands the loader (each passage
+             tokenised once at load: train.tokenized) and, for comparison, from the texts (tokenised in every
+             batch, as before)
 AdamW is the one train.py builds on this CPU (torch's default: one tensor at a time); `--adamw cuda` builds the one it
 builds on CUDA (fused: training.adamw_kernel) on the CPU instead, so the aten ops are those a GPU step launches.
 
@@ -179,8 +180,9 @@ def count_steps(argv: list, steps: int, adamw: str = "default") -> list:
 
 def collate_ms_per_group(objective: str, folder: Path, tok, rows, max_length: int, options: dict, repeats: int):
     """CPU milliseconds per group of the objective's collator over `rows` (a datasets.Dataset), best of `repeats`,
-    the rows' reading from the Arrow table included, as a loader worker does: -> (from the texts, as every batch was
-    collated before train.py tokenised each passage once; from the rows train.py hands the loader, train.tokenized)."""
+    the rows' reading from the Arrow table included, on one thread, as a loader worker does: -> (from the texts, as
+    every batch was collated before train.py tokenised each passage once; from the rows train.py hands the loader,
+    train.tokenized)."""
     from accelerate import PartialState
 
     import architectures
@@ -193,7 +195,8 @@ def collate_ms_per_group(objective: str, folder: Path, tok, rows, max_length: in
         collator = mx.XPRTModel(mlm, objective=objective, **options).objective.make_collator(tok, max_length=max_length)
         tokens = train.tokenized(PartialState(), rows, collator)
     _, extras = collator.sort_lengths(rows, 0)
-    out = []
+    out, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a loader worker (torch gives each one thread)
     for table in (rows, tokens):
         best, keys = float("inf"), [(0, 0, i) for i in range(len(table))]
         for _ in range(repeats):
@@ -202,6 +205,7 @@ def collate_ms_per_group(objective: str, folder: Path, tok, rows, max_length: in
             collator([row if extras is None else {**row, **extras(0, i)} for (_, _, i), row in read])
             best = min(best, time.process_time() - c0)
         out.append(1000 * best / len(rows))
+    torch.set_num_threads(threads)
     return tuple(out)
 
 

@@ -375,7 +375,8 @@ def train_py_loop(args, device, size: str, peak) -> dict:
     print(f"  stock BertForMaskedLM step ({groups * 5} x {max_length + 2} tokens): {peer['step_s'] * 1000:.1f} ms, "
           f"{peer['tflops_per_s']:.3f} TFLOP/s{'' if not peak else f', MFU {peer[rate]:.3f}'}: train.py's step at "
           f"{out['vs_stock']:.2f}x its {'MFU' if peak else 'TFLOP/s'}", flush=True)
-    print(f"  top kernels of steps {profiled[0]}-{profiled[1]} ({key}): "
+    steps_named = f"step {profiled[0]}" if profiled[0] == profiled[1] else f"steps {profiled[0]}-{profiled[1]}"
+    print(f"  top kernels of {steps_named} ({key}): "
           + "; ".join(f"{name} {share:.0%}" for name, share in top), flush=True)
     return out
 
