@@ -64,15 +64,15 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from architectures import attention_kwargs
-from common import (E5_PROMPTS, MINILM_ALIASES, NO_PROMPTS, ArgumentParser, UserError, atomic_path, atomic_write,
-                    check_model_name, check_writable, claim_output_folder, hub_cached, hub_offline, load_beir,
-                    local_inputs, model_prompts, pick_device_and_dtype, positive_int, read_json, record_outputs,
-                    resolve_model_path, run_script)
-from model_folder import add_eval_results_to_card, check_tokenizer_fits, max_seq_length
 from modeling_xprt import embed_texts
-from run_log import EVAL_PREFIX
-from training import gathered_params
+from plumbing.common import (E5_PROMPTS, MINILM_ALIASES, NO_PROMPTS, ArgumentParser, UserError, atomic_path,
+                             atomic_write, check_model_name, check_writable, claim_output_folder, hub_cached,
+                             hub_offline, load_beir, local_inputs, model_prompts, pick_device_and_dtype, positive_int,
+                             read_json, record_outputs, resolve_model_path, run_script)
+from modeling_xprt import max_seq_length
+from plumbing.model_folder import add_eval_results_to_card, attention_kwargs, check_tokenizer_fits
+from plumbing.run_log import EVAL_PREFIX
+from plumbing.training import gathered_params
 
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (docs/notes.md); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))

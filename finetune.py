@@ -31,13 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from batches import NoDuplicatesBatchSampler, check_batch_fits, training_loader
-from common import (ArgumentParser, UserError, atomic_write, check_model_name, iter_jsonl, iter_parquet, load_beir,
-                    local_inputs, non_negative_int, positive_int, rank_and_world, run_script)
 from modeling_xprt import PairCollator, embed_texts, pair_false_negatives, pair_text_ids
-from training import (adamw, add_common_args, check_common_args, check_input_length, export_checkpoint,
-                      load_model, make_accelerator, prepare_output_dir, prepare_run, print_run, save_run, train_loop,
-                      unpartitioned_loading)
+from plumbing.batches import NoDuplicatesBatchSampler, check_batch_fits, training_loader
+from plumbing.common import (ArgumentParser, UserError, atomic_write, check_model_name, iter_jsonl, iter_parquet,
+                             load_beir, local_inputs, non_negative_int, positive_int, rank_and_world, run_script)
+from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, export_checkpoint,
+                               load_model, make_accelerator, prepare_output_dir, prepare_run, print_run, save_run,
+                               train_loop, unpartitioned_loading)
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 
@@ -452,7 +452,7 @@ def read_msmarco(files: dict) -> dict:
     from the queries and the collection. The whole collection is read (it is the corpus the negatives are mined
     from, as a BEIR folder's corpus.jsonl is: 8.8M passages, about 3 GB of text); qrels whose query or passage is
     absent are refused naming the id."""
-    from common import read_qrels
+    from plumbing.common import read_qrels
 
     qrels = {q: {d: s for d, s in ds.items() if s > 0} for q, ds in read_qrels(files["qrels"]).items()}
     qrels = {q: ds for q, ds in qrels.items() if ds}

@@ -19,11 +19,13 @@ gradient cache cuts by), common.py (names, prefixes, files). The loop that calls
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib
 import inspect
 import itertools
 import logging
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -31,12 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from architectures import (decoder_layers, encoder_pieces, head_params, layer_multiply_adds, layer_runner,
-                           mask_for_layers)
-from batches import Layout, group_bounds, group_lengths
-from common import stable_doc_hash
-from fused_vocab import linear_cross_entropy, linear_kl_div
-from model_folder import ModelInfo, PostPooling, load_xprt_folder, max_seq_length, save_xprt_folder
+from plumbing.architectures import (decoder_layers, encoder_pieces, head_params, layer_multiply_adds, layer_runner,
+                                    linear_cross_entropy, linear_kl_div, mask_for_layers)
 
 logger = logging.getLogger("xprt")
 
@@ -413,7 +411,12 @@ class ConditionedDecoder(nn.Module):
 # into chunks (Layout).
 # ==============================================================================================================
 
-OBJECTIVES: dict = {}  # --objective name -> Objective class (register_objective)
+OBJECTIVES: dict = {}  # --objective name -> Objective class, as its module registers it (register_objective)
+# Where each train.py --objective is defined, in the order --help lists them. objective_class imports an objective's
+# module on first use, so a run imports the one objective it trains: an xPRT run imports no baseline.
+PRETRAINING_OBJECTIVES = {"xprt": "modeling_xprt", "retromae": "baselines.retromae", "simlm": "baselines.simlm",
+                          "contriever": "baselines.contriever", "contrastive_random_span": "baselines.contriever",
+                          "self_reconstruction": "baselines.self_reconstruction", "revela": "baselines.revela"}
 
 
 def register_objective(cls):
@@ -423,24 +426,27 @@ def register_objective(cls):
 
 
 def objective_class(name: str):
-    """The Objective class registered under `name` (the baselines register when the script that offers them imports
-    baselines.py)."""
+    """The Objective class of --objective `name`, its module imported on first use (PRETRAINING_OBJECTIVES)."""
+    if name not in OBJECTIVES and name in PRETRAINING_OBJECTIVES:
+        importlib.import_module(PRETRAINING_OBJECTIVES[name])
     if name not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {sorted(OBJECTIVES)}, got {name!r}")
+        raise ValueError(f"objective must be one of {sorted(set(OBJECTIVES) | set(PRETRAINING_OBJECTIVES))}, "
+                         f"got {name!r}")
     return OBJECTIVES[name]
 
 
 def pretraining_objectives() -> list:
-    """The train.py --objective choices: every registered objective that pre-trains on groups."""
-    return [n for n, c in OBJECTIVES.items() if c.pretraining]
+    """The train.py --objective choices, without importing them."""
+    return list(PRETRAINING_OBJECTIVES)
 
 
-def objective_flags() -> dict:
-    """{"--flag": (argparse keywords, [the objectives that take it])} over every registered objective's `flags`, in
-    registration order (train.py adds them all, and hands an objective only its own: Objective.options_from_flags)."""
+def objective_flags(names=None) -> dict:
+    """{"--flag": (argparse keywords, [the objectives that take it])} over the objectives `names` (default: every
+    train.py --objective; each imported), in their order (train.py adds its objective's, and hands it only its own:
+    Objective.options_from_flags)."""
     found: dict = {}
-    for name, cls in OBJECTIVES.items():
-        for flag, spec in cls.flags.items():
+    for name in pretraining_objectives() if names is None else names:
+        for flag, spec in objective_class(name).flags.items():
             found.setdefault(flag, (spec, []))[1].append(name)
     return found
 
@@ -472,6 +478,7 @@ class Objective(nn.Module):
     # The train.py flags of this objective: {"--flag": argparse keywords}, each the constructor's option of the flag's
     # name. Left unset (None), the option keeps the constructor's default; set for another objective, it is refused.
     flags: dict = {}
+    model_flags: tuple = ()  # its flags that name a model it loads: checked before the run, recorded among its inputs
 
     @classmethod
     def options_from_flags(cls, args) -> dict:
@@ -656,7 +663,100 @@ class PairObjective(Objective):
 
 
 # ==============================================================================================================
-# 5. The model
+# 5. What the model is beyond its weights: its length limit, its vector's pooling and scoring, the modules after
+# pooling (a saved folder records them: plumbing/model_folder.py)
+# ==============================================================================================================
+
+
+@dataclass
+class ModelInfo:
+    """What a model folder records beyond the weights (save_model_folder writes it; model_folder.load_xprt_folder fills
+    it in from the start model): the checkpoint training started from (kept through continued runs), the
+    {"query", "document"} prefixes it is trained and used with (model_prompts), the length limit it is saved and
+    scored at (max_seq_length), the Hub id of the checkpoint it was loaded from (the card's base_model:
+    hub_base_model), the Hub repository the folder is pushed to (so a model trained from it names it), and its
+    lineage: every stage from the first checkpoint on, [{"stage", "model"}] ("model": a Hub id, or None for a local
+    one), so a model fine-tuned from an xPRT folder says so."""
+
+    start_model: str = ""
+    prompts: dict = field(default_factory=lambda: dict(query="", document=""))
+    max_seq_length: int = 512
+    base_model: Optional[str] = None
+    hub_model_id: Optional[str] = None
+    lineage: list = field(default_factory=list)
+    pooling: str = "mean"  # the sentence vector: the mean of the token vectors (E5's, the paper's), or [CLS]'s
+    # how the saved folder compares vectors (read_scoring: the start's; the losses always train cosines)
+    normalize: bool = True
+    similarity_fn_name: str = "cosine"
+    # the start's modules after pooling (PostPooling.describe) and the sentence vector's dimension they make
+    modules: list = field(default_factory=list)
+    dim: Optional[int] = None
+
+
+def max_seq_length(config, stated: Optional[int] = None) -> int:
+    """The one length rule: the limit a model is used at is the one its folder states (read_max_seq_length;
+    all-MiniLM-L6-v2 says 256, and the MTEB leaderboard scored it there), else BERT's 512, never more than its
+    position table holds."""
+    return int(min(stated or 512, getattr(config, "max_position_embeddings", 512)))
+
+
+class PostPooling(torch.nn.Module):
+    """The sentence-transformers modules a model applies after its Pooling module (Dense, LayerNorm, Dropout,
+    Normalize, any module that reads and writes the features' "sentence_embedding"), then its truncate_dim: the
+    rest of the pipeline that makes the model's sentence vector from the pooled one. load_post_pooling builds it from
+    a model folder with sentence-transformers' own loader; empty (the identity) for a model that has none.
+
+    forward: pooled vectors (..., H) -> the model's sentence vectors (..., D). Its parameters are frozen (our choice:
+    the start's modules are kept as they are and the encoder is trained under them; the gradients of the losses flow
+    through them into the encoder), and they are saved back unchanged (save_model_folder)."""
+
+    def __init__(self, modules=(), truncate_dim: Optional[int] = None, names: Sequence[str] = ()):
+        super().__init__()
+        self.modules_ = torch.nn.ModuleList(modules)
+        self.truncate_dim = truncate_dim
+        self.names = list(names) or [type(m).__name__ for m in modules]
+        self.requires_grad_(False)
+
+    def forward(self, vec: torch.Tensor) -> torch.Tensor:
+        if not len(self.modules_) and self.truncate_dim is None:
+            return vec
+        shape, dtype = vec.shape, vec.dtype
+        weight = next(self.parameters(), None)  # bf16 under DeepSpeed's bf16, which runs without autocast
+        # sentence-transformers modules read and write a features dict of (N, H) rows
+        features = {"sentence_embedding": vec.reshape(-1, shape[-1]).to(weight.dtype if weight is not None else dtype)}
+        for module in self.modules_:
+            features = module(features)
+        out = features["sentence_embedding"]
+        if self.truncate_dim is not None:  # as SentenceTransformer.encode truncates: after every module
+            out = out[..., : self.truncate_dim]
+        return out.reshape(*shape[:-1], out.shape[-1]).to(dtype)
+
+    def dim(self, hidden_size: int) -> int:
+        """The sentence vector's dimension for pooled vectors of hidden_size (a probe through the modules)."""
+        with torch.no_grad():
+            p = next(self.parameters(), None)
+            return self.forward(torch.zeros(2, hidden_size, device=p.device if p is not None else "cpu")).shape[-1]
+
+    def describe(self) -> list:
+        """["Dense(384 -> 128, Tanh)", "truncate_dim 64"]: one phrase per module, for the log and card; a Normalize
+        module is said by describe_scoring's "L2-normalised" (read_scoring finds it), so a model with Normalize alone
+        (all-MiniLM-L6-v2) is described as before."""
+        out = []
+        for m in self.modules_:
+            name = type(m).__name__
+            if name == "Normalize":
+                continue
+            cfg = m.get_config_dict() if hasattr(m, "get_config_dict") else {}
+            if "in_features" in cfg and "out_features" in cfg:
+                act = str(cfg.get("activation_function", "")).rpartition(".")[2]
+                out.append(f"{name}({cfg['in_features']} -> {cfg['out_features']}{', ' + act if act else ''})")
+            else:
+                out.append(name)
+        return out + ([f"truncate_dim {self.truncate_dim}"] if self.truncate_dim is not None else [])
+
+
+# ==============================================================================================================
+# 6. The model
 # The encoder (an AutoModelForMaskedLM: its base model gives the token states, its MLM head the vocabulary terms), the
 # objective (section 4) with its heads, and the step written once over the objective: forward (plain) and cached_step
 # (the gradient cache). The batch layouts are the collators' (section 6, and baselines.py).
@@ -870,18 +970,7 @@ class XPRTModel(nn.Module):
         freezes them, xprt_heads.safetensors stores them (heads_state_dict)."""
         return list(self.objective.parameters()) + list(head_params(self.encoder).values())
 
-    def save_pretrained(self, out_dir: str, tokenizer, model_card: Optional[str] = None, check=None):
-        """A folder loadable by transformers.AutoModel AND sentence_transformers.SentenceTransformer (the start's
-        pooling, normalisation, similarity and custom code), plus xprt_heads.safetensors and xprt_config.json so that
-        training can continue (model_folder.save_xprt_folder: atomic; an existing out_dir is replaced once
-        check(folder), when given, has passed on the written folder)."""
-        save_xprt_folder(self, out_dir, tokenizer, model_card, check)
 
-    @classmethod
-    def from_pretrained(cls, path: str, objective: Optional[str] = None, **kw) -> "XPRTModel":
-        """Any checkpoint (hub id, folder, the MiniLM alias) or a folder written by save_pretrained, for `objective`
-        (default: the folder's, else xprt); model_folder.load_xprt_folder says what is restored, carried or fresh."""
-        return load_xprt_folder(cls, path, objective, **kw)
 
 
 @torch.inference_mode()
@@ -945,7 +1034,87 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
 
 
 # ==============================================================================================================
-# 6. Collators
+# 7. How a batch is cut: the contract between the collators and the gradient cache (XPRTModel.cached_step)
+# ==============================================================================================================
+
+
+class Layout:
+    """How a collated batch is cut into chunks of groups (rows) for the gradient cache; the collator builds it.
+
+    Every tensor of the batch whose key is not in `unsliced` or `flat_index` has the groups as its first dimension
+    and is sliced. `flat_index` holds the flat index tensors (sorted, row-major: XPRTCollator._loss_positions): key ->
+    (row set, width), where width is the flat size of one group (a chunk's indices are shifted by it to become its
+    own; 0 for targets). bounds: row set -> G + 1 ints, where each group's rows start. totals: row set -> the WHOLE
+    batch's row count, which a chunk keeps, so that each chunk's mean term times its row_share adds up to the batch's
+    mean. Python ints only: cutting a batch that sits on a GPU needs no host sync."""
+
+    def __init__(self, groups: int, flat_index: Optional[dict] = None, bounds: Optional[dict] = None,
+                 unsliced: Sequence[str] = (), totals: Optional[dict] = None):
+        self.groups, self.flat_index, self.bounds = groups, flat_index or {}, bounds or {}
+        self.unsliced = set(unsliced)
+        self.rows = {k: b[-1] - b[0] for k, b in self.bounds.items()}
+        self.totals = dict(totals) if totals is not None else dict(self.rows)
+        # row_share[rows]: this batch's (or chunk's) part of the whole batch's rows, 1 for a whole batch
+        self.row_share = {k: n / max(1, self.totals[k]) for k, n in self.rows.items()}
+
+    def chunks(self, batch: dict, size: int) -> list:
+        """[((a, b), the groups a..b-1 of `batch` as a batch of their own, with its Layout)]."""
+        out = []
+        for a in range(0, self.groups, size):
+            b = min(a + size, self.groups)
+            part = {}
+            for k, v in batch.items():
+                if k in self.flat_index:
+                    rows, width = self.flat_index[k]
+                    part[k] = v[self.bounds[rows][a]:self.bounds[rows][b]]
+                    part[k] = part[k] - a * width if width else part[k]
+                elif torch.is_tensor(v) and k not in self.unsliced:
+                    part[k] = v[a:b]
+                elif k != "layout":
+                    part[k] = v
+            bounds = {k: [x - bd[a] for x in bd[a:b + 1]] for k, bd in self.bounds.items()}
+            part["layout"] = Layout(b - a, self.flat_index, bounds, self.unsliced, self.totals)
+            out.append(((a, b), part))
+        return out
+
+
+def group_bounds(index: torch.Tensor, width: int, groups: int) -> list:
+    """Where each group's rows start in a sorted flat index over (groups * width) positions: G + 1 ints."""
+    return torch.searchsorted(index, torch.arange(groups + 1) * width).tolist()
+
+
+def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarray:
+    """Characters of each group's anchor plus its first num_related related passages (what length grouping
+    sorts by), as a numpy int64 array.
+
+    Computed with pyarrow compute on Arrow batches of the two columns (no Python dict per row, no cache file
+    written, so every process can run it at once); utf8_length counts code points like Python's len, so the
+    lengths, and hence the batches, are those Python's len gives."""
+    import pyarrow.compute as pc
+
+    out = np.empty(len(groups), dtype=np.int64)
+    pos = 0
+    for batch in groups.select_columns(["anchor", "related"]).with_format("arrow").iter(batch_size=batch_size):
+        anchor = batch["anchor"].combine_chunks()
+        related = pc.list_slice(batch["related"].combine_chunks(), 0, num_related)
+        flat = pc.utf8_length(pc.list_flatten(related)).to_numpy(zero_copy_only=False)
+        per_group = np.bincount(pc.list_parent_indices(related).to_numpy(zero_copy_only=False), weights=flat,
+                                minlength=len(anchor))  # float64: exact for sums below 2**53
+        anchor_len = pc.utf8_length(anchor).to_numpy(zero_copy_only=False)
+        out[pos:pos + len(anchor)] = anchor_len + per_group.astype(np.int64)
+        pos += len(anchor)
+    return out
+
+
+def stable_doc_hash(doc_id: str) -> int:
+    """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label
+    of L_xp, the duplicate-id check of select_groups.py, and PAIR's passage ids (of the passage *text*, so that
+    duplicated corpus entries get one id: PairCollator, pair_false_negatives)."""
+    return int.from_bytes(hashlib.blake2b(str(doc_id).encode("utf-8"), digest_size=8).digest(), "little", signed=True)
+
+
+# ==============================================================================================================
+# 8. Collators
 # Rows -> one batch dict of tensors. All masking, cropping and index building happens here, drawn from a generator
 # seeded per batch (batches.SeededCollate); each batch carries its Layout (batches.py: how it is cut into chunks of
 # groups for the gradient cache), so the model gathers and never computes an index.
@@ -995,8 +1164,8 @@ def tokenize_groups(batch: dict, tokenizer, prefix: str, length: int, words: boo
     (passage_tokens) -> <field>_ids (and <field>_words) beside the text: a list per passage, a list of lists for
     "related". The collators then only mask and pad (GroupCollator.passage)."""
     out = {}
-    for field in fields:
-        column = batch[field]
+    for name in fields:
+        column = batch[name]
         nested = bool(column) and isinstance(column[0], list)
         flat = [t for texts in column for t in texts] if nested else column
         tokens = passage_tokens(tokenizer, flat, prefix, length, words)
@@ -1004,7 +1173,7 @@ def tokenize_groups(batch: dict, tokenizer, prefix: str, length: int, words: boo
             if nested:  # back into each group's list of related passages
                 ends = np.cumsum([len(texts) for texts in column])
                 values = [values[e - len(texts):e] for e, texts in zip(ends, column)]
-            out[f"{field}_{key}"] = values
+            out[f"{name}_{key}"] = values
     return out
 
 

@@ -47,12 +47,14 @@ from typing import Optional
 import numpy as np
 import regex  # Unicode properties (scripts, sentence terminals), which re lacks; a dependency of transformers
 
-from common import (ArgumentParser, UserError, atomic_path, atomic_write, check_model_name, claim_output_folder,
-                    local_inputs, model_prompts, non_negative_int, pick_device_and_dtype, positive_int, record_outputs,
-                    remove_outputs, resolve_model_path, run_script)
-from model_folder import check_tokenizer_fits, load_post_pooling, max_seq_length, read_max_seq_length, read_pooling
-from readers import (INPUT_SUFFIXES, SKIP_REASONS, Doc, doc_id_source, first_valid_records, input_files, iter_chunks,
-                     unread_splits, unused_fields)
+from plumbing.common import (ArgumentParser, UserError, atomic_path, atomic_write, check_model_name,
+                             claim_output_folder, local_inputs, model_prompts, non_negative_int, pick_device_and_dtype,
+                             positive_int, record_outputs, remove_outputs, resolve_model_path, run_script)
+from modeling_xprt import max_seq_length
+from plumbing.model_folder import (check_tokenizer_fits, load_post_pooling, read_max_seq_length,
+                                   read_pooling)
+from plumbing.readers import (INPUT_SUFFIXES, SKIP_REASONS, Doc, doc_id_source, first_valid_records, input_files,
+                              iter_chunks, unread_splits, unused_fields)
 
 # The paper's statistics on 100K FineWeb documents with E5-base-unsupervised (printed beside ours).
 PAPER_FINEWEB_100K = {"documents_with_groups_pct": 99.0, "groups_per_document": 7.0, "passages_covered_pct": 68.0}
@@ -1340,7 +1342,7 @@ def main(argv=None):
     check_model_name(args.model_name_or_path, "--model_name_or_path", args.trust_remote_code)
     sel = Selection.from_args(args)  # the one object every selecting function reads its settings from
     if args.executor:  # the same passes as datatrove stages over tasks: selection_stages.py
-        import selection_stages
+        import select_groups_datatrove as selection_stages
 
         return selection_stages.run(args, sel)
     import torch

@@ -29,18 +29,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import baselines  # noqa: F401  (registers the comparison objectives as --objective choices)
-from architectures import load_teacher
-from batches import LengthGroupedBatchSampler, check_batch_fits, document_keys, sampler_negatives, training_loader
-from common import (ArgumentParser, UserError, atomic_write, check_model_name, is_zero3, local_inputs,
-                    non_negative_float, non_negative_int, positive_int, read_json, resolve_model_path, run_script)
-from fused_vocab import weight_grad_path
-from modeling_xprt import (OBJECTIVES, objective_class, objective_flags, pretraining_objectives, retention_weight,
+from modeling_xprt import (objective_class, objective_flags, pretraining_objectives, retention_weight,
                            tokenize_groups)
-from run_log import EVAL_PREFIX, explain_oom, memory_estimate, peak_flops
-from training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype, export_checkpoint,
-                      load_model, make_accelerator, prepare_output_dir, prepare_run, print_run,
-                      save_model, save_run, train_loop, unpartitioned_loading)
+from plumbing.architectures import weight_grad_path
+from plumbing.batches import (LengthGroupedBatchSampler, check_batch_fits, document_keys, sampler_negatives,
+                              training_loader)
+from plumbing.common import (ArgumentParser, UserError, atomic_write, check_model_name, is_zero3, local_inputs,
+                             non_negative_float, non_negative_int, positive_int, read_json, resolve_model_path,
+                             run_script)
+from plumbing.model_folder import load_teacher
+from plumbing.run_log import EVAL_PREFIX, explain_oom, memory_estimate, peak_flops
+from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype,
+                               export_checkpoint, load_model, make_accelerator, prepare_output_dir, prepare_run,
+                               print_run, save_model, save_run, train_loop, unpartitioned_loading)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 
@@ -48,8 +49,9 @@ DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E
 # ----------------------------------------------------------------------------------------------------------------
 # Flags
 # ----------------------------------------------------------------------------------------------------------------
-def build_parser():
-    """train.py's flags (experiments/paper/run.py reads --objective's choices from here, so it never drifts)."""
+def build_parser(objectives=None):
+    """train.py's flags, with those of the objectives `objectives` (default: every one, as --help lists them;
+    experiments/paper/run.py reads --objective's choices from here, so it never drifts)."""
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("what to train")
@@ -66,15 +68,16 @@ def build_parser():
 
     # Each objective's own flags (Objective.flags: xPRT's loss weights and ablation, the baselines' settings), in one
     # group per objective; a flag several objectives take sits in the first one's group and names them all
-    seen = set()
-    for name, cls in OBJECTIVES.items():
+    seen, owned = set(), objective_flags(objectives)
+    for name in pretraining_objectives() if objectives is None else objectives:
+        cls = objective_class(name)
         mine = {f: spec for f, spec in cls.flags.items() if f not in seen}
         if not mine:
             continue
-        g = p.add_argument_group(f"--objective {name}" + (f" ({cls.__module__}.py)" if cls.__module__ != "modeling_xprt"
-                                                         else ""))
+        where = cls.__module__.replace(".", "/") + ".py"
+        g = p.add_argument_group(f"--objective {name}" + (f" ({where})" if cls.__module__ != "modeling_xprt" else ""))
         for flag, spec in mine.items():
-            owners = objective_flags()[flag][1]
+            owners = owned[flag][1]
             g.add_argument(flag, default=None, **{**spec, "help": f"[{', '.join(owners)}] {spec['help']}"})
         seen.update(mine)
 
@@ -136,7 +139,21 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    # the flags of the objective asked for only (all of them for --help): another objective's module is not imported
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    first.add_argument("--objective", choices=pretraining_objectives(), default="xprt")
+    known, _ = first.parse_known_args(argv)
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    parser = build_parser(None if wants_help else [known.objective])
+    args, unknown = parser.parse_known_args(argv)
+    owners = {f: names for f, (_, names) in objective_flags().items()} if unknown else {}
+    for flag in unknown:  # another objective's flag is refused, naming its objective
+        if flag.split("=")[0] in owners:
+            raise UserError(f"{flag.split('=')[0]}: a flag of --objective {' / '.join(owners[flag.split('=')[0]])}, "
+                            f"not of {args.objective}")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.export_checkpoint:  # its flags come from the checkpoint (training.export_checkpoint checks them)
         return args
     if args.groups_dir is None:
@@ -156,9 +173,6 @@ def parse_args(argv=None):
             raise UserError(f"--{name} must be in [0, 1)")
     if args.retention_weight < 0 or args.retention_final_weight < 0:
         raise UserError("retention weights must be >= 0")
-    for flag, (_, owners) in objective_flags().items():  # another objective's flag is refused, not ignored
-        if getattr(args, flag[2:]) is not None and args.objective not in owners:
-            raise UserError(f"{flag}: a flag of --objective {' / '.join(owners)}, not of {args.objective}")
     if args.positive == "random" and args.retention_student == "masked" and args.retention_weight > 0:
         raise UserError("--positive random with --retention_student masked: the masked pass's slot 1 holds the "
                         "random passage, while every method's retention pairs are anchor x s1; use the clean student")
@@ -169,7 +183,8 @@ def check_inputs(args):
     """What the flags point to, checked before anything loads: the models exist here (or in the offline Hub's
     cache), the groups folder is a finished selection with enough groups for one step (WORLD_SIZE: the processes
     torchrun / accelerate launch start)."""
-    for flag in ("model_name_or_path", "teacher_name_or_path", "mlm_head_from", "generator_name_or_path"):
+    model_flags = [f[2:] for f in objective_class(args.objective).model_flags]
+    for flag in ["model_name_or_path", "teacher_name_or_path", "mlm_head_from", *model_flags]:
         if getattr(args, flag):
             check_model_name(getattr(args, flag), f"--{flag}", args.trust_remote_code)
     n_groups = count_groups(args.groups_dir)
@@ -247,7 +262,7 @@ def load_groups(groups_dir: str, max_groups=None):
 # The model and the data
 # ----------------------------------------------------------------------------------------------------------------
 def load_pretraining_model(accelerator, args):
-    """XPRTModel.from_pretrained(--model_name_or_path) for --objective, with the options its own flags set
+    """load_xprt_folder(XPRTModel, --model_name_or_path) for --objective, with the options its own flags set
     (Objective.options_from_flags), and its tokenizer (training.load_model)."""
     options = objective_class(args.objective).options_from_flags(args)
     return load_model(accelerator, args, objective=args.objective, mlm_head_from=args.mlm_head_from,
@@ -440,7 +455,7 @@ def main(argv=None):
     prepare_output_dir(accelerator, args, "train.py", local_inputs(
         groups_dir=args.groups_dir, model_name_or_path=args.model_name_or_path,
         teacher_name_or_path=args.teacher_name_or_path, mlm_head_from=args.mlm_head_from,
-        generator_name_or_path=args.generator_name_or_path, eval_tasks=[t.rpartition("=")[2] for t in args.eval_tasks],
+        **{f[2:]: getattr(args, f[2:]) for f in objective_class(args.objective).model_flags}, eval_tasks=[t.rpartition("=")[2] for t in args.eval_tasks],
         resume_from_checkpoint=resumed))
     set_seed(args.seed)
 

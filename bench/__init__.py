@@ -15,7 +15,7 @@ def build_tiny(path):
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from common import resolve_model_path
+    from plumbing.common import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
     torch.manual_seed(0)

@@ -40,11 +40,11 @@ def inputs(h: int = 384, n: int = 32, seed: int = 0) -> dict:
 def terms(mx):
     """(name, function of the leaf tensors -> loss) for every similarity-based term of `mx` (a modeling_xprt) and of
     this tree's baselines.py."""
-    import baselines
+    from baselines import contriever
 
     return [
         ("xp_loss", lambda x: mx.xp_loss(x["anchors"], x["s1"], x["doc_ids"])),
-        ("contrastive_random_span", lambda x: baselines.contrastive_random_span(x["anchors"], x["s1"])),
+        ("contrastive_random_span", lambda x: contriever.contrastive_random_span(x["anchors"], x["s1"])),
         ("uniformity_loss", lambda x: mx.uniformity_loss(x["anchors"])),
         ("retention_loss", lambda x: mx.retention_loss(x["student_a"], x["student_s"], x["anchors"].detach(),
                                                        x["s1"].detach())),

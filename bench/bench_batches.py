@@ -88,11 +88,10 @@ def main(argv=None):
     args = parse_args(argv)
     from transformers import AutoTokenizer
 
-    import batches
-    import common
     import train
-    from baselines import RandomSpanCollator
-    from batches import group_lengths as mx_group_lengths
+    from baselines.contriever import RandomSpanCollator
+    from modeling_xprt import group_lengths as mx_group_lengths
+    from plumbing import batches, common
 
     if args.toy:
         args.groups_dir = toy_groups()

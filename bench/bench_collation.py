@@ -29,6 +29,7 @@ import torch
 
 from bench import ROOT, add_toy_flag, toy_sized
 from bench.bench_step import tiny_causal_lm
+from plumbing import model_folder
 
 SIZES = {  # (hidden, layers, heads, intermediate, max_length, retention weight)
     "gpu": (192, 4, 3, 768, 64, 0.0),
@@ -72,10 +73,9 @@ def main(argv=None):
     from accelerate.state import PartialState
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-    import architectures
     import modeling_xprt as mx
-    import batches
     import train
+    from plumbing import batches
 
     tok = AutoTokenizer.from_pretrained(str(Path(ROOT) / "bench" / "tokenizer"))
     objectives = args.objectives or train.pretraining_objectives()
@@ -87,13 +87,13 @@ def main(argv=None):
         BertForMaskedLM(BertConfig(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
                                    num_attention_heads=heads, intermediate_size=inner)).save_pretrained(folder)
         tok.save_pretrained(folder)
-        teacher = architectures.load_teacher(str(folder)) if retention else None
+        teacher = model_folder.load_teacher(str(folder)) if retention else None
         rows = datasets.Dataset.from_list(passage_rows(max_length, args.groups * (args.steps + 1)))
         lm = tiny_causal_lm(folder / "lm", tok)  # Revela's language model
         for objective in objectives:
             options = ({"generator_name_or_path": str(folder)} if objective == "simlm" else
                        {"lm_name_or_path": lm} if objective == "revela" else {})
-            mlm, _ = architectures.load_mlm_encoder(str(folder))
+            mlm, _ = model_folder.load_mlm_encoder(str(folder))
             model = mx.XPRTModel(mlm, objective=objective, **options).train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
             collator = model.objective.make_collator(tok, max_length=max_length)

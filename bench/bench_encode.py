@@ -96,7 +96,7 @@ def main(argv=None):
     from transformers import AutoModel, AutoTokenizer
 
     from modeling_xprt import embed_texts
-    from common import pick_device_and_dtype, resolve_model_path
+    from plumbing.common import pick_device_and_dtype, resolve_model_path
 
     path = resolve_model_path(args.model)
     device, dtype = pick_device_and_dtype(args.device, args.dtype)

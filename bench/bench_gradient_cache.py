@@ -24,6 +24,7 @@ import tempfile
 import time
 
 from bench import ROOT, add_toy_flag, build_tiny, toy_sized  # the repository on sys.path; offline defaults
+from plumbing import model_folder
 
 
 def parse_args(argv=None):
@@ -43,18 +44,17 @@ def child(groups: int, chunk: int, args):
     import resource
 
     import torch
+    from transformers import AutoTokenizer
 
-    import architectures
     import modeling_xprt as mx
     from bench.bench_step import make_rows
-    from common import resolve_model_path
-    from transformers import AutoTokenizer
+    from plumbing.common import resolve_model_path
 
     path = resolve_model_path(args.model)
     tok = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
-    model = mx.XPRTModel(architectures.load_mlm_encoder(path)[0]).train()
-    teacher = architectures.load_teacher(path)
+    model = mx.XPRTModel(model_folder.load_mlm_encoder(path)[0]).train()
+    teacher = model_folder.load_teacher(path)
     batch = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)(make_rows(tok, groups, args.max_length))
 
     def step():

@@ -199,8 +199,8 @@ def child_train(groups_dir, model, batches, batch_size):
     from transformers import AutoTokenizer
 
     import train
-    from batches import LengthGroupedBatchSampler, RowsDataset, group_lengths
-    from modeling_xprt import XPRTCollator
+    from modeling_xprt import XPRTCollator, group_lengths
+    from plumbing.batches import LengthGroupedBatchSampler, RowsDataset
 
     tok = AutoTokenizer.from_pretrained(model)
     before, peak = status_mb("VmHWM"), AnonPeak()

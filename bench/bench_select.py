@@ -111,8 +111,9 @@ def main(argv=None):
 
     import select_groups as sg
     from modeling_xprt import embed_texts
-    from common import resolve_model_path
-    from model_folder import max_seq_length, read_max_seq_length
+    from plumbing.common import resolve_model_path
+    from modeling_xprt import max_seq_length
+    from plumbing.model_folder import read_max_seq_length
 
     tmp = tempfile.mkdtemp(prefix="bench-select-")
     # ---- 1. time: selection vs the embedding pass alone, same documents, same process ----

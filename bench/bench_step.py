@@ -36,13 +36,10 @@ from pathlib import Path
 
 import torch
 
-import architectures
-import baselines  # noqa: F401  (registers the comparison objectives --objectives times)
 import modeling_xprt as mx
-import batches
-import common
 from bench import add_toy_flag, toy_sized
-from fused_vocab import linear_cross_entropy
+from plumbing import batches, common, model_folder
+from plumbing.architectures import linear_cross_entropy
 
 
 def parse_args(argv=None):
@@ -136,8 +133,8 @@ def build(name):
     path = common.resolve_model_path("all-MiniLM-L6-v2")
     tok = AutoTokenizer.from_pretrained(path)
     if name == "minilm":
-        mlm, msg = architectures.load_mlm_encoder(path)
-        teacher = architectures.load_teacher(path)
+        mlm, msg = model_folder.load_mlm_encoder(path)
+        teacher = model_folder.load_teacher(path)
     else:  # BERT-base sized (or tiny), random weights (no download needed)
         small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
         cfg = BertConfig(vocab_size=tok.vocab_size, attn_implementation="sdpa", **(small if name == "tiny" else {}))

@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench import ROOT, add_toy_flag, toy_sized
 from bench.bench_collation import SIZES, passage_rows
 from bench.bench_step import tiny_causal_lm
+from plumbing import model_folder
 
 # aten ops whose output's shape (or a Python value) depends on the data: on a GPU each waits for the queue
 DATA_DEPENDENT = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
@@ -146,10 +147,8 @@ def count_steps(argv: list, steps: int, adamw: str = "default") -> list:
     (training.adamw_kernel), built here on the CPU (torch's fused AdamW runs on both)."""
     from accelerate.state import AcceleratorState, GradientState
 
-    import run_log
     import train
-    import training
-
+    from plumbing import run_log, training
     counter, per_step = StepCounter(), []
     move, step_done, kernel = training.batch_to_device, run_log.LogWindow.step_done, training.adamw_kernel
     if adamw == "cuda":
@@ -185,13 +184,12 @@ def collate_ms_per_group(objective: str, folder: Path, tok, rows, max_length: in
     train.tokenized)."""
     from accelerate import PartialState
 
-    import architectures
     import modeling_xprt as mx
     import train
-    from batches import RowsDataset
+    from plumbing.batches import RowsDataset
 
     with contextlib.redirect_stderr(io.StringIO()):  # the loading and map bars
-        mlm, _ = architectures.load_mlm_encoder(str(folder))
+        mlm, _ = model_folder.load_mlm_encoder(str(folder))
         collator = mx.XPRTModel(mlm, objective=objective, **options).objective.make_collator(tok, max_length=max_length)
         tokens = train.tokenized(PartialState(), rows, collator)
     _, extras = collator.sort_lengths(rows, 0)

@@ -87,8 +87,7 @@ def rel(a, b):
 def main(argv=None):
     args = parse_args(argv)
     sys.path.insert(0, ROOT)
-    import fused_vocab
-
+    from plumbing import architectures as fused_vocab
     data = inputs(args)
     kernels = {"before": kernel_at(args.before), "after": fused_vocab}
     ref = run(fused_vocab, data, args, bf16=False)  # fp32, no autocast: the reference for both

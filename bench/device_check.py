@@ -148,8 +148,7 @@ def grouped_batches(rows, groups, seed=0):
     """Batches of `groups` rows as train.py draws them (batches.LengthGroupedBatchSampler over the anchor and related
     passages' characters: similar lengths together, as little padding as the data allows), repeated when the data is
     smaller than the batch."""
-    import batches
-
+    from plumbing import batches
     rows = rows * -(-groups * 4 // len(rows))  # at least four batches
     lengths = [len(r["anchor"]) + sum(len(x) for x in r["related"]) for r in rows]
     return [[rows[i] for i in b] for b in batches.LengthGroupedBatchSampler(lengths, groups, seed)]
@@ -169,10 +168,8 @@ def step_bench(tok, model, teacher, device, args, peak):
     computes, over the whole step's time, collation included."""
     import torch
 
-    import batches
     import modeling_xprt as mx
-    import run_log
-
+    from plumbing import batches, run_log
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     collator = mx.XPRTCollator(tok, max_length=args.max_length, seed=0)
@@ -263,8 +260,7 @@ def stock_step(cfg, device, rows: int, tokens: int, peak, steps: int = 6) -> dic
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import BertForMaskedLM
 
-    import training
-
+    from plumbing import training
     torch.manual_seed(0)
     model = BertForMaskedLM(cfg).to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, **training.adamw_kernel(device.type))
@@ -305,9 +301,9 @@ def train_py_loop(args, device, size: str, peak) -> dict:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-    import run_log
     import train
     from bench.bench_step_ops import count_steps
+    from plumbing import run_log
 
     hidden, layers, heads, inner, max_length, groups, retention = (TOY_LOOP_SIZES if args.toy else LOOP_SIZES)[size]
     every = 3 if args.toy else 6  # logging steps: 4 windows, the first warms up, the last is profiled
@@ -386,8 +382,8 @@ def vocab_three_ways(model, batch, device):
     import torch
     import torch.nn.functional as F
 
-    import batches
-    from fused_vocab import linear_cross_entropy
+    from plumbing import batches
+    from plumbing.architectures import linear_cross_entropy
 
     batch = batches.batch_to_device(batch, device)
     g, p, l = batch["input_ids"].shape
@@ -437,9 +433,7 @@ def host_syncs(model, teacher, batch, device):
     """Part 4: synchronising CUDA calls in one optimiser step, as torch.cuda.set_sync_debug_mode reports them."""
     import torch
 
-    import batches
-
-
+    from plumbing import batches
     if device.type != "cuda":
         print("== 4. host syncs: n/a (no CUDA)", flush=True)
         return None
@@ -513,8 +507,8 @@ def selection_speed(args, device):
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    import readers
     import select_groups as sg
+    from plumbing import readers
 
     tok = AutoTokenizer.from_pretrained(str(HERE / "tokenizer"))
     small = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128) if args.toy else {}
@@ -565,9 +559,7 @@ def main(argv=None):
     import torch
 
     import modeling_xprt as mx
-    import run_log
-    import training
-
+    from plumbing import run_log, training
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     training.matmul_precision_policy()  # train.py's (make_accelerator): fp32 products IEEE, TF32 off
     name = versions(device)

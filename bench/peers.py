@@ -28,11 +28,9 @@ import time
 import numpy as np
 import torch
 
-from bench import ROOT, add_toy_flag, toy_sized  # importing bench sets the offline defaults
-
-import architectures
 import modeling_xprt as mx
-import common
+from bench import ROOT, add_toy_flag, toy_sized  # importing bench sets the offline defaults
+from plumbing import common, model_folder
 
 DEFAULT_CORPUS = os.path.join(os.path.dirname(ROOT), "shared", "data", "scifact", "corpus.jsonl")
 
@@ -104,7 +102,7 @@ def bench_contrastive(args, texts, path):
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
     st = SentenceTransformer(path, device="cpu")
-    mlm, _ = architectures.load_mlm_encoder(path)
+    mlm, _ = model_folder.load_mlm_encoder(path)
     ours = mx.XPRTModel(mlm, objective="contrastive_random_span").train()
     # the very same weights (the start model has a pooler, unused by both: mean pooling)
     res = ours.encoder.base_model.load_state_dict(st[0].auto_model.state_dict(), strict=False)
@@ -163,7 +161,7 @@ def bench_mlm(args, texts, path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
-    mlm, _ = architectures.load_mlm_encoder(path)
+    mlm, _ = model_folder.load_mlm_encoder(path)
     model = mx.XPRTModel(mlm).train()  # wraps the same BertForMaskedLM object: the same weights for both paths
     collator = mx.XPRTCollator(tok, max_length=args.max_length, seed=0, num_related=4)
     per = args.batch_size // 5  # groups of 5 passages

@@ -26,8 +26,8 @@ import torch  # noqa: E402
 
 import finetune  # noqa: E402
 from modeling_xprt import pair_false_negatives, pair_text_ids
-from batches import NoDuplicatesBatchSampler  # noqa: E402
-from common import load_beir  # noqa: E402
+from plumbing.batches import NoDuplicatesBatchSampler
+from plumbing.common import load_beir  # noqa: E402
 
 
 def parse_args(argv=None):

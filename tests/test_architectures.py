@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import ROOT, cli_args
 
-import architectures as A
 import modeling_xprt as mx
+from plumbing import architectures as A
+from plumbing.model_folder import load_xprt_folder
 
 ARCHS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "modernbert", "mpnet", "deberta-v2")
 _SPECIAL = dict(pad_token_id=0, bos_token_id=101, eos_token_id=102)
@@ -46,7 +47,7 @@ def build_tiny(kind: str, path, seed: int = 0, **extra):
     """A random *ForMaskedLM of `kind` with the MiniLM tokenizer saved to `path`."""
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-    from common import resolve_model_path
+    from plumbing.common import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
     torch.manual_seed(seed)
@@ -64,8 +65,9 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def groups(tiny_bert, tmp_path_factory):
     """select_groups.py's own output on 12 bundled documents (the groups every training run reads)."""
-    import select_groups
     from test_select_groups import _docs, _write_jsonl
+
+    import select_groups
 
     tmp = tmp_path_factory.mktemp("arch_groups")
     docs = _write_jsonl(tmp / "docs.jsonl", _docs(12))
@@ -210,8 +212,9 @@ def test_an_encoder_that_reads_its_embeddings_outside_its_layers_is_refused(tmp_
     output after its first layer: a decoder layer run on the decoder's input cannot be run as the encoder runs its
     own, so loading refuses, naming the architecture and what fails; train.py refuses before it reads any data (its
     groups are only counted before the model loads)."""
-    import train
     from test_train import base_args, make_groups
+
+    import train
 
     path = build_tiny("deberta-v2", tmp_path / "conv", conv_kernel_size=3)
     refusal = r"DebertaV2Model does not run its layers on what it hands its first layer alone .*cannot be built for it"
@@ -248,12 +251,12 @@ def test_every_objective_trains_and_the_folder_round_trips(tiny, groups, kind, t
     """train.main, one step of each pre-training objective (xprt, contrastive_random_span, self_reconstruction) with
     the retention term, on select_groups.py's groups; finite losses. The xprt run's saved folder loads back as an
     XPRTModel with its decoder restored and in AutoModel with the same vectors."""
-    import train
+    from test_baselines import build_tiny_generator
+    from test_revela import build_tiny_lm
     from test_train import base_args, read_log
     from transformers import AutoModel, AutoTokenizer
 
-    from test_baselines import build_tiny_generator
-    from test_revela import build_tiny_lm
+    import train
 
     generator = build_tiny_generator(tmp_path / "generator")
     lm = build_tiny_lm(tmp_path / "lm", tiny[kind])  # Revela's language model, with the encoder's tokenizer
@@ -277,7 +280,7 @@ def test_every_objective_trains_and_the_folder_round_trips(tiny, groups, kind, t
         assert all(math.isfinite(step[k]) for k in TERMS[objective] | {"loss"})
         assert step[MAIN_TERM[objective]] > 0.1  # groups of several documents meet
     folder = tmp_path / "xprt" / "model"
-    again = mx.XPRTModel.from_pretrained(str(folder))
+    again = load_xprt_folder(mx.XPRTModel, str(folder))
     assert "xprt heads restored" in again.load_message
     tok = AutoTokenizer.from_pretrained(folder)
     auto = AutoModel.from_pretrained(folder).eval()
@@ -295,14 +298,15 @@ def test_end_to_end(tiny, tmp_path, kind):
     """A start of the architecture (by default ModernBERT: pre-norm, rotary, sliding-window layers, a gated MLP)
     through every script: select_groups.py with it, train.py (xprt), finetune.py from the trained folder,
     evaluate.py on the bundled SciFact sample; every stage's model folder loads in sentence-transformers."""
-    import evaluate
-    import finetune
-    import select_groups
-    import train
     from sentence_transformers import SentenceTransformer
     from test_finetune import make_beir
     from test_select_groups import _docs, _write_jsonl
     from test_train import base_args
+
+    import evaluate
+    import finetune
+    import select_groups
+    import train
 
     start = tiny[kind]
     docs = _write_jsonl(tmp_path / "docs.jsonl", _docs(12))
@@ -334,7 +338,7 @@ def test_the_longest_input_is_measured_as_each_family_applies_its_positions():
     probe's bound (600) comes back."""
     from transformers import AutoModel
 
-    from architectures import longest_input
+    from plumbing.architectures import longest_input
 
     want = {"bert": 512, "roberta": 513, "xlm-roberta": 513, "distilbert": 512, "electra": 512, "modernbert": 600,
             "mpnet": 512, "deberta-v2": 600}

@@ -9,13 +9,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ROOT
 from transformers import AutoTokenizer
 
-import baselines as B
-from conftest import ROOT
-from architectures import load_mlm_encoder
-import model_folder
+from baselines import contriever, retromae, shared, simlm
 from modeling_xprt import XPRTModel
+from plumbing import model_folder
+from plumbing.model_folder import load_mlm_encoder, load_xprt_folder, save_xprt_folder
 
 
 def rows_from_docs(n: int, min_chars: int = 40):
@@ -88,7 +88,7 @@ def test_word_ids_follow_the_wordpiece_rule(tok):
     """The baselines' collators group tokens into words as the official "##" rule does ([CLS] / [SEP] never
     candidates), on real passages."""
     rows = rows_from_docs(20)
-    enc = B.AnchorCollator(tok, max_length=94)._tokenize([r["anchor"] for r in rows])
+    enc = shared.AnchorCollator(tok, max_length=94)._tokenize([r["anchor"] for r in rows])
     got = enc["word_ids"]
     for i in range(len(rows)):
         tokens = tok.convert_ids_to_tokens(enc["input_ids"][i])
@@ -124,7 +124,7 @@ def test_whole_word_mask_equals_the_official_greedy_rule():
         num_tokens[r] = length
     for rate in (0.15, 0.3, 0.5):
         seed = int(rate * 100)
-        got = B.whole_word_mask(word_ids, num_tokens, rate, torch.Generator().manual_seed(seed))
+        got = shared.whole_word_mask(word_ids, num_tokens, rate, torch.Generator().manual_seed(seed))
         keys = torch.rand(n, l, generator=torch.Generator().manual_seed(seed))  # the draws whole_word_mask makes
         for r in range(n):
             ids = word_ids[r].tolist()
@@ -137,11 +137,11 @@ def test_whole_word_mask_equals_the_official_greedy_rule():
 def test_whole_word_mask_rates_on_real_passages(tok):
     """On real anchors the masks cover round(rate * n) tokens (n with [CLS] and [SEP]) to within one word's overshoot,
     whole words only, never a special token or the prefix: RetroMAE's and SimLM's 30% and 50%."""
-    c = B.AnchorCollator(tok, max_length=64, passage_prefix="passage: ")
+    c = shared.AnchorCollator(tok, max_length=64, passage_prefix="passage: ")
     batch = c.anchors(rows_from_docs(64))
     wid, n = batch["word_ids"], batch["num_tokens"]
     for rate in (0.3, 0.5):
-        m = B.whole_word_mask(wid, n, rate, torch.Generator().manual_seed(0))
+        m = shared.whole_word_mask(wid, n, rate, torch.Generator().manual_seed(0))
         budget = (n.double() * rate).round().long()
         count = m.sum(1)
         assert (count <= budget).all()
@@ -161,11 +161,11 @@ def test_enhanced_decoding_masks_follow_the_official_collator(tok):
     """Row i never sees itself; [CLS] (the sentence vector) and [SEP] are visible to every other row; padding to none;
     what row i does not see besides itself is one whole-word 50% sample of the passage, from a pool of at most
     min(n, 256) samples per passage."""
-    c = B.RetroMAECollator(tok, max_length=48)
+    c = retromae.RetroMAECollator(tok, max_length=48)
     batch = c(rows_from_docs(16))
     assert batch["decoder_mask_rate"] == 0.5
     torch.manual_seed(0)
-    vis = B.enhanced_decoding_masks(batch["word_ids"], batch["num_tokens"], batch["attention_mask"], 0.5)
+    vis = retromae.enhanced_decoding_masks(batch["word_ids"], batch["num_tokens"], batch["attention_mask"], 0.5)
     g, l = batch["input_ids"].shape
     assert vis.shape == (g, l, l)
     am = batch["attention_mask"].bool()
@@ -288,8 +288,7 @@ def build_tiny_generator(path):
     saved to `path`; the global random state is left as it was."""
     from transformers import AutoTokenizer, ElectraConfig, ElectraForMaskedLM
 
-    import common
-
+    from plumbing import common
     tok = AutoTokenizer.from_pretrained(common.resolve_model_path("all-MiniLM-L6-v2"))
     cfg = ElectraConfig(vocab_size=tok.vocab_size, embedding_size=16, hidden_size=16, num_hidden_layers=1,
                         num_attention_heads=2, intermediate_size=32, max_position_embeddings=512)
@@ -306,7 +305,7 @@ def tiny_generator(tmp_path_factory):
 
 
 def test_simlm_masks_reach_30_and_50_percent(tok):
-    c = B.SimLMCollator(tok, max_length=64)
+    c = simlm.SimLMCollator(tok, max_length=64)
     batch = c(rows_from_docs(64))
     n = batch["num_tokens"].sum().item()
     enc, dec = batch["enc_masked"], batch["dec_masked"]
@@ -425,7 +424,7 @@ def test_contriever_crops_and_deletion_follow_data_py(tok):
     """Crop length int(n r), r ~ U[0.1, 0.5], then each token deleted with p 0.1: the mean kept share of a passage of n
     tokens is 0.9 E[floor(n r)] / n ~ 0.9 (0.3 - 0.5 / n); the views are independent and wrapped in
     [CLS] prefix ... [SEP]."""
-    c = B.ContrieverCollator(tok, max_length=64, passage_prefix="passage: ")
+    c = contriever.ContrieverCollator(tok, max_length=64, passage_prefix="passage: ")
     rows = rows_from_docs(200)
     toks = tok([r["anchor"] for r in rows], add_special_tokens=False, truncation=True, max_length=64)["input_ids"]
     n = torch.tensor([len(t) for t in toks], dtype=torch.float)
@@ -445,7 +444,7 @@ def test_random_crop_is_data_py_randomcrop():
     g = torch.Generator().manual_seed(0)
     lengths = []
     for _ in range(2000):
-        start, length = B.random_crop(37, (0.1, 0.5), g)
+        start, length = contriever.random_crop(37, (0.1, 0.5), g)
         assert 0 <= start <= 37 - length
         lengths.append(length)
     assert min(lengths) == 3 and max(lengths) == 18  # int(3.7) .. int(18.5): floor, as int() in data.py
@@ -459,10 +458,10 @@ def test_contriever_scores_as_the_start_model_does(tok, tiny_bert):
     batch = model.objective.make_collator(tok, max_length=32)(rows_from_docs(8))
     _, vec = model.objective.encode(model, batch)
     loss = model.objective.batch_terms(model, vec, batch)["contrastive_loss"]
-    torch.testing.assert_close(loss, B.contriever_loss(vec[:, 0], vec[:, 1], 0.05, normalize=True))
+    torch.testing.assert_close(loss, contriever.contriever_loss(vec[:, 0], vec[:, 1], 0.05, normalize=True))
     model.info.similarity_fn_name = "dot"
     torch.testing.assert_close(model.objective.batch_terms(model, vec, batch)["contrastive_loss"],
-                               B.contriever_loss(vec[:, 0], vec[:, 1], 0.05, normalize=False))
+                               contriever.contriever_loss(vec[:, 0], vec[:, 1], 0.05, normalize=False))
 
 
 def test_contriever_loss_and_gradients_equal_a_loop(tok, tiny_bert):
@@ -557,7 +556,7 @@ def test_contriever_moco_equals_the_official_moco(tok, tiny_bert, setting):
     --contrastive_mode moco (cosines, --norm_query / --norm_doc on: a loss of a few nats every step): the loss of each step, the query and key encoders' weights, the queue and its pointer
     agree to 1e-5; no gradient reaches the keys; the key encoder and queue are no part of the model (its parameters,
     state dict, heads); the FLOP count has the key pass forward-only."""
-    from architectures import load_mlm_encoder as load
+    from plumbing.model_folder import load_mlm_encoder as load
 
     defaults = make(tiny_bert, "contriever", baseline_setting="official").objective
     defaults_model_keys = make(tiny_bert, "contriever").state_dict().keys()  # in-batch: no MoCo state at all
@@ -609,7 +608,7 @@ def test_unk_is_never_masked(tok):
     rows = [{**r, "anchor": "\u2603 " + r["anchor"].replace(" ", " \u2603 ", 3)} for r in rows_from_docs(8)]
     unk = tok.unk_token_id
     for rate in (0.3, 0.9):
-        for cls, keys in ((B.RetroMAECollator, ["mlm"]), (B.SimLMCollator, ["enc_masked", "dec_masked"])):
+        for cls, keys in ((retromae.RetroMAECollator, ["mlm"]), (simlm.SimLMCollator, ["enc_masked", "dec_masked"])):
             c = cls(tok, max_length=32, encoder_mask_rate=rate, decoder_mask_rate=max(rate, 0.5), seed=1)
             for _ in range(5):
                 b = c(rows)
@@ -629,7 +628,7 @@ def test_official_setting_is_what_the_saved_folder_states(tok, tiny_bert, tmp_pa
     from sentence_transformers import SentenceTransformer
 
     model = make(tiny_bert, objective, baseline_setting="official")
-    model.save_pretrained(str(tmp_path / "m"), tok)
+    save_xprt_folder(model, str(tmp_path / "m"), tok)
     cfg = json.loads((tmp_path / "m" / "xprt_config.json").read_text())
     assert cfg["heads"]["baseline_setting"] == "official"
     pool = json.loads((tmp_path / "m" / "1_Pooling" / "config.json").read_text())
@@ -645,14 +644,14 @@ def test_official_setting_is_what_the_saved_folder_states(tok, tiny_bert, tmp_pa
         ours = model.encode(enc["input_ids"], enc["attention_mask"])[1][0]
     ours = F.normalize(ours, dim=-1) if normalize else ours
     torch.testing.assert_close(torch.as_tensor(st.encode([text]))[0], ours, atol=1e-5, rtol=1e-5)
-    back = XPRTModel.from_pretrained(str(tmp_path / "m"))
+    back = load_xprt_folder(XPRTModel, str(tmp_path / "m"))
     assert back.objective.baseline_setting == "official" and back.info.pooling == pooling
 
 
 def test_collators_emit_the_retention_fields(tok):
     rows = rows_from_docs(5)
-    ref = B.AnchorCollator(tok, max_length=32).retention_fields(rows)
-    for cls in (B.RetroMAECollator, B.SimLMCollator, B.ContrieverCollator):
+    ref = shared.AnchorCollator(tok, max_length=32).retention_fields(rows)
+    for cls in (retromae.RetroMAECollator, simlm.SimLMCollator, contriever.ContrieverCollator):
         b = cls(tok, max_length=32)(rows)
         for k in ("doc_ids", "retain_input_ids", "retain_attention_mask"):
             assert torch.equal(b[k], ref[k]), (cls, k)
@@ -717,7 +716,7 @@ def test_cached_step_equals_the_plain_step(tiny_bert, tok, tiny_generator, posit
     """XPRTModel.cached_step over the baselines' methods: the loss, every logged term and every gradient of the plain
     step, retention included, for chunks that do not divide the batch (5 groups: 2 + 2 + 1). Dropout is made
     batch-independent (test_gradient_cache.positional_dropout), prepare's draws equal by the same seed on both sides."""
-    from architectures import load_teacher
+    from plumbing.model_folder import load_teacher
 
     torch.manual_seed(0)
     model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0], objective=objective,
@@ -813,8 +812,8 @@ def test_objective_flags_belong_to_their_objectives():
     objective that does not take it is refused in one line naming the flag and its objectives (never ignored, never a
     traceback from the constructor). Each flag parses for the objectives that take it, and hands them its value."""
     import train
-    from common import UserError
     from modeling_xprt import objective_class, objective_flags
+    from plumbing.common import UserError
 
     base = ["--groups_dir", "g", "--model_name_or_path", "m", "--output_dir", "o"]
     flags = objective_flags()
@@ -843,7 +842,7 @@ def test_objective_flags_belong_to_their_objectives():
 def test_moco_flag_values_are_checked_at_parse_time():
     """--moco_queue_size >= 1, --moco_momentum in (0, 1], --contrastive_mode one of its choices: one line each."""
     import train
-    from common import UserError
+    from plumbing.common import UserError
 
     base = ["--groups_dir", "g", "--model_name_or_path", "m", "--output_dir", "o", "--objective", "contriever"]
     for bad in (["--moco_queue_size", "0"], ["--moco_momentum", "-1"], ["--contrastive_mode", "queue"]):
@@ -859,7 +858,7 @@ def test_moco_flag_values_are_checked_at_parse_time():
 def test_moco_queue_must_hold_whole_batches(tiny_bert, groups, tmp_path):
     """A queue that the global batch does not divide is refused before the first step, naming the flag (moco.py
     asserts it in its first enqueue)."""
-    from common import UserError
+    from plumbing.common import UserError
 
     with pytest.raises(UserError, match="--moco_queue_size 10 is no multiple"):
         run(base_args(tiny_bert, groups, tmp_path / "q", **{"--max_train_steps": 1, "--objective": "contriever",
@@ -873,7 +872,7 @@ def test_contriever_moco_cached_step_equals_the_plain_step(tiny_bert, tok, posit
     encoder in train mode as the official one."""
     import copy
 
-    from architectures import load_teacher
+    from plumbing.model_folder import load_teacher
 
     torch.manual_seed(0)
     model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0], objective="contriever", baseline_setting="official",

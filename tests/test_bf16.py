@@ -4,11 +4,11 @@ precision."""
 
 import pytest
 import torch
+from test_modeling import collator_for, make_model, tok, toy_rows  # noqa: F401  (tok: a fixture)
 
-import architectures
 import modeling_xprt as mx
 from bench.bench_autocast import errors
-from test_modeling import collator_for, make_model, tok, toy_rows  # noqa: F401  (tok: a fixture)
+from plumbing import model_folder
 
 
 def test_similarity_terms_under_bf16_autocast_equal_fp32():
@@ -29,7 +29,7 @@ def test_retention_is_zero_at_step_0_under_bf16_autocast(tiny_bert, tok, objecti
     """The clean student pass and the frozen teacher run under the same autocast: at step 0 they are one model, and
     the retention KL is exactly 0."""
     model = make_model(tiny_bert, objective)
-    teacher = architectures.load_teacher(str(tiny_bert))
+    teacher = model_folder.load_teacher(str(tiny_bert))
     batch = collator_for(objective, tok, seed=3)(toy_rows(4))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(batch, teacher=teacher, retention_weight=40.0)
@@ -43,8 +43,7 @@ def test_vocabulary_terms_under_bf16_autocast_within_1_percent_of_fp32():
     (relative norm). The vocabulary (1,000 words) is not a multiple of 64, so the padded kernel runs, and the weight
     gradient comes from the bf16 product (bench/bench_vocab_bf16.py)."""
     from bench import bench_vocab_bf16 as bv
-    import fused_vocab
-
+    from plumbing import architectures as fused_vocab
     args = bv.parse_args(["--toy"])
     data = bv.inputs(args)
     ref = bv.run(fused_vocab, data, args, bf16=False)
@@ -60,8 +59,7 @@ def test_padded_vocabulary_changes_nothing_in_fp32():
     """The padding itself (forced here: fp32 on a CPU does not pad) gives fp32's loss and gradients to rounding: the
     padded words' probability is exactly 0."""
     from bench import bench_vocab_bf16 as bv
-    import fused_vocab
-
+    from plumbing import architectures as fused_vocab
     args = bv.parse_args(["--toy"])
     data = bv.inputs(args)
     plain = bv.run(fused_vocab, data, args, bf16=False)

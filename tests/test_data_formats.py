@@ -6,11 +6,11 @@ import csv
 import json
 
 import pytest
+from test_select_groups import _docs, _rows, _run, _write_jsonl
 
 import finetune
-import readers
 import select_groups as sg
-from test_select_groups import _docs, _rows, _run, _write_jsonl
+from plumbing import readers
 
 # One set of rows: q0 has two positives (FlagEmbedding / tevatron hold them in one record), every row 2 negatives.
 # Texts with a comma, a double quote and an apostrophe, as real passages have.
@@ -164,8 +164,7 @@ def mined(tmp_path_factory):
     from datasets import Dataset
     from sentence_transformers import SentenceTransformer, util
 
-    import common
-
+    from plumbing import common
     root = tmp_path_factory.mktemp("mined")
     beir = common.load_beir(common.Path(__file__).resolve().parent.parent / "data" / "eval" / "scifact")
     pairs = [(beir["queries"][q], beir["corpus"][d][1]) for q, ds in sorted(beir["qrels"].items()) for d in ds][:24]

@@ -21,19 +21,18 @@ matmul_precision_policy (sets CUDA's flags on any machine), fused_vocab._padded 
 import argparse
 import types
 
-import pytest
 import torch
 
-import fused_vocab
-import run_log
-from batches import batch_to_device, loader_options
-from common import pick_device_and_dtype
+from plumbing import architectures as fused_vocab
+from plumbing import run_log
+from plumbing.batches import batch_to_device, loader_options
+from plumbing.common import pick_device_and_dtype
 
 
 def _prepared(monkeypatch, tmp_path):
     from accelerate import Accelerator
 
-    from training import prepare_run
+    from plumbing.training import prepare_run
 
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(4, 2)
@@ -78,7 +77,7 @@ def test_loader_options_on_a_gpu_machine():
 
 def test_loader_options_reach_the_dataloader(monkeypatch):
     """training_loader asks loader_options with the accelerator's device type and passes both to the DataLoader."""
-    from batches import training_loader
+    from plumbing.batches import training_loader
 
     seen = {}
     monkeypatch.setattr(torch.utils.data, "DataLoader", lambda *a, **kw: seen.update(kw) or kw)
@@ -206,7 +205,7 @@ def test_device_choice_on_a_gpu_machine():
     assert selection_device(None, torch.device("cpu"), None) == (torch.device("cpu"), torch.float32)
     assert selection_device("cpu", torch.device("cuda", 1), None) == (torch.device("cpu"), torch.float32)
     from select_groups import selection_batch_size
-    from selection_stages import task_device
+    from select_groups_datatrove import task_device
 
     assert selection_batch_size(None, torch.device("cuda", 1)) == 512 and selection_batch_size(None, torch.device("cpu")) == 64
     assert selection_batch_size(32, torch.device("cuda")) == 32
@@ -216,7 +215,7 @@ def test_device_choice_on_a_gpu_machine():
 def test_fused_adamw_on_a_gpu():
     """train.py's and finetune.py's AdamW takes the fused kernel on CUDA (training.adamw_kernel) and torch's default
     elsewhere; the fused kernel runs on a CPU too, so its update is checked here against the default's."""
-    from training import adamw, adamw_kernel
+    from plumbing.training import adamw, adamw_kernel
 
     assert adamw_kernel("cuda") == {"fused": True} and adamw_kernel("cpu") == {}
     torch.manual_seed(0)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-import batches
 from test_train import base_args, make_groups, run
+
+from plumbing import batches
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,8 +119,9 @@ def test_a_dominant_document_leaves_xp_loss_on_and_the_negatives_logged(tiny_ber
 def test_select_groups_caps_a_documents_groups_and_counts_them(tiny_bert, tmp_path):
     """--max_groups_per_document 2 with every passage an anchor: at most 2 groups a document, the most central
     anchors kept, and stats.json's groups_capped = the anchors left out (the groups without the cap minus with)."""
-    import select_groups as sg
     from test_select_groups import _docs, _rows, _write_jsonl
+
+    import select_groups as sg
 
     docs = _write_jsonl(tmp_path / "docs.jsonl", _docs(6))
     common = ["--input", str(docs), "--model_name_or_path", str(tiny_bert), "--centrality_threshold", "-1"]

@@ -5,14 +5,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_train import base_args, groups, run  # noqa: F401  (groups: a fixture)
 
 import evaluate
 import select_groups
-import common
-import model_folder
-import run_log
 import train
-from test_train import base_args, groups, run  # noqa: F401  (groups: a fixture)
+from plumbing import common, model_folder, run_log
 
 
 @pytest.fixture
@@ -101,10 +99,10 @@ def test_a_sentence_transformers_folder_keeps_its_length_and_pooling_through_fin
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules.transformer import Transformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+    from test_finetune import make_beir
 
     import finetune
     from modeling_xprt import embed_texts
-    from test_finetune import make_beir
 
     start = tmp_path / "st_cls"
     tr = Transformer(str(tiny_bert), max_seq_length=200)

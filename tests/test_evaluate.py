@@ -9,12 +9,13 @@ from pathlib import Path
 import mteb
 import numpy as np
 import pytest
-
-import evaluate as ev
 import torch
 from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
-from common import E5_PROMPTS, NO_PROMPTS, load_beir, model_prompts, resolve_model_path, UserError
+
+import evaluate as ev
+from plumbing.common import E5_PROMPTS, NO_PROMPTS, UserError, load_beir, model_prompts, resolve_model_path
+from plumbing.model_folder import load_xprt_folder, save_xprt_folder
 
 # ---------------------------------------------------------------- fake data and a controllable model
 
@@ -351,19 +352,19 @@ def test_prefix_auto_rule(tmp_path, tiny_bert):
     assert model_prompts("bert-base-uncased") == NO_PROMPTS
     assert model_prompts("some/modele5x") == NO_PROMPTS  # "e5" inside a word does not count
     assert model_prompts("all-MiniLM-L6-v2", "e5") == E5_PROMPTS and model_prompts("x/e5", "none") == NO_PROMPTS
-    # a folder saved by the real producer (XPRTModel.save_pretrained) from a start model named like E5 keeps E5's
+    # a folder saved by the real producer (model_folder.save_xprt_folder) from a start model named like E5 keeps E5's
     # prefixes under any folder name: they are written where sentence-transformers reads them
     e5_start = tmp_path / "e5-tiny"
     e5_start.symlink_to(tiny_bert, target_is_directory=True)
-    model = XPRTModel.from_pretrained(str(e5_start))
+    model = load_xprt_folder(XPRTModel, str(e5_start))
     assert model.prompts == E5_PROMPTS and model.info.start_model == str(e5_start)
     run = tmp_path / "runs" / "xprt"
-    model.save_pretrained(str(run), AutoTokenizer.from_pretrained(tiny_bert))
+    save_xprt_folder(model, str(run), AutoTokenizer.from_pretrained(tiny_bert))
     assert model_prompts(str(run)) == E5_PROMPTS
     assert json.loads((run / "xprt_config.json").read_text())["start_model"] == str(e5_start)
     assert ev.XPRTEncoder(str(run)).passage_prefix == "passage: "
     plain = tmp_path / "runs" / "plain"
-    XPRTModel.from_pretrained(str(tiny_bert)).save_pretrained(str(plain), AutoTokenizer.from_pretrained(tiny_bert))
+    save_xprt_folder(load_xprt_folder(XPRTModel, str(tiny_bert)), str(plain), AutoTokenizer.from_pretrained(tiny_bert))
     assert model_prompts(str(plain)) == NO_PROMPTS
 
 
@@ -476,14 +477,13 @@ def test_train_run_model_folders_get_distinct_column_labels():
 
 
 def _xprt_run_folder(tiny_bert, run_dir: Path) -> Path:
-    """A model folder written by the real producer (XPRTModel.save_pretrained, as train.py does) at <run>/model."""
+    """A model folder written by the real producer (model_folder.save_xprt_folder, as train.py does) at <run>/model."""
     from transformers import AutoTokenizer
 
     from modeling_xprt import XPRTModel
 
-    XPRTModel.from_pretrained(str(tiny_bert)).save_pretrained(str(run_dir / "model"),
-                                                              AutoTokenizer.from_pretrained(tiny_bert),
-                                                              model_card="---\nlibrary_name: sentence-transformers\n---\n\n# run\n")
+    save_xprt_folder(load_xprt_folder(XPRTModel, str(tiny_bert)), str(run_dir / "model"),
+                     AutoTokenizer.from_pretrained(tiny_bert), model_card="---\nlibrary_name: sentence-transformers\n---\n\n# run\n")
     return run_dir / "model"
 
 
@@ -592,8 +592,7 @@ def test_card_and_results_folders_are_checked_writable_before_scoring(tiny_bert,
     folder of an xprt model whose card gets the scores; a read-only one (simulated: root writes through file
     modes, so the probe is made to fail as a read-only mount makes it) stops the run in one line that names
     --no_card_update, which leaves the card alone."""
-    import common
-
+    from plumbing import common
     model = _xprt_run_folder(tiny_bert, tmp_path / "runs" / "xprt")
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(common.UserError, match="--results_dir .*a_file/results: cannot write there"):

@@ -6,13 +6,14 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import cli_args
 import torch
-
-import finetune
-from common import load_beir, UserError
+from conftest import cli_args
 from test_train import read_log
 from test_train import run as run_main
+
+import finetune
+from plumbing.common import UserError, load_beir
+from plumbing.model_folder import load_xprt_folder, save_xprt_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,9 +89,10 @@ def test_mined_negatives_never_include_a_positive_of_the_same_query(beir, tiny_b
 
 def tiny_seq2seq_and_cross_encoder(tmp: Path):
     """Random tiny T5 generator and BERT cross-encoder, built from configs, with the MiniLM (BERT) tokenizer."""
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification, T5Config, T5ForConditionalGeneration
+    from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification, T5Config,
+                              T5ForConditionalGeneration)
 
-    from common import resolve_model_path
+    from plumbing.common import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
     torch.manual_seed(0)
@@ -149,7 +151,7 @@ def test_finetune_stage_runs_and_its_loss_falls(tiny_bert, beir, tmp_path, capsy
                                                "--num_train_epochs": 4}))
     printed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("false negatives"))
     # recount from the rows as build_finetune_rows makes them (BEIR order, the mined pools) and the sampler
-    from batches import NoDuplicatesBatchSampler
+    from plumbing.batches import NoDuplicatesBatchSampler
 
     corpus, queries, qrels = read_beir(str(beir), "train")
     pools = json.loads((out / "mined_negatives.json").read_text())
@@ -199,7 +201,7 @@ def test_finetune_trains_the_encoder_and_leaves_the_idle_heads_untouched(tiny_be
     from modeling_xprt import XPRTModel
 
     start = tmp_path / "start"
-    XPRTModel.from_pretrained(str(tiny_bert)).save_pretrained(str(start), AutoTokenizer.from_pretrained(tiny_bert))
+    save_xprt_folder(load_xprt_folder(XPRTModel, str(tiny_bert)), str(start), AutoTokenizer.from_pretrained(tiny_bert))
     out = tmp_path / "ft"
     res = run(ft_args(start, beir, out, **{"--max_train_steps": 2}))
     h0, h1 = load_file(str(start / "xprt_heads.safetensors")), load_file(str(out / "model" / "xprt_heads.safetensors"))
@@ -245,7 +247,7 @@ def test_sampler_never_repeats_a_query_in_a_batch_and_stays_length_grouped():
     """604 rows of 250 queries with 1-5 positives each, drawn from 300 passages (length = query + positive, as
     finetune.py measures it). keys: no batch holds a query twice; full batches, len(sampler) of them; a function of
     (seed, epoch); padding within a point of the keyless sampler's."""
-    from batches import NoDuplicatesBatchSampler
+    from plumbing.batches import NoDuplicatesBatchSampler
 
     rng = random.Random(0)
     passages = [rng.randint(100, 1500) for _ in range(300)]
@@ -258,7 +260,7 @@ def test_sampler_never_repeats_a_query_in_a_batch_and_stays_length_grouped():
     n = len(keys)
     s = NoDuplicatesBatchSampler(lengths, 16, seed=5, keys=keys)
     b0 = s.batches()
-    from batches import LengthGroupedBatchSampler
+    from plumbing.batches import LengthGroupedBatchSampler
 
     plain = LengthGroupedBatchSampler(lengths, 16, seed=5).batches()
     assert sum(len({keys[i] for i in b}) < len(b) for b in plain) > len(plain) // 2  # the problem is real
@@ -283,7 +285,7 @@ def test_sampler_never_repeats_a_query_in_a_batch_and_stays_length_grouped():
 def test_sampler_fills_the_last_batches_by_swapping_and_refuses_the_impossible():
     """One query has as many rows as there are batches, all shorter than every other row: length sorting puts them at
     the end, where only they are left; swaps with earlier batches still give every batch exactly one of them."""
-    from batches import NoDuplicatesBatchSampler
+    from plumbing.batches import NoDuplicatesBatchSampler
 
     lengths = [1000 - i for i in range(30)] + [10 - i for i in range(10)]
     keys = [f"u{i}" for i in range(30)] + ["heavy"] * 10

@@ -3,7 +3,7 @@
 import torch
 
 from modeling_xprt import embed_texts, mean_pool
-from common import resolve_model_path
+from plumbing.common import resolve_model_path
 
 
 def test_minilm_alias_resolves_to_bundled_weights():

@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-import architectures
-import modeling_xprt as mx
 from test_modeling import collator_for, make_model, tok, toy_rows  # noqa: F401  (tok: a fixture)
+
+import modeling_xprt as mx
+from plumbing import model_folder
 
 
 def _position_mask(shape, p, device):
@@ -70,7 +70,7 @@ def test_cached_step_equals_the_plain_step(tiny_bert, tok, positional_dropout, o
                                             chunk):
     options = {"fill_in": fill_in} if objective == "xprt" else {}  # the xPRT ablation's option
     model = make_model(tiny_bert, objective, retention_student=retention_student, **options).train()
-    teacher = architectures.load_teacher(str(tiny_bert))
+    teacher = model_folder.load_teacher(str(tiny_bert))
     with torch.no_grad():  # a teacher the student has drifted from: a retention term with a real gradient
         g = torch.Generator().manual_seed(1)
         for q in teacher.parameters():
@@ -127,10 +127,10 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import finetune  # noqa: E402
-
 from test_finetune import make_beir  # noqa: E402
 from test_train import base_args, groups, read_log, run  # noqa: E402,F401  (groups: a fixture)
+
+import finetune  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -258,8 +258,7 @@ def _accelerated_grads(model, batches, teacher, chunk, ga, scale=None):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    import training
-
+    from plumbing import training
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     acc = Accelerator(cpu=True, gradient_accumulation_steps=ga)
@@ -302,7 +301,7 @@ def test_cached_accumulated_step_equals_the_plain_one(tiny_bert, tok, positional
 
         options["lm_name_or_path"] = build_tiny_lm(tmp_path / "lm", tiny_bert)
     model = make_model(tiny_bert, objective, **options).train()
-    teacher = architectures.load_teacher(str(tiny_bert))
+    teacher = model_folder.load_teacher(str(tiny_bert))
     with torch.no_grad():
         g = torch.Generator().manual_seed(1)
         for q in teacher.parameters():
@@ -326,8 +325,7 @@ def test_all_reduce_is_bucketed(tmp_path, monkeypatch):
     world size given."""
     import torch.distributed as dist
 
-    import training
-
+    from plumbing import training
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         calls = []

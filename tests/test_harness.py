@@ -8,18 +8,19 @@ and the gpu scale's three commands (build, device, score) at toy size on the CPU
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import build_tiny_bert, cli_args
+from test_train import make_groups
+from test_train import run as run_train
 
 import train
 from experiments.paper import device, run, stages
-from common import UserError
-from test_train import make_groups
-from test_train import run as run_train
+from plumbing import model_folder
+from plumbing.common import UserError
+from plumbing.model_folder import load_xprt_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -225,11 +226,10 @@ def test_save_best_keeps_the_best_scored_model_and_the_drift_is_logged(tmp_path,
 def test_teacher_cosine_is_one_at_the_start(tmp_path, tiny_bert):
     from transformers import AutoTokenizer
 
-    import architectures
     import modeling_xprt as mx
 
-    model = mx.XPRTModel.from_pretrained(str(tiny_bert))
-    teacher = architectures.load_teacher(str(tiny_bert))
+    model = load_xprt_folder(mx.XPRTModel, str(tiny_bert))
+    teacher = model_folder.load_teacher(str(tiny_bert))
     tok = AutoTokenizer.from_pretrained(str(tiny_bert))
     rows = [{"doc_id": str(i), "anchor": f"anchor text {i}", "related": [f"related {i} {j}" for j in range(4)],
              "random_passage": "random"} for i in range(3)]

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import readers
 import select_groups as sg
+from plumbing import readers
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "data" / "multilingual.jsonl"

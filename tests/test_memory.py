@@ -4,9 +4,9 @@ names the flags."""
 
 import pytest
 import torch
-
-import run_log
 from test_modeling import collator_for, make_model, tok, toy_rows  # noqa: F401  (tok: a fixture)
+
+from plumbing import run_log
 
 
 def test_layer_tokens_per_group_counts_every_trained_pass(tiny_bert, tok):
@@ -23,9 +23,9 @@ def test_layer_tokens_per_group_counts_every_trained_pass(tiny_bert, tok):
 def test_moco_keys_are_not_counted_as_trained(tiny_bert, tok):
     """Contriever with the MoCo queue encodes its second crop with the key encoder, without gradient: the estimate
     counts the first crop's pass only; in-batch, both crops are trained passes."""
-    import baselines
+    from baselines import contriever
 
-    batch = baselines.ContrieverCollator(tok, seed=0)(toy_rows(4))
+    batch = contriever.ContrieverCollator(tok, seed=0)(toy_rows(4))
     q, k = batch["q_input_ids"][0].numel() * 2, batch["k_input_ids"][0].numel() * 2  # 2 layers
     inbatch = make_model(tiny_bert, "contriever", contrastive_mode="inbatch")
     moco = make_model(tiny_bert, "contriever", contrastive_mode="moco", moco_queue_size=8)

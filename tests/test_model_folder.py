@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_finetune import make_beir
+from test_train import base_args, make_groups, run
 
 import finetune
 import modeling_xprt as mx
-import common
-import model_folder
-from test_finetune import make_beir
-from test_train import base_args, make_groups, run
+from plumbing import common, model_folder
+from plumbing.model_folder import load_xprt_folder
 
 HUB_ID = "someone/xprt-e5-tiny"
 
@@ -151,7 +151,7 @@ def test_base_model_and_licence_of_a_hub_start_model(tmp_path):
     assert model_folder.hub_base_model("intfloat/e5-base-unsupervised") == "intfloat/e5-base-unsupervised"
     assert model_folder.hub_base_model(str(tmp_path)) is None
     assert model_folder.card_license("all-MiniLM-L6-v2") == "apache-2.0"
-    model = mx.XPRTModel.from_pretrained("all-MiniLM-L6-v2")
+    model = load_xprt_folder(mx.XPRTModel, "all-MiniLM-L6-v2")
     assert model.info.base_model == "sentence-transformers/all-MiniLM-L6-v2"
     start = load_file(str(Path(common.resolve_model_path("all-MiniLM-L6-v2")) / "model.safetensors"))
     saved = model_folder.complete_base_state_dict(model)
@@ -183,7 +183,7 @@ def test_loading_a_saved_folder_prints_no_load_report(runs, tiny_bert, capfd):
 
     folder = str(runs["model"])
     for load in (lambda: AutoModel.from_pretrained(folder), lambda: SentenceTransformer(folder, device="cpu"),
-                 lambda: mx.XPRTModel.from_pretrained(folder), lambda: mx.XPRTModel.from_pretrained(str(runs["ft"]))):
+                 lambda: load_xprt_folder(mx.XPRTModel, folder), lambda: load_xprt_folder(mx.XPRTModel, str(runs["ft"]))):
         out = _loading_output(load, capfd)
         assert "LOAD REPORT" not in out and "MISSING" not in out, out
     assert "LOAD REPORT" in _loading_output(lambda: AutoModel.from_pretrained(str(tiny_bert)), capfd)

@@ -11,12 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import architectures
-import baselines
-import common
+from baselines import contriever, self_reconstruction
 import modeling_xprt as mx
-from fused_vocab import linear_cross_entropy, linear_kl_div
-from model_folder import read_max_seq_length
+from plumbing import architectures, model_folder
+from plumbing.architectures import linear_cross_entropy, linear_kl_div
+from plumbing.model_folder import load_xprt_folder, read_max_seq_length, save_xprt_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,17 +61,17 @@ def tok(tiny_bert):
 
 def collator_for(objective, tok, fill_in=True, **kw):
     """The collator `objective` trains with (what its make_collator builds)."""
-    import baselines
+    from baselines import contriever, self_reconstruction
 
     if objective == "xprt":
         return mx.XPRTCollator(tok, fill_in=fill_in, **kw)
-    return {"contrastive_random_span": baselines.RandomSpanCollator,
-            "self_reconstruction": baselines.SelfReconstructionCollator}[objective](tok, **kw)
+    return {"contrastive_random_span": contriever.RandomSpanCollator,
+            "self_reconstruction": self_reconstruction.SelfReconstructionCollator}[objective](tok, **kw)
 
 
 def make_model(tiny_bert, objective="xprt", **kw):
     torch.manual_seed(0)
-    mlm, _ = architectures.load_mlm_encoder(str(tiny_bert))
+    mlm, _ = model_folder.load_mlm_encoder(str(tiny_bert))
     return mx.XPRTModel(mlm, objective=objective, **kw)
 
 
@@ -279,7 +278,7 @@ def test_pair_collator_gives_text_ids_and_the_model_masks_with_them(tiny_bert, t
             {"query": "who calls strikes", "positive": "the umpire calls strikes",
              "negatives": ["a perfect game is rare"]},
             {"query": "ball and bat", "positive": "no hitter and perfect game", "negatives": ["stocks rose"]}]
-    h = common.stable_doc_hash
+    h = mx.stable_doc_hash
     batch = mx.PairCollator(tok, num_negatives=1)(rows)
     assert batch["passage_ids"].tolist() == [[h(t) for t in [r["positive"]] + r["negatives"]] for r in rows]
     assert batch["relevant_ids"].tolist() == [[h(rows[0]["positive"]), h(rows[2]["positive"])],
@@ -304,7 +303,7 @@ def test_pair_collator_gives_text_ids_and_the_model_masks_with_them(tiny_bert, t
 def test_contrastive_random_span_is_one_direction_infonce():
     torch.manual_seed(7)
     v1, v2 = torch.randn(4, 8), torch.randn(4, 8)
-    assert torch.allclose(baselines.contrastive_random_span(v1, v2), plain_infonce(v1, v2, 0.05), atol=1e-5)
+    assert torch.allclose(contriever.contrastive_random_span(v1, v2), plain_infonce(v1, v2, 0.05), atol=1e-5)
 
 
 def one_vocab_term(hidden, w, b, targets=None, teacher_hidden=None, **kw):
@@ -527,7 +526,7 @@ def test_each_objective_loss_falls_on_a_repeated_batch(tiny_bert, tok, objective
         batch = mx.PairCollator(tok, num_negatives=1)(rows)
     else:
         batch = collator_for(objective, tok, seed=4)(toy_rows(4))
-    teacher = architectures.load_teacher(str(tiny_bert))
+    teacher = model_folder.load_teacher(str(tiny_bert))
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     losses = []
     for _ in range(8):
@@ -626,7 +625,7 @@ def _crop_views(b):
 
 def test_random_span_crops(tok):
     rows = toy_rows(6)
-    b = baselines.RandomSpanCollator(tok, seed=0)(rows)
+    b = contriever.RandomSpanCollator(tok, seed=0)(rows)
     n_tok = [len(tok(r["anchor"], add_special_tokens=False)["input_ids"]) for r in rows]
     views = _crop_views(b)
     for i, n in enumerate(n_tok):
@@ -643,11 +642,11 @@ def test_crop_spans_drawn_before_batching_are_the_collators_crops(tok):
     crops the collator then cuts: same lengths, the tokens at [start, start + length), within the collator's ratio
     bounds; the same (seed, epoch) gives the same spans, another epoch others."""
     rows = toy_rows(6)
-    c = baselines.RandomSpanCollator(tok, seed=0)
+    c = contriever.RandomSpanCollator(tok, seed=0)
     body = c.crop_token_ids([r["anchor"] for r in rows])
-    spans = baselines.crop_spans([len(x) for x in body], seed=3, epoch=1)
-    assert (spans == baselines.crop_spans([len(x) for x in body], seed=3, epoch=1)).all()
-    assert not (spans == baselines.crop_spans([len(x) for x in body], seed=3, epoch=2)).all()
+    spans = contriever.crop_spans([len(x) for x in body], seed=3, epoch=1)
+    assert (spans == contriever.crop_spans([len(x) for x in body], seed=3, epoch=1)).all()
+    assert not (spans == contriever.crop_spans([len(x) for x in body], seed=3, epoch=2)).all()
     views = _crop_views(c([{**r, "crop_spans": s} for r, s in zip(rows, spans)]))
     for toks, sp, vv in zip(body, spans, views):
         for (start, k), view in zip(sp, vv):
@@ -656,7 +655,7 @@ def test_crop_spans_drawn_before_batching_are_the_collators_crops(tok):
 
 
 def test_self_reconstruction_collator_uses_retromae_rates(tok):
-    col = baselines.SelfReconstructionCollator(tok)
+    col = self_reconstruction.SelfReconstructionCollator(tok)
     assert (col.encoder_mask_rate, col.decoder_mask_rate) == (0.30, 0.50)
     b = col(toy_rows(3))
     assert b["input_ids"].shape == b["dec_input_ids"].shape == (3, b["attention_mask"].shape[1])  # the anchor only
@@ -672,11 +671,11 @@ def test_load_mlm_encoder_without_head_and_head_from_other_checkpoint(tiny_bert,
 
     base_only = tmp_path / "base-only"
     BertModel.from_pretrained(tiny_bert).save_pretrained(base_only)
-    model, msg = architectures.load_mlm_encoder(str(base_only))
+    model, msg = model_folder.load_mlm_encoder(str(base_only))
     assert "no MLM head" in msg and "tied" in msg
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    donor, _ = architectures.load_mlm_encoder(str(tiny_bert))
-    model2, msg2 = architectures.load_mlm_encoder(str(base_only), mlm_head_from=str(tiny_bert))
+    donor, _ = model_folder.load_mlm_encoder(str(tiny_bert))
+    model2, msg2 = model_folder.load_mlm_encoder(str(base_only), mlm_head_from=str(tiny_bert))
     assert "copied" in msg2
     for k, v in architectures.head_params(donor).items():
         assert torch.equal(architectures.head_params(model2)[k], v)
@@ -688,10 +687,10 @@ def test_save_load_roundtrip_restores_every_tensor(tiny_bert, tok, tmp_path):
     with torch.no_grad():  # move every tensor away from its initial value
         for q in model.parameters():
             q.add_(torch.randn_like(q) * 0.01)
-    model.save_pretrained(str(tmp_path / "out"), tok)
+    save_xprt_folder(model, str(tmp_path / "out"), tok)
     files = set(os.listdir(tmp_path / "out"))
     assert {"model.safetensors", "xprt_heads.safetensors", "xprt_config.json", "modules.json"} <= files
-    loaded = mx.XPRTModel.from_pretrained(str(tmp_path / "out"))
+    loaded = load_xprt_folder(mx.XPRTModel, str(tmp_path / "out"))
     a, b = model.state_dict(), loaded.state_dict()
     assert set(a) == set(b)
     for k in a:
@@ -705,7 +704,7 @@ def test_saved_encoder_loads_in_sentence_transformers(tiny_bert, tok, tmp_path):
     from transformers import AutoModel
 
     model = make_model(tiny_bert)
-    model.save_pretrained(str(tmp_path / "st"), tok)
+    save_xprt_folder(model, str(tmp_path / "st"), tok)
     texts = ["the perfect game in baseball", "a pitcher retires every batter", "hi"]
     ours = mx.embed_texts(model.encoder.eval(), tok, texts)
     st = SentenceTransformer(str(tmp_path / "st"), device="cpu")
@@ -753,7 +752,7 @@ def test_two_process_gather_equals_single_process(tmp_path):
 
 def test_real_minilm_has_no_head_and_gets_a_tied_one(minilm_path):
     """all-MiniLM-L6-v2 is a plain BertModel checkpoint: the head is missing and initialised tied."""
-    model, msg = architectures.load_mlm_encoder(minilm_path)
+    model, msg = model_folder.load_mlm_encoder(minilm_path)
     assert "no MLM head" in msg and "tied to the word embeddings" in msg
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert model.config._attn_implementation == "sdpa"
@@ -767,10 +766,10 @@ def test_saved_model_keeps_the_start_models_length_limit(tiny_bert, tok, tmp_pat
 
     model = make_model(tiny_bert)
     model.info.max_seq_length = 200
-    model.save_pretrained(str(tmp_path / "m"), tok)
+    save_xprt_folder(model, str(tmp_path / "m"), tok)
     assert json.load(open(tmp_path / "m" / "sentence_bert_config.json"))["max_seq_length"] == 200
     assert read_max_seq_length(str(tmp_path / "m")) == 200
-    assert mx.XPRTModel.from_pretrained(str(tmp_path / "m")).max_seq_length == 200
+    assert load_xprt_folder(mx.XPRTModel, str(tmp_path / "m")).max_seq_length == 200
     assert read_max_seq_length("all-MiniLM-L6-v2") == 256
 
 
@@ -781,7 +780,7 @@ def test_clean_retention_pass_is_checkpointed_and_gives_the_same_gradients(tiny_
     from torch.utils import checkpoint as ckpt
 
     batch = mx.XPRTCollator(tok, seed=3)(toy_rows(4))
-    teacher = architectures.load_teacher(str(tiny_bert))
+    teacher = model_folder.load_teacher(str(tiny_bert))
     with torch.no_grad():  # a teacher the student has drifted from: a non-zero term with a real gradient
         g = torch.Generator().manual_seed(1)
         for q in teacher.parameters():

@@ -12,16 +12,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_evaluate import write_beir
+from test_finetune import make_beir
+from test_train import make_groups, reset_accelerate
 
 import evaluate as ev
 import finetune
 import select_groups as sg
-import common
-import training
 import train
-from test_evaluate import write_beir
-from test_finetune import make_beir
-from test_train import make_groups, reset_accelerate
+from plumbing import common, training
 
 ROOT = Path(__file__).resolve().parent.parent
 

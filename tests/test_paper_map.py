@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 from conftest import cli_args
+from test_finetune import make_beir
+from test_select_groups import _docs, _write_jsonl
+from test_train import base_args
 
 import finetune
 import select_groups
 import train
-from test_finetune import make_beir
-from test_select_groups import _docs, _write_jsonl
-from test_train import base_args
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("modeling_xprt.py", "baselines.py", "revela.py", "fused_vocab.py", "architectures.py", "train.py",
@@ -133,12 +133,11 @@ def test_each_objective_runs_its_paper_map_functions(runs, objective):
 
 
 def test_every_function_the_map_names_exists_and_runs(runs):
+    import baselines  # noqa: F401
     import modeling_xprt
-
-    import architectures
-    import baselines
-    import fused_vocab
-    import revela
+    from baselines import revela
+    from plumbing import architectures
+    from plumbing import architectures as fused_vocab
 
     modules = {"modeling_xprt.py": modeling_xprt, "baselines.py": baselines, "fused_vocab.py": fused_vocab,
                "architectures.py": architectures, "revela.py": revela,

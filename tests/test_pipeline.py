@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import cli_args
 from test_finetune import make_beir
 from test_train import make_groups, run
+
+from plumbing.model_folder import load_xprt_folder
 
 TEXTS = ["Dense retrieval maps passages to vectors.", "A short one.", "The cat sat on the mat, again and again.",
          "Anchors are the passages closest to their document's mean vector."]
@@ -104,7 +105,7 @@ def test_train_keeps_the_modules_after_pooling(kind, tiny_bert, groups, tmp_path
     st_saved, st_start = (SentenceTransformer(str(f), device="cpu") for f in (saved, start))
     v_saved, v_start = (torch.from_numpy(m.encode(TEXTS)) for m in (st_saved, st_start))
     assert not torch.allclose(v_saved, v_start, atol=1e-4)  # the encoder trained
-    model = XPRTModel.from_pretrained(str(saved)).eval()
+    model = load_xprt_folder(XPRTModel, str(saved)).eval()
     tok = st_saved.tokenizer
     enc = tok(TEXTS, padding=True, return_tensors="pt")
     with torch.no_grad():
@@ -162,11 +163,11 @@ def test_modules_xprt_cannot_carry_are_refused_by_name(tiny_bert, tmp_path):
     SentenceTransformer(modules=[first, CNN(h, out_channels=8, kernel_sizes=[1]), Pooling(8)], device="cpu").save(
         str(tmp_path / "cnn"))
     with pytest.raises(ValueError, match="1_CNN.*between the transformer and the pooling"):
-        XPRTModel.from_pretrained(str(tmp_path / "cnn"))
+        load_xprt_folder(XPRTModel, str(tmp_path / "cnn"))
     router = Router.for_query_document([Dense(h, 8)], [Dense(h, 8)])
     SentenceTransformer(modules=[first, Pooling(h), router], device="cpu").save(str(tmp_path / "router"))
     with pytest.raises(ValueError, match="2_Router"):
-        XPRTModel.from_pretrained(str(tmp_path / "router"))
+        load_xprt_folder(XPRTModel, str(tmp_path / "router"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_args
-
-from architectures import load_teacher
-from modeling_xprt import XPRTCollator, XPRTModel
 from test_modeling import collator_for
-from common import E5_PROMPTS, model_prompts
+
+from modeling_xprt import XPRTCollator, XPRTModel
+from plumbing.common import E5_PROMPTS, model_prompts
+from plumbing.model_folder import load_teacher, load_xprt_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ def test_retention_is_zero_at_step_0_on_minilm(minilm_path):
 
     tok = AutoTokenizer.from_pretrained(minilm_path)
     torch.manual_seed(0)
-    model = XPRTModel.from_pretrained(minilm_path).train()
+    model = load_xprt_folder(XPRTModel, minilm_path).train()
     teacher = load_teacher(minilm_path)
     for seed in range(3):
         out = model(XPRTCollator(tok, max_length=64, seed=seed)(_groups_rows(8)), teacher=teacher,
@@ -90,10 +90,10 @@ def test_e5_prefixes_travel_through_select_train_finetune_evaluate(tiny_bert, tm
     it uses, the trained and the fine-tuned folders carry them where sentence-transformers reads them, and
     evaluate.py scores both with "query: " / "passage: "."""
     from sentence_transformers import SentenceTransformer
+    from test_finetune import make_beir
     from transformers import AutoModel, AutoTokenizer
 
     from modeling_xprt import embed_texts
-    from test_finetune import make_beir
 
     e5 = tmp_path / "e5-tiny"
     e5.symlink_to(tiny_bert, target_is_directory=True)

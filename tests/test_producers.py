@@ -14,13 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_select_groups import _docs, _run, _write_jsonl
 
 import finetune
-import readers
 import select_groups as sg
-import common
-import model_folder
-from test_select_groups import _docs, _run, _write_jsonl
+from plumbing import common, model_folder, readers
+from plumbing.model_folder import load_xprt_folder, save_xprt_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -254,16 +253,16 @@ def test_a_dot_product_start_is_saved_as_a_dot_product_model(tiny_bert, tmp_path
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(huggingface_hub, "hf_hub_download", from_hub)
         assert model_folder.read_scoring("someone/tas-b-like") == model_folder.read_scoring(str(start))
-    model = mx.XPRTModel.from_pretrained(str(start))
+    model = load_xprt_folder(mx.XPRTModel, str(start))
     tok = AutoTokenizer.from_pretrained(str(start))
-    model.save_pretrained(str(tmp_path / "saved"), tok)
+    save_xprt_folder(model, str(tmp_path / "saved"), tok)
     a, b = SentenceTransformer(str(start)), SentenceTransformer(str(tmp_path / "saved"))
     assert [type(m).__name__ for m in b] == ["Transformer", "Pooling"] and b.similarity_fn_name == "dot"
     texts = ["a dot product model", "keeps its norms"]
     np.testing.assert_allclose(a.encode(texts), b.encode(texts), atol=1e-5)
     assert np.linalg.norm(b.encode(texts), axis=1).min() > 1.5  # not unit length: the norms take part in the score
     model.info.normalize, model.info.similarity_fn_name = True, "cosine"
-    model.save_pretrained(str(tmp_path / "cos"), tok)
+    save_xprt_folder(model, str(tmp_path / "cos"), tok)
     c = SentenceTransformer(str(tmp_path / "cos"))
     assert [type(m).__name__ for m in c][-1] == "Normalize" and c.similarity_fn_name == "cosine"
 
@@ -279,7 +278,7 @@ def test_scores_during_training_use_the_saved_folders_scoring(tiny_bert, tmp_pat
     import modeling_xprt as mx
 
     start = _st_folder(tiny_bert, tmp_path / "dot", normalize=False, similarity="dot")
-    model = mx.XPRTModel.from_pretrained(str(start)).eval()
+    model = load_xprt_folder(mx.XPRTModel, str(start)).eval()
     tok = AutoTokenizer.from_pretrained(str(start))
     info = model.info
     enc = evaluate.TrainingEncoder(model.encoder, tok, model.prompts, 64, 8, None, info.pooling, info.normalize,
@@ -295,8 +294,9 @@ def test_evaluate_says_when_models_are_scored_differently_and_score_as_isolates_
     """The same weights saved as a dot-product model and as a cosine one: as each is used their SciFact scores
     differ, which is no training at all, and the report says that the scoring differs (normalize, similarity);
     --score_as the cosine one scores both alike, and the Δ is exactly 0."""
-    import evaluate as ev
     from test_finetune import make_beir
+
+    import evaluate as ev
 
     beir = make_beir(tmp_path / "beir", num_docs=40, num_queries=12)
     dot = _st_folder(tiny_bert, tmp_path / "dot", normalize=False, similarity="dot")
@@ -330,7 +330,9 @@ def test_the_cards_language_is_the_start_models(tiny_bert, tmp_path):
     args = argparse.Namespace(model_name_or_path=str(start), license=None, hub_model_id=None,
                               output_dir=str(tmp_path / "run"), per_device_train_batch_size=4,
                               gradient_accumulation_steps=1, learning_rate=1e-5)
-    info = model_folder.ModelInfo(start_model=str(start))
+    import modeling_xprt as mx
+
+    info = mx.ModelInfo(start_model=str(start))
     summary = {"steps": 1, "processes": 1, "rows": 4, "unit": "groups"}
     card = ModelCard(model_folder.model_card(args, info, "t", "train.py", [], summary))
     assert card.data.language == ["de", "fr"] and card.data.license == "apache-2.0"

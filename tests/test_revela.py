@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from test_baselines import assert_same_grads, grads, rows_from_docs
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import revela as R
-from architectures import load_mlm_encoder
+from baselines import revela as R
 from modeling_xprt import XPRTModel
-from test_baselines import assert_same_grads, grads, rows_from_docs
+from plumbing.model_folder import load_mlm_encoder, load_xprt_folder, save_xprt_folder
 
 ARCHS = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
 
@@ -214,8 +214,9 @@ def test_groups_get_eleven_anchors_of_other_documents():
 def test_cached_step_equals_the_plain_step(tiny_bert, tiny_lm, tok, chunk=2):
     """XPRTModel.cached_step takes Revela (a row term: each group's passages are the LM's batch): the loss, the
     retention term and every gradient of the plain step, for chunks that do not divide the batch (5 groups)."""
-    from architectures import load_teacher
     from test_gradient_cache import _step
+
+    from plumbing.model_folder import load_teacher
 
     model = make(tiny_bert, tiny_lm, attn_temperature=0.05)
     teacher = load_teacher(str(tiny_bert))
@@ -241,11 +242,11 @@ def test_saved_folder_keeps_the_adapters_only(tiny_bert, tiny_lm, tok, tmp_path)
     from safetensors.torch import load_file
 
     model = make(tiny_bert, tiny_lm)
-    model.save_pretrained(str(tmp_path / "m"), tok)
+    save_xprt_folder(model, str(tmp_path / "m"), tok)
     heads = load_file(str(tmp_path / "m" / "xprt_heads.safetensors"))
     assert {k for k in heads if not k.startswith("mlm_head.")} == {f"adapters.{k}" for k in
                                                                   model.objective.adapters.state_dict()}
-    back = XPRTModel.from_pretrained(str(tmp_path / "m"))
+    back = load_xprt_folder(XPRTModel, str(tmp_path / "m"))
     assert back.objective_name == "revela" and back.objective.lora_rank == 4
     for k, v in model.objective.adapters.state_dict().items():
         torch.testing.assert_close(back.objective.adapters.state_dict()[k], v)
@@ -267,7 +268,7 @@ def test_train_runs_revela_and_its_term_moves(tiny_bert, groups, tmp_path):
     print("revela_loss", [round(log[s]["revela_loss"], 4) for s in sorted(log)])
     assert sum(log[s]["revela_loss"] for s in (5, 6)) / 2 < log[1]["revela_loss"] - 0.05
     assert "retention_loss" in log[1]
-    back = XPRTModel.from_pretrained(str(tmp_path / "p" / "model"))
+    back = load_xprt_folder(XPRTModel, str(tmp_path / "p" / "model"))
     assert back.objective_name == "revela" and back.objective.extra_anchors == 3 and back.objective.lora_rank == 8
 
 

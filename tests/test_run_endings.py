@@ -12,11 +12,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-import common
-import training
-from common import UserError
 from test_train import base_args, groups, read_log, run  # noqa: F401  (groups: a fixture)
+
+from plumbing import common, training
+from plumbing.common import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 

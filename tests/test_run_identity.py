@@ -11,11 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-import common
-import training
-from common import UserError
 from test_train import base_args, groups, read_log, run  # noqa: F401  (groups: a fixture)
+
+from plumbing import common, training
+from plumbing.common import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,7 +122,7 @@ def test_every_process_checks_the_folder_before_the_main_one_locks_it(tiny_bert,
     import threading
 
     import train
-    from common import local_inputs
+    from plumbing.common import local_inputs
 
     barrier = threading.Barrier(2, timeout=60)
 

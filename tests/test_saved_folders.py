@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-import finetune
-import model_folder
-from common import UserError
 from conftest import build_tiny_bert
+from safetensors.torch import load_file
 from test_finetune import ft_args, make_beir
 from test_train import base_args, groups, run  # noqa: F401  (groups: a fixture)
+
+import finetune
+from plumbing import model_folder
+from plumbing.common import UserError
 
 CUSTOM_CONFIG = ("from transformers import BertConfig\n\n\nclass CustomConfig(BertConfig):\n"
                  "    model_type = 'xprt_custom_bert'\n")

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import readers
 import select_groups as sg
-from common import UserError
+from plumbing import readers
+from plumbing.common import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "data" / "docs.jsonl"

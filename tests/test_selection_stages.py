@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import select_groups as sg
-import selection_stages as stages
-from common import UserError
+import select_groups_datatrove as stages
+from plumbing.common import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "data" / "docs.jsonl"

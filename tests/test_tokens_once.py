@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_revela import build_tiny_lm
 
 import modeling_xprt as mx
 import train
-from test_revela import build_tiny_lm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,8 +27,9 @@ def paragraphs(n: int = 200) -> list:
 @pytest.fixture(scope="module")
 def rows(tiny_bert, tmp_path_factory):
     """select_groups.py's own groups of 12 bundled documents, read as train.py reads them."""
-    import select_groups
     from test_select_groups import _docs, _write_jsonl
+
+    import select_groups
 
     tmp = tmp_path_factory.mktemp("tokens_groups")
     docs = _write_jsonl(tmp / "docs.jsonl", _docs(12))
@@ -49,9 +50,9 @@ def test_batches_from_the_tokens_equal_the_batches_from_the_texts(objective, col
     """Every objective's collator over the same rows, seeded alike: from the texts (tokenised in the batch) and from
     the rows train.py hands the loader (tokenised once): every tensor equal, the passage prefix included."""
     from accelerate import PartialState
-
-    from architectures import load_mlm_encoder
     from transformers import AutoTokenizer
+
+    from plumbing.model_folder import load_mlm_encoder
 
     tok = AutoTokenizer.from_pretrained(tiny_bert)
     mlm, _ = load_mlm_encoder(str(tiny_bert))
@@ -86,7 +87,7 @@ def tokenizer_family(texts) -> dict:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from common import resolve_model_path
+    from plumbing.common import resolve_model_path
 
     bert = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
     bpe = Tokenizer(models.BPE())
@@ -170,7 +171,7 @@ def test_several_processes_tokenise_what_one_does(rows, tiny_bert):
 
 def test_a_batch_read_at_once_equals_the_rows_read_one_by_one(rows):
     """RowsDataset.__getitems__ (the DataLoader's batched fetch: one Arrow take) hands the rows __getitem__ does."""
-    from batches import RowsDataset
+    from plumbing.batches import RowsDataset
 
     keys = [(1, 2, i) for i in (5, 0, 3, 3)]
     assert RowsDataset(rows).__getitems__(keys) == [RowsDataset(rows)[k] for k in keys]

@@ -15,20 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cli_args
 import torch
+from conftest import cli_args
 
-import batches
-
-import run_log
-
-import training
 import train
-from modeling_xprt import retention_weight
+from modeling_xprt import group_lengths, retention_weight
+from plumbing import batches, common, run_log, training
+from plumbing.common import UserError
+from plumbing.model_folder import load_xprt_folder
 from select_groups import group_schema
-from batches import group_lengths
-import common
-from common import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -192,11 +187,10 @@ def test_the_same_text_under_another_doc_id_is_one_document(tiny_bert, tmp_path,
     joined and trains."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
     from transformers import AutoTokenizer
 
-    from batches import document_keys
     from modeling_xprt import XPRTCollator
+    from plumbing.batches import document_keys
 
     src = make_groups(tmp_path / "src", 24)
     table = pq.read_table(src / "shard-00000.parquet").to_pylist()
@@ -230,10 +224,10 @@ def test_passages_the_training_tokenizer_cuts_are_counted_and_said(tiny_bert, tm
     without a word. Now the run counts the passages (anchor + the num_related it trains on) longer than --max_length
     under its tokenizer, as a hand count gives, and warns naming what the folder was selected with; at
     --max_length 128 (the selection's length, the same tokenizer) nothing is cut."""
+    from test_select_groups import _docs, _write_jsonl
     from transformers import AutoTokenizer
 
     import select_groups
-    from test_select_groups import _docs, _write_jsonl
 
     docs, groups = tmp_path / "docs.jsonl", tmp_path / "groups"
     _write_jsonl(docs, _docs(12))
@@ -260,12 +254,13 @@ def test_random_span_batches_are_grouped_by_their_crops(tmp_path):
     (longer crop, shorter crop) and each batch pads the longer and the shorter crops separately: padding efficiency
     of the crops well above the former grouping by text length with one tensor (0.49-0.53 in train.py's log), and the
     spans change with the epoch, which the sampler follows."""
-    import baselines
     from transformers import AutoTokenizer
+
+    from baselines import contriever
 
     rows = train.load_groups(str(make_groups(tmp_path / "g", 400)))
     tok = AutoTokenizer.from_pretrained(common.resolve_model_path("all-MiniLM-L6-v2"))
-    collator = baselines.RandomSpanCollator(tok, max_length=128)
+    collator = contriever.RandomSpanCollator(tok, max_length=128)
     lengths_for, row_extras = collator.sort_lengths(rows, seed=3)
     spans_for = lambda epoch: np.stack([row_extras(epoch, i)["crop_spans"] for i in range(len(rows))])  # noqa: E731
     s = train.LengthGroupedBatchSampler(lengths_for, 16, seed=3, mega=50)
@@ -301,12 +296,13 @@ def test_contriever_batches_are_grouped_by_their_crops(tmp_path):
     sorting by (q crop, k crop): each view's tensor pads to its own longest, and the batches' real tokens are about
     twice those of batches of unsorted crops (the official batching: 52% real tokens in the 2026-12-04 GPU run); the
     collator cuts exactly those spans (deletion off here), in view order."""
-    import baselines
     from transformers import AutoTokenizer
+
+    from baselines import contriever
 
     rows = train.load_groups(str(make_groups(tmp_path / "g", 400)))
     tok = AutoTokenizer.from_pretrained(common.resolve_model_path("all-MiniLM-L6-v2"))
-    collator = baselines.ContrieverCollator(tok, max_length=128, delete_prob=0.0)
+    collator = contriever.ContrieverCollator(tok, max_length=128, delete_prob=0.0)
     lengths_for, row_extras = collator.sort_lengths(rows, seed=3)
     spans_for = lambda epoch: np.stack([row_extras(epoch, i)["crop_spans"] for i in range(len(rows))])  # noqa: E731
     s = train.LengthGroupedBatchSampler(lengths_for, 16, seed=3, mega=50)
@@ -322,7 +318,7 @@ def test_contriever_batches_are_grouped_by_their_crops(tmp_path):
     # and ~60-token anchors the same sampler gives about 0.90 against 0.58, a simulation of the draws)
     assert grouped >= 0.7 and grouped > 1.8 * shuffled, (grouped, shuffled)
     assert (lengths_for(1) == spans_for(1)[:, :, 1]).all() and not (spans_for(0) == spans_for(1)).all()
-    k = baselines.crop_spans([37] * 2000, seed=0, epoch=0, floor=True)[:, :, 1]
+    k = contriever.crop_spans([37] * 2000, seed=0, epoch=0, floor=True)[:, :, 1]
     assert k.min() == 3 and k.max() == 18  # int(3.7) .. int(18.5): random_crop's floor
     b0 = s.batches()[0]
     batch = collator([{**rows[i], "crop_spans": spans_for(1)[i]} for i in b0])
@@ -538,11 +534,11 @@ def test_flop_counter_equals_the_hand_count(tiny_bert, tmp_path):
     Every objective's step (retention on): the counter is the hand count plus what the formula leaves out, the
     similarity matrices and the attention scores that SDPA's backward recomputes, under 2% here (a 32-wide model
     at 14 tokens, where attention weighs most)."""
-    from transformers import AutoTokenizer, BertConfig, BertModel
-
-    from architectures import load_teacher
     from test_baselines import build_tiny_generator
     from test_modeling import make_model, toy_rows
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from plumbing.model_folder import load_teacher
 
     h, inner, n_layers = 32, 64, 2
     cfg = BertConfig(vocab_size=100, hidden_size=h, num_hidden_layers=n_layers, num_attention_heads=2,
@@ -696,7 +692,7 @@ def test_saved_model_loads_in_sentence_transformers_with_our_embeddings(tiny_ber
     # the weights really moved from the start, and the heads came back with from_pretrained
     start = embed_texts(AutoModel.from_pretrained(tiny_bert), tok, texts)
     assert not torch.allclose(start, ours, atol=1e-4)
-    again = XPRTModel.from_pretrained(str(out / "model"))
+    again = load_xprt_folder(XPRTModel, str(out / "model"))
     assert torch.allclose(embed_texts(again.encoder, tok, texts), ours, atol=1e-6)
     card = (out / "model" / "README.md").read_text()
     assert '"max_train_steps": 3' in card and '"objective": "xprt"' in card
@@ -712,8 +708,8 @@ def test_head_learning_rate_groups_every_parameter_once(tiny_bert):
     """--head_learning_rate: the decoder and the MLM head's transform and bias get it; the encoder, and the tied
     vocabulary projection (the word embeddings themselves), keep --learning_rate; biases and LayerNorm weights are
     not decayed; every trainable tensor is in exactly one group."""
-    from architectures import load_mlm_encoder
     from modeling_xprt import XPRTModel
+    from plumbing.model_folder import load_mlm_encoder
 
     model = XPRTModel(load_mlm_encoder(str(tiny_bert))[0])
     groups = training.optimizer_groups(model, learning_rate=1e-6, head_learning_rate=1e-4, weight_decay=0.01)
@@ -745,7 +741,7 @@ def test_head_learning_rate_trains_the_heads_and_not_the_encoder(tiny_bert, grou
                                             "--head_learning_rate": 1e-2, "--warmup_ratio": 0.0,
                                             "--lr_scheduler_type": "constant"}))
     start = AutoModelForMaskedLM.from_pretrained(tiny_bert)
-    after = XPRTModel.from_pretrained(str(out / "model")).encoder
+    after = load_xprt_folder(XPRTModel, str(out / "model")).encoder
     for (n, p), q in zip(start.bert.named_parameters(), after.bert.parameters()):
         assert torch.equal(p, q), n
     moved = after.cls.predictions.transform.dense.weight - start.cls.predictions.transform.dense.weight

@@ -11,16 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import evaluate as ev
-import finetune
-import readers
-import select_groups as sg
-import common
-import train
 from test_evaluate import write_beir
 from test_finetune import make_beir
 from test_train import make_groups, reset_accelerate
+
+import evaluate as ev
+import finetune
+import select_groups as sg
+import train
+from plumbing import common, readers
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {"train": train, "finetune": finetune, "select_groups": sg, "evaluate": ev}

@@ -35,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's modules sit two folders up
 
-from common import (atomic_path, atomic_write, claim_output_folder, local_inputs, record_outputs, remove_outputs,
-                    resolve_model_path, run_script, UserError)
+from plumbing.common import (UserError, atomic_path, atomic_write, claim_output_folder, local_inputs, record_outputs,
+                             remove_outputs, resolve_model_path, run_script)
 
 
 def parse_args(argv=None):
@@ -180,8 +180,8 @@ def TimeBox(seconds: float):
 def main(argv=None):
     args = parse_args(argv)
     import torch
-    from transformers import (BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer,
-                              TrainingArguments, set_seed)
+    from transformers import (BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments,
+                              set_seed)
 
     set_seed(args.seed)
     out = Path(args.output_dir)

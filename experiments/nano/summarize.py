@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from common import atomic_path, atomic_write  # noqa: E402  (the repository's one atomic-write helper)
+from plumbing.common import atomic_path, atomic_write  # noqa: E402  (the repository's one atomic-write helper)
 
 
 def parse_args(argv=None):

@@ -37,8 +37,8 @@ import tarfile
 import time
 from pathlib import Path
 
-from common import atomic_write, read_json
 from experiments.paper import stages
+from plumbing.common import atomic_write, read_json
 
 MIB = 1 << 20
 START_PACKED = "start_packed"  # <carry>/start_packed: the start a run carries, as pack writes it
@@ -275,9 +275,8 @@ def tensors_digest(folder: Path) -> str:
     with other metadata but the same weights have one digest."""
     import hashlib
 
-    from safetensors.torch import load_file
-
     import torch
+    from safetensors.torch import load_file
 
     h = hashlib.sha256()
     for name, t in sorted(load_file(str(Path(folder) / "model.safetensors")).items()):
@@ -469,7 +468,7 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
         round_to_fp16(Path(start))
         folders = {"start": Path(start)}
     lap("start")
-    from training import code_revision, content_digest
+    from plumbing.training import code_revision, content_digest
 
     # Revela's language model, where this run trains a Revela arm: carried from the run that made it, else made here
     # as the start is (pre-trained, rounded to fp16) and brought back with the arms
@@ -591,7 +590,7 @@ def pack(folders: dict, out: Path, dest: Path) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from common import atomic_path
+    from plumbing.common import atomic_path
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:

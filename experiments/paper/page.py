@@ -7,9 +7,9 @@ import json
 import statistics
 from pathlib import Path
 
-from experiments.paper.published import E5_SETTING, FROM_MLM_SETTING
-from common import atomic_write, read_json
 from experiments.paper import stages
+from experiments.paper.published import E5_SETTING, FROM_MLM_SETTING
+from plumbing.common import atomic_write, read_json
 
 LABELS = {"start": "start", "xprt": "xPRT", "contrastive_random_span": "random spans (Contriever)",
           "self_reconstruction": "self-reconstruction", "retromae": "RetroMAE", "simlm": "SimLM",

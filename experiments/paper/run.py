@@ -23,11 +23,22 @@ import os
 import time
 from pathlib import Path
 
-# stages first: it puts the repository on sys.path and sets the offline defaults before anything else imports
-from experiments.paper.stages import (ROOT, arms_of, estimate_flops, gpu_hours, load_config,  # noqa: I001
-                                      print_estimate, stage_groups, stage_lm, stage_score, stage_start, stage_train)
 from experiments.paper import device, page  # the GPU round trip; the results page
-from common import read_json
+
+# stages first: it puts the repository on sys.path and sets the offline defaults before anything else imports
+from experiments.paper.stages import (  # noqa: I001
+    ROOT,
+    arms_of,
+    estimate_flops,
+    gpu_hours,
+    load_config,
+    print_estimate,
+    stage_groups,
+    stage_lm,
+    stage_score,
+    stage_start,
+    stage_train,
+)
 
 
 def parse_args(argv=None):

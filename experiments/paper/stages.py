@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from common import atomic_write, read_json  # noqa: E402
+from plumbing.common import atomic_write, read_json  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # The ablations of xPRT (paper Table 3): flags added to the xprt arm, the groups' ranking, a factor on the steps.
@@ -162,8 +162,8 @@ def stage_start(exp: dict, out: Path, dry_run: bool) -> str:
         if not dry_run and not (dest / "config.json").is_file():
             import shutil
 
-            from common import atomic_path, resolve_model_path
             from experiments.paper.device import round_to_fp16
+            from plumbing.common import atomic_path, resolve_model_path
 
             src = Path(resolve_model_path(start["name"]))
             if not src.is_dir():
@@ -184,7 +184,7 @@ def stage_start(exp: dict, out: Path, dry_run: bool) -> str:
             import torch
             from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
-            from common import resolve_model_path
+            from plumbing.common import resolve_model_path
 
             tok = AutoTokenizer.from_pretrained(resolve_model_path(start["tokenizer"]))
             torch.manual_seed(start.get("seed", 0))
@@ -221,7 +221,7 @@ def stage_lm(exp: dict, out: Path, dry_run: bool):
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        from common import resolve_model_path
+        from plumbing.common import resolve_model_path
 
         tok = AutoTokenizer.from_pretrained(resolve_model_path(lm["tokenizer"]))
         with torch.random.fork_rng(devices=[]):
@@ -343,8 +343,7 @@ def estimate_flops(exp: dict, arm: dict) -> float:
     from transformers import AutoTokenizer, BertForMaskedLM
 
     import modeling_xprt as mx
-    import run_log
-
+    from plumbing import run_log
     flags = arm["flags"]
     objective = flags[flags.index("--objective") + 1] if "--objective" in flags else "xprt"
     options = {"fill_in": False} if "--no_fill_in" in flags else {}

@@ -27,7 +27,7 @@ def main():
     from transformers import AutoModel, AutoTokenizer
 
     from modeling_xprt import embed_texts
-    from common import resolve_model_path
+    from plumbing.common import resolve_model_path
 
     run, out = Path(args.run_dir), Path(args.out)
     recs = {}

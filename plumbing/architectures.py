@@ -22,24 +22,19 @@ run once, at load (encoder_pieces): a training step calls the modules and callab
     that matrix), the matrix and its bias;
   - load_mlm_encoder / load_teacher: the loaders, with SDPA attention where the architecture has it and the
     architecture's own attention where not (said in the load message);
-  - save_xprt_folder / load_xprt_folder: the model folder XPRTModel.save_pretrained / from_pretrained write and read.
+  - save_xprt_folder / load_xprt_folder: the model folder model_folder.save_xprt_folder / load_xprt_folder write and read.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import logging
-import os
-from pathlib import Path
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from common import UserError, resolve_model_path
 
 logger = logging.getLogger("xprt")
 
@@ -370,7 +365,7 @@ def _numel(p) -> int:
     return int(getattr(p, "ds_numel", p.numel()))
 
 
-def _vocab_matrix(mlm) -> torch.Tensor:
+def vocab_matrix(mlm) -> torch.Tensor:
     """The (V, D) matrix the logits come from: the output embeddings when they have V rows, else the word embeddings
     (DeBERTa-v2's non-legacy head multiplies by them directly; its get_output_embeddings names a (H, H) layer)."""
     v = mlm.config.vocab_size
@@ -405,7 +400,7 @@ def mlm_head(mlm) -> MLMHead:
     left out, RoBERTa's and MPNet's lm_head likewise, DistilBERT's vocab_transform / activation / vocab_layer_norm,
     ELECTRA's generator_predictions (down to the embedding size), ModernBERT's head, DeBERTa-v2's lm_head up to its
     matmul, all by the one rule. check_mlm_head measures it against the model's logits."""
-    weight = _vocab_matrix(mlm)
+    weight = vocab_matrix(mlm)
     return MLMHead(_transform_module(mlm, weight), weight, _vocab_bias(mlm, weight))
 
 
@@ -570,209 +565,234 @@ def layer_multiply_adds(encoder) -> tuple:
 
 def head_multiply_adds(encoder) -> int:
     """Multiply-adds per row of the MLM head: its own Linear weights and the vocabulary projection."""
-    weight = _vocab_matrix(encoder)
+    weight = vocab_matrix(encoder)
     own = sum(_numel(p) for p in head_params(encoder).values() if len(_shape(p)) == 2)
     return own + _numel(weight)
 
 
 # ==============================================================================================================
-# Loading
+# The vocabulary terms, chunk by chunk
+# How the vocabulary terms compute (not in the paper): L_MLM, L_cross and L_self (modeling_xprt.py) each project their
+# rows onto the vocabulary and take a cross-entropy or a KL; linear_cross_entropy and linear_kl_div do it chunk by chunk
+# in one fused pass (_FusedLinearCE), never holding the (rows x V) logits. The math is that of plain F.linear +
+# F.cross_entropy / F.kl_div (fused=False; tests/test_modeling.py compares them with allclose).
 # ==============================================================================================================
+def linear_cross_entropy(hidden, weight, bias, targets, fused: bool = True, chunk_size: int = 1024):
+    """mean_i -log softmax(hidden_i W^T + b)[targets_i] = F.cross_entropy(F.linear(hidden, W, b), targets).
+
+    hidden (N, D), weight (V, D), bias (V,), targets (N,). 0 (with a zero gradient) for N = 0."""
+    if fused:
+        return _FusedLinearCE.apply(hidden, weight, bias, targets, None, chunk_size, torch.is_grad_enabled())[0]
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0
+    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets)
 
 
-class LoadReportFilter(logging.Filter):
-    """Drops transformers' report of missing / unexpected keys of a load (the "LOAD REPORT" table, the tied-weights
-    note): see quiet_load_report. A report with shape mismatches or failed conversions passes (transformers raises
-    after it and points to it)."""
+def linear_kl_div(hidden, teacher_hidden, weight, bias, fused: bool = True, chunk_size: int = 1024):
+    """mean_i KL(softmax(t_i W^T + b) || softmax(hidden_i W^T + b)), t = teacher_hidden (a target: no gradient).
 
-    def filter(self, record):
-        msg = str(record.msg)
-        if "LOAD REPORT" in msg:
-            return "MISMATCH" in msg or "CONVERSION" in msg
-        return "seem corrupted" not in msg
-
-
-@contextlib.contextmanager
-def quiet_load_report():
-    """Inside the block, transformers' loading logger (modeling_utils) drops its report of missing / unexpected keys
-    and nothing else (a filter: raising the logger's level would change what transformers checks, since it runs its
-    tensor-parallel plan check only at level WARNING or above). Used around loads whose missing / unexpected keys
-    the caller reads from output_loading_info and reports itself."""
-    log, flt = logging.getLogger("transformers.modeling_utils"), LoadReportFilter()
-    log.addFilter(flt)
-    try:
-        yield
-    finally:
-        log.removeFilter(flt)
+    hidden, teacher_hidden (N, D), weight (V, D), bias (V,). 0 (with a zero gradient) for N = 0."""
+    if fused:
+        return _FusedLinearCE.apply(hidden, weight, bias, None, teacher_hidden.detach(), chunk_size,
+                                    torch.is_grad_enabled())[0]
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0
+    with torch.no_grad():
+        t_logp = F.log_softmax(F.linear(teacher_hidden.detach(), weight, bias).float(), dim=-1)
+    return F.kl_div(F.log_softmax(F.linear(hidden, weight, bias).float(), -1), t_logp, log_target=True,
+                    reduction="batchmean")
 
 
-def checkpoint_tensors(path: str, keys: Sequence[str], prefix: str) -> dict:
-    """The base model's tensors among `keys` (reported unexpected by the MLM model: BERT's pooler), read from the
-    checkpoint's safetensors files and named as the base model names them ("pooler.dense.weight"). A checkpoint
-    without safetensors gives {} (a .bin file is a pickle, never opened here); save_pretrained then initialises them.
+# Scratch (chunk, V) fp32 buffers kept across calls and steps, per device and slot: on CPU a fresh 125 MB tensor costs
+# its page faults on every touch (glibc maps and unmaps blocks this large each time). Only the forward of
+# _FusedLinearCE writes them, and nothing that outlives the call points into them. On a GPU the caching allocator
+# reuses memory anyway; this only keeps the peak from being handed back between steps.
+_SCRATCH: dict = {}
+
+
+def _scratch(slot: str, rows: int, cols: int, device) -> torch.Tensor:
+    key = (slot, str(device))
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < rows * cols:
+        _SCRATCH[key] = buf = None  # free the old one before the bigger one is made
+        _SCRATCH[key] = buf = torch.empty(rows * cols, dtype=torch.float32, device=device)
+    return buf[: rows * cols].view(rows, cols)
+
+
+def _logits_into(out, h, weight, bias):
+    """out (r, V) fp32 <- h W^T + b. The bias is added in place after the matmul writes straight into the reused
+    buffer (addmm(bias, ..., out=buf) first copies the broadcast bias into the buffer, an extra pass over it); in low
+    precision (or under autocast) the matmul runs in its own dtype and is copied up, as .float() would."""
+    if h.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled(h.device.type):
+        return torch.mm(h, weight.t(), out=out).add_(bias)
+    return out.copy_(torch.addmm(bias, h, weight.t()))
+
+
+# The vocabulary rows padded inside the kernel to a multiple of this (tensor-core tiles want leading dimensions that are
+# multiples of 8; MosaicBERT pads BERT's 30,522 words to 30,528 = 64 x 477). Padded words have a zero weight row and
+# a bias of -1e30: probability exactly 0, so they add nothing to a loss or a gradient, and their gradient rows are cut.
+_PAD = 64
+_PAD_BIAS = -1e30
+
+
+def _padded(weight, bias, dtype):
+    """(W, b) once per call: W in the compute dtype (one cast, not one per chunk) and, in low precision or on CUDA,
+    the vocabulary padded to a multiple of _PAD -> (W' (V', H), b' (V',))."""
+    w = weight.to(dtype) if dtype is not None else weight
+    v = weight.shape[0]
+    vp = -(-v // _PAD) * _PAD
+    if vp == v or (dtype is None and weight.device.type != "cuda"):  # fp32 on a CPU: no tiles to fill
+        return w, bias
+    w_pad = w.new_zeros((vp, w.shape[1]))
+    w_pad[:v] = w
+    b_pad = bias.new_full((vp,), _PAD_BIAS)
+    b_pad[:v] = bias
+    return w_pad, b_pad
+
+
+_FP32_OUT: dict = {}
+
+
+def _fp32_out_gemm(device) -> bool:
+    """Whether this device's addmm takes low-precision inputs into an fp32 output (out_dtype: CUDA; the CPU has no
+    such kernel). Probed once per device type on an 8 x 8 product, outside any dispatch mode: a FLOP counter or a
+    profiler active at the first call must not decide the kernel's path for the whole run (torch 2.11's
+    FlopCounterMode raised TypeError on this op, and the run kept the slower path). weight_grad_path probes it at
+    start-up and says which path was chosen."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    if device.type not in _FP32_OUT:
+        with _disable_current_modes():
+            try:
+                a = torch.ones(8, 8, dtype=torch.bfloat16, device=device)
+                c = torch.zeros(8, 8, dtype=torch.float32, device=device)
+                torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+                _FP32_OUT[device.type] = bool(c[0, 0].item() == 8.0)
+            except (RuntimeError, TypeError, NotImplementedError):
+                _FP32_OUT[device.type] = False
+    return _FP32_OUT[device.type]
+
+
+def weight_grad_path(device) -> str:
+    """The vocabulary weight gradient's path on this device in low precision (_add_weight_grad), probed now: a
+    run's start-up line."""
+    if _fp32_out_gemm(torch.device(device)):
+        return "bf16 inputs into the fp32 accumulator in one GEMM (addmm out_dtype)"
+    return "one bf16 product per chunk added in fp32 (this device has no fp32-output GEMM)"
+
+
+def _add_weight_grad(grad_w, g, hs, first: bool):
+    """grad_w (V', H) fp32 (+)= g^T hs: the step's largest matrix product. In fp32 (g fp32) in place. In
+    low precision (g bf16, under autocast) it must not stay an in-place addmm_, which autocast never casts (an fp32
+    GEMM at a fifteenth of the bf16 rate): the product runs on bf16 inputs, accumulated in fp32 inside the GEMM, and
+    lands in the fp32 accumulator directly where the device can (CUDA's out_dtype), else through one bf16 product per
+    chunk added in fp32 (one rounding of 2^-9 per chunk, tests/test_bf16.py bounds the result)."""
+    beta = 0.0 if first else 1.0  # beta 0: the accumulator starts as uninitialised memory
+    if g.dtype == torch.float32:
+        return grad_w.addmm_(g.t(), hs.float(), beta=beta)
+    with torch.autocast(g.device.type, enabled=False):  # the dtypes are chosen here
+        hs = hs.to(g.dtype)
+        if _fp32_out_gemm(g.device):
+            return torch.addmm(grad_w, g.t(), hs, beta=beta, out_dtype=torch.float32, out=grad_w)
+        part = torch.mm(g.t(), hs)
+        return grad_w.copy_(part) if first else grad_w.add_(part)
+
+
+def _softmax_(z):
+    """z (r, V) <- softmax(z) IN PLACE; returns log-sum-exp (r,) of the input rows."""
+    m = z.amax(dim=-1, keepdim=True)
+    z.sub_(m).exp_()
+    s = z.sum(dim=-1, keepdim=True)
+    z.div_(s)
+    return (m + s.log()).squeeze(1)
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    """Vocabulary projection + cross-entropy (hard targets) and/or KL (soft targets), chunk by chunk.
+
+    Never holds the (N, V) logits: each chunk's logits give its loss and, at once, its gradients
+    w.r.t. hidden, weight and bias (the "fused linear cross-entropy" of Liger-Kernel); backward
+    only scales them by the incoming scalar. Same matmul count as plain forward + backward, much
+    less memory traffic on (tokens x 30,522) tensors: every chunk reuses one fp32 (chunk, V) buffer
+    (two for KL, kept across calls: _scratch) and the softmax runs in place in it.
+    Rows: hidden[:len(targets)] have hard targets, the rest soft ones (teacher_hidden); row_scale (N,) is each row's
+    weight in the total (1 / N). Returns (total, per-row losses (N,), no gradient).
+
+    Why our own and not torch's chunked F.linear_cross_entropy: it has no KL form (L_self), and on CPU ours measured
+    faster on the step's own rows (`python -m bench.bench_step --vocab`; figures in bench/README.md).
     """
-    from safetensors import safe_open
 
-    keys = [k for k in keys if "position_ids" not in k]
-    if not keys:
-        return {}
-    folder = path
-    if not os.path.isdir(folder):  # a hub id: the files from_pretrained just put in the local cache
-        try:
-            from huggingface_hub import snapshot_download
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, teacher_hidden, chunk_size, compute_grad):
+        n = hidden.shape[0]
+        row_scale = torch.full((n,), 1.0 / max(n, 1), dtype=torch.float32, device=hidden.device)  # the mean
+        n_ce = 0 if targets is None else targets.shape[0]
+        # no gradient work at all under torch.no_grad (evaluation)
+        need = [compute_grad and x for x in ctx.needs_input_grad[:3]]
+        row_loss = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        if n == 0:
+            ctx.grads = (torch.zeros_like(hidden) if need[0] else None, None, None)
+            ctx.mark_non_differentiable(row_loss)
+            return hidden.new_zeros((), dtype=torch.float32), row_loss
+        v = weight.shape[0]
+        # the matrix products run in autocast's dtype (bf16 / fp16) where it is on, else in the weight's own (None)
+        lowp = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else None
+        w, b = _padded(weight, bias, lowp)  # (V', H) in the compute dtype, V' a multiple of _PAD
+        vp = w.shape[0]
+        grad_h = torch.empty_like(hidden) if need[0] else None
+        grad_w = torch.empty((vp, weight.shape[1]), dtype=torch.float32, device=hidden.device) if need[1] else None
+        grad_b = torch.zeros((vp,), dtype=torch.float32, device=hidden.device) if need[2] else None
+        rows = min(chunk_size, n)
+        buf = _scratch("logits", rows, vp, hidden.device)
+        tbuf = _scratch("teacher", rows, vp, hidden.device) if teacher_hidden is not None else None
+        first = True
+        # chunks never straddle the hard/soft boundary
+        starts = [(s, min(s + chunk_size, n_ce)) for s in range(0, n_ce, chunk_size)]
+        starts += [(s, min(s + chunk_size, n)) for s in range(n_ce, n, chunk_size)]
+        for s, e in starts:
+            h = hidden[s:e]
+            r = e - s
+            scale = row_scale[s:e]
+            if s < n_ce:  # hard targets: CE = lse - logit[target]
+                tgt = targets[s:e]
+                z = _logits_into(buf[:r], h, w, b)
+                z_tgt = z.gather(1, tgt.unsqueeze(1)).squeeze(1)
+                row_loss[s:e] = _softmax_(z) - z_tgt
+                g = z  # softmax - one_hot(target)
+                g[torch.arange(r, device=g.device), tgt] -= 1.0
+            else:  # soft targets p = softmax(teacher logits): KL(p || q) = sum p z_t - lse_t - (sum p z - lse)
+                zt = _logits_into(tbuf[:r], teacher_hidden[s - n_ce : e - n_ce], w, b)
+                p = buf[:r].copy_(zt)
+                lse_t = _softmax_(p)
+                # sum p log p, before tbuf is reused for the student (a padded word: p = 0 times -1e30, 0)
+                # row-wise dot products through a batched matmul: no (r, V) temporary
+                kl = torch.bmm(p.unsqueeze(1), zt.unsqueeze(2)).view(-1) - lse_t
+                z = _logits_into(tbuf[:r], h, w, b)
+                kl -= torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1) - _softmax_(z)  # - sum p log q
+                row_loss[s:e] = kl
+                g = z.sub_(p)  # softmax(student) - p
+            if grad_b is not None:  # fp32, from the fp32 g
+                grad_b.addmv_(g.t(), scale)
+            g_mm = g if lowp is None else g.to(lowp)  # one cast of the (r, V') gradient, read by both products
+            if grad_h is not None:
+                gh = g_mm.to(w.dtype) @ w  # (r, H): small
+                grad_h[s:e] = gh * scale.unsqueeze(1).to(gh.dtype)
+            if grad_w is not None:  # the rows' scales go on the small (r, H) side, never on the (r, V) one
+                _add_weight_grad(grad_w, g_mm, h.float() * scale.unsqueeze(1), first)
+            first = False
+        total = (row_loss * row_scale).sum()
+        gw = None if grad_w is None else grad_w[:v].to(weight.dtype)  # the padded words' rows cut
+        gb = None if grad_b is None else grad_b[:v].to(bias.dtype)
+        # The gradients are intermediates (neither inputs nor outputs), so they may live on ctx; backward hands
+        # them over (scaled in place) instead of allocating a scaled copy of the (V, H) weight gradient.
+        ctx.grads = (grad_h, gw, gb)
+        ctx.mark_non_differentiable(row_loss)
+        return total, row_loss
 
-            folder = snapshot_download(path, allow_patterns=["*.safetensors"], local_files_only=True)
-        except Exception:  # noqa: BLE001 - no cached safetensors: the pooler is initialised at save time instead
-            return {}
-    out = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                name = k[len(prefix):] if k.startswith(prefix) else k
-                if k in keys or name in keys:
-                    out[name] = st.get_tensor(k)
-    return out
-
-
-def attention_kwargs(path: str, loader=None, trust_remote_code: bool = False) -> tuple:
-    """({"attn_implementation": ...}, note) for loading `path` with `loader` (an Auto class; AutoModel by default):
-    SDPA where the architecture has it, else the architecture's own default, said in the note (transformers raises
-    for sdpa on an architecture without it: MPNet, DeBERTa-v2 in 5.24). A config transformers does not map (remote
-    code) gets sdpa, and transformers says whether it has it."""
-    from transformers import AutoConfig, AutoModel
-
-    loader = loader or AutoModel
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    cls = loader._model_mapping[type(config)] if type(config) in loader._model_mapping else None
-    if cls is None or getattr(cls, "_supports_sdpa", False):
-        return {"attn_implementation": "sdpa"}, ""
-    return {}, f"{cls.__name__} has no SDPA attention: using its own ({config._attn_implementation or 'eager'})"
-
-
-def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, trust_remote_code: bool = False,
-                     pooling: str = "mean"):
-    """Any checkpoint AutoModelForMaskedLM loads, with SDPA attention where its architecture has it -> (model,
-    message); refused here, before any work starts, when xprt cannot take it apart (check_layers, check_mlm_head).
-
-    E5 and MiniLM are saved as plain BertModel: transformers then reports the head
-    (cls.predictions.*) as missing keys and initialises it fresh - transform N(0, 0.02), bias 0 -
-    with the vocabulary projection tied to the word embeddings (tie_word_embeddings). That is our
-    default; `mlm_head_from` (e.g. bert-base-uncased, README, Notes) copies another checkpoint's trained
-    head instead (the projection stays tied to OUR word embeddings). The message says which happened, and which
-    attention runs. pooling: the sentence vector the model is used with ("mean" or "cls"), for the message.
-    """
-    from transformers import AutoModelForMaskedLM
-
-    path = resolve_model_path(name_or_path)
-    attn, attn_note = attention_kwargs(path, AutoModelForMaskedLM, trust_remote_code)
-    # transformers' LOAD REPORT for this call lists the head as MISSING and the pooler as UNEXPECTED, which reads like
-    # an error; the message below states the same facts (and a missing encoder weight still raises)
-    with quiet_load_report():
-        model, info = AutoModelForMaskedLM.from_pretrained(
-            path, output_loading_info=True, trust_remote_code=trust_remote_code, **attn
-        )
-    prefix = model.base_model_prefix + "."
-    # the base model's tensors the MLM model has no module for (BERT's pooler): kept as they are, and written back by
-    # XPRTModel.save_pretrained so the saved folder is a complete AutoModel checkpoint
-    model.xprt_base_extras = checkpoint_tensors(path, [k for k in info["unexpected_keys"]], prefix)
-    # the start's own code (config.json's auto_map), carried into every folder the model is saved to
-    model.xprt_code_files = remote_code_files(name_or_path, model.config, trust_remote_code)
-    missing_head = sorted(k for k in info["missing_keys"] if not k.startswith(prefix))
-    missing_base = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and "position_ids" not in k)
-    if missing_base:
-        raise ValueError(f"{name_or_path}: encoder weights missing from the checkpoint: {missing_base[:5]}")
-    check_layers(model, name_or_path)
-    check_mlm_head(model, name_or_path)
-    weight = _vocab_matrix(model)
-    tied = weight is model.get_input_embeddings().weight
-    if mlm_head_from:
-        donor, dinfo = AutoModelForMaskedLM.from_pretrained(
-            resolve_model_path(mlm_head_from), output_loading_info=True, trust_remote_code=trust_remote_code
-        )
-        donor_missing = [k for k in dinfo["missing_keys"] if not k.startswith(donor.base_model_prefix + ".")]
-        if donor_missing:
-            raise ValueError(f"--mlm_head_from {mlm_head_from} has no trained MLM head either "
-                             f"(missing {donor_missing[:3]})")
-        ours, theirs = head_params(model), head_params(donor)
-        if set(ours) != set(theirs) or any(ours[k].shape != theirs[k].shape for k in ours):
-            raise ValueError(f"MLM head of {mlm_head_from} does not fit {name_or_path} "
-                             "(different architecture or vocabulary)")
-        with torch.no_grad():
-            for k in ours:
-                ours[k].copy_(theirs[k])
-        message = (f"MLM head copied from {mlm_head_from} ({len(ours)} tensors); vocabulary projection "
-                   f"{'tied to' if tied else 'NOT tied to'} {name_or_path}'s word embeddings")
-    elif missing_head:
-        message = (f"{name_or_path} has no MLM head ({len(missing_head)} missing keys, e.g. {missing_head[0]}): "
-                   f"initialised fresh, projection {'tied to the word embeddings' if tied else 'NOT tied'}")
-    else:
-        message = f"MLM head loaded from {name_or_path}"
-    if model.xprt_base_extras:
-        vector = "the [CLS] token's last hidden state" if pooling == "cls" else "the mean of the token vectors"
-        message += (f"; kept {', '.join(sorted(model.xprt_base_extras))} unchanged so the saved folder is a complete "
-                    f"{type(model.base_model).__name__} checkpoint (the sentence vector is {vector}, not this "
-                    "pooler's output)")
-    if attn_note:
-        message += f"; {attn_note}"
-    message += f"; {probe_prepared_mask(model)}"
-    logger.info(message)
-    return model, message
-
-
-def remote_code_files(name_or_path: str, config, trust_remote_code: bool) -> dict:
-    """The code a model's config.json `auto_map` names, and the files those import relatively (from .x import y),
-    read from the model's folder or Hub repository -> {file name: text}. save_model_folder writes them beside the
-    saved config.json, whose auto_map still names them: transformers copies only the configuration's file
-    (custom_object_save of the config's class), so without these a saved folder's AutoModel, sentence-transformers
-    and evaluate.py all fail on "does not appear to have a file named modeling_x.py". An entry naming another
-    repository ("owner/repo--module.Class") is left to the Hub, as transformers leaves it. With --trust_remote_code
-    a named file that cannot be read is refused here, before any work; without it the code never runs, and what
-    exists is carried."""
-    from transformers.dynamic_module_utils import get_relative_imports
-    from transformers.utils import cached_file
-
-    refs = [r for v in (getattr(config, "auto_map", None) or {}).values()
-            for r in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(r, str) and "--" not in r]
-    todo, files = sorted({r.split(".")[0] + ".py" for r in refs}), {}
-    while todo:
-        name = todo.pop()
-        if name in files:
-            continue
-        found = cached_file(resolve_model_path(name_or_path), name, _raise_exceptions_for_missing_entries=False)
-        if found is None:
-            if trust_remote_code:
-                raise UserError(f"{name_or_path}: config.json's auto_map names {name}, which is not in the model's "
-                                "folder or repository: its custom code cannot travel with the trained model")
-            continue
-        files[name] = Path(found).read_text(encoding="utf-8")
-        todo += [f"{m}.py" for m in get_relative_imports(found)]
-    return files
-
-def load_teacher(name_or_path: str, trust_remote_code: bool = False):
-    """The frozen starting model for the retention term: AutoModel, eval mode, no gradients, SDPA attention where the
-    architecture has it. A start saved with an MLM head (a *ForMaskedLM checkpoint) has tensors AutoModel has no
-    module for: transformers' LOAD REPORT is silenced and the facts logged (the teacher's message)."""
-    from transformers import AutoModel
-
-    path = resolve_model_path(name_or_path)
-    attn, attn_note = attention_kwargs(path, AutoModel, trust_remote_code)
-    with quiet_load_report():
-        teacher, info = AutoModel.from_pretrained(path, output_loading_info=True, trust_remote_code=trust_remote_code,
-                                                  **attn)
-    missing = sorted(k for k in info["missing_keys"] if "position_ids" not in k)
-    unused = sorted(info["unexpected_keys"])
-    message = f"teacher {name_or_path}: {type(teacher).__name__}, frozen"
-    if unused:
-        message += f"; {len(unused)} checkpoint tensors it has no module for (e.g. {unused[0]}: an MLM head) left out"
-    if missing:
-        message += f"; {len(missing)} weights not in the checkpoint, initialised fresh (e.g. {missing[0]})"
-    if attn_note:
-        message += f"; {attn_note}"
-    message += f"; {probe_prepared_mask(teacher)}"
-    logger.info(message)
-    teacher.xprt_load_message = message
-    teacher.eval()
-    teacher.requires_grad_(False)
-    return teacher
-
-
+    @staticmethod
+    def backward(ctx, grad_out, _grad_rows):
+        if ctx.grads is None:
+            raise RuntimeError("backward ran twice through the fused vocabulary loss (retain_graph=True): "
+                               "its gradients were handed over the first time; use fused=False for that")
+        grads, ctx.grads = ctx.grads, None
+        return (*(None if g is None else g.mul_(grad_out) for g in grads), None, None, None, None)

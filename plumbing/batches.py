@@ -15,88 +15,26 @@ import array
 import os
 import random
 import signal
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
 
-from common import UserError
+from plumbing.common import UserError
 
 # ==============================================================================================================
 # 1. How a batch is cut: the contract between the collators and the gradient cache
 # ==============================================================================================================
 
 
-class Layout:
-    """How a collated batch is cut into chunks of groups (rows) for the gradient cache; the collator builds it.
-
-    Every tensor of the batch whose key is not in `unsliced` or `flat_index` has the groups as its first dimension
-    and is sliced. `flat_index` holds the flat index tensors (sorted, row-major: XPRTCollator._loss_positions): key ->
-    (row set, width), where width is the flat size of one group (a chunk's indices are shifted by it to become its
-    own; 0 for targets). bounds: row set -> G + 1 ints, where each group's rows start. totals: row set -> the WHOLE
-    batch's row count, which a chunk keeps, so that each chunk's mean term times its row_share adds up to the batch's
-    mean. Python ints only: cutting a batch that sits on a GPU needs no host sync."""
-
-    def __init__(self, groups: int, flat_index: Optional[dict] = None, bounds: Optional[dict] = None,
-                 unsliced: Sequence[str] = (), totals: Optional[dict] = None):
-        self.groups, self.flat_index, self.bounds = groups, flat_index or {}, bounds or {}
-        self.unsliced = set(unsliced)
-        self.rows = {k: b[-1] - b[0] for k, b in self.bounds.items()}
-        self.totals = dict(totals) if totals is not None else dict(self.rows)
-        # row_share[rows]: this batch's (or chunk's) part of the whole batch's rows, 1 for a whole batch
-        self.row_share = {k: n / max(1, self.totals[k]) for k, n in self.rows.items()}
-
-    def chunks(self, batch: dict, size: int) -> list:
-        """[((a, b), the groups a..b-1 of `batch` as a batch of their own, with its Layout)]."""
-        out = []
-        for a in range(0, self.groups, size):
-            b = min(a + size, self.groups)
-            part = {}
-            for k, v in batch.items():
-                if k in self.flat_index:
-                    rows, width = self.flat_index[k]
-                    part[k] = v[self.bounds[rows][a]:self.bounds[rows][b]]
-                    part[k] = part[k] - a * width if width else part[k]
-                elif torch.is_tensor(v) and k not in self.unsliced:
-                    part[k] = v[a:b]
-                elif k != "layout":
-                    part[k] = v
-            bounds = {k: [x - bd[a] for x in bd[a:b + 1]] for k, bd in self.bounds.items()}
-            part["layout"] = Layout(b - a, self.flat_index, bounds, self.unsliced, self.totals)
-            out.append(((a, b), part))
-        return out
 
 
-def group_bounds(index: torch.Tensor, width: int, groups: int) -> list:
-    """Where each group's rows start in a sorted flat index over (groups * width) positions: G + 1 ints."""
-    return torch.searchsorted(index, torch.arange(groups + 1) * width).tolist()
 
 # ==============================================================================================================
 # 2. Which rows make a batch: the samplers
 # ==============================================================================================================
 
 
-def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarray:
-    """Characters of each group's anchor plus its first num_related related passages (what length grouping
-    sorts by), as a numpy int64 array.
-
-    Computed with pyarrow compute on Arrow batches of the two columns (no Python dict per row, no cache file
-    written, so every process can run it at once); utf8_length counts code points like Python's len, so the
-    lengths, and hence the batches, are those Python's len gives."""
-    import pyarrow.compute as pc
-
-    out = np.empty(len(groups), dtype=np.int64)
-    pos = 0
-    for batch in groups.select_columns(["anchor", "related"]).with_format("arrow").iter(batch_size=batch_size):
-        anchor = batch["anchor"].combine_chunks()
-        related = pc.list_slice(batch["related"].combine_chunks(), 0, num_related)
-        flat = pc.utf8_length(pc.list_flatten(related)).to_numpy(zero_copy_only=False)
-        per_group = np.bincount(pc.list_parent_indices(related).to_numpy(zero_copy_only=False), weights=flat,
-                                minlength=len(anchor))  # float64: exact for sums below 2**53
-        anchor_len = pc.utf8_length(anchor).to_numpy(zero_copy_only=False)
-        out[pos:pos + len(anchor)] = anchor_len + per_group.astype(np.int64)
-        pos += len(anchor)
-    return out
 
 class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     """Batches of similar length, in a random order that depends only on (seed, epoch).
@@ -380,7 +318,7 @@ def document_keys(rows, chunk: int = 65536) -> tuple:
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
 
-    from common import stable_doc_hash
+    from modeling_xprt import stable_doc_hash
 
     ids, anchors, firsts = [], [], []
     for part in rows.with_format("arrow").iter(batch_size=chunk):

@@ -41,9 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batches import Layout, group_bounds
-from common import dropout_rate, non_negative_int, positive_float, positive_int, resolve_model_path
-from modeling_xprt import GroupCollator, Objective, register_objective
+from modeling_xprt import GroupCollator, Layout, Objective, group_bounds, register_objective
+from plumbing.common import dropout_rate, non_negative_int, positive_float, positive_int, resolve_model_path
 
 ATTENTION = "revela_sdpa"  # the name the language model's layers look their attention function up by
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # arguments.py default
@@ -323,7 +322,7 @@ class Revela(Objective):
         passage (trained); the language model's two passes over every passage, its in-batch attention over the P
         passages of the group and its vocabulary projection at the targets, counted as forward-only twice over (its
         frozen weights take no weight gradient, but the backward runs through them: about 2x the forward)."""
-        from architectures import layer_multiply_adds
+        from plumbing.architectures import layer_multiply_adds
 
         trained = layers(batch["input_ids"], layer_multiply_adds(model.encoder)[0])
         cfg = self.lm.config

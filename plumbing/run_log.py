@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from architectures import head_multiply_adds, layer_multiply_adds
-from common import atomic_path, is_zero3, read_jsonl
+from plumbing.architectures import head_multiply_adds, layer_multiply_adds
+from plumbing.common import atomic_path, is_zero3, read_jsonl
 
 # ==============================================================================================================
 # 1. The log window: loss terms kept on the device, read back once per logging step

@@ -5,7 +5,7 @@ and its card.
      modules after pooling (PostPooling, kept through training), and what xprt records beside it (ModelInfo)
   2. save and load: a sentence-transformers folder (save_model_folder), and the XPRTModel folder on top of it
      (save_xprt_folder / load_xprt_folder: the heads, the objective's settings, the lineage), which
-     XPRTModel.save_pretrained / from_pretrained call
+     model_folder.save_xprt_folder / load_xprt_folder call
   3. the card and the Hub: base model, licence, language, usage code, the command without local paths, the scores
      evaluate.py adds, the upload
 It imports common.py and architectures.py (the encoder's pieces a folder's heads belong to).
@@ -13,19 +13,20 @@ It imports common.py and architectures.py (the encoder's pieces a folder's heads
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from architectures import head_params, load_mlm_encoder
-from common import (MINILM_ALIASES, NO_PROMPTS, UserError, atomic_path, atomic_write, model_file, model_prompts,
-                    read_json, resolve_model_path)
+from modeling_xprt import ModelInfo, PostPooling, max_seq_length
+from plumbing.architectures import check_layers, check_mlm_head, head_params, probe_prepared_mask, vocab_matrix
+from plumbing.common import (MINILM_ALIASES, UserError, atomic_path, atomic_write, model_file, model_prompts, read_json,
+                             resolve_model_path)
 
 logger = logging.getLogger("xprt")
 
@@ -35,29 +36,6 @@ logger = logging.getLogger("xprt")
 # ==============================================================================================================
 
 
-@dataclass
-class ModelInfo:
-    """What a model folder records beyond the weights (save_model_folder writes it; XPRTModel.from_pretrained fills
-    it in from the start model): the checkpoint training started from (kept through continued runs), the
-    {"query", "document"} prefixes it is trained and used with (model_prompts), the length limit it is saved and
-    scored at (max_seq_length), the Hub id of the checkpoint it was loaded from (the card's base_model:
-    hub_base_model), the Hub repository the folder is pushed to (so a model trained from it names it), and its
-    lineage: every stage from the first checkpoint on, [{"stage", "model"}] ("model": a Hub id, or None for a local
-    one), so a model fine-tuned from an xPRT folder says so."""
-
-    start_model: str = ""
-    prompts: dict = field(default_factory=lambda: dict(NO_PROMPTS))
-    max_seq_length: int = 512
-    base_model: Optional[str] = None
-    hub_model_id: Optional[str] = None
-    lineage: list = field(default_factory=list)
-    pooling: str = "mean"  # the sentence vector: the mean of the token vectors (E5's, the paper's), or [CLS]'s
-    # how the saved folder compares vectors (read_scoring: the start's; the losses always train cosines)
-    normalize: bool = True
-    similarity_fn_name: str = "cosine"
-    # the start's modules after pooling (PostPooling.describe) and the sentence vector's dimension they make
-    modules: list = field(default_factory=list)
-    dim: Optional[int] = None
 
 def read_max_seq_length(path: str) -> Optional[int]:
     """The length limit a model folder states (sentence-transformers' sentence_bert_config.json max_seq_length), or
@@ -73,11 +51,6 @@ def read_max_seq_length(path: str) -> Optional[int]:
         stated = m if isinstance(m, int) and m < 1_000_000 else None
     return stated
 
-def max_seq_length(config, stated: Optional[int] = None) -> int:
-    """The one length rule: the limit a model is used at is the one its folder states (read_max_seq_length;
-    all-MiniLM-L6-v2 says 256, and the MTEB leaderboard scored it there), else BERT's 512, never more than its
-    position table holds."""
-    return int(min(stated or 512, getattr(config, "max_position_embeddings", 512)))
 
 def read_pooling(path: str) -> str:
     """The sentence vector a model's sentence-transformers Pooling module makes (model_file: its folder or its Hub
@@ -137,59 +110,6 @@ def check_tokenizer_fits(tokenizer, config, where: str):
                         "rows: they do not belong together (a folder without its tokenizer files gets transformers' "
                         "5-token fallback); save the model's own tokenizer into the folder")
 
-class PostPooling(torch.nn.Module):
-    """The sentence-transformers modules a model applies after its Pooling module (Dense, LayerNorm, Dropout,
-    Normalize, any module that reads and writes the features' "sentence_embedding"), then its truncate_dim: the
-    rest of the pipeline that makes the model's sentence vector from the pooled one. load_post_pooling builds it from
-    a model folder with sentence-transformers' own loader; empty (the identity) for a model that has none.
-
-    forward: pooled vectors (..., H) -> the model's sentence vectors (..., D). Its parameters are frozen (our choice:
-    the start's modules are kept as they are and the encoder is trained under them; the gradients of the losses flow
-    through them into the encoder), and they are saved back unchanged (save_model_folder)."""
-
-    def __init__(self, modules=(), truncate_dim: Optional[int] = None, names: Sequence[str] = ()):
-        super().__init__()
-        self.modules_ = torch.nn.ModuleList(modules)
-        self.truncate_dim = truncate_dim
-        self.names = list(names) or [type(m).__name__ for m in modules]
-        self.requires_grad_(False)
-
-    def forward(self, vec: torch.Tensor) -> torch.Tensor:
-        if not len(self.modules_) and self.truncate_dim is None:
-            return vec
-        shape, dtype = vec.shape, vec.dtype
-        weight = next(self.parameters(), None)  # bf16 under DeepSpeed's bf16, which runs without autocast
-        # sentence-transformers modules read and write a features dict of (N, H) rows
-        features = {"sentence_embedding": vec.reshape(-1, shape[-1]).to(weight.dtype if weight is not None else dtype)}
-        for module in self.modules_:
-            features = module(features)
-        out = features["sentence_embedding"]
-        if self.truncate_dim is not None:  # as SentenceTransformer.encode truncates: after every module
-            out = out[..., : self.truncate_dim]
-        return out.reshape(*shape[:-1], out.shape[-1]).to(dtype)
-
-    def dim(self, hidden_size: int) -> int:
-        """The sentence vector's dimension for pooled vectors of hidden_size (a probe through the modules)."""
-        with torch.no_grad():
-            p = next(self.parameters(), None)
-            return self.forward(torch.zeros(2, hidden_size, device=p.device if p is not None else "cpu")).shape[-1]
-
-    def describe(self) -> list:
-        """["Dense(384 -> 128, Tanh)", "truncate_dim 64"]: one phrase per module, for the log and card; a Normalize
-        module is said by describe_scoring's "L2-normalised" (read_scoring finds it), so a model with Normalize alone
-        (all-MiniLM-L6-v2) is described as before."""
-        out = []
-        for m in self.modules_:
-            name = type(m).__name__
-            if name == "Normalize":
-                continue
-            cfg = m.get_config_dict() if hasattr(m, "get_config_dict") else {}
-            if "in_features" in cfg and "out_features" in cfg:
-                act = str(cfg.get("activation_function", "")).rpartition(".")[2]
-                out.append(f"{name}({cfg['in_features']} -> {cfg['out_features']}{', ' + act if act else ''})")
-            else:
-                out.append(name)
-        return out + ([f"truncate_dim {self.truncate_dim}"] if self.truncate_dim is not None else [])
 
 def _module_folder(name_or_path: str, subfolders: Sequence[str]) -> Optional[Path]:
     """A local folder holding the model's modules.json, config_sentence_transformers.json and `subfolders`: its own
@@ -267,7 +187,7 @@ def load_post_pooling(name_or_path: str, hidden_size: int, trust_remote_code: bo
 # ==============================================================================================================
 # 2. Save and load
 # save_model_folder writes a sentence-transformers folder; save_xprt_folder / load_xprt_folder are what
-# XPRTModel.save_pretrained / from_pretrained call (the heads, the objective's settings, the lineage).
+# model_folder.save_xprt_folder / load_xprt_folder call (the heads, the objective's settings, the lineage).
 # ==============================================================================================================
 
 
@@ -284,7 +204,7 @@ def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, x
     reads, and info.similarity_fn_name), sentence_bert_config.json
     (the length limit), xprt_heads.safetensors (heads: the decoder and MLM head, so training can continue),
     xprt_config.json (xprt_config plus `info`), the card README.md, and the start's own code (code_files:
-    architectures.remote_code_files), which config.json's auto_map names.
+    model_folder.remote_code_files), which config.json's auto_map names.
     check(folder): called on the written temporary before the rename (training.check_saved_folder loads it back the
     way users do); its error leaves out_dir as it was."""
     from safetensors.torch import save_file
@@ -436,6 +356,207 @@ def load_xprt_folder(cls, path: str, objective: Optional[str] = None, mlm_head_f
                                "through unchanged" if own else "no objective heads saved"))
     logger.info(model.load_message)
     return model
+
+
+# ==============================================================================================================
+# 2b. Loading a start model: the MLM encoder and the retention teacher
+# ==============================================================================================================
+
+
+class LoadReportFilter(logging.Filter):
+    """Drops transformers' report of missing / unexpected keys of a load (the "LOAD REPORT" table, the tied-weights
+    note): see quiet_load_report. A report with shape mismatches or failed conversions passes (transformers raises
+    after it and points to it)."""
+
+    def filter(self, record):
+        msg = str(record.msg)
+        if "LOAD REPORT" in msg:
+            return "MISMATCH" in msg or "CONVERSION" in msg
+        return "seem corrupted" not in msg
+
+
+@contextlib.contextmanager
+def quiet_load_report():
+    """Inside the block, transformers' loading logger (modeling_utils) drops its report of missing / unexpected keys
+    and nothing else (a filter: raising the logger's level would change what transformers checks, since it runs its
+    tensor-parallel plan check only at level WARNING or above). Used around loads whose missing / unexpected keys
+    the caller reads from output_loading_info and reports itself."""
+    log, flt = logging.getLogger("transformers.modeling_utils"), LoadReportFilter()
+    log.addFilter(flt)
+    try:
+        yield
+    finally:
+        log.removeFilter(flt)
+
+
+def checkpoint_tensors(path: str, keys: Sequence[str], prefix: str) -> dict:
+    """The base model's tensors among `keys` (reported unexpected by the MLM model: BERT's pooler), read from the
+    checkpoint's safetensors files and named as the base model names them ("pooler.dense.weight"). A checkpoint
+    without safetensors gives {} (a .bin file is a pickle, never opened here); save_pretrained then initialises them.
+    """
+    from safetensors import safe_open
+
+    keys = [k for k in keys if "position_ids" not in k]
+    if not keys:
+        return {}
+    folder = path
+    if not os.path.isdir(folder):  # a hub id: the files from_pretrained just put in the local cache
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(path, allow_patterns=["*.safetensors"], local_files_only=True)
+        except Exception:  # noqa: BLE001 - no cached safetensors: the pooler is initialised at save time instead
+            return {}
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                name = k[len(prefix):] if k.startswith(prefix) else k
+                if k in keys or name in keys:
+                    out[name] = st.get_tensor(k)
+    return out
+
+
+def attention_kwargs(path: str, loader=None, trust_remote_code: bool = False) -> tuple:
+    """({"attn_implementation": ...}, note) for loading `path` with `loader` (an Auto class; AutoModel by default):
+    SDPA where the architecture has it, else the architecture's own default, said in the note (transformers raises
+    for sdpa on an architecture without it: MPNet, DeBERTa-v2 in 5.24). A config transformers does not map (remote
+    code) gets sdpa, and transformers says whether it has it."""
+    from transformers import AutoConfig, AutoModel
+
+    loader = loader or AutoModel
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    cls = loader._model_mapping[type(config)] if type(config) in loader._model_mapping else None
+    if cls is None or getattr(cls, "_supports_sdpa", False):
+        return {"attn_implementation": "sdpa"}, ""
+    return {}, f"{cls.__name__} has no SDPA attention: using its own ({config._attn_implementation or 'eager'})"
+
+
+def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, trust_remote_code: bool = False,
+                     pooling: str = "mean"):
+    """Any checkpoint AutoModelForMaskedLM loads, with SDPA attention where its architecture has it -> (model,
+    message); refused here, before any work starts, when xprt cannot take it apart (check_layers, check_mlm_head).
+
+    E5 and MiniLM are saved as plain BertModel: transformers then reports the head
+    (cls.predictions.*) as missing keys and initialises it fresh - transform N(0, 0.02), bias 0 -
+    with the vocabulary projection tied to the word embeddings (tie_word_embeddings). That is our
+    default; `mlm_head_from` (e.g. bert-base-uncased, README, Notes) copies another checkpoint's trained
+    head instead (the projection stays tied to OUR word embeddings). The message says which happened, and which
+    attention runs. pooling: the sentence vector the model is used with ("mean" or "cls"), for the message.
+    """
+    from transformers import AutoModelForMaskedLM
+
+    path = resolve_model_path(name_or_path)
+    attn, attn_note = attention_kwargs(path, AutoModelForMaskedLM, trust_remote_code)
+    # transformers' LOAD REPORT for this call lists the head as MISSING and the pooler as UNEXPECTED, which reads like
+    # an error; the message below states the same facts (and a missing encoder weight still raises)
+    with quiet_load_report():
+        model, info = AutoModelForMaskedLM.from_pretrained(
+            path, output_loading_info=True, trust_remote_code=trust_remote_code, **attn
+        )
+    prefix = model.base_model_prefix + "."
+    # the base model's tensors the MLM model has no module for (BERT's pooler): kept as they are, and written back by
+    # model_folder.save_xprt_folder so the saved folder is a complete AutoModel checkpoint
+    model.xprt_base_extras = checkpoint_tensors(path, [k for k in info["unexpected_keys"]], prefix)
+    # the start's own code (config.json's auto_map), carried into every folder the model is saved to
+    model.xprt_code_files = remote_code_files(name_or_path, model.config, trust_remote_code)
+    missing_head = sorted(k for k in info["missing_keys"] if not k.startswith(prefix))
+    missing_base = sorted(k for k in info["missing_keys"] if k.startswith(prefix) and "position_ids" not in k)
+    if missing_base:
+        raise ValueError(f"{name_or_path}: encoder weights missing from the checkpoint: {missing_base[:5]}")
+    check_layers(model, name_or_path)
+    check_mlm_head(model, name_or_path)
+    weight = vocab_matrix(model)
+    tied = weight is model.get_input_embeddings().weight
+    if mlm_head_from:
+        donor, dinfo = AutoModelForMaskedLM.from_pretrained(
+            resolve_model_path(mlm_head_from), output_loading_info=True, trust_remote_code=trust_remote_code
+        )
+        donor_missing = [k for k in dinfo["missing_keys"] if not k.startswith(donor.base_model_prefix + ".")]
+        if donor_missing:
+            raise ValueError(f"--mlm_head_from {mlm_head_from} has no trained MLM head either "
+                             f"(missing {donor_missing[:3]})")
+        ours, theirs = head_params(model), head_params(donor)
+        if set(ours) != set(theirs) or any(ours[k].shape != theirs[k].shape for k in ours):
+            raise ValueError(f"MLM head of {mlm_head_from} does not fit {name_or_path} "
+                             "(different architecture or vocabulary)")
+        with torch.no_grad():
+            for k in ours:
+                ours[k].copy_(theirs[k])
+        message = (f"MLM head copied from {mlm_head_from} ({len(ours)} tensors); vocabulary projection "
+                   f"{'tied to' if tied else 'NOT tied to'} {name_or_path}'s word embeddings")
+    elif missing_head:
+        message = (f"{name_or_path} has no MLM head ({len(missing_head)} missing keys, e.g. {missing_head[0]}): "
+                   f"initialised fresh, projection {'tied to the word embeddings' if tied else 'NOT tied'}")
+    else:
+        message = f"MLM head loaded from {name_or_path}"
+    if model.xprt_base_extras:
+        vector = "the [CLS] token's last hidden state" if pooling == "cls" else "the mean of the token vectors"
+        message += (f"; kept {', '.join(sorted(model.xprt_base_extras))} unchanged so the saved folder is a complete "
+                    f"{type(model.base_model).__name__} checkpoint (the sentence vector is {vector}, not this "
+                    "pooler's output)")
+    if attn_note:
+        message += f"; {attn_note}"
+    message += f"; {probe_prepared_mask(model)}"
+    logger.info(message)
+    return model, message
+
+
+def remote_code_files(name_or_path: str, config, trust_remote_code: bool) -> dict:
+    """The code a model's config.json `auto_map` names, and the files those import relatively (from .x import y),
+    read from the model's folder or Hub repository -> {file name: text}. save_model_folder writes them beside the
+    saved config.json, whose auto_map still names them: transformers copies only the configuration's file
+    (custom_object_save of the config's class), so without these a saved folder's AutoModel, sentence-transformers
+    and evaluate.py all fail on "does not appear to have a file named modeling_x.py". An entry naming another
+    repository ("owner/repo--module.Class") is left to the Hub, as transformers leaves it. With --trust_remote_code
+    a named file that cannot be read is refused here, before any work; without it the code never runs, and what
+    exists is carried."""
+    from transformers.dynamic_module_utils import get_relative_imports
+    from transformers.utils import cached_file
+
+    refs = [r for v in (getattr(config, "auto_map", None) or {}).values()
+            for r in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(r, str) and "--" not in r]
+    todo, files = sorted({r.split(".")[0] + ".py" for r in refs}), {}
+    while todo:
+        name = todo.pop()
+        if name in files:
+            continue
+        found = cached_file(resolve_model_path(name_or_path), name, _raise_exceptions_for_missing_entries=False)
+        if found is None:
+            if trust_remote_code:
+                raise UserError(f"{name_or_path}: config.json's auto_map names {name}, which is not in the model's "
+                                "folder or repository: its custom code cannot travel with the trained model")
+            continue
+        files[name] = Path(found).read_text(encoding="utf-8")
+        todo += [f"{m}.py" for m in get_relative_imports(found)]
+    return files
+
+def load_teacher(name_or_path: str, trust_remote_code: bool = False):
+    """The frozen starting model for the retention term: AutoModel, eval mode, no gradients, SDPA attention where the
+    architecture has it. A start saved with an MLM head (a *ForMaskedLM checkpoint) has tensors AutoModel has no
+    module for: transformers' LOAD REPORT is silenced and the facts logged (the teacher's message)."""
+    from transformers import AutoModel
+
+    path = resolve_model_path(name_or_path)
+    attn, attn_note = attention_kwargs(path, AutoModel, trust_remote_code)
+    with quiet_load_report():
+        teacher, info = AutoModel.from_pretrained(path, output_loading_info=True, trust_remote_code=trust_remote_code,
+                                                  **attn)
+    missing = sorted(k for k in info["missing_keys"] if "position_ids" not in k)
+    unused = sorted(info["unexpected_keys"])
+    message = f"teacher {name_or_path}: {type(teacher).__name__}, frozen"
+    if unused:
+        message += f"; {len(unused)} checkpoint tensors it has no module for (e.g. {unused[0]}: an MLM head) left out"
+    if missing:
+        message += f"; {len(missing)} weights not in the checkpoint, initialised fresh (e.g. {missing[0]})"
+    if attn_note:
+        message += f"; {attn_note}"
+    message += f"; {probe_prepared_mask(teacher)}"
+    logger.info(message)
+    teacher.xprt_load_message = message
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return teacher
 
 
 # ==============================================================================================================

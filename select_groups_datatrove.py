@@ -42,8 +42,10 @@ from dataclasses import dataclass
 import numpy as np
 
 import select_groups as sg
-from common import UserError, atomic_path, atomic_write, stable_doc_hash
-from readers import INPUT_SUFFIXES, BadInput, file_records, input_files, iter_records, row_number_ids, unread_splits
+from modeling_xprt import stable_doc_hash
+from plumbing.common import UserError, atomic_path, atomic_write
+from plumbing.readers import (INPUT_SUFFIXES, BadInput, file_records, input_files, iter_records, row_number_ids,
+                              unread_splits)
 
 STAGES_DIR = os.path.join(sg.META_DIR, "datatrove")  # every file of the stages, and datatrove's logs and markers
 STAGES = ("frequencies", "merge", "select", "finish")

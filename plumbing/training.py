@@ -29,14 +29,15 @@ from pathlib import Path
 
 import torch
 
-from architectures import longest_input, runs_at_length
-from batches import STOP_SIGNALS, batch_to_device, in_batch_negatives, padding_efficiency
-from common import (PAPER_MODEL, UserError, atomic_write, claim_output_folder, describe_prompts,
-                    disk_full, is_zero3, non_negative_float, non_negative_int, positive_float, positive_int, read_json,
-                    read_jsonl, real_path, record_outputs, remove_outputs, resolve_model_path, scheduler_names)
 from modeling_xprt import XPRTModel
-from model_folder import check_tokenizer_fits, describe_scoring, model_card, push_to_hub
-from run_log import LogWindow, flop_counter, plot_loss_curves, write_log_record
+from plumbing.architectures import longest_input, runs_at_length
+from plumbing.batches import STOP_SIGNALS, batch_to_device, in_batch_negatives, padding_efficiency
+from plumbing.common import (PAPER_MODEL, UserError, atomic_write, claim_output_folder, describe_prompts, disk_full,
+                             is_zero3, non_negative_float, non_negative_int, positive_float, positive_int, read_json,
+                             read_jsonl, real_path, record_outputs, remove_outputs, resolve_model_path, scheduler_names)
+from plumbing.model_folder import check_tokenizer_fits, describe_scoring, load_xprt_folder, model_card,
+                                   push_to_hub, save_xprt_folder
+from plumbing.run_log import LogWindow, flop_counter, plot_loss_curves, write_log_record
 
 # ==============================================================================================================
 # 1. The loop train.py and finetune.py share
@@ -194,7 +195,7 @@ def all_reduce_mean(grads: list, world: int, bucket_bytes: int = 25 * 2**20):
 
 
 def load_model(accelerator, args, **kw):
-    """XPRTModel.from_pretrained(--model_name_or_path, **kw) and its tokenizer, for train.py and finetune.py: loaded
+    """load_xprt_folder(XPRTModel, --model_name_or_path, **kw) and its tokenizer, for train.py and finetune.py: loaded
     whole even under ZeRO-3 (DeepSpeed partitions the model at prepare; fine-tuning mines with it before), the
     tokenizer checked against the embedding matrix, the prefixes printed, the tied projection registered for ZeRO-3,
     gradient checkpointing on when asked."""
@@ -203,7 +204,7 @@ def load_model(accelerator, args, **kw):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_name_or_path),
                                               trust_remote_code=args.trust_remote_code)
     with unpartitioned_loading():
-        model = XPRTModel.from_pretrained(args.model_name_or_path, tau=args.tau or 0.05,
+        model = load_xprt_folder(XPRTModel, args.model_name_or_path, tau=args.tau or 0.05,
                                             trust_remote_code=args.trust_remote_code, prefixes=args.prefixes,
                                             hub_model_id=args.hub_model_id, **kw)
     check_tokenizer_fits(tokenizer, model.encoder.config, args.model_name_or_path)
@@ -745,7 +746,7 @@ def resume(accelerator, args, state):
     accelerator.print(f"resumed from {args.resume_from_checkpoint} at step {state.completed_steps}")
 
 def save_model(accelerator, model, tokenizer, dest: Path, card: str, trust_remote_code: bool = False):
-    """XPRTModel.save_pretrained (atomic: a reader never sees half a model), said "saved" only once the written
+    """model_folder.save_xprt_folder (atomic: a reader never sees half a model), said "saved" only once the written
     folder loads back the way users load it and gives this model's vectors (check_saved_folder); a model with
     non-finite weights is never written."""
     unwrapped = accelerator.unwrap_model(model)
@@ -757,7 +758,7 @@ def save_model(accelerator, model, tokenizer, dest: Path, card: str, trust_remot
             if not all_finite(unwrapped):
                 raise FloatingPointError("non-finite weights at the end of training: model not written")
             checked = {}
-            unwrapped.save_pretrained(str(dest), tokenizer, model_card=card, check=lambda folder: checked.update(
+            save_xprt_folder(unwrapped, str(dest), tokenizer, model_card=card, check=lambda folder: checked.update(
                 check_saved_folder(folder, ours, next(unwrapped.base.parameters()).device, trust_remote_code)))
             accelerator.print(f"saved {dest} (loaded back by sentence-transformers: {checked['texts']} texts' vectors "
                               f"within {checked['max_abs_diff']:.1e} of the run's)")

@@ -14,7 +14,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from common import UserError, iter_jsonl, iter_parquet, stable_doc_hash
+from modeling_xprt import stable_doc_hash
+from plumbing.common import UserError, iter_jsonl, iter_parquet
 
 # Why an input record can be skipped (with --skip_bad_lines) or refused (without it).
 SKIP_REASONS = ("invalid_utf8", "malformed_json", "not_an_object", "missing_id", "missing_text",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
-import hashlib
 import json
 import logging
 import math
@@ -56,7 +55,12 @@ def run_script(main, argv=None):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose errors (a missing flag, an invalid choice, a value of the wrong type) are UserErrors:
-    one line naming the flag, instead of the whole usage text followed by the error."""
+    one line naming the flag, instead of the whole usage text followed by the error. No prefix matching
+    (allow_abbrev=False): `--lr` is not silently read as `--lr_scheduler_type`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         raise UserError(f"{message} (--help lists the flags)")
@@ -604,11 +608,6 @@ def load_beir(folder, split: str = "test") -> dict:
         raise UserError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
     return {"corpus": corpus, "queries": queries, "qrels": qrels}
 
-def stable_doc_hash(doc_id: str) -> int:
-    """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label
-    of L_xp, the duplicate-id check of select_groups.py, and PAIR's passage ids (of the passage *text*, so that
-    duplicated corpus entries get one id: PairCollator, pair_false_negatives)."""
-    return int.from_bytes(hashlib.blake2b(str(doc_id).encode("utf-8"), digest_size=8).digest(), "little", signed=True)
 
 # ==============================================================================================================
 # 5. Devices and processes
