@@ -35,8 +35,8 @@ from plumbing.batches import STOP_SIGNALS, batch_to_device, in_batch_negatives, 
 from plumbing.common import (PAPER_MODEL, UserError, atomic_write, claim_output_folder, describe_prompts, disk_full,
                              is_zero3, non_negative_float, non_negative_int, positive_float, positive_int, read_json,
                              read_jsonl, real_path, record_outputs, remove_outputs, resolve_model_path, scheduler_names)
-from plumbing.model_folder import check_tokenizer_fits, describe_scoring, load_xprt_folder, model_card,
-                                   push_to_hub, save_xprt_folder
+from plumbing.model_folder import (check_tokenizer_fits, describe_scoring, load_xprt_folder, model_card,
+                                    push_to_hub, save_xprt_folder)
 from plumbing.run_log import LogWindow, flop_counter, plot_loss_curves, write_log_record
 
 # ==============================================================================================================
