@@ -21,9 +21,9 @@ step's inputs: PAIR's alpha as its schedule and the step's negatives, where trai
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -32,12 +32,14 @@ import numpy as np
 import torch
 
 from modeling_xprt import PairCollator, embed_texts, pair_false_negatives, pair_text_ids
-from plumbing.batches import NoDuplicatesBatchSampler, check_batch_fits, training_loader
+from plumbing.batches import NoDuplicatesBatchSampler, batch_to_device, check_batch_fits, training_loader
 from plumbing.common import (ArgumentParser, UserError, atomic_write, check_model_name, iter_jsonl, iter_parquet,
                              load_beir, local_inputs, non_negative_int, positive_int, rank_and_world, run_script)
-from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, export_checkpoint,
-                               load_model, make_accelerator, prepare_output_dir, prepare_run, print_run, save_run,
-                               train_loop, unpartitioned_loading)
+from plumbing.run_log import LogWindow
+from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, epoch_batches,
+                               export_checkpoint, gradient_cache_step, load_model, log_score, make_accelerator,
+                               prepare_output_dir, prepare_run, print_run, save_checkpoint, save_run, say_stopped,
+                               StopSignals, unpartitioned_loading)
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 
@@ -980,11 +982,58 @@ def main(argv=None):
 
         scorer = evaluate.TrainingScorer(accelerator, args, tokenizer)
 
-    # ---- the loop (training.train_loop, train.py's): PAIR's alpha at each step
-    alpha = functools.partial(pair_alpha_at, total_steps=max_steps, alpha_0=args.pair_alpha,
-                              schedule=args.pair_alpha_schedule)
-    stopped_by = train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state,
-                            steps_per_epoch, {}, {"pair_alpha": alpha}, skip_tokens=("retain_",), scorer=scorer)
+    # ---- the loop, train.py's with PAIR's alpha(t) where train.py has w(t): accumulate, the step, backward, clip,
+    # optimiser and lr steps; per optimiser step, log, score and checkpoint on their steps
+    model.train()
+    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps)
+    stop_at = min(max_steps, args.stop_after_steps or max_steps)
+    stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1: a checkpoint after the step, then stop
+    try:
+        for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
+            if stopped or state.completed_steps >= stop_at:
+                break
+            for batch in window.timed(epoch_batches(accelerator, dataloader, sampler, state, epoch)):
+                with window.measured(batch, ("retain_",)):  # its tokens, and its FLOPs on a window's first batch
+                    batch = batch_to_device(batch, accelerator.device)
+                    # alpha(t): the weight of the passage-centric L_P in (1 - alpha) L_Q + alpha L_P
+                    alpha = pair_alpha_at(state.completed_steps, max_steps, args.pair_alpha, args.pair_alpha_schedule)
+                    with accelerator.accumulate(model):
+                        if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
+                            outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk,
+                                                          pair_alpha=alpha)
+                        else:
+                            outputs = model(batch, pair_alpha=alpha)
+                        if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
+                            if not args.gradient_cache_chunk:
+                                accelerator.backward(outputs["loss"])
+                            if accelerator.sync_gradients and args.max_grad_norm > 0:
+                                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            optimizer.step()
+                            lr_scheduler.step()
+                        optimizer.zero_grad()  # a skipped micro-batch drops the step's accumulated gradients too
+                state.batches_in_epoch += 1
+                if not accelerator.sync_gradients:
+                    continue
+                # ---- one optimiser step done: log, score, checkpoint
+                state.completed_steps += 1
+                step = state.completed_steps
+                window.step_done(state, epoch, {"pair_alpha": alpha})
+                if scorer and args.eval_steps and step % args.eval_steps == 0:
+                    log_score(accelerator, args, scorer, model, step, epoch, window)
+                stopped = stop.check()
+                if stopped or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
+                    save_checkpoint(accelerator, model, Path(args.output_dir) / "checkpoints", step,
+                                    args.checkpoints_total_limit)
+                if stopped or step >= stop_at:
+                    break
+            else:
+                state.batches_in_epoch = 0  # epoch finished: the next one starts at its first batch
+    finally:
+        stop.restore()
+    window.close()
+    stopped_by = say_stopped(accelerator, args, stopped, state) if stopped else None
+    if scorer and not stopped and scorer.last_step != state.completed_steps:  # the final model (or where it stopped)
+        log_score(accelerator, args, scorer, model, state.completed_steps, state.epoch)
 
     # ---- save
     # a Hub dataset given as --train_data is named in the model card's metadata (a local file is not)

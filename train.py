@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -32,16 +33,17 @@ import torch
 from modeling_xprt import (objective_class, objective_flags, pretraining_objectives, retention_weight,
                            tokenize_groups)
 from plumbing.architectures import weight_grad_path
-from plumbing.batches import (LengthGroupedBatchSampler, check_batch_fits, document_keys, sampler_negatives,
-                              training_loader)
+from plumbing.batches import (LengthGroupedBatchSampler, batch_to_device, check_batch_fits, document_keys,
+                              in_batch_negatives, sampler_negatives, training_loader)
 from plumbing.common import (ArgumentParser, UserError, atomic_write, check_model_name, is_zero3, local_inputs,
                              non_negative_float, non_negative_int, positive_int, read_json, resolve_model_path,
                              run_script)
 from plumbing.model_folder import load_teacher
-from plumbing.run_log import EVAL_PREFIX, explain_oom, memory_estimate, peak_flops
+from plumbing.run_log import EVAL_PREFIX, LogWindow, explain_oom, memory_estimate, peak_flops
 from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype,
-                               export_checkpoint, load_model, make_accelerator, prepare_output_dir, prepare_run,
-                               print_run, save_model, save_run, train_loop, unpartitioned_loading)
+                               epoch_batches, export_checkpoint, gradient_cache_step, load_model, log_score,
+                               make_accelerator, prepare_output_dir, prepare_run, print_run, save_checkpoint,
+                               save_model, save_run, say_stopped, StopSignals, unpartitioned_loading)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 
@@ -497,27 +499,70 @@ def main(argv=None):
 
         scorer = evaluate.TrainingScorer(accelerator, args, tokenizer)
 
-    # ---- the loop (training.train_loop): the step's retention weight w(t) (0 throughout when both ends are 0: no
-    # teacher), the drift on logging steps, the best model
-    schedule = functools.partial(retention_weight, total=max_steps, start=args.retention_weight,
-                                 end=args.retention_final_weight, shape=args.retention_schedule)
-    def drift(unwrapped, batch):  # the drift needs whole weights: not under ZeRO-3
-        return {"teacher_cosine": teacher_cosine(unwrapped, teacher, batch)} if not is_zero3(accelerator) else {}
-
+    # ---- the loop, as run_mlm_no_trainer.py writes it: accumulate, the step with the retention weight w(t), backward,
+    # clip, optimiser and lr steps; per optimiser step, log, score and checkpoint on their steps
+    model.train()
+    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops(accelerator, args))
+    stop_at = min(max_steps, args.stop_after_steps or max_steps)
+    stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1: a checkpoint after the step, then stop
     best = {}  # --save_best: the best scoring so far
-
-    def on_score(rec):
-        if args.save_best:
-            best.update(keep_best(accelerator, args, model, tokenizer, rec, best))
-
-    def before_first_step(unwrapped, batch):  # the memory a step takes, printed before the first one
-        memory_estimate(accelerator, args, unwrapped, batch, teacher, args.max_length)
-
-    stopped_by = train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state,
-                            steps_per_epoch, {"teacher": teacher}, {"retention_weight": schedule},
-                            peak_flops=peak_flops(accelerator, args), scorer=scorer, on_score=on_score,
-                            log_scalars=drift if teacher is not None else None, before_first_step=before_first_step,
-                            skip_tokens=() if teacher is not None else ("retain_",))
+    skip_tokens = () if teacher is not None else ("retain_",)  # masks a step computes nothing of
+    try:
+        for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
+            if stopped or state.completed_steps >= stop_at:
+                break
+            for batch in window.timed(epoch_batches(accelerator, dataloader, sampler, state, epoch)):
+                if window.flops_per_token is None:  # the memory a step takes, printed before the first one
+                    memory_estimate(accelerator, args, accelerator.unwrap_model(model), batch, teacher, args.max_length)
+                with window.measured(batch, skip_tokens):  # its tokens, and its FLOPs on a window's first micro-batch
+                    batch = batch_to_device(batch, accelerator.device)
+                    # w(t): 40 -> 0 over the run, the paper's retention weight (0 throughout without a teacher)
+                    w = retention_weight(state.completed_steps, max_steps, args.retention_weight,
+                                         args.retention_final_weight, args.retention_schedule)
+                    with accelerator.accumulate(model):
+                        if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
+                            outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk,
+                                                          teacher=teacher, retention_weight=w)
+                        else:
+                            outputs = model(batch, teacher=teacher, retention_weight=w)
+                        if "doc_ids" in batch:  # what the same-document mask left: logged, warned on below a floor
+                            outputs["in_batch_negatives"] = in_batch_negatives(accelerator, batch["doc_ids"])
+                        if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
+                            if not args.gradient_cache_chunk:
+                                accelerator.backward(outputs["loss"])
+                            if accelerator.sync_gradients and args.max_grad_norm > 0:
+                                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            optimizer.step()
+                            lr_scheduler.step()
+                        optimizer.zero_grad()  # a skipped micro-batch drops the step's accumulated gradients too
+                state.batches_in_epoch += 1
+                if not accelerator.sync_gradients:
+                    continue
+                # ---- one optimiser step done: log (with the drift from the start), score, checkpoint
+                state.completed_steps += 1
+                step, scalars = state.completed_steps, {"retention_weight": w}
+                if teacher is not None and not is_zero3(accelerator) and (step % args.logging_steps == 0
+                                                                          or step == stop_at):
+                    scalars["teacher_cosine"] = teacher_cosine(accelerator.unwrap_model(model), teacher, batch)
+                window.step_done(state, epoch, scalars)
+                if scorer and args.eval_steps and step % args.eval_steps == 0:
+                    rec = log_score(accelerator, args, scorer, model, step, epoch, window)
+                    best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
+                stopped = stop.check()
+                if stopped or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
+                    save_checkpoint(accelerator, model, Path(args.output_dir) / "checkpoints", step,
+                                    args.checkpoints_total_limit)
+                if stopped or step >= stop_at:
+                    break
+            else:
+                state.batches_in_epoch = 0  # epoch finished: the next one starts at its first batch
+    finally:
+        stop.restore()
+    window.close()
+    stopped_by = say_stopped(accelerator, args, stopped, state) if stopped else None
+    if scorer and not stopped and scorer.last_step != state.completed_steps:  # the final model (or where it stopped)
+        rec = log_score(accelerator, args, scorer, model, state.completed_steps, state.epoch)
+        best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
     if best:
         accelerator.print(f"best {best['by']} {best['score']:.2f} at step {best['step']}: "
                           f"{Path(args.output_dir) / 'best_model'}")

@@ -41,8 +41,12 @@ def parse_args(argv=None):
 
 
 def kernel_at(rev: str):
-    """fused_vocab.py as of git revision rev, imported as its own module."""
-    src = subprocess.run(["git", "show", f"{rev}:fused_vocab.py"], cwd=ROOT, capture_output=True, text=True)
+    """The vocabulary kernel as of git revision rev (plumbing/architectures.py, which imports no file of the
+    repository; fused_vocab.py before it moved there), imported as its own module."""
+    for where in ("plumbing/architectures.py", "fused_vocab.py"):
+        src = subprocess.run(["git", "show", f"{rev}:{where}"], cwd=ROOT, capture_output=True, text=True)
+        if not src.returncode:
+            break
     if src.returncode:
         raise SystemExit(f"--before {rev}: {src.stderr.strip()}")
     path = Path(tempfile.mkdtemp()) / f"fused_vocab_{rev}.py"

@@ -12,6 +12,7 @@ It imports common.py and architectures.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -22,6 +23,7 @@ from typing import Optional
 import torch
 
 from plumbing.architectures import head_multiply_adds, layer_multiply_adds
+from plumbing.batches import padding_efficiency
 from plumbing.common import atomic_path, is_zero3, read_jsonl
 
 # ==============================================================================================================
@@ -41,7 +43,30 @@ class LogWindow:
         self.accelerator, self.args, self.lr_scheduler, self.optimizer = accelerator, args, lr_scheduler, optimizer
         self.max_steps, self.peak_flops = max_steps, peak_flops  # peak FLOP/s of one device (None: not known)
         self.progress = None
+        self.flops_per_token = None  # measured on the run's first counted micro-batch (measured)
         self.reset()
+
+    @contextlib.contextmanager
+    def measured(self, batch, skip_tokens=()):
+        """Around one micro-batch's step: its real and processed tokens, from the CPU batch's masks (no device sync;
+        skip_tokens: masks left out), and its FLOPs, counted by torch on the window's first micro-batch (flop_counter:
+        a recomputed forward, the gradient cache's or checkpointing's, is work and counts) and scaled by each later
+        one's processed tokens. The run's first counted micro-batch prints the tokens and TFLOP of a step."""
+        real, proc = padding_efficiency(batch, skip_tokens)
+        self.real_tokens += real
+        self.processed_tokens += proc
+        counting = self.n_micro == 0
+        counter = flop_counter() if counting else contextlib.nullcontext()
+        with counter:
+            yield
+        if counting:
+            first, self.flops_per_token = self.flops_per_token is None, counter.get_total_flops() / max(proc, 1)
+            if first:
+                acc = self.accelerator
+                accum = self.args.gradient_accumulation_steps * acc.num_processes
+                acc.print(f"tokens per step: ~{real * accum} real, {proc * accum} processed (first batch); "
+                          f"{self.flops_per_token * proc * accum / 1e12:.3f} TFLOP per step")
+        self.flops += self.flops_per_token * proc
 
     def step_done(self, state, epoch: int, scalars: dict):
         """After each optimiser step: the progress bar, and on logging steps (every --logging_steps and the run's

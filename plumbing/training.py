@@ -31,118 +31,36 @@ import torch
 
 from modeling_xprt import XPRTModel
 from plumbing.architectures import longest_input, runs_at_length
-from plumbing.batches import STOP_SIGNALS, batch_to_device, in_batch_negatives, padding_efficiency
+from plumbing.batches import STOP_SIGNALS
 from plumbing.common import (PAPER_MODEL, UserError, atomic_write, claim_output_folder, describe_prompts, disk_full,
                              is_zero3, non_negative_float, non_negative_int, positive_float, positive_int, read_json,
                              read_jsonl, real_path, record_outputs, remove_outputs, resolve_model_path, scheduler_names)
 from plumbing.model_folder import (check_tokenizer_fits, describe_scoring, load_xprt_folder, model_card,
                                     push_to_hub, save_xprt_folder)
-from plumbing.run_log import LogWindow, flop_counter, plot_loss_curves, write_log_record
+from plumbing.run_log import plot_loss_curves, write_log_record
 
 # ==============================================================================================================
 # 1. The loop train.py and finetune.py share
 # ==============================================================================================================
 
 
-def train_loop(accelerator, args, model, optimizer, lr_scheduler, dataloader, sampler, state: "TrainState",
-               steps_per_epoch: int, forward_kwargs: dict, schedules: dict, *, peak_flops=None, skip_tokens=(),
-               log_scalars=None, scorer=None, on_score=None, before_first_step=None):
-    """The training loop train.py and finetune.py share, as the HF no_trainer examples write it: accumulate,
-    backward (or the gradient cache), clip on the step's last micro-batch, optimiser and lr steps; per optimiser step,
-    log (LogWindow), score (--eval_steps) and checkpoint, until state.max_steps or --stop_after_steps. Batches arrive
-    collated (SeededCollate, in DataLoader workers).
-    forward_kwargs: the model's fixed keywords (train.py: the teacher); schedules {keyword: f(step)}: those that follow
-    the optimiser step (steps done so far), logged with it (train.py: the retention weight; finetune.py: PAIR's alpha).
-    log_scalars(model, batch) -> more scalars on logging steps (the drift from the start model). scorer(model, step,
-    epoch) -> a record (its time left out of the window's: LogWindow.exclude); on_score(record) after each
-    (--save_best). before_first_step(model, batch): once, on the first collated CPU batch (memory_estimate).
-    skip_tokens: attention masks left out of the token counts.
-    A SIGTERM or SIGUSR1 (StopSignals) ends the run after the step it arrives in, with a checkpoint of that step
-    -> the signal's name ('SIGTERM'), or None when the run reached its end (or --stop_after_steps)."""
-    model.train()
-    max_steps, world = state.max_steps, accelerator.num_processes
-    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops)
-    stop_at = min(max_steps, args.stop_after_steps or max_steps)
-    log_path, flops_per_token = Path(args.output_dir) / "train_log.jsonl", None
-    stop, stopped = StopSignals(accelerator), None  # SIGTERM / SIGUSR1: a checkpoint after the step, then stop
-    try:
-        for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
-            if stopped or state.completed_steps >= stop_at:
-                break
-            for batch in window.timed(epoch_batches(accelerator, dataloader, sampler, state, epoch)):
-                real, proc = padding_efficiency(batch, skip_tokens)  # on the CPU tensors: no device sync
-                window.real_tokens += real
-                window.processed_tokens += proc
-                if before_first_step is not None and flops_per_token is None:
-                    before_first_step(accelerator.unwrap_model(model), batch)
-                batch = batch_to_device(batch, accelerator.device)
-                scalars = {k: f(state.completed_steps) for k, f in schedules.items()}
-                kwargs = {**forward_kwargs, **scalars}
-                # FLOPs: counted by torch on the window's first micro-batch (flop_counter), then scaled by each
-                # micro-batch's processed tokens. A recomputed forward (gradient cache, checkpointing) counts: it is
-                # work
-                counting = window.n_micro == 0
-                counter = flop_counter() if counting else contextlib.nullcontext()
-                with accelerator.accumulate(model), counter:
-                    if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
-                        outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk, **kwargs)
-                    else:
-                        outputs = model(batch, **kwargs)
-                    if "doc_ids" in batch:  # what the same-document mask left: logged, warned on below a floor
-                        outputs = {**outputs, "in_batch_negatives": in_batch_negatives(accelerator, batch["doc_ids"])}
-                    if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
-                        if not args.gradient_cache_chunk:
-                            accelerator.backward(outputs["loss"])
-                        if accelerator.sync_gradients and args.max_grad_norm > 0:
-                            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        optimizer.step()
-                        lr_scheduler.step()
-                    optimizer.zero_grad()  # a skipped micro-batch drops the step's accumulated gradients too
-                if counting:
-                    first, flops_per_token = flops_per_token is None, counter.get_total_flops() / max(proc, 1)
-                    if first:
-                        accum = args.gradient_accumulation_steps * world
-                        accelerator.print(f"tokens per step: ~{real * accum} real, {proc * accum} processed (first "
-                                          f"batch); {flops_per_token * proc * accum / 1e12:.3f} TFLOP per step")
-                window.flops += flops_per_token * proc
-                state.batches_in_epoch += 1
-                if not accelerator.sync_gradients:
-                    continue
-                # ---- one optimiser step done: log, score and checkpoint on their steps
-                state.completed_steps += 1
-                step = state.completed_steps
-                if log_scalars is not None and (step % args.logging_steps == 0 or step == stop_at):
-                    scalars = {**scalars, **log_scalars(accelerator.unwrap_model(model), batch)}
-                window.step_done(state, epoch, scalars)
-                if scorer and args.eval_steps and step % args.eval_steps == 0:
-                    rec = scorer(model, step, epoch)
-                    window.exclude(rec["scoring_time_s"])  # tokens/s and time per step count training only
-                    write_log_record(accelerator, log_path, rec)
-                    if on_score:
-                        on_score(rec)
-                # a stop signal (one process: the handler's note itself; several: agreed, so all stop at this step)
-                stopped = stop.signum if stop.group is None else stop.agreed()
-                if stopped or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
-                    save_checkpoint(accelerator, model, Path(args.output_dir) / "checkpoints", step,
-                                    args.checkpoints_total_limit)
-                if stopped or step >= stop_at:
-                    break
-            else:
-                state.batches_in_epoch = 0  # epoch finished: the next one starts at its first batch
-    finally:
-        stop.restore()
-    window.close()
-    if stopped:  # the scheduler ends the job: the checkpoint is written, the rest is the resumed run's
-        name = signal.Signals(stopped).name
-        accelerator.print(f"{name} at step {state.completed_steps}: checkpoint written to {Path(args.output_dir)}/"
-                          f"checkpoints/step_{state.completed_steps}; the same command with --resume_from_checkpoint "
-                          "latest continues the run")
-        return name
-    if scorer and scorer.last_step != state.completed_steps:  # the final model (or where the run stopped)
-        rec = scorer(model, state.completed_steps, state.epoch)
-        write_log_record(accelerator, log_path, rec)
-        if on_score:
-            on_score(rec)
+def log_score(accelerator, args, scorer, model, step: int, epoch: int, window=None) -> dict:
+    """--eval_tasks scored now (evaluate.TrainingScorer) -> its record, written to train_log.jsonl; its time left out
+    of the log window's (LogWindow.exclude), so tokens/s and time per step count training only."""
+    rec = scorer(model, step, epoch)
+    if window is not None:
+        window.exclude(rec["scoring_time_s"])
+    write_log_record(accelerator, Path(args.output_dir) / "train_log.jsonl", rec)
+    return rec
+
+
+def say_stopped(accelerator, args, signum: int, state: "TrainState") -> str:
+    """The line a run stopped by a signal ends with (its checkpoint is written) -> the signal's name."""
+    name = signal.Signals(signum).name
+    accelerator.print(f"{name} at step {state.completed_steps}: checkpoint written to {Path(args.output_dir)}/"
+                      f"checkpoints/step_{state.completed_steps}; the same command with --resume_from_checkpoint "
+                      "latest continues the run")
+    return name
 
 
 def epoch_batches(accelerator, dataloader, sampler, state: "TrainState", epoch: int):
@@ -687,6 +605,11 @@ class StopSignals:
 
     def note(self, signum, frame):
         self.signum = signum
+
+    def check(self) -> int:
+        """After an optimiser step: the stop signal's number, 0 for none (one process: the handler's note itself;
+        several: agreed, so that all stop at this step)."""
+        return self.signum if self.group is None else self.agreed()
 
     def agreed(self) -> int:
         """The stop signal's number (0: none) any process noted, the same on every process."""

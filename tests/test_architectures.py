@@ -13,6 +13,7 @@ from conftest import ROOT, cli_args
 
 import modeling_xprt as mx
 from plumbing import architectures as A
+from plumbing import model_folder
 from plumbing.model_folder import load_xprt_folder
 
 ARCHS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "modernbert", "mpnet", "deberta-v2")
@@ -107,7 +108,7 @@ def test_parts_reproduce_the_encoder(tiny, kind):
     logits and carries gradient to the hidden states; decoder_layers are fresh layers of its own class."""
     from transformers import AutoTokenizer
 
-    mlm, msg = A.load_mlm_encoder(tiny[kind])
+    mlm, msg = model_folder.load_mlm_encoder(tiny[kind])
     mlm.eval()
     base = mlm.base_model
     tok = AutoTokenizer.from_pretrained(tiny[kind])
@@ -150,7 +151,7 @@ def test_the_prepared_mask_gives_the_encoders_own_output(tiny, kind):
     layers would see the whole passage (the output moves); DeBERTa-v2 refuses one."""
     from transformers import AutoTokenizer
 
-    mlm, msg = A.load_mlm_encoder(tiny[kind])
+    mlm, msg = model_folder.load_mlm_encoder(tiny[kind])
     base = mlm.base_model.eval()
     assert ("attention mask: prepared per call" in msg) == (kind in PREPARED_MASK), msg
     tok = AutoTokenizer.from_pretrained(tiny[kind])
@@ -172,11 +173,11 @@ def test_attention_falls_back_where_the_architecture_has_no_sdpa(tiny):
     """MPNet and DeBERTa-v2 have no SDPA attention in transformers: they load with their own, and the messages say so;
     BERT keeps SDPA."""
     for kind in ("mpnet", "deberta-v2"):
-        mlm, msg = A.load_mlm_encoder(tiny[kind])
+        mlm, msg = model_folder.load_mlm_encoder(tiny[kind])
         assert "has no SDPA attention: using its own (eager)" in msg
         assert mlm.config._attn_implementation == "eager"
-        assert "has no SDPA attention" in A.load_teacher(tiny[kind]).xprt_load_message
-    mlm, msg = A.load_mlm_encoder(tiny["bert"])
+        assert "has no SDPA attention" in model_folder.load_teacher(tiny[kind]).xprt_load_message
+    mlm, msg = model_folder.load_mlm_encoder(tiny["bert"])
     assert mlm.config._attn_implementation == "sdpa" and "SDPA" not in msg
 
 
@@ -186,7 +187,7 @@ def test_teacher_load_states_the_facts_without_transformers_report(tiny, caplog)
     import logging
 
     with caplog.at_level(logging.INFO):
-        teacher = A.load_teacher(tiny["distilbert"])
+        teacher = model_folder.load_teacher(tiny["distilbert"])
     assert "LOAD REPORT" not in caplog.text
     assert "5 checkpoint tensors it has no module for (e.g. vocab_layer_norm.bias" in teacher.xprt_load_message
     assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
@@ -199,8 +200,8 @@ def test_pooler_message_says_what_it_is_kept_for(tiny_bert, tmp_path):
 
     folder = tmp_path / "with_pooler"
     AutoModel.from_pretrained(tiny_bert).save_pretrained(folder)  # BertModel: has a pooler, no MLM head
-    _, mean_msg = A.load_mlm_encoder(str(folder))
-    _, cls_msg = A.load_mlm_encoder(str(folder), pooling="cls")
+    _, mean_msg = model_folder.load_mlm_encoder(str(folder))
+    _, cls_msg = model_folder.load_mlm_encoder(str(folder), pooling="cls")
     assert "pooler.dense.bias, pooler.dense.weight unchanged so the saved folder is a complete BertModel" in mean_msg
     assert "the sentence vector is the mean of the token vectors" in mean_msg
     assert "the sentence vector is the [CLS] token's last hidden state" in cls_msg
@@ -219,7 +220,7 @@ def test_an_encoder_that_reads_its_embeddings_outside_its_layers_is_refused(tmp_
     path = build_tiny("deberta-v2", tmp_path / "conv", conv_kernel_size=3)
     refusal = r"DebertaV2Model does not run its layers on what it hands its first layer alone .*cannot be built for it"
     with pytest.raises(ValueError, match=refusal):
-        A.load_mlm_encoder(str(path))
+        model_folder.load_mlm_encoder(str(path))
     with pytest.raises(ValueError, match=refusal):
         train.main(base_args(str(path), make_groups(tmp_path / "groups", 8), tmp_path / "out"))
 
@@ -227,7 +228,7 @@ def test_an_encoder_that_reads_its_embeddings_outside_its_layers_is_refused(tmp_
 def test_non_legacy_deberta_head_projects_with_a_bare_matmul(tmp_path):
     """DeBERTa-v2's non-legacy head multiplies by the word embeddings itself (its get_output_embeddings names a
     (H, H) layer): mlm_head finds the vocabulary matrix and its bias all the same."""
-    mlm, _ = A.load_mlm_encoder(str(build_tiny("deberta-v2", tmp_path / "nl", legacy=False)))
+    mlm, _ = model_folder.load_mlm_encoder(str(build_tiny("deberta-v2", tmp_path / "nl", legacy=False)))
     head = A.mlm_head(mlm)
     assert head.weight is mlm.get_input_embeddings().weight
     assert head.bias is mlm.lm_predictions.lm_head.bias
@@ -238,7 +239,7 @@ def test_flop_count_reads_layer_shapes_off_the_modules(tiny):
     numbers; ModernBERT's gated MLP counts its 2 x inner input matrix."""
     for kind, n, per_token in (("bert", 2, 4 * 32 * 32 + 2 * 32 * 64), ("distilbert", 2, 4 * 32 * 32 + 2 * 32 * 64),
                                ("modernbert", 3, 3 * 32 * 32 + 32 * 32 + 32 * 128 + 64 * 32)):
-        mlm, _ = A.load_mlm_encoder(tiny[kind])
+        mlm, _ = model_folder.load_mlm_encoder(tiny[kind])
         assert A.layer_multiply_adds(mlm) == (n, per_token, 32)
         assert A.head_multiply_adds(mlm) == 32 * 32 + 32 * mlm.config.vocab_size
 

@@ -43,11 +43,11 @@ def test_vocabulary_terms_under_bf16_autocast_within_1_percent_of_fp32():
     (relative norm). The vocabulary (1,000 words) is not a multiple of 64, so the padded kernel runs, and the weight
     gradient comes from the bf16 product (bench/bench_vocab_bf16.py)."""
     from bench import bench_vocab_bf16 as bv
-    from plumbing import architectures as fused_vocab
+    from plumbing import architectures
     args = bv.parse_args(["--toy"])
     data = bv.inputs(args)
-    ref = bv.run(fused_vocab, data, args, bf16=False)
-    low = bv.run(fused_vocab, data, args, bf16=True)
+    ref = bv.run(architectures, data, args, bf16=False)
+    low = bv.run(architectures, data, args, bf16=True)
     errs = [bv.rel(a, b) for a, b in zip(low, ref)]
     print("loss, rows, weight, bias relative errors:", errs)
     assert all(e <= 1e-2 for e in errs), errs
@@ -59,21 +59,21 @@ def test_padded_vocabulary_changes_nothing_in_fp32():
     """The padding itself (forced here: fp32 on a CPU does not pad) gives fp32's loss and gradients to rounding: the
     padded words' probability is exactly 0."""
     from bench import bench_vocab_bf16 as bv
-    from plumbing import architectures as fused_vocab
+    from plumbing import architectures
     args = bv.parse_args(["--toy"])
     data = bv.inputs(args)
-    plain = bv.run(fused_vocab, data, args, bf16=False)
-    orig = fused_vocab._padded
+    plain = bv.run(architectures, data, args, bf16=False)
+    orig = architectures._padded
 
     def always_pad(weight, bias, dtype):
         v, vp = weight.shape[0], -(-weight.shape[0] // 64) * 64
         w = torch.cat([weight, weight.new_zeros(vp - v, weight.shape[1])])
-        return w, torch.cat([bias, bias.new_full((vp - v,), fused_vocab._PAD_BIAS)])
+        return w, torch.cat([bias, bias.new_full((vp - v,), architectures._PAD_BIAS)])
 
-    fused_vocab._padded = always_pad
+    architectures._padded = always_pad
     try:
-        padded = bv.run(fused_vocab, data, args, bf16=False)
+        padded = bv.run(architectures, data, args, bf16=False)
     finally:
-        fused_vocab._padded = orig
+        architectures._padded = orig
     for a, b in zip(padded, plain):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

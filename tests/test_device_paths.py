@@ -5,7 +5,7 @@ that reaches each:
 
   the batch's move to the device (one place: the loader pins, batch_to_device moves)  test_prepared_loader_*
   the loader's workers and pinning on a GPU (batches.loader_options)                   test_loader_options_*
-  the fp32-output GEMM probe (fused_vocab._fp32_out_gemm) and its start-up line        test_fp32_output_gemm_probe_*
+  the fp32-output GEMM probe (architectures._fp32_out_gemm) and its start-up line        test_fp32_output_gemm_probe_*
   the FLOP counter on CUDA's fp32-output addmm (run_log.flop_counter)                   test_flop_counter_counts_*
   the device name -> peak FLOPs (run_log.peak_flops)                                    test_peak_flops_*
   the memory estimate's free memory (run_log.device_memory, mem_get_info)              test_memory_estimate_*
@@ -23,7 +23,7 @@ import types
 
 import torch
 
-from plumbing import architectures as fused_vocab
+from plumbing import architectures
 from plumbing import run_log
 from plumbing.batches import batch_to_device, loader_options
 from plumbing.common import pick_device_and_dtype
@@ -101,14 +101,14 @@ def test_fp32_output_gemm_probe_runs_outside_dispatch_modes(monkeypatch):
             self.ops.append(func)
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(fused_vocab, "_FP32_OUT", {})
+    monkeypatch.setattr(architectures, "_FP32_OUT", {})
     with Record() as mode:
-        got = fused_vocab._fp32_out_gemm(torch.device("cpu"))
+        got = architectures._fp32_out_gemm(torch.device("cpu"))
     assert mode.ops == []
     assert got is False  # the CPU has no fp32-output GEMM
-    assert "one bf16 product per chunk" in fused_vocab.weight_grad_path("cpu")
-    monkeypatch.setattr(fused_vocab, "_FP32_OUT", {"cuda": True})
-    assert "one GEMM (addmm out_dtype)" in fused_vocab.weight_grad_path("cuda")
+    assert "one bf16 product per chunk" in architectures.weight_grad_path("cpu")
+    monkeypatch.setattr(architectures, "_FP32_OUT", {"cuda": True})
+    assert "one GEMM (addmm out_dtype)" in architectures.weight_grad_path("cuda")
 
 
 def test_flop_counter_counts_the_fp32_output_gemm():
