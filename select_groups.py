@@ -22,7 +22,8 @@ c % world_size (torchrun / accelerate launch), is written as its own parquet fil
 chunk is reused when the same command is rerun after a crash. The TF-IDF IDF is corpus-level: a
 cheap first pass counts document frequencies with a HashingVectorizer (bounded memory), summed over
 processes. Every chunk's result depends only on its own documents, the corpus IDF and the seed, so
-1 process and N processes write the same groups.
+1 process and N processes write the same groups. At web scale, `select_groups_datatrove.py --executor
+local|slurm|ray` runs the same passes as datatrove stages (every flag of this script, and its executor's).
 
     python select_groups.py --input data/docs.jsonl --model_name_or_path all-MiniLM-L6-v2 \\
         --output_dir runs/groups
@@ -234,29 +235,9 @@ def _output_flags(g):
                    help="Characters of each passage shown in the report.")
 
 
-def _executor_flags(g):
-    g.add_argument("--executor", choices=("local", "slurm", "ray"), default=None,
-                   help="Run the selection as datatrove stages (selection_stages.py: document frequencies, merge, "
-                        "selection, finish) on this executor; the input files are dealt to --tasks tasks. Default: "
-                        "this process (or torchrun's processes), as above.")
-    g.add_argument("--tasks", type=positive_int, default=1,
-                   help="--executor: tasks of the document-frequency and selection stages; task t reads every "
-                        "--tasks-th input file from file t. Fixed for a folder: a rerun with another count is "
-                        "refused.")
-    g.add_argument("--workers", type=int, default=-1,
-                   help="--executor: tasks run at once (datatrove's workers; -1: all).")
-    g.add_argument("--gpus_per_task", type=non_negative_int, default=None,
-                   help="--executor slurm / ray: GPUs of each task of the stages that embed (selection; the merge "
-                        "with --anchor_share, the finish with --inspect). Default: 1 on slurm and ray.")
-    g.add_argument("--executor_option", action="append", default=[], metavar="KEY=VALUE",
-                   help="An option of the datatrove executor, passed through to every stage (value read as JSON, "
-                        "else as text): e.g. partition=gpu time=04:00:00 cpus_per_task=8 for slurm. Repeatable.")
-    g.add_argument("--dry_run", action="store_true",
-                   help="--executor: print the stages as built (pipeline, tasks, dependencies, resources) and exit "
-                        "without running them.")
-
-
-def parse_args(argv=None):
+def build_parser() -> ArgumentParser:
+    """Every flag of the one-process command. select_groups_datatrove.py adds its executor flags to this parser; here
+    their defaults are set, so code that reads args.executor, args.tasks, ... finds the one-process values."""
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _input_flags(p.add_argument_group("input"))
@@ -264,10 +245,13 @@ def parse_args(argv=None):
     _selection_flags(p.add_argument_group("selection (paper: threshold 0.825, RRF k = 10 with weights 2 / 1, "
                                           "4 related)"))
     _output_flags(p.add_argument_group("output"))
-    _executor_flags(p.add_argument_group("datatrove executors (selection at web scale)"))
-    args = p.parse_args(argv)
+    # select_groups_datatrove.py's flags (--executor ...), as this process runs: no executor
+    p.set_defaults(executor=None, tasks=1, workers=-1, executor_option=[], dry_run=False, gpus_per_task=None)
+    return p
 
-    # Sanity checks, early and with the fix in the message.
+
+def check_args(p: ArgumentParser, args) -> None:
+    """Sanity checks, early and with the fix in the message (select_groups_datatrove.py adds its executor's)."""
     if bool(args.input) == bool(args.dataset):
         p.error("give exactly one of --input (local files) or --dataset (a Hugging Face dataset)")
     if args.passage_tokens < 8 or not 0 <= args.min_passage_tokens < args.passage_tokens:
@@ -282,14 +266,12 @@ def parse_args(argv=None):
         p.error("--max_groups_per_document must be >= 0 (0 = no cap)")
     if args.per_script_anchor_share and args.anchor_share is None:
         p.error("--per_script_anchor_share needs --anchor_share")
-    if args.executor and args.dataset:
-        p.error("--executor deals --input files to its tasks: download the --dataset and give its files as --input")
-    if args.executor and args.max_docs > 0:
-        p.error("--executor reads every input file whole (its tasks read different files): cut the input instead of "
-                "--max_docs")
-    if not args.executor and (args.tasks != 1 or args.workers != -1 or args.executor_option or args.dry_run
-                              or args.gpus_per_task is not None):
-        p.error("--tasks, --workers, --gpus_per_task, --executor_option and --dry_run need --executor")
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
     return args
 
 
@@ -1023,8 +1005,9 @@ def write_group_shard(path, rows):
 def run_config(args, sel: Selection):
     """Everything the groups depend on, the key of the resume check: the records read (RECORD_FLAGS) and every
     selection setting (the fields of Selection, whole). A rerun resumes only when this is identical. Under
-    --executor, the task count too: a task's files are every --tasks-th input file, so another count would pair
-    finished tasks with other files (datatrove: "do not change the total number of tasks")."""
+    `select_groups_datatrove.py --executor`, the task count too: a task's files are every --tasks-th input file, so
+    another count would pair finished tasks with other files (datatrove: "do not change the total number of
+    tasks")."""
     # "chunks": the rule that cuts chunks (iter_chunks); a folder cut by another rule is not resumed
     config = {**{k: getattr(args, k) for k in RECORD_FLAGS}, **asdict(sel), "chunks": "per input file"}
     if args.executor:
@@ -1035,7 +1018,7 @@ def run_config(args, sel: Selection):
 # What select_groups.py writes in --output_dir (common.claim_output_folder: nothing else there is ever removed)
 SELECTION_OUTPUTS = ("stats.json", "inspect.md", "groups-*.parquet", f"{META_DIR}/run_config.json",
                      f"{META_DIR}/chunk-*.json", f"{META_DIR}/df-r*-w*.npz", f"{META_DIR}/calibration.json",
-                     f"{META_DIR}/datatrove")  # --executor: the stages' files and datatrove's logs and markers
+                     f"{META_DIR}/datatrove")  # select_groups_datatrove.py: its stages' files, datatrove's logs
 
 
 def prepare_selection_dir(args, sel: Selection, state):
@@ -1341,10 +1324,6 @@ def main(argv=None):
     # before anything loads
     check_model_name(args.model_name_or_path, "--model_name_or_path", args.trust_remote_code)
     sel = Selection.from_args(args)  # the one object every selecting function reads its settings from
-    if args.executor:  # the same passes as datatrove stages over tasks: selection_stages.py
-        import select_groups_datatrove as selection_stages
-
-        return selection_stages.run(args, sel)
     import torch
     from accelerate import PartialState
 

@@ -1,9 +1,15 @@
 """
 xPRT step 1 at web scale: select_groups.py's passes as datatrove stages, on datatrove's local, Slurm or Ray executor.
 
-    python select_groups.py --input corpus/ --output_dir runs/groups --executor local --tasks 8 --workers 2
-    python select_groups.py --input /shared/fineweb/ --output_dir /shared/groups --executor slurm --tasks 512 \\
-        --executor_option partition=gpu --executor_option time=04:00:00 --executor_option cpus_per_task=8
+    python select_groups_datatrove.py --input corpus/ --output_dir runs/groups --executor local --tasks 8
+    python select_groups_datatrove.py --input corpus/ --output_dir runs/groups --executor local --tasks 8 --workers 2
+    python select_groups_datatrove.py --input /shared/fineweb/ --output_dir /shared/groups --executor slurm \\
+        --tasks 512 --executor_option partition=gpu --executor_option time=04:00:00 --executor_option cpus_per_task=8
+
+An entry point of its own: it takes every select_groups.py flag (select_groups.build_parser, checked by
+select_groups.check_args) and the executor's (--executor, required; --tasks, --workers, --gpus_per_task,
+--executor_option, --dry_run). Not --dataset (download it and give its files as --input) nor --max_docs (cut the
+input): its tasks deal whole --input files.
 
 The same passes as select_groups.py's own command, in four stages, each a datatrove executor that depends on the one
 before (as FineWeb's MinHash chains its stages), each reading the files the stage before wrote:
@@ -43,7 +49,8 @@ import numpy as np
 
 import select_groups as sg
 from modeling_xprt import stable_doc_hash
-from plumbing.common import UserError, atomic_path, atomic_write
+from plumbing.common import (UserError, atomic_path, atomic_write, check_model_name, non_negative_int, positive_int,
+                             run_script)
 from plumbing.readers import (INPUT_SUFFIXES, BadInput, file_records, input_files, iter_records, row_number_ids,
                               unread_splits)
 
@@ -404,7 +411,7 @@ def describe(executors) -> str:
 
 
 def run(args, sel: sg.Selection):
-    """select_groups.py --executor: check and claim the output folder (as the one-process command does), fix the
+    """The command's work (main): check and claim the output folder (as the one-process command does), fix the
     input file list, build the stages and run (local) or submit (slurm, ray) the last, which runs its dependencies
     first."""
     skipped = []
@@ -442,3 +449,54 @@ def run(args, sel: sg.Selection):
     print(f"{len(files)} input file(s) dealt to {args.tasks} task(s); stages {', '.join(STAGES)} on datatrove's "
           f"{args.executor} executor (logs: {stage_path(args, 'logs')})", flush=True)
     executors[-1].run()
+
+
+# ----------------------------------------------------------------------------------------------
+# The command: select_groups.py's flags and checks, and the executor's.
+# ----------------------------------------------------------------------------------------------
+
+def _executor_flags(g):
+    g.add_argument("--executor", choices=("local", "slurm", "ray"), required=True,
+                   help="Run the selection as datatrove stages (document frequencies, merge, selection, finish) on "
+                        "this executor; the input files are dealt to --tasks tasks. Without it: select_groups.py "
+                        "(this process, or torchrun's processes).")
+    g.add_argument("--tasks", type=positive_int, default=1,
+                   help="Tasks of the document-frequency and selection stages; task t reads every --tasks-th input "
+                        "file from file t. Fixed for a folder: a rerun with another count is refused.")
+    g.add_argument("--workers", type=int, default=-1,
+                   help="Tasks run at once (datatrove's workers; -1: all).")
+    g.add_argument("--gpus_per_task", type=non_negative_int, default=None,
+                   help="--executor slurm / ray: GPUs of each task of the stages that embed (selection; the merge "
+                        "with --anchor_share, the finish with --inspect). Default: 1 on slurm and ray.")
+    g.add_argument("--executor_option", action="append", default=[], metavar="KEY=VALUE",
+                   help="An option of the datatrove executor, passed through to every stage (value read as JSON, "
+                        "else as text): e.g. partition=gpu time=04:00:00 cpus_per_task=8 for slurm. Repeatable.")
+    g.add_argument("--dry_run", action="store_true",
+                   help="Print the stages as built (pipeline, tasks, dependencies, resources) and exit without "
+                        "running them.")
+
+
+def parse_args(argv=None):
+    """select_groups.py's parser and checks, with the executor's flags and checks."""
+    p = sg.build_parser()
+    p.description = __doc__.split("\n\n")[0]
+    _executor_flags(p.add_argument_group("datatrove executors (selection at web scale)"))
+    args = p.parse_args(argv)
+    sg.check_args(p, args)
+    if args.dataset:
+        p.error("--executor deals --input files to its tasks: download the --dataset and give its files as --input")
+    if args.max_docs > 0:
+        p.error("--executor reads every input file whole (its tasks read different files): cut the input instead of "
+                "--max_docs")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # before anything loads, as select_groups.main
+    check_model_name(args.model_name_or_path, "--model_name_or_path", args.trust_remote_code)
+    return run(args, sg.Selection.from_args(args))  # the one object every selecting function reads
+
+
+if __name__ == "__main__":
+    run_script(main)

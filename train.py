@@ -56,17 +56,12 @@ def build_parser(objectives=None):
     experiments/paper/run.py reads --objective's choices from here, so it never drifts)."""
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("what to train")
+    g = p.add_argument_group("the method (the xPRT paper's \"The objective\"): the objective, its positive")
     g.add_argument("--objective", choices=pretraining_objectives(), default="xprt",
                    help="pre-training objective; the baselines share data, steps, batch, schedule and retention")
     g.add_argument("--positive", choices=["s1", "random"], default="s1",
                    help="positive of the anchor: s1 (top related passage) or a random passage of the document "
                         "(ablation)")
-    g.add_argument("--mlm_head_from", default=None,
-                   help="take the MLM head from this checkpoint (e.g. bert-base-uncased) when the start has none; "
-                        "default: a fresh head tied to the word embeddings")
-    g.add_argument("--teacher_name_or_path", default=None,
-                   help="frozen teacher of the retention term (default: the starting checkpoint, as in the paper)")
 
     # Each objective's own flags (Objective.flags: xPRT's loss weights and ablation, the baselines' settings), in one
     # group per objective; a flag several objectives take sits in the first one's group and names them all
@@ -83,18 +78,46 @@ def build_parser(objectives=None):
             g.add_argument(flag, default=None, **{**spec, "help": f"[{', '.join(owners)}] {spec['help']}"})
         seen.update(mine)
 
-    g = p.add_argument_group("pre-training data")
-    g.add_argument("--groups_dir", default=None, help="folder of parquet shards written by select_groups.py (required)")
-    g.add_argument("--num_related", type=positive_int, default=4, help="related passages per group (paper: 4)")
-    g.add_argument("--max_length", type=int, default=128,
-                   help="max tokens of a passage itself; [CLS], [SEP] and the prefix come on top (select_groups.py "
-                        "packs passages to --passage_tokens 128 without them, so they arrive whole)")
+    g = p.add_argument_group("w(t): the retention term, a KL to the frozen start (paper: weight 40 -> 0)")
+    g.add_argument("--retention_weight", type=float, default=40.0,
+                   help="retention weight at step 0 (paper: 40); 0 turns the term and the teacher off "
+                        "(from-BERT setting)")
+    g.add_argument("--retention_final_weight", type=float, default=0.0,
+                   help="retention weight at the last step (paper: 0)")
+    g.add_argument("--retention_schedule", choices=["linear", "cosine", "constant"], default="linear",
+                   help="shape of the 40 -> 0 decay (the paper says 'decaying' only)")
+    g.add_argument("--retention_student", choices=["clean", "masked"], default="clean",
+                   help="student vectors in the retention term: 'clean' = one extra pass on the clean anchor and "
+                        "s1 (our default), 'masked' = reuse the 15%%-masked vectors (the paper's 5-pass cost; "
+                        "masking noise alone gives a non-zero start)")
+    g.add_argument("--teacher_name_or_path", default=None,
+                   help="frozen teacher of the retention term (default: the starting checkpoint, as in the paper)")
+
+    g = p.add_argument_group("masking (paper: 15% of the encoder's tokens, 60% of the decoder's)")
     g.add_argument("--encoder_mask_rate", type=float, default=None,
                    help="mask rate of the encoder passes (default: the objective's; xprt 15%% as in the paper, "
                         "self_reconstruction 30%% as RetroMAE)")
     g.add_argument("--decoder_mask_rate", type=float, default=None,
                    help="mask rate of the decoder inputs (default: the objective's; xprt 60%%, "
                         "self_reconstruction 50%%)")
+
+    g = p.add_argument_group("the heads: what the start never trained (decoder, MLM head)")
+    g.add_argument("--mlm_head_from", default=None,
+                   help="take the MLM head from this checkpoint (e.g. bert-base-uncased) when the start has none; "
+                        "default: a fresh head tied to the word embeddings")
+    g.add_argument("--head_learning_rate", type=float, default=None,
+                   help="peak lr of the parameters the start model did not train: the decoder and the MLM head's "
+                        "transform and bias (the vocabulary projection is tied to the embeddings and stays with "
+                        "the encoder). Default: --learning_rate, as in the paper. A fresh head (MiniLM, E5) at "
+                        "1e-6 keeps the fill-in terms near ln V for thousands of steps; e.g. 1e-4 lets them learn "
+                        "(not in the paper)")
+
+    g = p.add_argument_group("pre-training data")
+    g.add_argument("--groups_dir", default=None, help="folder of parquet shards written by select_groups.py (required)")
+    g.add_argument("--num_related", type=positive_int, default=4, help="related passages per group (paper: 4)")
+    g.add_argument("--max_length", type=int, default=128,
+                   help="max tokens of a passage itself; [CLS], [SEP] and the prefix come on top (select_groups.py "
+                        "packs passages to --passage_tokens 128 without them, so they arrive whole)")
     g.add_argument("--max_groups", type=positive_int, default=None, help="use only the first N groups (debugging)")
     g.add_argument("--spread_documents", type=positive_int, default=16,
                    help="deal each run of N length-sorted batches round-robin, so that the groups of one document "
@@ -110,32 +133,15 @@ def build_parser(objectives=None):
                    help="warn when the in-batch negatives a row keeps after the same-document mask (logged as "
                         "in_batch_negatives, the mean over rows) fall below this (default: half the global batch)")
 
-    g = p.add_argument_group("the retention term and the heads' learning rate")
-    g.add_argument("--retention_weight", type=float, default=40.0,
-                   help="retention weight at step 0 (paper: 40); 0 turns the term and the teacher off "
-                        "(from-BERT setting)")
-    g.add_argument("--retention_student", choices=["clean", "masked"], default="clean",
-                   help="student vectors in the retention term: 'clean' = one extra pass on the clean anchor and "
-                        "s1 (our default), 'masked' = reuse the 15%%-masked vectors (the paper's 5-pass cost; "
-                        "masking noise alone gives a non-zero start)")
-    g.add_argument("--retention_final_weight", type=float, default=0.0,
-                   help="retention weight at the last step (paper: 0)")
-    g.add_argument("--retention_schedule", choices=["linear", "cosine", "constant"], default="linear",
-                   help="shape of the 40 -> 0 decay (the paper says 'decaying' only)")
-    g.add_argument("--head_learning_rate", type=float, default=None,
-                   help="peak lr of the parameters the start model did not train: the decoder and the MLM head's "
-                        "transform and bias (the vocabulary projection is tied to the embeddings and stays with "
-                        "the encoder). Default: --learning_rate, as in the paper. A fresh head (MiniLM, E5) at "
-                        "1e-6 keeps the fill-in terms near ln V for thousands of steps; e.g. 1e-4 lets them learn "
-                        "(not in the paper)")
-    g.add_argument("--peak_tflops", type=float, default=None,
-                   help="peak TFLOP/s of one device in the run's precision, for the logged MFU estimate (default: "
-                        "a table of known GPUs, bf16 dense; none on CPU, where only TFLOP/s is logged)")
-    g = p.add_argument_group("stopping signal (experiments/README.md: how to read the curves)")
+    g = p.add_argument_group("stopping signal and speed (experiments/README.md: how to read the curves)")
     g.add_argument("--save_best", default=None, metavar="TASK",
                    help="keep the model of the best score during training in <output_dir>/best_model (best.json says "
                         "its step): an --eval_tasks task's name (its mteb main score, e.g. SciFact) or 'average' "
                         "(mean over --eval_tasks); needs --eval_tasks")
+
+    g.add_argument("--peak_tflops", type=float, default=None,
+                   help="peak TFLOP/s of one device in the run's precision, for the logged MFU estimate (default: "
+                        "a table of known GPUs, bf16 dense; none on CPU, where only TFLOP/s is logged)")
     add_common_args(p, DEFAULT_LR)
     return p
 
@@ -457,8 +463,8 @@ def main(argv=None):
     prepare_output_dir(accelerator, args, "train.py", local_inputs(
         groups_dir=args.groups_dir, model_name_or_path=args.model_name_or_path,
         teacher_name_or_path=args.teacher_name_or_path, mlm_head_from=args.mlm_head_from,
-        **{f[2:]: getattr(args, f[2:]) for f in objective_class(args.objective).model_flags}, eval_tasks=[t.rpartition("=")[2] for t in args.eval_tasks],
-        resume_from_checkpoint=resumed))
+        **{f[2:]: getattr(args, f[2:]) for f in objective_class(args.objective).model_flags},
+        eval_tasks=[t.rpartition("=")[2] for t in args.eval_tasks], resume_from_checkpoint=resumed))
     set_seed(args.seed)
 
     # ---- model

@@ -50,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--chunk_docs", type=int, default=25,
                    help="select_groups.py --chunk_docs in the memory runs: 4 chunks at 1x, 40 at 10x.")
     p.add_argument("--executor", choices=("local",), default=None,
-                   help="Run the selections as datatrove stages (select_groups.py --executor local): the timed "
+                   help="Run the selections as datatrove stages (select_groups_datatrove.py --executor local): the timed "
                         "selection and both memory runs, its tasks run one after another in the process (workers 1).")
     p.add_argument("--tasks", type=int, default=1,
                    help="--executor: tasks of the stages; the documents are written as this many files.")
@@ -89,15 +89,25 @@ def write_input(path, docs, files: int):
 
 
 def engine_flags(args) -> list:
-    """select_groups.py's flags for the engine measured: none (its own processes), or datatrove's local executor."""
+    """The flags of the engine measured: none (select_groups.py's own processes), or datatrove's local executor
+    (select_groups_datatrove.py's)."""
     return ["--executor", "local", "--tasks", str(args.tasks), "--workers", "1"] if args.executor else []
+
+
+def selection_main(argv):
+    """The command the flags name: select_groups_datatrove.py with --executor, else select_groups.py."""
+    if "--executor" in argv:
+        import select_groups_datatrove
+
+        return select_groups_datatrove.main(argv)
+    import select_groups
+
+    return select_groups.main(argv)
 
 
 def child(argv):
     """Run one selection in this (fresh) process and report its peak resident memory."""
-    import select_groups
-
-    select_groups.main(argv)
+    selection_main(argv)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kilobytes
     print(json.dumps({"peak_rss_mb": peak_mb}))
 
@@ -152,14 +162,14 @@ def main(argv=None):
         embed_texts(model, tok, passages, batch_size=args.batch_size, max_length=max_length, prefix=sel.passage_prefix)
 
     def selection(i):
-        sg.main(["--input", inp, "--output_dir", os.path.join(tmp, f"sel{i}"), "--model_name_or_path",
-                 args.model_name_or_path, "--batch_size", str(args.batch_size), *engine_flags(args)])
+        selection_main(["--input", inp, "--output_dir", os.path.join(tmp, f"sel{i}"), "--model_name_or_path",
+                        args.model_name_or_path, "--batch_size", str(args.batch_size), *engine_flags(args)])
 
     # warm-up selection: the first call pays one-time imports (scikit-learn, scipy, pyarrow), as the
     # embedding warm-up above pays the first-batch costs; neither belongs to a corpus-sized run
     warm = write_jsonl(os.path.join(tmp, "warm.jsonl"), docs[:2])
-    sg.main(["--input", warm, "--output_dir", os.path.join(tmp, "warm"),
-             "--model_name_or_path", args.model_name_or_path, *(["--executor", "local"] if args.executor else [])])
+    selection_main(["--input", warm, "--output_dir", os.path.join(tmp, "warm"),
+                    "--model_name_or_path", args.model_name_or_path, *(["--executor", "local"] if args.executor else [])])
     emb, whole = [], []
     for i in range(args.repeats):
         emb.append(timed(embedding_only))

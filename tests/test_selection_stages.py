@@ -1,5 +1,5 @@
-"""Selection as datatrove stages (selection_stages.py, select_groups.py --executor): the same groups as the
-one-process command whatever the executor's task and worker counts, a rerun after a kill that redoes only the
+"""Selection as datatrove stages (select_groups_datatrove.py --executor): the same groups as the one-process command
+(select_groups.py) whatever the executor's task and worker counts, a rerun after a kill that redoes only the
 unfinished tasks, refusals of a changed task count or changed flags, and the Slurm and Ray executors as built
 (neither can run here)."""
 
@@ -48,7 +48,9 @@ def corpus(folder, ids=True):
 
 
 def select(inp, out, model, *flags):
-    sg.main(["--input", str(inp), "--output_dir", str(out), "--model_name_or_path", str(model), "--skip_bad_lines",
+    """select_groups.py, or select_groups_datatrove.py where the flags name an --executor."""
+    main = stages.main if "--executor" in flags else sg.main
+    main(["--input", str(inp), "--output_dir", str(out), "--model_name_or_path", str(model), "--skip_bad_lines",
              "--chunk_docs", "7", *flags])
     return json.load(open(out / "stats.json"))
 
@@ -109,8 +111,8 @@ def test_a_repeated_id_across_tasks_is_refused_naming_both_places(tmp_path, tiny
     (inp / "a.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs[:2]))
     (inp / "b.jsonl").write_text("".join(json.dumps(d) + "\n" for d in [docs[2], docs[0]]))
     with pytest.raises(UserError, match=r"b\.jsonl:2: duplicate_id: .* already seen at .*a\.jsonl:1"):
-        sg.main(["--input", str(inp), "--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tiny_bert),
-                 "--executor", "local", "--tasks", "2", "--workers", "1"])
+        stages.main(["--input", str(inp), "--output_dir", str(tmp_path / "out"), "--model_name_or_path",
+                     str(tiny_bert), "--executor", "local", "--tasks", "2", "--workers", "1"])
     with pytest.raises(UserError, match=r"b\.jsonl:2: duplicate_id"):  # the one-process command says the same
         sg.main(["--input", str(inp), "--output_dir", str(tmp_path / "one"), "--model_name_or_path", str(tiny_bert)])
 
@@ -121,7 +123,7 @@ def test_a_killed_run_redoes_only_its_unfinished_tasks(tmp_path, tiny_bert):
     command's. A rerun with another --tasks or another selection flag is refused, naming it."""
     inp = corpus(tmp_path / "in")
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "select_groups.py"), "--input", str(inp), "--output_dir", str(out),
+    cmd = [sys.executable, str(ROOT / "select_groups_datatrove.py"), "--input", str(inp), "--output_dir", str(out),
            "--model_name_or_path", str(tiny_bert), "--skip_bad_lines", "--chunk_docs", "7", "--executor", "local",
            "--tasks", "3", "--workers", "1"]
     marks = out / sg.META_DIR / "datatrove" / "logs" / "select" / "completions"
@@ -138,7 +140,7 @@ def test_a_killed_run_redoes_only_its_unfinished_tasks(tmp_path, tiny_bert):
     for flags, what in ((["--tasks", "2"], "datatrove_tasks"), (["--tasks", "3", "--rrf_k", "20"], "rrf_k")):
         bad = [*cmd[:cmd.index("--tasks")], *flags, "--workers", "1"]
         with pytest.raises(UserError, match=f"unfinished selection made with other settings \\({what} differ"):
-            sg.main(bad[2:])
+            stages.main(bad[2:])
 
     rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
@@ -154,8 +156,8 @@ def test_a_killed_run_redoes_only_its_unfinished_tasks(tmp_path, tiny_bert):
 def _stage_args(tmp_path, *flags):
     inp = tmp_path / "in.jsonl"
     inp.write_text(DOCS.read_text(encoding="utf-8"))
-    args = sg.parse_args(["--input", str(inp), "--output_dir", str(tmp_path / "out"), "--model_name_or_path",
-                          "all-MiniLM-L6-v2", *flags])
+    args = stages.parse_args(["--input", str(inp), "--output_dir", str(tmp_path / "out"), "--model_name_or_path",
+                              "all-MiniLM-L6-v2", *flags])
     args.launched_at = 0.0
     return args, sg.Selection.from_args(args)
 
@@ -187,9 +189,9 @@ def test_slurm_and_ray_executors_are_built_with_the_stages_and_resources(tmp_pat
     with pytest.raises(UserError, match="--executor slurm: .*partition.*--executor_option KEY=VALUE"):
         stages.build_executors(*_stage_args(tmp_path, "--executor", "slurm"))
 
-    sg.main(["--input", str(tmp_path / "in.jsonl"), "--output_dir", str(tmp_path / "dry"), "--model_name_or_path",
-             "all-MiniLM-L6-v2", "--executor", "slurm",
-             "--tasks", "4", "--executor_option", "partition=gpu", "--executor_option", "time=1:00:00", "--dry_run"])
+    stages.main(["--input", str(tmp_path / "in.jsonl"), "--output_dir", str(tmp_path / "dry"), "--model_name_or_path",
+                 "all-MiniLM-L6-v2", "--executor", "slurm", "--tasks", "4", "--executor_option", "partition=gpu",
+                 "--executor_option", "time=1:00:00", "--dry_run"])
     printed = capsys.readouterr().out
     assert "stage select: SlurmPipelineExecutor, 4 task(s), depends on merge" in printed
     assert "'gpus_per_task': 1" in printed and "3. select: passages" in printed
@@ -197,12 +199,21 @@ def test_slurm_and_ray_executors_are_built_with_the_stages_and_resources(tmp_pat
 
 
 def test_executor_flags_are_checked():
-    """Flags of the stages without --executor, a Hub dataset or --max_docs with it, a malformed option: one line."""
+    """select_groups.py knows no executor flag (select_groups_datatrove.py's own), select_groups_datatrove.py needs
+    --executor; a Hub dataset or --max_docs with it, a malformed option: one line each."""
     base = ["--input", str(DOCS), "--output_dir", "x"]
-    for argv in ([*base, "--tasks", "3"], [*base, "--executor", "local", "--max_docs", "5"],
+    for flag in (["--executor", "local"], ["--tasks", "3"]):
+        with pytest.raises(UserError, match=f"unrecognized arguments: {' '.join(flag)}") as err:
+            sg.parse_args([*base, *flag])
+        assert "\n" not in str(err.value)
+    for argv in (base, [*base, "--tasks", "3"], [*base, "--executor", "local", "--max_docs", "5"],
                  ["--dataset", "a/b", "--output_dir", "x", "--executor", "local"]):
-        with pytest.raises(UserError, match="--executor"):
-            sg.parse_args(argv)
+        with pytest.raises(UserError, match="--executor") as err:
+            stages.parse_args(argv)
+        assert "\n" not in str(err.value)
+    args = sg.parse_args(base)  # what the shared code reads of the executor flags: no executor
+    assert (args.executor, args.tasks, args.workers, args.executor_option, args.dry_run, args.gpus_per_task) == (
+        None, 1, -1, [], False, None)
     with pytest.raises(UserError, match="--executor_option 'partition': give KEY=VALUE"):
         stages.executor_options(["partition"])
     assert stages.executor_options(["time=04:00:00", "cpus_per_task=8", "sbatch_args={\"a\": 1}"]) == {
@@ -213,9 +224,10 @@ def test_an_executor_this_machine_cannot_reach_is_refused_before_any_work(tmp_pa
     """No sbatch here, no ray package: one line each, and the output folder is never made."""
     base = ["--input", str(DOCS), "--output_dir", str(tmp_path / "out"), "--model_name_or_path", "all-MiniLM-L6-v2"]
     with pytest.raises(UserError, match="--executor slurm: no sbatch on this machine's PATH"):
-        sg.main([*base, "--executor", "slurm", "--executor_option", "partition=gpu", "--executor_option", "time=1:00"])
+        stages.main([*base, "--executor", "slurm", "--executor_option", "partition=gpu", "--executor_option",
+                     "time=1:00"])
     with pytest.raises(UserError, match="--executor ray: the ray package is not installed"):
-        sg.main([*base, "--executor", "ray"])
+        stages.main([*base, "--executor", "ray"])
     assert not (tmp_path / "out").exists()
 
 
