@@ -14,8 +14,9 @@ fine-tune the start model and the xPRT model the same way and compare. The steps
 
     accelerate launch finetune.py --model_name_or_path runs/xprt/model --beir_dir scifact/ --output_dir runs/ft
 
-The loop is train.py's (training.train_loop: checkpoints, resume, non-finite handling, the log); what differs is the
-step's inputs: PAIR's alpha as its schedule and the step's negatives, where train.py has the retention teacher.
+The loop is written here as train.py writes its own (checkpoints, resume, non-finite handling and the log are one
+call each into plumbing/); what differs is the step's inputs: PAIR's alpha(t) where train.py has w(t), and the step's
+negatives where train.py has the retention teacher.
 """
 
 from __future__ import annotations

@@ -7,13 +7,15 @@ Read it top to bottom beside the paper:
      and its weight's schedule; PAIR's L_Q, L_P and their mix
   3. the decoder: the 10 passes of a group, the one-layer conditioned decoder
   4. the objectives: one class each (xPRT, PAIR), the few methods the step and the gradient cache need
-  5. the model: the encoder with its MLM head, XPRTModel (the step and the gradient cache, written once), the batch
+  5. what the model is beyond its weights: its length limit, pooling, scoring, the start's modules after pooling
+  6. the model: the encoder with its MLM head, XPRTModel (the step and the gradient cache, written once), the batch
      embedder
-  6. the collators: rows -> one batch of tensors (all masking and index building) and its Layout
-The comparison objectives (random spans, RetroMAE, SimLM, Contriever, the self-reconstruction ablation) are in
-baselines.py, Revela in revela.py. Below this file: architectures.py (any encoder taken apart: its embeddings, layers
-and MLM head), model_folder.py (what a folder records, save and load), batches.py (the batch's Layout, which the
-gradient cache cuts by), common.py (names, prefixes, files). The loop that calls XPRTModel.forward is training.py's.
+  7. the batch's Layout, which the gradient cache cuts by
+  8. the collators: rows -> one batch of tensors (all masking and index building) and its Layout
+It imports one file of the repository, plumbing/architectures.py (any encoder taken apart, the vocabulary terms chunk
+by chunk): the two, copied into another project, build and train the model (tests/test_lifting.py). The comparison
+objectives are in baselines/, one file each; saving and loading a model folder is plumbing/model_folder.py's; the
+loops that call XPRTModel.forward are train.py's and finetune.py's.
 """
 
 from __future__ import annotations

@@ -4,17 +4,20 @@ xPRT step 2: continued pre-training of the encoder on the groups that select_gro
 Read it beside the xPRT paper ("The objective", "Experiments"). The objectives (--objective) share data, steps,
 batch, schedule and the retention term (40 -> 0), as the paper gives every method the same budget:
   xprt                     L_xp + 0.1 L_cross + L_self + L_MLM + L_unif (modeling_xprt.XPRTObjective)
-  the comparison arms      random spans, RetroMAE, SimLM, Contriever, the self-reconstruction ablation (baselines.py),
-                           Revela (revela.py); --baseline_setting official runs the baselines as their authors do
+  the comparison arms      RetroMAE, SimLM, Contriever and random spans, Revela, the self-reconstruction ablation
+                           (baselines/, one file each, imported only by the run that trains it); --baseline_setting
+                           official runs the baselines as their authors do
 and the ablations --positive random and --no_fill_in.
 
     accelerate launch train.py --groups_dir groups/ --output_dir runs/xprt      # paper defaults (E5, lr 1e-6)
 
-The file reads top to bottom: flags (each objective's own come from its class: Objective.flags); the groups; the
-model, the data and the retention teacher; the stopping signal; main, which reads accelerator, model, data, optimiser
-and scheduler, prepare, the loop (training.train_loop, shared with finetune.py, with the retention weight w(t) of
-modeling_xprt.retention_weight as its schedule), save. The losses live in modeling_xprt.py, one function per equation;
-the loop, checkpoints and resume in training.py; the log, the FLOP count and the memory estimate in run_log.py.
+The file reads top to bottom: flags in the paper's order (the method, its objective's own flags: Objective.flags,
+w(t), masking; then data, run, output); the groups; the model, the data and the retention teacher; the stopping
+signal; main, which reads accelerator, model, data, optimiser and scheduler, prepare, the loop (here, as
+run_mlm_no_trainer.py writes it: w(t) of modeling_xprt.retention_weight on the line that calls the model,
+accelerator.backward, the optimiser step), save. The losses live in modeling_xprt.py, one function per equation;
+checkpoints, resume and stop signals in plumbing/training.py; the log, the FLOP count and the memory estimate in
+plumbing/run_log.py.
 """
 
 from __future__ import annotations

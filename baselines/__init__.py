@@ -1,5 +1,7 @@
 """
-The baselines of the xPRT paper, as their authors run them: RetroMAE, SimLM and Contriever's random spans.
+The baselines of the xPRT paper, as their authors run them, one file each: retromae.py, simlm.py, contriever.py
+(with random spans), revela.py, and self_reconstruction.py (the paper's Table 3 ablation); shared.py holds what they
+share (the two settings, whole-word masking, the anchor collator). This file holds no code.
 
 The paper compares xPRT with established objectives ("Experiments": "the five baselines use their official
 implementations"). Each is one class over modeling_xprt.Objective, registered as an --objective of train.py, run under
@@ -10,11 +12,11 @@ not copied), one function per equation, with the official numbers:
                                       config.py}, simlm/scripts/train_rlm.sh
   Contriever facebookresearch/contriever  src/{data.py, inbatch.py, moco.py, contriever.py, options.py}, README's
                                       training command
-  Revela    TRUMANCFY/Revela + TRUMANCFY/transformers (branch adapt): in revela.py, registered at the end of this file
+  Revela    TRUMANCFY/Revela + TRUMANCFY/transformers (branch adapt): revela.py
   --objective retromae | simlm | contriever | revela; and, kept from before:
   contrastive_random_span  two random crops of one passage as a positive pair, cosine InfoNCE over in-batch
                            negatives (crops of >= 1 token, no word deletion, the longer crop as the query): Contriever's
-                           cropping alone; how it differs from Contriever's code is listed at section 6
+                           cropping alone; how it differs from Contriever's code is listed in contriever.py, section 2
   self_reconstruction      the paper's Table 3 ablation: xPRT's own conditioned decoder rebuilds a passage from that
                            passage's own vector (no related passages)
 

@@ -50,8 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--chunk_docs", type=int, default=25,
                    help="select_groups.py --chunk_docs in the memory runs: 4 chunks at 1x, 40 at 10x.")
     p.add_argument("--executor", choices=("local",), default=None,
-                   help="Run the selections as datatrove stages (select_groups_datatrove.py --executor local): the timed "
-                        "selection and both memory runs, its tasks run one after another in the process (workers 1).")
+                   help="Run the selections as datatrove stages (select_groups_datatrove.py --executor local): the "
+                        "timed selection and both memory runs, its tasks run one after another in the process "
+                        "(workers 1).")
     p.add_argument("--tasks", type=int, default=1,
                    help="--executor: tasks of the stages; the documents are written as this many files.")
     add_toy_flag(p, "2 documents, 1 repeat, the tiny encoder, memory at 4 and 8 documents")
@@ -168,8 +169,8 @@ def main(argv=None):
     # warm-up selection: the first call pays one-time imports (scikit-learn, scipy, pyarrow), as the
     # embedding warm-up above pays the first-batch costs; neither belongs to a corpus-sized run
     warm = write_jsonl(os.path.join(tmp, "warm.jsonl"), docs[:2])
-    selection_main(["--input", warm, "--output_dir", os.path.join(tmp, "warm"),
-                    "--model_name_or_path", args.model_name_or_path, *(["--executor", "local"] if args.executor else [])])
+    selection_main(["--input", warm, "--output_dir", os.path.join(tmp, "warm"), "--model_name_or_path",
+                    args.model_name_or_path, *(["--executor", "local"] if args.executor else [])])
     emb, whole = [], []
     for i in range(args.repeats):
         emb.append(timed(embedding_only))

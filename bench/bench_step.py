@@ -387,7 +387,8 @@ def bench_objectives(name, args, device) -> dict:
             except ValueError as e:
                 print(f"  {objective:24s} refused: {e}")
                 continue
-            batch = batches.batch_to_device(model.objective.make_collator(tok, max_length=args.max_length, seed=0)(rows),
+            batch = batches.batch_to_device(model.objective.make_collator(tok, max_length=args.max_length,
+                                                                          seed=0)(rows),
                                        device)
 
             def step():

@@ -1,6 +1,7 @@
 """
-Any encoder AutoModelForMaskedLM loads, taken apart the way xPRT needs it (plumbing below the paper scripts: it imports
-support only).
+Any encoder AutoModelForMaskedLM loads, taken apart the way xPRT needs it, and the vocabulary terms computed chunk by
+chunk: modeling_xprt.py's one companion. It imports no file of the repository, so modeling_xprt.py and this file,
+copied alone into another project, work there (tests/test_lifting.py).
 
 xPRT reuses three parts of its start model besides the encoder pass itself: the token embeddings (the decoder reads
 the encoder's own), the Transformer layer (the one-layer decoder is one more layer of the encoder's own kind) and the
@@ -20,9 +21,8 @@ run once, at load (encoder_pieces): a training step calls the modules and callab
   - mlm_head: the transform, a module of the head's own modules that gives what the MLM model feeds into its
     vocabulary matrix (its own forward, started from given hidden states, stopped at the first operation that reads
     that matrix), the matrix and its bias;
-  - load_mlm_encoder / load_teacher: the loaders, with SDPA attention where the architecture has it and the
-    architecture's own attention where not (said in the load message);
-  - save_xprt_folder / load_xprt_folder: the model folder model_folder.save_xprt_folder / load_xprt_folder write and read.
+  - the vocabulary terms (last section): linear_cross_entropy and linear_kl_div, chunk by chunk in one fused pass.
+The loaders (load_mlm_encoder, load_teacher) and the model folder are plumbing/model_folder.py's.
 """
 
 from __future__ import annotations

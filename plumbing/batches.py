@@ -1,12 +1,12 @@
 """
-Batches: which rows make a batch, how it is collated ahead of the step, and how the gradient cache cuts it.
-  1. Layout: the contract between the collators (modeling_xprt.py, baselines.py, revela.py), which build it, and
-     XPRTModel.cached_step, which cuts a batch into chunks of groups by it
+Batches: which rows make a batch and how it is collated ahead of the step (how the gradient cache cuts one, the
+Layout, is the model's: modeling_xprt.py).
+  1. (the Layout: modeling_xprt.py)
   2. the samplers: length-grouped batches as a function of (seed, epoch), one document's groups capped per batch,
      no repeated query (fine-tuning); the in-batch negatives the same-document mask leaves
   3. the loader: batches collated in DataLoader workers, their random draws seeded by the batch's place in the run
      (SeededCollate), so a resumed run draws what the uninterrupted one drew; the batch to the device
-It imports common.py only.
+It imports plumbing/common.py, and modeling_xprt.py's document hash (the id L_xp masks by).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """
-What every script needs and no paper step owns; the ground floor: it imports no file of the repository.
+What every script needs and no paper step owns; it imports no file of the repository.
   1. a user's mistake: UserError, one line at each script's entry (run_script), flags refused at parse time
   2. model names and prefixes: the offline MiniLM alias, a name that cannot load offline, the one prefix rule
   3. output folders and atomic writes: only a script's own outputs are replaced (claim_output_folder), every output
      whole or absent (atomic_path)
-  4. readers: compressed streams, JSONL with line numbers, parquet in batches, the BEIR layout, the document-id hash
+  4. readers: compressed streams, JSONL with line numbers, parquet in batches, the BEIR layout
   5. devices and processes: device and dtype, rank and world size, DeepSpeed ZeRO-3
 """
 

@@ -2,13 +2,14 @@
 The model folder: what a folder states and records, how every folder this repository writes is saved and loaded,
 and its card.
   1. what a folder states: its length limit, pooling, scoring (similarity, Normalize) and the sentence-transformers
-     modules after pooling (PostPooling, kept through training), and what xprt records beside it (ModelInfo)
+     modules after pooling (read here; what the model holds of them, PostPooling and ModelInfo, is modeling_xprt.py's)
   2. save and load: a sentence-transformers folder (save_model_folder), and the XPRTModel folder on top of it
-     (save_xprt_folder / load_xprt_folder: the heads, the objective's settings, the lineage), which
-     model_folder.save_xprt_folder / load_xprt_folder call
+     (save_xprt_folder / load_xprt_folder: the heads, the objective's settings, the lineage); the start's loaders
+     (load_mlm_encoder, load_teacher: SDPA attention where the architecture has it)
   3. the card and the Hub: base model, licence, language, usage code, the command without local paths, the scores
      evaluate.py adds, the upload
-It imports common.py and architectures.py (the encoder's pieces a folder's heads belong to).
+It imports plumbing/common.py, architectures.py (the encoder's pieces a folder's heads belong to) and modeling_xprt.py
+(the model it saves and loads).
 """
 
 from __future__ import annotations

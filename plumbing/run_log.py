@@ -7,7 +7,7 @@ What a run says about itself while it trains: the log, its FLOPs, its memory, it
   3. memory: the activation bytes a step holds, measured and said before the first step, and in the message of an
      out-of-memory error
   4. the loss curve (loss_curve.png)
-It imports common.py and architectures.py.
+It imports plumbing/common.py, batches.py (token counts) and architectures.py (the hand FLOP count).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """
-The training loop train.py and finetune.py share, and what it stands on.
-  1. the loop (train_loop): accumulate, the step (XPRTModel.forward, or its gradient cache), clip, optimiser and
-     schedules; log, score and checkpoint on their steps
+What the two training loops (train.py's and finetune.py's, each written in its script) call, one call each.
+  1. the loop's pieces: an epoch's batches (resume skips what was done), the gradient cache step under Accelerate, a
+     scoring logged, the line a stopped run ends with
   2. the model and the optimiser: XPRTModel loaded for a run, AdamW's groups (the heads at their own lr)
   3. the accelerator, the run folder, prepare and the run's length
   4. a run's identity: the folder's lock, the run record a resume or a rerun is checked against
-  5. checkpoints, resume, the saved model and its card
+  5. checkpoints, resume, stop signals, the saved model and its card
   6. the flags both stages share
-A step walks down the floors once: the script's main -> train_loop -> XPRTModel (modeling_xprt.py) -> the encoder's
-layers (architectures.py). It imports modeling_xprt.py and the plumbing below it (batches.py, run_log.py,
-model_folder.py, common.py).
+A step walks down the floors once: the script's loop -> XPRTModel (modeling_xprt.py) -> the encoder's layers
+(architectures.py). It imports modeling_xprt.py and the plumbing beside it (batches.py, run_log.py, model_folder.py,
+common.py, architectures.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from plumbing.model_folder import (check_tokenizer_fits, describe_scoring, load_
 from plumbing.run_log import plot_loss_curves, write_log_record
 
 # ==============================================================================================================
-# 1. The loop train.py and finetune.py share
+# 1. The loop's pieces
 # ==============================================================================================================
 
 

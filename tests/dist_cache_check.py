@@ -4,7 +4,8 @@ Each process holds its half of a fixed batch of groups and computes one xPRT ste
 terms on the vectors gathered across processes, one backward) and with the gradient cache (XPRTModel.cached_step,
 one group per chunk), each followed by DDP's averaging of the parameter gradients over the processes; then one
 optimiser step of two micro-batches under a real Accelerator (DDP, gradient accumulation 2), plain and cached
-(training.gradient_cache_step). Dropout is off (eval mode), so both see the same computation. Rank 0 writes the largest gradient and loss differences to
+(training.gradient_cache_step). Dropout is off (eval mode), so both see the same computation. Rank 0 writes the
+largest gradient and loss differences to
 argv[1] (JSON); argv[2] is the tiny model's folder.
 """
 

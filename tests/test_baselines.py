@@ -194,7 +194,8 @@ def test_enhanced_decoding_masks_follow_the_official_collator(tok):
 
 def official_retromae_loss(model, obj, batch, setting="paper"):
     """RetroMAEForPretraining.forward (src/pretrain/modeling.py lines 30-70), straight-line, with the decoder's
-    attention computed row by row from the layer's weights (enhancedDecoder.py's BertLayerForDecoder): the [CLS] state of the
+    attention computed row by row from the layer's weights (enhancedDecoder.py's BertLayerForDecoder): the [CLS]
+    state of the
     last layer (line 40, `hidden_states[-1][:, :1]`) in the official setting, the paper setting's mean-pooled vector
     in its place."""
     lm = model.encoder
@@ -553,7 +554,8 @@ def test_contriever_moco_equals_the_official_moco(tok, tiny_bert, setting):
     steps of 4 groups against OfficialMoCo (src/moco.py), a queue of 8 (the pointer wraps) and momentum 0.9 (the key
     encoder moves visibly), in the official setting (dot products of unnormalised vectors: with the tiny BERT's
     similar vectors the positive's logit dominates and some steps' loss is 0) and in the paper setting with
-    --contrastive_mode moco (cosines, --norm_query / --norm_doc on: a loss of a few nats every step): the loss of each step, the query and key encoders' weights, the queue and its pointer
+    --contrastive_mode moco (cosines, --norm_query / --norm_doc on: a loss of a few nats every step): the loss of
+    each step, the query and key encoders' weights, the queue and its pointer
     agree to 1e-5; no gradient reaches the keys; the key encoder and queue are no part of the model (its parameters,
     state dict, heads); the FLOP count has the key pass forward-only."""
     from plumbing.model_folder import load_mlm_encoder as load

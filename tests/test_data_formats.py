@@ -112,7 +112,8 @@ def test_id_less_corpus_is_selected_with_row_numbers_as_ids(tmp_path, tiny_bert)
     assert ref["doc_ids"] == "the 'id' field"
     assert _rows(tmp_path / "out") == _rows(tmp_path / "ref")
     # a corpus WITH ids still refuses a record without one
-    (tmp_path / "holes.jsonl").write_text(json.dumps({"id": "a", "text": "x"}) + "\n" + json.dumps({"text": "y"}) + "\n")
+    (tmp_path / "holes.jsonl").write_text(json.dumps({"id": "a", "text": "x"}) + "\n" + json.dumps({"text": "y"})
+                                          + "\n")
     args = sg.parse_args(["--input", str(tmp_path / "holes.jsonl"), "--output_dir", "o", "--skip_bad_lines"])
     assert [d.skip for d in readers.iter_records(args)] == ["", "missing_id"]
 
@@ -158,7 +159,8 @@ def test_pairs_without_negatives_are_mined_from_the_datas_own_passages(tmp_path,
 
 @pytest.fixture(scope="module")
 def mined(tmp_path_factory):
-    """mine_hard_negatives (sentence-transformers 6.2) with all-MiniLM-L6-v2 on 24 (query, positive) pairs of the bundled
+    """mine_hard_negatives (sentence-transformers 6.2) with all-MiniLM-L6-v2 on 24 (query, positive) pairs
+    of the bundled
     SciFact sample, 3 negatives each, in each output format, written as JSONL, CSV, parquet and a save_to_disk folder:
     {(format, container): path}, and the pairs."""
     from datasets import Dataset

@@ -207,7 +207,8 @@ def test_device_choice_on_a_gpu_machine():
     from select_groups import selection_batch_size
     from select_groups_datatrove import task_device
 
-    assert selection_batch_size(None, torch.device("cuda", 1)) == 512 and selection_batch_size(None, torch.device("cpu")) == 64
+    assert (selection_batch_size(None, torch.device("cuda", 1)) == 512
+            and selection_batch_size(None, torch.device("cpu")) == 64)
     assert selection_batch_size(32, torch.device("cuda")) == 32
     assert task_device(5, 4) == torch.device("cuda", 1) and task_device(5, 0) == torch.device("cpu")
 

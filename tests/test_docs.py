@@ -1,7 +1,8 @@
 """The documentation cannot drift from the code: every command the READMEs show (code blocks and inline code) that calls
 one of the repository's Python scripts or bench / experiments modules passes only flags that script's parser has, and
 only values among a flag's choices; every file such a command runs exists; every `file : function` of the README's
-paper map exists; every relative link points at a file. The parsers are caught at their first parse call (main(["--help"]) with argparse's parse stopped),
+paper map exists; every relative link points at a file. The parsers are caught at their first parse call
+(main(["--help"]) with argparse's parse stopped),
 so no script runs (a main() without an argv parameter gets sys.argv patched). tests/test_paper_map.py checks that
 the paper map's functions run."""
 

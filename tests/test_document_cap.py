@@ -93,7 +93,8 @@ def _one_document_groups(out: Path, n_big: int, n_small: int) -> Path:
 def test_a_dominant_document_leaves_xp_loss_on_and_the_negatives_logged(tiny_bert, tmp_path, cap, capsys):
     """36 groups of one document and 4 of others, batch 4, 3 steps. Without the cap (0) the rows of a batch of the
     page alone keep no negative: L_xp is exactly 0 there, the logged in_batch_negatives says 0 and the run warns.
-    With the default cap (half the batch: 2; 2 batches an epoch fit) every step keeps >= 2 negatives per row and L_xp > 0, and the log says
+    With the default cap (half the batch: 2; 2 batches an epoch fit) every step keeps >= 2 negatives per row and
+    L_xp > 0, and the log says
     how many groups the cap left out of the epoch."""
     groups = _one_document_groups(tmp_path / "groups", 36, 4)
     out = tmp_path / f"run-{cap}"

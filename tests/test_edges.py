@@ -70,7 +70,8 @@ def _beir(tmp_path, corpus=None, queries=None, qrels="query-id\tcorpus-id\tscore
 def test_beir_reader_reads_bom_headerless_and_trec_qrels(tmp_path):
     want = {"q1": {"d1": 1}, "q2": {"d2": 1}}
     assert common.load_beir(_beir(tmp_path / "plain"))["qrels"] == want
-    bom = _beir(tmp_path / "bom", corpus=b"\xef\xbb\xbf" + b'{"_id": "d1", "text": "alpha"}\n{"_id": "d2", "text": "b"}\n',
+    bom = _beir(tmp_path / "bom", corpus=b"\xef\xbb\xbf" + b'{"_id": "d1", "text": "alpha"}\n'
+                                         b'{"_id": "d2", "text": "b"}\n',
                 qrels=b"\xef\xbb\xbfquery-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\n")
     assert common.load_beir(bom)["qrels"] == want
     assert common.load_beir(_beir(tmp_path / "nohead", qrels="q1\td1\t1\nq2\td2\t1\n"))["qrels"] == want

@@ -94,7 +94,8 @@ def beir(tmp_path):
 
 
 def factory(kind):
-    return lambda name: (FakeEncoder(PERFECT, "fake/perfect") if kind == "perfect" else WrongEncoder(ONE_HOT, "fake/wrong"))
+    return lambda name: (FakeEncoder(PERFECT, "fake/perfect") if kind == "perfect"
+                         else WrongEncoder(ONE_HOT, "fake/wrong"))
 
 
 # ---------------------------------------------------------------- known nDCG@10
@@ -483,7 +484,8 @@ def _xprt_run_folder(tiny_bert, run_dir: Path) -> Path:
     from modeling_xprt import XPRTModel
 
     save_xprt_folder(load_xprt_folder(XPRTModel, str(tiny_bert)), str(run_dir / "model"),
-                     AutoTokenizer.from_pretrained(tiny_bert), model_card="---\nlibrary_name: sentence-transformers\n---\n\n# run\n")
+                     AutoTokenizer.from_pretrained(tiny_bert),
+                     model_card="---\nlibrary_name: sentence-transformers\n---\n\n# run\n")
     return run_dir / "model"
 
 
@@ -514,7 +516,8 @@ def test_mteb_loader_reads_evaluate_results_folder(tiny_bert, beir, tmp_path, ca
     for task, score in scores.items():
         assert score == pytest.approx(table[task], abs=1e-9)
     assert 0.0 < table["SciFact"] <= 100.0
-    # the card of the xprt folder holds the scores (model_folder.add_eval_results_to_card): local folders in a section of
+    # the card of the xprt folder holds the scores (model_folder.add_eval_results_to_card): local folders in
+    # a section of
     # their own, saying what was scored, never in the model-index under MTEB's task names, and no local path
     from huggingface_hub import ModelCard
 

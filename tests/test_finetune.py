@@ -205,7 +205,8 @@ def test_finetune_trains_the_encoder_and_leaves_the_idle_heads_untouched(tiny_be
     out = tmp_path / "ft"
     res = run(ft_args(start, beir, out, **{"--max_train_steps": 2}))
     h0, h1 = load_file(str(start / "xprt_heads.safetensors")), load_file(str(out / "model" / "xprt_heads.safetensors"))
-    assert set(h0) == set(h1) and any(k.startswith("decoder.") for k in h0) and any(k.startswith("mlm_head.") for k in h0)
+    assert set(h0) == set(h1) and any(k.startswith("decoder.") for k in h0) and any(k.startswith("mlm_head.")
+                                                                                    for k in h0)
     for k in h0:
         assert torch.equal(h0[k], h1[k]), k
     e0, e1 = load_file(str(start / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
@@ -233,7 +234,8 @@ def test_finetune_under_deepspeed_zero3_one_cpu_process(tiny_bert, beir, tmp_pat
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "DistributedType.DEEPSPEED x 1" in proc.stdout + proc.stderr
     run(ft_args(tiny_bert, beir, plain, **{"--max_train_steps": 3, "--no_save_model": True}))
-    assert json.loads((out / "mined_negatives.json").read_text()) == json.loads((plain / "mined_negatives.json").read_text())
+    assert (json.loads((out / "mined_negatives.json").read_text())
+            == json.loads((plain / "mined_negatives.json").read_text()))
     a, b = read_log(out), read_log(plain)
     for s in (1, 2, 3):
         assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-4), s

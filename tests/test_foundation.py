@@ -28,7 +28,8 @@ def test_embed_texts_matches_sentence_transformers(minilm_path):
     from transformers import AutoModel, AutoTokenizer
 
     texts = ["A cat sat on the mat.", "Dense retrieval maps queries and passages to vectors.", "Hi", ""]
-    ours = embed_texts(AutoModel.from_pretrained(minilm_path).eval(), AutoTokenizer.from_pretrained(minilm_path), texts, batch_size=3)
+    ours = embed_texts(AutoModel.from_pretrained(minilm_path).eval(), AutoTokenizer.from_pretrained(minilm_path), texts,
+                       batch_size=3)
     st = SentenceTransformer(minilm_path, device="cpu")
     ref = torch.from_numpy(st.encode(texts, batch_size=3, normalize_embeddings=True))
     assert ours.shape == (4, 384)

@@ -324,7 +324,8 @@ def test_gpu_scale_round_trip_at_toy_size(tmp_path, monkeypatch):
     plan = json.loads((here / "carry" / "plan.json").read_text())
     assert plan["sizes"]["lm"] > 0 and plan["todo"] == ["s2/xprt", "s2/contrastive_random_span", "s2/revela"]
     assert "## Every model scored as the start is" in md
-    assert "## Arms not run at this scale" in md and "- self-reconstruction, 5x steps (as much text as xPRT): not run" in md
+    assert "## Arms not run at this scale" in md and ("- self-reconstruction, 5x steps (as much text as xPRT): "
+                                                      "not run") in md
     assert "tears the encoder" not in md  # the config's note on Contriever: on the page only where it is an arm
     for arm in both:
         log = [json.loads(line) for line in (here / f"s1/{arm}/train_log.jsonl").read_text().splitlines()]

@@ -37,8 +37,8 @@ def test_script_terms_are_scikit_learns_words_on_spaced_text_and_bigrams_on_unsp
     for text in english + [d["text"] for d in _sample("de")]:
         assert sg.script_terms(text) == words(text)  # English and German groups stay as they were
     assert sg.script_terms("数学是一门学科") == ["数学", "学是", "是一", "一门", "门学", "学科"]
-    assert sg.script_terms("アンパサンド（&）とは、2010年 Wiki") == ["2010", "wiki", "アン", "ンパ", "パサ", "サン", "ンド",
-                                                                 "とは", "年"]
+    assert sg.script_terms("アンパサンド（&）とは、2010年 Wiki") == ["2010", "wiki", "アン", "ンパ", "パサ", "サン",
+                                                                 "ンド", "とは", "年"]
     assert words("数学是一门学科，属于形式科学。") == ["数学是一门学科", "属于形式科学"]  # the former terms: clauses
 
 
@@ -66,7 +66,8 @@ def test_unspaced_passages_of_one_document_share_tfidf_terms(tok, lang, words_pc
 
 def test_sentences_end_at_every_scripts_terminals(tok):
     cut = lambda t: [s for s in sg._SENTENCE_END.split(t) if s]  # noqa: E731
-    assert cut("数学是一门学科。它研究数量！真的吗？是的。") == ["数学是一门学科。", "它研究数量！", "真的吗？", "是的。"]
+    assert cut("数学是一门学科。它研究数量！真的吗？是的。") == ["数学是一门学科。", "它研究数量！", "真的吗？",
+                                                                 "是的。"]
     assert cut("「そうだ。」と言った。次") == ["「そうだ。」", "と言った。", "次"]
     assert cut("Er sagte: «Nein.» Dann ging er. Pi ist 3.14 groß.") == ["Er sagte: «Nein.»", "Dann ging er.",
                                                                        "Pi ist 3.14 groß."]

@@ -17,7 +17,8 @@ def test_layer_tokens_per_group_counts_every_trained_pass(tiny_bert, tok):
     g, p, l = batch["input_ids"].shape
     want = (p * l * 2 + batch["dec_input_ids"][0].numel() * 1 + batch["retain_input_ids"][0].numel() * 2)
     assert run_log.layer_tokens_per_group(model, batch, retention=True) == want
-    assert run_log.layer_tokens_per_group(model, batch, retention=False) == want - batch["retain_input_ids"][0].numel() * 2
+    assert (run_log.layer_tokens_per_group(model, batch, retention=False)
+            == want - batch["retain_input_ids"][0].numel() * 2)
 
 
 def test_moco_keys_are_not_counted_as_trained(tiny_bert, tok):

@@ -183,7 +183,8 @@ def test_loading_a_saved_folder_prints_no_load_report(runs, tiny_bert, capfd):
 
     folder = str(runs["model"])
     for load in (lambda: AutoModel.from_pretrained(folder), lambda: SentenceTransformer(folder, device="cpu"),
-                 lambda: load_xprt_folder(mx.XPRTModel, folder), lambda: load_xprt_folder(mx.XPRTModel, str(runs["ft"]))):
+                 lambda: load_xprt_folder(mx.XPRTModel, folder),
+                 lambda: load_xprt_folder(mx.XPRTModel, str(runs["ft"]))):
         out = _loading_output(load, capfd)
         assert "LOAD REPORT" not in out and "MISSING" not in out, out
     assert "LOAD REPORT" in _loading_output(lambda: AutoModel.from_pretrained(str(tiny_bert)), capfd)
@@ -202,12 +203,14 @@ def test_eval_results_section_is_rewritten_not_repeated(runs, tmp_path):
     before = (folder / "README.md").read_text()
     model_folder.add_eval_results_to_card(folder, {"SciFact": {"metric": "ndcg_at_10", "score": 61.234},
                                          "STSBenchmark": {"metric": "cosine_spearman", "score": 80.5}}, "evaluate.py")
-    model_folder.add_eval_results_to_card(folder, {"SciFact": {"metric": "ndcg_at_10", "score": 62.0}}, "evaluate.py (2)")
+    model_folder.add_eval_results_to_card(folder, {"SciFact": {"metric": "ndcg_at_10", "score": 62.0}},
+                                          "evaluate.py (2)")
     text = (folder / "README.md").read_text()
     assert text.count("## Evaluation") == 1 and text.count(model_folder.EVAL_SECTION_START) == 1
-    assert "| SciFact | Retrieval | ndcg_at_10 | 62.00 |" in text and "| STSBenchmark | STS | cosine_spearman | 80.50 |" \
-        in text and "61.23" not in text
-    model_folder.add_eval_results_to_card(folder, {"ArguAna": {"metric": "ndcg_at_10", "score": 40.0, "dataset_id": "mteb/arguana",
+    assert "| SciFact | Retrieval | ndcg_at_10 | 62.00 |" in text \
+        and "| STSBenchmark | STS | cosine_spearman | 80.50 |" in text and "61.23" not in text
+    model_folder.add_eval_results_to_card(folder, {"ArguAna": {"metric": "ndcg_at_10", "score": 40.0,
+                                                     "dataset_id": "mteb/arguana",
                                                      "split": "test", "revision": "abc123"}}, "evaluate.py (3)")
     arg = [e for e in ModelCard.load(folder / "README.md").data.eval_results if e.dataset_name == "ArguAna"][0]
     assert (arg.dataset_type, arg.dataset_split, arg.dataset_revision) == ("mteb/arguana", "test", "abc123")

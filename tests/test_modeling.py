@@ -327,13 +327,15 @@ def test_fused_vocab_loss_equals_plain(soft):
     for fused in (False, True):
         for t in (hid, w, b):
             t.grad = None
-        loss = one_vocab_term(hid, w, b, targets=None if soft else tgt, teacher_hidden=teacher, fused=fused, chunk_size=8)
+        loss = one_vocab_term(hid, w, b, targets=None if soft else tgt, teacher_hidden=teacher, fused=fused,
+                              chunk_size=8)
         (2.5 * loss).backward()
         results.append([loss.detach()] + [t.grad.clone() for t in (hid, w, b)])
     for x, y in zip(*results):
         assert torch.allclose(x, y, atol=1e-5, rtol=1e-4)
     with torch.no_grad():  # evaluation: same value, no gradient work
-        assert torch.allclose(one_vocab_term(hid, w, b, targets=None if soft else tgt, teacher_hidden=teacher, chunk_size=8),
+        assert torch.allclose(one_vocab_term(hid, w, b, targets=None if soft else tgt, teacher_hidden=teacher,
+                                             chunk_size=8),
                               results[0][0], atol=1e-5)
     if soft:  # KL to itself is zero
         assert one_vocab_term(teacher, w, b, teacher_hidden=teacher).abs().item() < 1e-5
@@ -400,7 +402,8 @@ def test_batched_forward_matches_loops_of_single_passes(tiny_bert, tok):
         assert torch.allclose(out["mlm_loss"], ref_mlm, atol=1e-4)
         vecs, enc_logits = [], []
         for gi in range(g):  # encoder one group at a time
-            o = enc(input_ids=batch["input_ids"][gi], attention_mask=batch["attention_mask"][gi], output_hidden_states=True)
+            o = enc(input_ids=batch["input_ids"][gi], attention_mask=batch["attention_mask"][gi],
+                    output_hidden_states=True)
             vecs.append(mx.mean_pool(o.hidden_states[-1], batch["attention_mask"][gi]))
             enc_logits.append(o.logits)
         vec = torch.stack(vecs)  # (G, P, H)
@@ -412,7 +415,8 @@ def test_batched_forward_matches_loops_of_single_passes(tiny_bert, tok):
             for d in range(len(source)):  # one decoder pass at a time
                 ids = batch["dec_input_ids"][gi, d : d + 1]
                 am = batch["attention_mask"][gi, target[d]].unsqueeze(0)
-                x = model.objective.decoder(vec[gi, source[d]].unsqueeze(0), model.base.embeddings(input_ids=ids), am)[0]
+                x = model.objective.decoder(vec[gi, source[d]].unsqueeze(0), model.base.embeddings(input_ids=ids),
+                                            am)[0]
                 tokens = torch.cat([x[:1], x[1 + c :]])  # drop the conditioning slots: (L, H)
                 logits = head(tokens)
                 lab = batch["dec_labels"][gi, d]
@@ -507,7 +511,8 @@ def test_decoder_really_uses_the_conditioning(tiny_bert, tok):
             ids = batch["dec_input_ids"][:, idx].reshape(-1, l)
             labels = batch["dec_labels"][:, idx].reshape(-1, l)
             am = batch["attention_mask"][:, torch.tensor([target[i] for i in cross])].reshape(-1, l)
-            x = model.objective.decoder(anchors.repeat_interleave(len(cross), 0), model.base.embeddings(input_ids=ids), am)
+            x = model.objective.decoder(anchors.repeat_interleave(len(cross), 0), model.base.embeddings(input_ids=ids),
+                                        am)
             rows = mx.ConditionedDecoder.output_rows((labels != -100).reshape(-1).nonzero().squeeze(1), l,
                                                      model.objective.num_condition_vectors)
             return mx.cross_fill_loss(model, x.reshape(-1, x.shape[-1]).index_select(0, rows), labels[labels != -100])
@@ -535,7 +540,8 @@ def test_each_objective_loss_falls_on_a_repeated_batch(tiny_bert, tok, objective
         out["loss"].backward()
         opt.step()
         losses.append(out["loss"].item())
-    expected = {"xprt": {"xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity_loss", "retention_loss"},
+    expected = {"xprt": {"xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity_loss",
+                         "retention_loss"},
                 "contrastive_random_span": {"contrastive_loss", "retention_loss"},
                 "self_reconstruction": {"recon_loss", "mlm_loss", "retention_loss"},
                 "pair": {"pair_q_loss", "pair_p_loss"}}[objective]
@@ -582,7 +588,8 @@ def test_xprt_collator_masks_and_resume(tok):
     g, p, l = b["input_ids"].shape
     assert (g, p) == (5, 5) and b["dec_input_ids"].shape == (5, 10, l)
     assert b["doc_ids"][0] == b["doc_ids"][1] != b["doc_ids"][2]
-    clean = tok([t for r in rows for t in [r["anchor"]] + r["related"]], padding=True, return_tensors="pt")["input_ids"].view(g, p, l)
+    clean = tok([t for r in rows for t in [r["anchor"]] + r["related"]], padding=True,
+                return_tensors="pt")["input_ids"].view(g, p, l)
     special = torch.isin(clean, torch.tensor(tok.all_special_ids))
     lab = b["mlm_labels"]
     assert ((lab != -100) & special).sum() == 0  # never mask [CLS], [SEP], padding
@@ -595,7 +602,8 @@ def test_xprt_collator_masks_and_resume(tok):
     dl = b["dec_labels"]
     assert torch.equal(b["dec_input_ids"][dl == -100], dtarget[dl == -100])
     assert (b["dec_input_ids"][dl != -100] == tok.mask_token_id).all()
-    assert 0.5 < (dl != -100).sum().item() / (~torch.isin(dtarget, torch.tensor(tok.all_special_ids))).sum().item() < 0.7
+    assert (0.5 < (dl != -100).sum().item()
+            / (~torch.isin(dtarget, torch.tensor(tok.all_special_ids))).sum().item() < 0.7)
     assert torch.equal(b["retain_input_ids"][:, 0, : l], clean[:, 0, : b["retain_input_ids"].shape[2]])
     # the generator's seed gives the exact batch (training re-seeds it per batch: batches.SeededCollate; resume)
     col2 = mx.XPRTCollator(tok, seed=123)

@@ -19,8 +19,8 @@ import select_groups
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("modeling_xprt.py", "baselines.py", "revela.py", "fused_vocab.py", "architectures.py", "train.py",
-           "finetune.py", "select_groups.py", "training.py", "batches.py", "run_log.py", "common.py", "model_folder.py")
+# every Python file of the repository a step can run: the root's scripts, the arms, the plumbing
+SCRIPTS = tuple(str(p.relative_to(ROOT)) for d in (ROOT, ROOT / "baselines", ROOT / "plumbing") for p in d.glob("*.py"))
 
 # What one step of each objective must run (qualified names), beyond what every step runs.
 EVERY_PRETRAIN_STEP = {"XPRTModel.encode", "mean_pool", "retention_loss",
@@ -52,7 +52,7 @@ def paper_map():
     text = (ROOT / "README.md").read_text()
     table = text.split("## Paper map", 1)[1].split("\n## ", 1)[0]
     out = {}
-    for script, names in re.findall(r"`(\w+\.py) : ([^`]+)`", table):
+    for script, names in re.findall(r"`([\w/]+\.py) : ([^`]+)`", table):
         out.setdefault(script, set()).update(n.strip() for n in names.split(","))
     return out
 
@@ -133,15 +133,9 @@ def test_each_objective_runs_its_paper_map_functions(runs, objective):
 
 
 def test_every_function_the_map_names_exists_and_runs(runs):
-    import baselines  # noqa: F401
-    import modeling_xprt
-    from baselines import revela
-    from plumbing import architectures
-    from plumbing import architectures as fused_vocab
+    import importlib
 
-    modules = {"modeling_xprt.py": modeling_xprt, "baselines.py": baselines, "fused_vocab.py": fused_vocab,
-               "architectures.py": architectures, "revela.py": revela,
-               "train.py": train, "finetune.py": finetune, "select_groups.py": select_groups}
+    modules = {script: importlib.import_module(script.removesuffix(".py").replace("/", ".")) for script in paper_map()}
     ran = set().union(*runs.values())
     # run by fine-tuning's stage 1 only, which needs real generator and cross-encoder weights (tests/test_finetune.py
     # runs them on tiny random models)
@@ -164,7 +158,7 @@ def traced_step(argv, step: int = 1, end: str = "XPRTModel.forward") -> dict:
     k - 1 (step 1: the epoch's start, epoch_batches) to its loss. Step 1 also runs what happens once (the epoch's batches
     dealt, the memory estimate, the FLOP count); a later step is the steady state. Comprehensions and generator
     expressions are left out: they are expressions inside the functions a reader opens."""
-    files = {str(p) for p in ROOT.glob("*.py")}
+    files = {str(ROOT / s) for s in SCRIPTS}
     seen = {"sampler": {}, "model": {}}
     st = {"steps": 0, "collated": 0, "fetching": None, "loop": False, "model": False}
 
@@ -181,9 +175,9 @@ def traced_step(argv, step: int = 1, end: str = "XPRTModel.forward") -> dict:
             fetch = st["fetching"]
             if not name.rsplit(".", 1)[-1].startswith(("<listcomp", "<dictcomp", "<setcomp", "<genexpr")):
                 if fetch == step or (fetch is None and st["loop"]):
-                    seen["sampler"].setdefault(Path(code.co_filename).name, set()).add(name)
+                    seen["sampler"].setdefault(str(Path(code.co_filename).relative_to(ROOT)), set()).add(name)
                 if st["model"]:
-                    seen["model"].setdefault(Path(code.co_filename).name, set()).add(name)
+                    seen["model"].setdefault(str(Path(code.co_filename).relative_to(ROOT)), set()).add(name)
         elif event == "return":
             if name == "SeededCollate.__call__":
                 st["fetching"], st["collated"] = None, st["collated"] + 1

@@ -418,11 +418,13 @@ EXPECTED_TERMS = {
     "contrastive_random_span": {"contrastive_loss", "retention_loss"},
     "self_reconstruction": {"recon_loss", "mlm_loss", "retention_loss"},
     "no_fill_in": {"xp_loss", "self_fill_loss", "mlm_loss", "uniformity_loss", "retention_loss"},
-    "positive_random": {"xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity_loss", "retention_loss"},
+    "positive_random": {"xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity_loss",
+                        "retention_loss"},
 }
 
 
-@pytest.mark.parametrize("name", [n if n == "xprt" else pytest.param(n, marks=pytest.mark.slow) for n in OBJECTIVE_RUNS])
+@pytest.mark.parametrize("name", [n if n == "xprt" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in OBJECTIVE_RUNS])
 def test_every_objective_and_ablation_loss_falls_on_a_repeated_batch(name, tiny_bert, groups, tmp_path):
     """4 groups = one batch, seen 10 times (fresh masks / crops each time), with the retention term on (constant
     weight 1 so that the decay of the weight cannot make the total fall by itself). 2 related passages per group
@@ -614,7 +616,8 @@ def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(tiny_bert, grou
     # and the final weights agree
     from safetensors.torch import load_file
 
-    wa, wb = load_file(tmp_path / "a" / "model" / "model.safetensors"), load_file(tmp_path / "b" / "model" / "model.safetensors")
+    wa, wb = (load_file(tmp_path / "a" / "model" / "model.safetensors"),
+              load_file(tmp_path / "b" / "model" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
     # rotation kept the last two: step_4 and step_6
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_4", "step_6"]
@@ -662,7 +665,8 @@ def test_nonfinite_loss_stops_naming_step_and_term_and_writes_no_model(nan_at_st
 @pytest.mark.slow
 def test_nonfinite_loss_can_be_skipped(nan_at_step_3, tiny_bert, groups, tmp_path):
     out = tmp_path / "s"
-    res = run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 5, "--max_groups": 8, "--on_nonfinite": "skip"}))
+    res = run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 5, "--max_groups": 8,
+                                                   "--on_nonfinite": "skip"}))
     assert res["completed_steps"] == 5
     log = read_log(out)
     assert "loss" not in log[3] and log[3]["skipped_nonfinite_micro_batches"] == 1
@@ -774,9 +778,11 @@ def test_accelerate_launch_deepspeed_one_cpu_process(tiny_bert, groups, tmp_path
     # the final model scored inside the DeepSpeed engine (ZeRO-3: gathered weights) = evaluate.py on the saved folder
     import evaluate
 
-    (scored,) = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if "eval_SciFact" in line]
+    (scored,) = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()
+                 if "eval_SciFact" in line]
     final = evaluate.run_evaluation([str(out / "model")], local_tasks=[f"SciFact={beir}"], show_progress=False)
-    assert scored["eval_SciFact"] == pytest.approx(final["results"][str(out / "model")]["SciFact"]["main_score"], abs=1e-4)
+    assert scored["eval_SciFact"] == pytest.approx(final["results"][str(out / "model")]["SciFact"]["main_score"],
+                                                   abs=1e-4)
     log = {r["step"]: r for r in _records(out) if "loss" in r}  # the loss records (the score record is apart)
     assert sorted(log) == [1, 2, 3]
     assert (out / "checkpoints" / "step_3" / "pytorch_model").is_dir()  # a DeepSpeed engine checkpoint
@@ -818,10 +824,12 @@ def test_two_process_run_resumes_exactly(tiny_bert, groups, tmp_path):
     there is no GPU), negatives are gathered across both, and each process's masks follow from (seed, epoch, batch,
     process), so a stop at step 2 + resume equals the uninterrupted 4-step run."""
     def launch(out, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py")]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "train.py")]
         cmd += [str(a) for a in base_args(tiny_bert, groups, out, **{"--max_train_steps": 4, "--num_related": 2,
                                                                        "--max_length": 24, "--learning_rate": 1e-3,
-                                                                       "--checkpointing_steps": 2, "--no_save_model": True})]
+                                                                       "--checkpointing_steps": 2,
+                                                                       "--no_save_model": True})]
         proc = subprocess.run(cmd + list(extra), cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return proc.stdout + proc.stderr
@@ -1037,7 +1045,8 @@ def test_two_process_scores_equal_evaluate_on_the_saved_model(tiny_bert, groups,
 
     beir, sts = _eval_folders(tmp_path)
     out = tmp_path / "two"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "train.py")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "train.py")]
     cmd += [str(a) for a in base_args(tiny_bert, groups, out, **{"--max_train_steps": 2, "--num_related": 2,
                                                                    "--max_length": 24, "--learning_rate": 1e-3,
                                                                    "--eval_steps": 1, "--eval_limit": 0,

@@ -226,7 +226,8 @@ def main(argv=None):
         learning_rate=args.learning_rate, warmup_steps=math.ceil(args.warmup_ratio * args.max_steps),
         lr_scheduler_type="linear", weight_decay=args.weight_decay, logging_steps=args.logging_steps,
         save_strategy="no", eval_strategy="no", report_to="none", seed=args.seed, data_seed=args.seed,
-        disable_tqdm=True, dataloader_pin_memory=torch.cuda.is_available(), bf16=args.bf16)  # pinning is for host-to-GPU copies
+        # pinning is for host-to-GPU copies
+        disable_tqdm=True, dataloader_pin_memory=torch.cuda.is_available(), bf16=args.bf16)
     trainer = Trainer(model=model, args=targs, data_collator=collator, train_dataset=train_ds, eval_dataset=eval_ds,
                       callbacks=[TimeBox(args.max_seconds)] if args.max_seconds else None)
     t1 = time.time()
@@ -254,7 +255,8 @@ def main(argv=None):
              "args": {k: v for k, v in vars(args).items() if k not in ("inputs", "output_dir")},
              "inputs": [os.path.basename(os.path.dirname(f)) or f for f in args.inputs]}
     atomic_write(out / "mlm_stats.json", json.dumps(stats, indent=1))
-    print(f"held-out {'next-token' if args.causal else 'MLM'} loss {metrics['eval_loss']:.3f} (perplexity {math.exp(metrics['eval_loss']):.1f}); "
+    print(f"held-out {'next-token' if args.causal else 'MLM'} loss {metrics['eval_loss']:.3f} "
+          f"(perplexity {math.exp(metrics['eval_loss']):.1f}); "
           f"{n_params / 1e6:.1f}M parameters; training {t_train / 60:.1f} min; wrote {out}")
     return stats
 

@@ -21,7 +21,8 @@ through it) and no mteb.
 One comparison is built over several short GPU runs (the ledger, <out>/ledger.json): each run returned is recorded
 with its arm, seed, steps, the start's, the language model's and the groups' content digests and the code; `build`
 carries the start the first run made or the config names (so every arm of the table starts from the same bytes) and
-plans the next run to train only what is missing, at the steps per arm the config fixes (its "steps": {"per_arm"}, set from measured step times, never
+plans the next run to train only what is missing, at the steps per arm the config fixes (its "steps": {"per_arm"}, set
+from measured step times, never
 re-fitted per run); `score` refuses a run whose start or groups differ from the ledger's.
 """
 from __future__ import annotations

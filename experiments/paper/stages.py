@@ -309,7 +309,8 @@ def stage_score(exp: dict, out: Path, start: str, models: dict, dry_run: bool) -
 
 def fit_steps(exp: dict, arms: dict, seeds: list, seconds_per_step, flops: dict = None) -> int:
     """Steps per arm that fit the config's "steps": {"fit_seconds"}: fit_seconds over the time of one step of every arm
-    and seed, `seconds_per_step(FLOPs of a step)` (estimate_flops, or `flops` by arm), within the config's [min, max]."""
+    and seed, `seconds_per_step(FLOPs of a step)` (estimate_flops, or `flops` by arm), within the config's
+    [min, max]."""
     rule = exp["steps"]
     flops = flops or {n: estimate_flops(exp, arm) for n, arm in arms.items()}
     one_step = sum(seconds_per_step(flops[n]) * arm["steps_factor"] for n, arm in arms.items())

@@ -44,7 +44,8 @@ def main():
 
     texts = ["A cat sat on the mat.", "Dense retrieval maps queries and passages to vectors.",
              "The Treaty of Westphalia ended the Thirty Years' War in 1648.", "Hi", ""]
-    st = torch.from_numpy(SentenceTransformer(str(run / "model"), device="cpu").encode(texts, normalize_embeddings=True))
+    st = torch.from_numpy(SentenceTransformer(str(run / "model"), device="cpu").encode(texts,
+                                                                                     normalize_embeddings=True))
     tok = AutoTokenizer.from_pretrained(run / "model")
     ours = embed_texts(AutoModel.from_pretrained(run / "model"), tok, texts)
     start = embed_texts(AutoModel.from_pretrained(resolve_model_path(args.start)), tok, texts)
