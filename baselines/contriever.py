@@ -17,7 +17,7 @@ from plumbing.architectures import layer_multiply_adds
 from plumbing.common import UserError, momentum, positive_int, rank_and_world
 
 # ==============================================================================================================
-# 5. Contriever's random spans (Izacard et al. 2022): two independent crops, word deletion, InfoNCE, tau 0.05
+# 1. Contriever's random spans (Izacard et al. 2022): two independent crops, word deletion, InfoNCE, tau 0.05
 # ==============================================================================================================
 
 
@@ -324,7 +324,7 @@ class Contriever(Objective):
 
 
 # ==============================================================================================================
-# 6. Random spans (contrastive_random_span): two random crops of one passage as a positive pair, cosine
+# 2. Random spans (contrastive_random_span): two random crops of one passage as a positive pair, cosine
 #    InfoNCE over in-batch negatives, no augmentation; Contriever's cropping without the rest of its recipe
 # How it differs from Contriever's code (src/data.py, inbatch.py, moco.py, options.py, the README's run), which
 # section 5 follows:

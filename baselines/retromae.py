@@ -14,7 +14,7 @@ from modeling_xprt import Objective, mlm_loss, register_objective
 from plumbing.architectures import decoder_layers, layer_multiply_adds, linear_cross_entropy
 
 # ==============================================================================================================
-# 3. RetroMAE (Xiao et al. 2022): encoder MLM at 30%, one-layer decoder with enhanced decoding at 50%
+# RetroMAE (Xiao et al. 2022): encoder MLM at 30%, one-layer decoder with enhanced decoding at 50%
 # ==============================================================================================================
 
 

@@ -10,7 +10,7 @@ from modeling_xprt import (ConditionedDecoder, GroupCollator, Layout, Objective,
 from plumbing.architectures import linear_cross_entropy
 
 # ==============================================================================================================
-# 7. Self-reconstruction (the paper's Table 3 ablation)
+# Self-reconstruction (the paper's Table 3 ablation)
 # ==============================================================================================================
 
 

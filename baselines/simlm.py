@@ -17,7 +17,7 @@ from plumbing.architectures import (copy_last_layers, layer_multiply_adds, linea
 from plumbing.common import resolve_model_path
 
 # ==============================================================================================================
-# 4. SimLM (Wang et al. 2023): replaced language modelling, a frozen ELECTRA generator, a 2-layer decoder
+# SimLM (Wang et al. 2023): replaced language modelling, a frozen ELECTRA generator, a 2-layer decoder
 # ==============================================================================================================
 
 

@@ -26,7 +26,8 @@ SCRIPTS = tuple(str(p.relative_to(ROOT)) for d in (ROOT, ROOT / "baselines", ROO
 EVERY_PRETRAIN_STEP = {"XPRTModel.encode", "mean_pool", "retention_loss",
                        "retention_weight", "load_mlm_encoder"}
 EXPECTED = {
-    "xprt": {"XPRTModel.forward", "XPRTObjective.encode", "XPRTObjective.batch_terms", "XPRTObjective.row_terms", "xp_loss", "info_nce",
+    "xprt": {"XPRTModel.forward", "XPRTObjective.encode", "XPRTObjective.batch_terms", "XPRTObjective.row_terms",
+             "xp_loss", "info_nce",
              "gather_with_grad", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity_loss",
              "decoder_pass_plan", "ConditionedDecoder.forward", "XPRTObjective.decode", "XPRTObjective.total",
              "linear_cross_entropy", "linear_kl_div", "_FusedLinearCE.forward"},
@@ -155,8 +156,8 @@ def traced_step(argv, step: int = 1, end: str = "XPRTModel.forward") -> dict:
     functions that optimiser step `step` calls from the batch sampler to the loss (`end` returning), and from the
     model's step (`end` called) to the loss. The path of step k: its batch's rows read and collated (the k-th
     SeededCollate call; the loader fetches a batch ahead, during the step before) and the loop from the end of step
-    k - 1 (step 1: the epoch's start, epoch_batches) to its loss. Step 1 also runs what happens once (the epoch's batches
-    dealt, the memory estimate, the FLOP count); a later step is the steady state. Comprehensions and generator
+    k - 1 (step 1: the epoch's start, epoch_batches) to its loss. Step 1 also runs what happens once (the epoch's
+    batches dealt, the memory estimate, the FLOP count); a later step is the steady state. Comprehensions and generator
     expressions are left out: they are expressions inside the functions a reader opens."""
     files = {str(ROOT / s) for s in SCRIPTS}
     seen = {"sampler": {}, "model": {}}

@@ -35,7 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the repository's modules sit two folders up
 
-from plumbing.common import (UserError, atomic_path, atomic_write, claim_output_folder, local_inputs, record_outputs,
+from plumbing.common import (UserError, atomic_path, atomic_write, claim_output_folder,  # noqa: E402
+                             local_inputs, record_outputs,
                              remove_outputs, resolve_model_path, run_script)
 
 
