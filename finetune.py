@@ -988,7 +988,7 @@ def main(argv=None):
     model.train()
     window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps)
     stop_at = min(max_steps, args.stop_after_steps or max_steps)
-    stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1: a checkpoint after the step, then stop
+    stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1 / Ctrl-C: a checkpoint after the step, stop
     try:
         for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
             if stopped or state.completed_steps >= stop_at:

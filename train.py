@@ -513,7 +513,7 @@ def main(argv=None):
     model.train()
     window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops(accelerator, args))
     stop_at = min(max_steps, args.stop_after_steps or max_steps)
-    stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1: a checkpoint after the step, then stop
+    stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1 / Ctrl-C: a checkpoint after the step, stop
     best = {}  # --save_best: the best scoring so far
     skip_tokens = () if teacher is not None else ("retain_",)  # masks a step computes nothing of
     try:

@@ -447,8 +447,9 @@ class SeededCollate:
 
 # What a scheduler sends before it ends a job: Slurm SIGTERM (then SIGKILL after its KillWait, 30 s by default) or,
 # asked with `sbatch --signal=USR1@90`, SIGUSR1 ahead of the time limit; Kubernetes and torchrun's agent SIGTERM.
-# The main process answers them (training.StopSignals); the loader's workers leave them to it.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# The main process answers them (training.StopSignals); the loader's workers leave them to it. Ctrl-C (SIGINT, which
+# a terminal sends the whole foreground process group) is answered the same way: a checkpoint after the step, exit 130.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 def leave_stop_signals_to_the_main_process(worker_id: int):
     """A loader worker's start (worker_init_fn): ignore STOP_SIGNALS. Slurm signals every process of the job,

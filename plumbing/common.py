@@ -45,6 +45,11 @@ def run_script(main, argv=None):
     status 2 (argparse's own status for a usage error)."""
     try:
         return main(argv)
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop's steps (the loop answers it: StopSignals)
+        module = sys.modules.get(main.__module__)
+        script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
+        print(f"\n{script}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        sys.exit(130)
     except UserError as err:
         module = sys.modules.get(main.__module__)
         script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])

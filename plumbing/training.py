@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -385,7 +386,7 @@ def print_run(accelerator, args, data: str, max_steps: int):
         f"{args.per_device_train_batch_size * world} (accumulation adds none; a same-document mask leaves fewer: "
         f"in_batch_negatives in the log); lr {args.learning_rate}; "
         + (f"a checkpoint every {args.checkpointing_steps} steps" if args.checkpointing_steps else "no checkpoints")
-        + " (and one on SIGTERM / SIGUSR1)")
+        + " (and one on SIGTERM / SIGUSR1 / Ctrl-C)")
 
 # ==============================================================================================================
 # 4. A run's identity: one live run per folder, and a resume (or a rerun) that is the same run
@@ -604,7 +605,12 @@ class StopSignals:
                 break
 
     def note(self, signum, frame):
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:  # Ctrl-C twice: stop now, without the checkpoint
+            raise KeyboardInterrupt
         self.signum = signum
+        if signum == signal.SIGINT:
+            print("\nCtrl-C: the run stops after this step, with a checkpoint (Ctrl-C again: at once, without one)",
+                  file=sys.stderr, flush=True)
 
     def check(self) -> int:
         """After an optimiser step: the stop signal's number, 0 for none (one process: the handler's note itself;
@@ -893,7 +899,8 @@ def add_common_args(p, default_lr: float):
     g.add_argument("--checkpointing_steps", type=non_negative_int, default=None,
                    help="save_state every N optimiser steps (0 = never). Default: every "
                         f"{DEFAULT_CHECKPOINT_EVERY} steps in a run of more than {DEFAULT_CHECKPOINT_EVERY}, none in a "
-                        "shorter one. A SIGTERM / SIGUSR1 writes one after the step it arrives in, in any case")
+                        "shorter one. A SIGTERM / SIGUSR1 / Ctrl-C writes one after the step it arrives in, in any "
+                        "case")
     g.add_argument("--checkpoints_total_limit", type=non_negative_int, default=2,
                    help="keep only the last K checkpoints (0 = all)")
     g.add_argument("--resume_from_checkpoint", default=None,

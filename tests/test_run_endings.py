@@ -24,7 +24,7 @@ def steps_logged(out: Path) -> list:
     return [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("sig, workers", [(signal.SIGTERM, 2), (signal.SIGUSR1, 0)])
+@pytest.mark.parametrize("sig, workers", [(signal.SIGTERM, 2), (signal.SIGUSR1, 0), (signal.SIGINT, 2)])
 def test_a_stop_signal_writes_a_checkpoint_and_the_resumed_run_is_the_uninterrupted_one(sig, workers, tiny_bert,
                                                                                       groups, tmp_path):
     """A live run (its own process; with loader workers, which the signal reaches too when a scheduler signals the
@@ -74,7 +74,7 @@ def test_a_long_run_is_checkpointed_by_default_and_said(tiny_bert, groups, tmp_p
     assert pick == [every, 0, 0, 7]
     run(base_args(tiny_bert, groups, tmp_path / "run", **{"--max_train_steps": every + 1, "--stop_after_steps": 2,
                                                           "--num_related": 2, "--max_length": 24}))
-    assert f"a checkpoint every {every} steps (and one on SIGTERM / SIGUSR1)" in capsys.readouterr().out
+    assert f"a checkpoint every {every} steps (and one on SIGTERM / SIGUSR1 / Ctrl-C)" in capsys.readouterr().out
 
 
 @pytest.fixture
