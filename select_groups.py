@@ -48,7 +48,7 @@ from typing import Optional
 import numpy as np
 import regex  # Unicode properties (scripts, sentence terminals), which re lacks; a dependency of transformers
 
-from plumbing.common import (ArgumentParser, UserError, atomic_path, atomic_write, check_model_name,
+from plumbing.common import (META_DIR, ArgumentParser, UserError, atomic_path, atomic_write, check_model_name,
                              claim_output_folder, local_inputs, model_prompts, non_negative_int, pick_device_and_dtype,
                              positive_int, record_outputs, remove_outputs, resolve_model_path, run_script)
 from modeling_xprt import max_seq_length
@@ -61,7 +61,6 @@ from plumbing.readers import (INPUT_SUFFIXES, SKIP_REASONS, Doc, doc_id_source, 
 PAPER_FINEWEB_100K = {"documents_with_groups_pct": 99.0, "groups_per_document": 7.0, "passages_covered_pct": 68.0}
 # Centrality histogram over [0, 1] in stats.json: lets a user see the anchor share at any threshold.
 HIST_BINS = 40
-META_DIR = ".xprt"  # run config, document frequencies, chunk stats; hidden so load_dataset(out) ignores it
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,9 @@ from modeling_xprt import (objective_class, objective_flags, pretraining_objecti
 from plumbing.architectures import weight_grad_path
 from plumbing.batches import (LengthGroupedBatchSampler, batch_to_device, check_batch_fits, document_keys,
                               in_batch_negatives, sampler_negatives, training_loader)
-from plumbing.common import (ArgumentParser, UserError, atomic_write, check_model_name, is_zero3, local_inputs,
-                             non_negative_float, non_negative_int, positive_int, read_json, resolve_model_path,
-                             run_script)
+from plumbing.common import (META_DIR, ArgumentParser, UserError, atomic_write, check_model_name, is_zero3,
+                             local_inputs, non_negative_float, non_negative_int, positive_int, read_json,
+                             resolve_model_path, run_script)
 from plumbing.model_folder import load_teacher
 from plumbing.run_log import EVAL_PREFIX, LogWindow, explain_oom, memory_estimate, peak_flops
 from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype,
@@ -151,12 +151,13 @@ def build_parser(objectives=None):
 
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    # the flags of the objective asked for only (all of them for --help): another objective's module is not imported
-    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    first.add_argument("--objective", choices=pretraining_objectives(), default="xprt")
-    known, _ = first.parse_known_args(argv)
+    # the flags of the objective asked for only (every objective's for --help, or for a name argparse then refuses):
+    # another objective's module is not imported
+    named = [b for a, b in zip(argv, argv[1:]) if a == "--objective"] + [
+        a.split("=", 1)[1] for a in argv if a.startswith("--objective=")]
+    objective = named[-1] if named else "xprt"
     wants_help = any(a in ("-h", "--help") for a in argv)
-    parser = build_parser(None if wants_help else [known.objective])
+    parser = build_parser(None if wants_help or objective not in pretraining_objectives() else [objective])
     args, unknown = parser.parse_known_args(argv)
     owners = {f: names for f, (_, names) in objective_flags().items()} if unknown else {}
     for flag in unknown:  # another objective's flag is refused, naming its objective
@@ -373,8 +374,6 @@ def passages_cut(rows, tokenizer, args, sample: int = 4096) -> str:
     of *its* encoder's tokenizer, so another tokenizer, or a --max_length below --passage_tokens, cuts passages the
     collator then truncates. -> the line the run prints: the share of passages (anchor and the num_related it
     trains on) and of their tokens cut, and what the folder was selected with."""
-    from select_groups import META_DIR
-
     picked = np.unique(np.linspace(0, len(rows) - 1, min(sample, len(rows))).astype(np.int64))
     part = rows.select(picked)
     texts = [t for a, rel in zip(part["anchor"], part["related"]) for t in (a, *rel[:args.num_related])]

@@ -288,7 +288,10 @@ def describe_prompts(prompts: dict) -> str:
 # Output folders. A script deletes only what it wrote: each output folder keeps a record of the outputs each script
 # wrote there (OUTPUTS_RECORD, written before the outputs themselves), and a script replaces only the recorded ones.
 # Inputs are kept out of output folders altogether, and a folder is checked for writing before any work starts.
-OUTPUTS_RECORD = Path(".xprt") / "outputs.json"  # {script: [its outputs, as paths or globs relative to the folder]}
+# the hidden folder an output folder keeps its records in (load_dataset(out) ignores it): select_groups.py's run
+# config, document frequencies and chunk stats, every script's list of its outputs
+META_DIR = ".xprt"
+OUTPUTS_RECORD = Path(META_DIR) / "outputs.json"  # {script: [its outputs, as paths or globs relative to the folder]}
 
 def real_path(path) -> Path:
     """The absolute path with symlinks followed (as far as it exists), so two spellings of a folder compare equal."""
