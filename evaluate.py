@@ -64,13 +64,14 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from modeling_xprt import embed_texts
+from modeling_xprt import max_seq_length
 from plumbing.common import (E5_PROMPTS, MINILM_ALIASES, NO_PROMPTS, ArgumentParser, UserError, atomic_path,
                              atomic_write, check_model_name, check_writable, claim_output_folder, hub_cached,
-                             hub_offline, load_beir, local_inputs, model_prompts, pick_device_and_dtype, positive_int,
-                             read_json, record_outputs, resolve_model_path, run_script)
-from modeling_xprt import max_seq_length
+                             hub_offline, local_inputs, model_prompts, pick_device_and_dtype, positive_int, read_json,
+                             record_outputs, resolve_model_path, run_script)
+from plumbing.embed import embed_texts
 from plumbing.model_folder import add_eval_results_to_card, attention_kwargs, check_tokenizer_fits
+from plumbing.readers import load_beir
 from plumbing.run_log import EVAL_PREFIX
 from plumbing.training import gathered_params
 
@@ -226,7 +227,7 @@ class XPRTEncoder(AbsEncoder):
     model, mean for E5 / MiniLM / train.py folders; Normalize), the max length of sentence_bert_config.json and the
     similarity function of config_sentence_transformers.json. A plain transformers checkpoint without them gets
     sentence-transformers' default, mean pooling, and a printed note. On GPU the weights run in bf16 (fp16 on GPUs
-    older than Ampere), on CPU in fp32 (common.pick_device_and_dtype). Why not modeling_xprt.embed_texts, the
+    older than Ampere), on CPU in fp32 (common.pick_device_and_dtype). Why not embed.embed_texts, the
     hand-written embedder that scores during training: it is mean pooling only, and bench/bench_encode.py measured
     it at 1.04-1.07x (best of 5 interleaved repeats; its token-sorted batches save 8% of the padded tokens), under
     the 1.10x that would justify a second encoder (bench/README.md).
@@ -973,7 +974,7 @@ def scoring_function(similarity_fn_name) -> ScoringFunction:
 
 
 class TrainingEncoder(AbsEncoder):
-    """mteb wrapper of the encoder being trained: modeling_xprt.embed_texts (with the pooling, normalisation and
+    """mteb wrapper of the encoder being trained: embed.embed_texts (with the pooling, normalisation and
     similarity train.py saves: the start model's) under the model's prompts, no gradient.
 
     With several processes every process runs the same mteb evaluation, and each encode call is split: the distinct

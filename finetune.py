@@ -32,10 +32,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modeling_xprt import PairCollator, embed_texts, pair_false_negatives, pair_text_ids
+from modeling_xprt import PairCollator, pair_false_negatives, pair_text_ids
 from plumbing.batches import NoDuplicatesBatchSampler, batch_to_device, check_batch_fits, training_loader
 from plumbing.common import (ArgumentParser, UserError, atomic_write, check_model_name, iter_jsonl, iter_parquet,
-                             load_beir, local_inputs, non_negative_int, positive_int, rank_and_world, run_script)
+                             local_inputs, non_negative_int, positive_int, rank_and_world, run_script)
+from plumbing.embed import embed_texts
+from plumbing.readers import load_beir
 from plumbing.run_log import LogWindow
 from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, epoch_batches,
                                export_checkpoint, gradient_cache_step, load_model, log_score, make_accelerator,
@@ -455,7 +457,7 @@ def read_msmarco(files: dict) -> dict:
     from the queries and the collection. The whole collection is read (it is the corpus the negatives are mined
     from, as a BEIR folder's corpus.jsonl is: 8.8M passages, about 3 GB of text); qrels whose query or passage is
     absent are refused naming the id."""
-    from plumbing.common import read_qrels
+    from plumbing.readers import read_qrels
 
     qrels = {q: {d: s for d, s in ds.items() if s > 0} for q, ds in read_qrels(files["qrels"]).items()}
     qrels = {q: ds for q, ds in qrels.items() if ds}

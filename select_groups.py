@@ -48,10 +48,10 @@ from typing import Optional
 import numpy as np
 import regex  # Unicode properties (scripts, sentence terminals), which re lacks; a dependency of transformers
 
+from modeling_xprt import max_seq_length
 from plumbing.common import (META_DIR, ArgumentParser, UserError, atomic_path, atomic_write, check_model_name,
                              claim_output_folder, local_inputs, model_prompts, non_negative_int, pick_device_and_dtype,
                              positive_int, record_outputs, remove_outputs, resolve_model_path, run_script)
-from modeling_xprt import max_seq_length
 from plumbing.model_folder import (check_tokenizer_fits, load_post_pooling, read_max_seq_length,
                                    read_pooling)
 from plumbing.readers import (INPUT_SUFFIXES, SKIP_REASONS, Doc, doc_id_source, first_valid_records, input_files,
@@ -705,7 +705,7 @@ def embed_passages(encoder: Encoder, texts, prefix: str, show_progress: bool = F
     """The selection encoder's L2-normalised sentence vectors of `texts` (N, D): the model's own pooling and its
     modules after pooling, as SentenceTransformer(model).encode makes them, then normalised (centrality and the E5
     ranking are cosines)."""
-    from modeling_xprt import embed_texts
+    from plumbing.embed import embed_texts
 
     return embed_texts(encoder.model, encoder.tokenizer, texts, batch_size=encoder.batch_size,
                        max_length=encoder.max_length, prefix=prefix, show_progress=show_progress, desc=desc,

@@ -1,5 +1,5 @@
 """
-Encoding throughput of modeling_xprt.embed_texts (the hand-written batch embedder of select_groups.py,
+Encoding throughput of embed.embed_texts (the hand-written batch embedder of select_groups.py,
 finetune.py's mining and the scores during training) against sentence-transformers' `encode`, same run. It decided
 evaluate.py's encoder: sentence-transformers (with the model's own pooling and prompts) unless the hand-written path
 is >= 1.10x faster.
@@ -15,7 +15,7 @@ From the repository root (it imports the repository's modules from there):
     python -m bench.bench_encode --data ../shared/data --num_texts 2000 --batch_size 64
     python -m bench.bench_encode --toy                    # seconds: 16 texts
 
-Where the speed comes from (modeling_xprt.embed_texts' docstring): one tokenizer call for the whole list,
+Where the speed comes from (embed.embed_texts' docstring): one tokenizer call for the whole list,
 batches sorted by token count (sentence-transformers sorts by character count), no attention mask
 when a batch has no padding (SDPA's unmasked path), inference_mode. The tokens each ordering pads its batches to
 are printed: the work the sorting saves, independent of the machine's load. On a shared machine the CPU time of
@@ -95,7 +95,7 @@ def main(argv=None):
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer
 
-    from modeling_xprt import embed_texts
+    from plumbing.embed import embed_texts
     from plumbing.common import pick_device_and_dtype, resolve_model_path
 
     path = resolve_model_path(args.model)
@@ -162,7 +162,7 @@ def main(argv=None):
         print(f"CPU-time ratio (best) {min(cpu['st']) / min(cpu['ours']):.3f}, "
               f"(median) {np.median(cpu['st']) / np.median(cpu['ours']):.3f}")
     print(f"sentence-transformers encode: {len(texts) / best_st:.1f} texts/s ({n_tok / best_st:.0f} tokens/s)")
-    print(f"modeling_xprt.embed_texts:    {len(texts) / best_ours:.1f} texts/s ({n_tok / best_ours:.0f} tokens/s)")
+    print(f"embed.embed_texts:    {len(texts) / best_ours:.1f} texts/s ({n_tok / best_ours:.0f} tokens/s)")
     print(f"ratio: {best_st / best_ours:.3f}")
 
 

@@ -121,7 +121,7 @@ def main(argv=None):
     from transformers import AutoModel, AutoTokenizer
 
     import select_groups as sg
-    from modeling_xprt import embed_texts
+    from plumbing.embed import embed_texts
     from plumbing.common import resolve_model_path
     from modeling_xprt import max_seq_length
     from plumbing.model_folder import read_max_seq_length

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import finetune  # noqa: E402
 from modeling_xprt import pair_false_negatives, pair_text_ids
 from plumbing.batches import NoDuplicatesBatchSampler
-from plumbing.common import load_beir  # noqa: E402
+from plumbing.readers import load_beir
 
 
 def parse_args(argv=None):

@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from modeling_xprt import stable_doc_hash
 from plumbing.common import UserError, iter_jsonl, iter_parquet
@@ -328,3 +329,101 @@ def first_valid_records(args, n):
         if len(docs) == n:
             break
     return docs
+
+
+# ==============================================================================================================
+# The BEIR layout (finetune.py's and evaluate.py's folders): corpus.jsonl, queries.jsonl, qrels/<split>.tsv
+# ==============================================================================================================
+
+
+def read_beir_jsonl(path, what: str) -> dict:
+    """{id: record} of a BEIR corpus.jsonl / queries.jsonl: every record a JSON object with a string or integer
+    "_id" (BEIR's field; a file keyed otherwise is refused, naming the field it has), each id once."""
+    out, first_line = {}, {}
+    for where, record, problem in iter_jsonl(path):
+        if problem:
+            raise UserError(f"{where}: not valid JSON ({problem[0]}: {problem[1]})")
+        if not isinstance(record, dict) or "_id" not in record:
+            fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise UserError(f"{where}: a BEIR {what} record needs an \"_id\" field; found {fields}")
+        rid = str(record["_id"])
+        if rid in out:
+            raise UserError(f"{where}: {what} id {rid!r} appears twice (first at line {first_line[rid]}): a BEIR "
+                            "folder holds each id once")
+        out[rid], first_line[rid] = record, where.rsplit(":", 1)[1]
+    if not out:
+        raise UserError(f"{path}: no {what} records")
+    return out
+
+
+def read_qrels(path) -> dict:
+    """{query id: {corpus id: score}} of a BEIR qrels TSV (query-id, corpus-id, score; a header line is skipped when
+    its score field is not an integer) or a TREC qrels file (query-id, iteration, corpus-id, score), tab- or
+    space-separated; a UTF-8 byte-order mark is dropped. A line that fits neither, a judgement given twice, or a file
+    with no judgement is refused, naming the file and line."""
+    qrels: dict[str, dict[str, int]] = {}
+    seen: dict[tuple, int] = {}
+    with open(path, encoding="utf-8-sig") as f:
+        for line_no, line in enumerate(f, 1):
+            parts = line.rstrip("\n").split("\t") if "\t" in line else line.split()
+            parts = [p.strip() for p in parts]
+            if not any(parts):
+                continue
+            if line_no == 1 and not parts[-1].lstrip("-").isdigit():
+                continue  # the "query-id corpus-id score" header
+            if len(parts) == 4:  # TREC: qid iteration docid score
+                parts = [parts[0], parts[2], parts[3]]
+            if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
+                raise UserError(f"{path}:{line_no}: expected query-id, corpus-id, integer score (BEIR) or query-id, "
+                                f"iteration, corpus-id, score (TREC); found {line.strip()[:80]!r}")
+            qid, did, score = parts[0], parts[1], int(parts[2])
+            if (qid, did) in seen:
+                raise UserError(f"{path}:{line_no}: query {qid!r} x document {did!r} judged twice (first at line "
+                                f"{seen[qid, did]})")
+            seen[qid, did] = line_no
+            qrels.setdefault(qid, {})[did] = score
+    if not qrels:
+        raise UserError(f"{path}: no judgements (an empty qrels file)")
+    return qrels
+
+
+def load_beir(folder, split: str = "test") -> dict:
+    """A BEIR-layout folder -> {"corpus": {id: (title, text)}, "queries": {id: text}, "qrels": {qid: {did: score}}}.
+
+    The one BEIR reader: evaluate.py scores its test split, finetune.py trains on its train split; its files are read
+    by read_beir_jsonl and read_qrels (BOM, header, TREC qrels, the id field, duplicates, empty files). Only the
+    queries judged in qrels/<split>.tsv are kept (SciFact's queries.jsonl holds the 809 train claims and the 300
+    test ones), and only those with at least one relevant (score > 0) document. qrels ids missing from the corpus
+    or the queries are counted, warned about and dropped (MTEB's ArguAna has 5); a judged query with an empty
+    text is an error, because a blank query scores as noise.
+    """
+    import warnings
+
+    folder = Path(folder)
+    for name in ("corpus.jsonl", "queries.jsonl", f"qrels/{split}.tsv"):
+        if not (folder / name).is_file():
+            raise UserError(f"{folder}: BEIR layout needs {name} (corpus.jsonl, queries.jsonl, "
+                            f"qrels/{split}.tsv)")
+    corpus = {i: (r.get("title") or "", r.get("text") or "")
+              for i, r in read_beir_jsonl(folder / "corpus.jsonl", "corpus").items()}
+    all_queries = {i: r.get("text") or "" for i, r in read_beir_jsonl(folder / "queries.jsonl", "query").items()}
+    qrels = read_qrels(folder / "qrels" / f"{split}.tsv")
+    missing_docs = [(q, d) for q, ds in qrels.items() for d in ds if d not in corpus]
+    if missing_docs:
+        warnings.warn(f"{folder}: {len(missing_docs)} qrels lines point to documents absent from corpus.jsonl "
+                      f"(e.g. {missing_docs[0][1]!r}); they are dropped")
+        for q, d in missing_docs:
+            del qrels[q][d]
+    missing_q = [q for q in qrels if q not in all_queries]
+    if missing_q:
+        warnings.warn(f"{folder}: {len(missing_q)} judged query ids are absent from queries.jsonl "
+                      f"(e.g. {missing_q[0]!r}); they are dropped")
+    qrels = {q: ds for q, ds in qrels.items() if q in all_queries and any(s > 0 for s in ds.values())}
+    if not qrels:
+        raise UserError(f"{folder}: qrels/{split}.tsv judges no query of queries.jsonl relevant to a document of "
+                        "corpus.jsonl")
+    queries = {q: all_queries[q] for q in qrels}
+    empty = [q for q, t in queries.items() if not t.strip()]
+    if empty:
+        raise UserError(f"{folder}: {len(empty)} judged queries have an empty text (e.g. id {empty[0]!r})")
+    return {"corpus": corpus, "queries": queries, "qrels": qrels}

@@ -15,6 +15,7 @@ import modeling_xprt as mx
 from plumbing import architectures as A
 from plumbing import model_folder
 from plumbing.model_folder import load_xprt_folder
+from plumbing import embed
 
 ARCHS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "modernbert", "mpnet", "deberta-v2")
 _SPECIAL = dict(pad_token_id=0, bos_token_id=101, eos_token_id=102)
@@ -285,7 +286,7 @@ def test_every_objective_trains_and_the_folder_round_trips(tiny, groups, kind, t
     assert "xprt heads restored" in again.load_message
     tok = AutoTokenizer.from_pretrained(folder)
     auto = AutoModel.from_pretrained(folder).eval()
-    assert torch.allclose(mx.embed_texts(auto, tok, TEXTS), mx.embed_texts(again.encoder.eval(), tok, TEXTS),
+    assert torch.allclose(embed.embed_texts(auto, tok, TEXTS), embed.embed_texts(again.encoder.eval(), tok, TEXTS),
                           atol=1e-5)
 
 

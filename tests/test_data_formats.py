@@ -168,7 +168,7 @@ def mined(tmp_path_factory):
 
     from plumbing import common
     root = tmp_path_factory.mktemp("mined")
-    beir = common.load_beir(common.Path(__file__).resolve().parent.parent / "data" / "eval" / "scifact")
+    beir = readers.load_beir(common.Path(__file__).resolve().parent.parent / "data" / "eval" / "scifact")
     pairs = [(beir["queries"][q], beir["corpus"][d][1]) for q, ds in sorted(beir["qrels"].items()) for d in ds][:24]
     model = SentenceTransformer(common.resolve_model_path("all-MiniLM-L6-v2"))
     data = Dataset.from_dict({"anchor": [q for q, _ in pairs], "positive": [p for _, p in pairs]})

@@ -11,6 +11,7 @@ import evaluate
 import select_groups
 import train
 from plumbing import common, model_folder, run_log
+from plumbing import readers
 
 
 @pytest.fixture
@@ -69,27 +70,27 @@ def _beir(tmp_path, corpus=None, queries=None, qrels="query-id\tcorpus-id\tscore
 
 def test_beir_reader_reads_bom_headerless_and_trec_qrels(tmp_path):
     want = {"q1": {"d1": 1}, "q2": {"d2": 1}}
-    assert common.load_beir(_beir(tmp_path / "plain"))["qrels"] == want
+    assert readers.load_beir(_beir(tmp_path / "plain"))["qrels"] == want
     bom = _beir(tmp_path / "bom", corpus=b"\xef\xbb\xbf" + b'{"_id": "d1", "text": "alpha"}\n'
                                          b'{"_id": "d2", "text": "b"}\n',
                 qrels=b"\xef\xbb\xbfquery-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\n")
-    assert common.load_beir(bom)["qrels"] == want
-    assert common.load_beir(_beir(tmp_path / "nohead", qrels="q1\td1\t1\nq2\td2\t1\n"))["qrels"] == want
-    assert common.load_beir(_beir(tmp_path / "trec", qrels="q1 0 d1 1\nq2 0 d2 1\n"))["qrels"] == want
-    assert common.load_beir(_beir(tmp_path / "trectab", qrels="q1\t0\td1\t1\nq2\t0\td2\t1\n"))["qrels"] == want
+    assert readers.load_beir(bom)["qrels"] == want
+    assert readers.load_beir(_beir(tmp_path / "nohead", qrels="q1\td1\t1\nq2\td2\t1\n"))["qrels"] == want
+    assert readers.load_beir(_beir(tmp_path / "trec", qrels="q1 0 d1 1\nq2 0 d2 1\n"))["qrels"] == want
+    assert readers.load_beir(_beir(tmp_path / "trectab", qrels="q1\t0\td1\t1\nq2\t0\td2\t1\n"))["qrels"] == want
 
 
 def test_beir_reader_refuses_what_it_cannot_read_naming_the_file_and_line(tmp_path):
     with pytest.raises(ValueError, match=r"corpus.jsonl:2: a BEIR corpus record needs an \"_id\" field; found \['id'"):
-        common.load_beir(_beir(tmp_path / "id", corpus='{"_id": "d1", "text": "a"}\n{"id": "d2", "text": "b"}\n'))
+        readers.load_beir(_beir(tmp_path / "id", corpus='{"_id": "d1", "text": "a"}\n{"id": "d2", "text": "b"}\n'))
     with pytest.raises(ValueError, match=r"corpus.jsonl:2: corpus id 'd1' appears twice \(first at line 1\)"):
-        common.load_beir(_beir(tmp_path / "dup", corpus='{"_id": "d1", "text": "a"}\n{"_id": "d1", "text": "b"}\n'))
+        readers.load_beir(_beir(tmp_path / "dup", corpus='{"_id": "d1", "text": "a"}\n{"_id": "d1", "text": "b"}\n'))
     with pytest.raises(ValueError, match=r"test.tsv: no judgements \(an empty qrels file\)"):
-        common.load_beir(_beir(tmp_path / "empty", qrels=""))
+        readers.load_beir(_beir(tmp_path / "empty", qrels=""))
     with pytest.raises(ValueError, match=r"test.tsv:3: expected query-id, corpus-id, integer score"):
-        common.load_beir(_beir(tmp_path / "bad", qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\n"))
+        readers.load_beir(_beir(tmp_path / "bad", qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\n"))
     with pytest.raises(ValueError, match=r"test.tsv:3: query 'q1' x document 'd1' judged twice \(first at line 2\)"):
-        common.load_beir(_beir(tmp_path / "twice", qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td1\t0\n"))
+        readers.load_beir(_beir(tmp_path / "twice", qrels="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td1\t0\n"))
 
 
 def test_a_sentence_transformers_folder_keeps_its_length_and_pooling_through_fine_tuning(tiny_bert, tmp_path):
@@ -103,7 +104,7 @@ def test_a_sentence_transformers_folder_keeps_its_length_and_pooling_through_fin
     from test_finetune import make_beir
 
     import finetune
-    from modeling_xprt import embed_texts
+    from plumbing.embed import embed_texts
 
     start = tmp_path / "st_cls"
     tr = Transformer(str(tiny_bert), max_seq_length=200)

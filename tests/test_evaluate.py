@@ -14,7 +14,8 @@ from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 
 import evaluate as ev
-from plumbing.common import E5_PROMPTS, NO_PROMPTS, UserError, load_beir, model_prompts, resolve_model_path
+from plumbing.common import E5_PROMPTS, NO_PROMPTS, UserError, model_prompts, resolve_model_path
+from plumbing.readers import load_beir
 from plumbing.model_folder import load_xprt_folder, save_xprt_folder
 
 # ---------------------------------------------------------------- fake data and a controllable model
@@ -370,11 +371,12 @@ def test_prefix_auto_rule(tmp_path, tiny_bert):
 
 
 def test_batched_embedder_matches_one_text_at_a_time(tiny_bert):
-    """modeling_xprt.embed_texts (token-sorted batches, dedup, the unmasked path for unpadded batches) equals
+    """embed.embed_texts (token-sorted batches, dedup, the unmasked path for unpadded batches) equals
     encoding each text alone with the plain mean-pool formula."""
     from transformers import AutoModel, AutoTokenizer
 
-    from modeling_xprt import embed_texts, mean_pool
+    from modeling_xprt import mean_pool
+    from plumbing.embed import embed_texts
 
     tok = AutoTokenizer.from_pretrained(tiny_bert)
     model = AutoModel.from_pretrained(tiny_bert).eval()
@@ -557,7 +559,7 @@ def test_cls_pooled_model_scored_with_its_own_pooling(tmp_path, beir):
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from modeling_xprt import embed_texts
+    from plumbing.embed import embed_texts
 
     raw = tmp_path / "raw"
     tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))

@@ -12,7 +12,8 @@ from test_train import read_log
 from test_train import run as run_main
 
 import finetune
-from plumbing.common import UserError, load_beir
+from plumbing.common import UserError
+from plumbing.readers import load_beir
 from plumbing.model_folder import load_xprt_folder, save_xprt_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +67,7 @@ def test_mined_negatives_never_include_a_positive_of_the_same_query(beir, tiny_b
     each pool must be the corpus minus exactly that query's positives (and the copy of q1's positive)."""
     from transformers import AutoModel, AutoTokenizer
 
-    from modeling_xprt import embed_texts
+    from plumbing.embed import embed_texts
 
     corpus, queries, qrels = read_beir(str(beir), "train")
     model, tok = AutoModel.from_pretrained(tiny_bert), AutoTokenizer.from_pretrained(tiny_bert)
@@ -359,7 +360,7 @@ def test_mining_in_small_chunks_gives_the_pools_of_one_chunk(big_beir, tiny_bert
     (a float32 product's last bit depends on the matrix shapes)."""
     from transformers import AutoModel, AutoTokenizer
 
-    from modeling_xprt import embed_texts
+    from plumbing.embed import embed_texts
 
     corpus, queries, qrels = read_beir(str(big_beir), "train")
     model, tok = AutoModel.from_pretrained(tiny_bert), AutoTokenizer.from_pretrained(tiny_bert)

@@ -2,7 +2,8 @@
 
 import torch
 
-from modeling_xprt import embed_texts, mean_pool
+from modeling_xprt import mean_pool
+from plumbing.embed import embed_texts
 from plumbing.common import resolve_model_path
 
 

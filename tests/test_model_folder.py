@@ -21,6 +21,7 @@ import finetune
 import modeling_xprt as mx
 from plumbing import common, model_folder
 from plumbing.model_folder import load_xprt_folder
+from plumbing import embed
 
 HUB_ID = "someone/xprt-e5-tiny"
 
@@ -78,9 +79,9 @@ def test_saved_folder_is_a_complete_sentence_transformers_model(runs):
     texts = ["which passages does an anchor retrieve?", "a second query"]
     model, tok = AutoModel.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     assert torch.allclose(torch.from_numpy(st.encode_query(texts)),
-                          mx.embed_texts(model, tok, texts, prefix="query: "), atol=1e-5)
+                          embed.embed_texts(model, tok, texts, prefix="query: "), atol=1e-5)
     assert torch.allclose(torch.from_numpy(st.encode_document(texts)),
-                          mx.embed_texts(model, tok, texts, prefix="passage: "), atol=1e-5)
+                          embed.embed_texts(model, tok, texts, prefix="passage: "), atol=1e-5)
 
 
 def _python_blocks(card: str) -> list:

@@ -16,6 +16,7 @@ import modeling_xprt as mx
 from plumbing import architectures, model_folder
 from plumbing.architectures import linear_cross_entropy, linear_kl_div
 from plumbing.model_folder import load_xprt_folder, read_max_seq_length, save_xprt_folder
+from plumbing import embed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -714,11 +715,11 @@ def test_saved_encoder_loads_in_sentence_transformers(tiny_bert, tok, tmp_path):
     model = make_model(tiny_bert)
     save_xprt_folder(model, str(tmp_path / "st"), tok)
     texts = ["the perfect game in baseball", "a pitcher retires every batter", "hi"]
-    ours = mx.embed_texts(model.encoder.eval(), tok, texts)
+    ours = embed.embed_texts(model.encoder.eval(), tok, texts)
     st = SentenceTransformer(str(tmp_path / "st"), device="cpu")
     ref = torch.from_numpy(st.encode(texts))
     assert torch.allclose(ours, ref, atol=1e-5)
-    auto = mx.embed_texts(AutoModel.from_pretrained(str(tmp_path / "st")).eval(), tok, texts)
+    auto = embed.embed_texts(AutoModel.from_pretrained(str(tmp_path / "st")).eval(), tok, texts)
     assert torch.allclose(ours, auto, atol=1e-6)
 
 

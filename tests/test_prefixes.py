@@ -93,7 +93,7 @@ def test_e5_prefixes_travel_through_select_train_finetune_evaluate(tiny_bert, tm
     from test_finetune import make_beir
     from transformers import AutoModel, AutoTokenizer
 
-    from modeling_xprt import embed_texts
+    from plumbing.embed import embed_texts
 
     e5 = tmp_path / "e5-tiny"
     e5.symlink_to(tiny_bert, target_is_directory=True)

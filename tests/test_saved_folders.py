@@ -50,7 +50,7 @@ def test_a_start_models_code_travels_with_the_saved_folder(groups, tmp_path, cap
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer
 
-    from modeling_xprt import embed_texts
+    from plumbing.embed import embed_texts
 
     start, out = custom_code_model(tmp_path / "custom"), tmp_path / "run"
     run(base_args(start, groups, out, **FLAGS, **{"--max_train_steps": 2, "--trust_remote_code": True}))

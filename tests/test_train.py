@@ -683,7 +683,8 @@ def test_saved_model_loads_in_sentence_transformers_with_our_embeddings(tiny_ber
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer
 
-    from modeling_xprt import XPRTModel, embed_texts
+    from modeling_xprt import XPRTModel
+    from plumbing.embed import embed_texts
 
     out = tmp_path / "m"
     run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 3, "--max_groups": 8, "--learning_rate": 1e-3,

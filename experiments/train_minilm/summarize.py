@@ -26,7 +26,7 @@ def main():
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer
 
-    from modeling_xprt import embed_texts
+    from plumbing.embed import embed_texts
     from plumbing.common import resolve_model_path
 
     run, out = Path(args.run_dir), Path(args.out)
