@@ -991,6 +991,8 @@ def main(argv=None):
     window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps)
     stop_at = min(max_steps, args.stop_after_steps or max_steps)
     stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1 / Ctrl-C: a checkpoint after the step, stop
+    if scorer and state.completed_steps == 0:  # the start is scored too: every later score is read against it
+        log_score(accelerator, args, scorer, model, 0, state.epoch, window)
     try:
         for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
             if stopped or state.completed_steps >= stop_at:

@@ -49,9 +49,8 @@ logger = logging.getLogger("xprt")
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Mean of the token vectors over the attention mask: the sentence vector of E5 and xPRT.
 
-    hidden (B, L, H), attention_mask (B, L) -> (B, H). Not normalised: callers normalise when they
-    need cosines, so the same function serves losses that want raw vectors.
-    """
+    hidden (B, L, H), attention_mask (B, L) -> (B, H). Not normalised: callers normalise when they need cosines, so
+    the same function serves losses that want raw vectors."""
     mask = attention_mask.unsqueeze(-1).to(torch.float32)  # (B, L, 1)
     # fp32 sums: a bf16 encoder's vectors would otherwise carry bf16's 3 significant digits into every cosine;
     # clamp: an all-padding row (never produced by our collators) would otherwise divide by zero
@@ -60,10 +59,8 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
 
 def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """cos(a_i, b_j) as an (A, B) fp32 matrix: what every similarity-based term is built on (L_xp and the baselines'
-    InfoNCE, L_unif, the retention KL, PAIR's L_Q and L_P). Computed in fp32 with autocast off: under bf16 autocast a
-    matmul recasts its inputs to bf16 whatever .float() came before it, and at tau = 0.05 the logits are 16-20, where
-    bf16 steps by 0.125; while the student is within 1e-3 cosine of its teacher, the retention KL is then mostly
-    rounding (docs/notes.md)."""
+    InfoNCE, L_unif, the retention KL, PAIR's L_Q and L_P). fp32 with autocast off: bf16 autocast would recast the
+    matmul's inputs to bf16 whatever .float() came before it, too coarse at tau = 0.05 (docs/notes.md: Numerics)."""
     with torch.autocast(a.device.type, enabled=False):
         return F.normalize(a.float(), dim=-1) @ F.normalize(b.float(), dim=-1).t()
 
@@ -72,14 +69,12 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
     """Concatenate `t` from every process along dim 0, keeping gradients (identity when not distributed). Also for
     what carries none (document ids, labels).
 
-    `accelerator.gather` has no backward, so in-batch negatives gathered with it would not push
-    the other processes' vectors. torch.distributed.nn's all_gather has one: its backward SUMS,
-    into each process's local slice, the gradients that every process's loss sends to it. Each
-    process must therefore compute its loss on its LOCAL rows only (against the gathered
-    candidates); DDP's gradient averaging then yields exactly the gradient of the global mean loss
-    (proved by tests/test_modeling.py::test_two_process_gather_equals_single_process).
-    Every process must hold the same number of rows (drop_last).
-    """
+    `accelerator.gather` has no backward, so in-batch negatives gathered with it would not push the other processes'
+    vectors. torch.distributed.nn's all_gather has one: its backward SUMS, into each process's local slice, the
+    gradients that every process's loss sends to it. Each process must therefore compute its loss on its LOCAL rows
+    only (against the gathered candidates); DDP's gradient averaging then yields exactly the gradient of the global
+    mean loss (tests/test_modeling.py::test_two_process_gather_equals_single_process). Every process must hold the
+    same number of rows (drop_last)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return t
@@ -88,8 +83,7 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
     import torch.distributed.nn.functional as dist_fn
 
     with warnings.catch_warnings():
-        # Deprecated in favour of _functional_collectives, whose backward is a reduce_scatter that
-        # gloo (CPU) lacks; this one runs on gloo and NCCL alike.
+        # deprecated, but _functional_collectives' backward is a reduce_scatter, which gloo (CPU) lacks
         warnings.simplefilter("ignore", FutureWarning)
         return torch.cat(dist_fn.all_gather(t.contiguous()), dim=0)
 
@@ -105,9 +99,8 @@ def info_nce(queries: torch.Tensor, keys: torch.Tensor, labels: torch.Tensor, ta
              exclude: Optional[torch.Tensor] = None) -> torch.Tensor:
     """-log softmax(cos(q, k) / tau)[label], averaged over queries.
 
-    Also known as MultipleNegativesRankingLoss; temperature tau = 0.05 is sentence-transformers'
-    scale = 20. `exclude` (Q, K) bool marks candidates removed from the denominator (never the label).
-    """
+    Also known as MultipleNegativesRankingLoss; temperature tau = 0.05 is sentence-transformers' scale = 20.
+    `exclude` (Q, K) bool marks candidates removed from the denominator (never the label)."""
     logits = cosines(queries, keys) / tau  # (Q, K), fp32
     if exclude is not None:
         logits = logits.masked_fill(exclude, float("-inf"))
@@ -119,15 +112,13 @@ def xp_loss(anchors: torch.Tensor, s1: torch.Tensor, doc_ids: torch.Tensor, tau:
 
         L_xp = -log exp(cos(e_a, e_s1) / tau) / sum_{g'} exp(cos(e_a, e_s1') / tau),   tau = 0.05
 
-    The denominator runs over the s1' of every group g' of the batch - gathered from all processes,
-    with gradients (gather_with_grad) - and, in reverse, s1 picks its anchor among all anchors; the
-    two directions are averaged. Groups of the same document are never negatives ("they are related
-    too"): their logits are removed, except the group's own positive. train.py counts a document's copies under
-    other ids (the same anchor or s1 text) as that document (batches.document_keys). Worked example (paper): 3
-    groups, cos 0.8 to the own s1 and 0.5 to the others -> p = e^16 / (e^16 + 2 e^10) = 0.995.
+    The denominator runs over the s1' of every group g' of the batch - gathered from all processes, with gradients
+    (gather_with_grad) - and, in reverse, s1 picks its anchor among all anchors; the two directions are averaged.
+    Groups of the same document are never negatives ("they are related too"): their logits are removed, except the
+    group's own positive. Worked example (paper): 3 groups, cos 0.8 to the own s1 and 0.5 to the others ->
+    p = e^16 / (e^16 + 2 e^10) = 0.995.
 
-    anchors, s1: (N, H) local rows; doc_ids: (N,) int64. Returns the mean over the local rows.
-    """
+    anchors, s1: (N, H) local rows; doc_ids: (N,) int64. Returns the mean over the local rows."""
     all_anchors, all_s1 = gather_with_grad(anchors), gather_with_grad(s1)  # (N * world, H)
     all_docs = gather_with_grad(doc_ids)
     n = anchors.shape[0]
@@ -184,11 +175,9 @@ def mlm_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
     """L_unif (Wang & Isola 2020): log mean_{i != j} exp(-t ||x_i - x_j||^2), x L2-normalised, t = 2.
 
-    Applied to the batch's anchors: the closer any two anchors, the larger the penalty, so the
-    vectors do not collapse into one cluster. Local batch only (no gathering): with one group per device
-    (--per_device_train_batch_size 1, the negatives of L_xp gathered from the other processes) there is no pair,
-    and the term is 0, with a zero gradient.
-    """
+    Applied to the batch's anchors: the closer any two anchors, the larger the penalty, so the vectors do not collapse
+    into one cluster. Local batch only (no gathering): with one group per device there is no pair, and the term is 0,
+    with a zero gradient."""
     n = vectors.shape[0]
     if n < 2:  # the mean over no pair: nothing to push apart (and log(n (n - 1)) is undefined)
         return vectors.float().sum() * 0.0
@@ -204,13 +193,12 @@ def retention_loss(student_anchors, student_related, teacher_anchors, teacher_re
                    tau: float = 0.05) -> torch.Tensor:
     """L_retain: keep the frozen starting model's (E5's) view of which passages resemble which.
 
-    S = cos(anchors, related) / tau for the current model and T for the frozen teacher (unmasked
-    text, no gradient), both (N, N) over the batch's anchors x top related passages. Rows (anchor ->
-    related) and columns (related -> anchor) each get a softmax, and
+    S = cos(anchors, related) / tau for the current model and T for the frozen teacher (unmasked text, no gradient),
+    both (N, N) over the batch's anchors x top related passages. Rows (anchor -> related) and columns (related ->
+    anchor) each get a softmax, and
         L_retain = 1/2 [ KL(softmax_row(T) || softmax_row(S)) + KL(softmax_col(T) || softmax_col(S)) ],
-    each KL averaged over rows/columns. The paper's weight falls 40 -> 0 over training (retention_weight).
-    The paper gives no temperature for these softmaxes: tau = 0.05 (L_xp's) is our choice.
-    """
+    each KL averaged over rows/columns. The paper's weight falls 40 -> 0 over training (retention_weight). The paper
+    gives no temperature for these softmaxes: tau = 0.05 (L_xp's) is our choice."""
     s = cosines(student_anchors, student_related) / tau
     with torch.no_grad():
         t = cosines(teacher_anchors, teacher_related) / tau
@@ -241,14 +229,11 @@ def pair_false_negatives(candidate_ids: torch.Tensor, relevant_ids: torch.Tensor
 
         exclude[i, c] = (id(c) in R_i) and (c != label_i),   R_i = ids of every passage labelled relevant to q_i
 
-    A candidate whose text is row i's positive (a duplicate in another slot) or another passage labelled relevant
-    to row i's query is not a negative of row i; it leaves row i's denominator. Ids are stable_doc_hash of the
-    passage text (PairCollator). candidate_ids: (C,) int64, the gathered candidates; relevant_ids: (B, R) int64,
-    the local rows' relevant passages, padded by repeating an id the row already holds (PairCollator), so padding
-    never matches anything its real ids do not; labels: (B,) each row's own column, which always stays.
-    Returns (B, C) bool. The one definition of the rule: pair_q_loss, pair_p_loss and finetune.py's start-up
-    count all call it.
-    """
+    A candidate whose text is row i's positive (a duplicate in another slot) or another passage labelled relevant to
+    row i's query is not a negative of row i; it leaves row i's denominator. Ids are stable_doc_hash of the passage
+    text (PairCollator). candidate_ids: (C,) int64, the gathered candidates; relevant_ids: (B, R) int64, the local
+    rows' relevant passages, padded by repeating an id the row already holds (PairCollator), so padding never matches
+    anything its real ids do not; labels: (B,) each row's own column, which always stays. Returns (B, C) bool."""
     exclude = (relevant_ids.unsqueeze(-1) == candidate_ids.view(1, 1, -1)).any(dim=1)  # (B, R, C) -> (B, C)
     if labels is not None:
         exclude[torch.arange(exclude.shape[0], device=exclude.device), labels] = False
@@ -258,14 +243,14 @@ def pair_false_negatives(candidate_ids: torch.Tensor, relevant_ids: torch.Tensor
 def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05,
                 passage_ids: Optional[torch.Tensor] = None,
                 relevant_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """PAIR's query-centric L_Q (Eq. 1): the query picks its positive among its positive, its hard
-    negatives and every other passage of the batch gathered from all processes (cross-batch negatives):
+    """PAIR's query-centric L_Q (Eq. 1): the query picks its positive among its positive, its hard negatives and
+    every other passage of the batch gathered from all processes (cross-batch negatives):
         L_Q = -log exp(f(q, p+)) / (exp(f(q, p+)) + sum_{p- in N_P} exp(f(q, p-))),  f = cos / tau.
-    queries: (B, H); passages: (B, 1 + n, H), positive first. PAIR's official code uses raw inner
-    products of [CLS]; our encoders are mean-pooled cosine models, hence cos / tau (tau = 0.05).
-    N_P leaves out the false negatives when the ids are given (pair_false_negatives): passage_ids (B, 1 + n)
-    int64, gathered like the passages; relevant_ids (B, R) int64 (None: each row's own positive only).
-    Without ids every other passage is a negative (a duplicate of q's positive then caps p+ at 1/2)."""
+    queries: (B, H); passages: (B, 1 + n, H), positive first. PAIR's official code uses raw inner products of [CLS];
+    our encoders are mean-pooled cosine models, hence cos / tau (tau = 0.05). N_P leaves out the false negatives
+    when the ids are given (pair_false_negatives): passage_ids (B, 1 + n) int64, gathered like the passages;
+    relevant_ids (B, R) int64 (None: each row's own positive only). Without ids every other passage is a negative
+    (a duplicate of q's positive then caps p+ at 1/2)."""
     b, k, h = passages.shape
     all_p = gather_with_grad(passages.reshape(b * k, h))  # (world * B * k, H)
     rank = torch.distributed.get_rank() if len(all_p) > b * k else 0  # gathered from more than one process
@@ -280,15 +265,13 @@ def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
 def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05,
                 passage_ids: Optional[torch.Tensor] = None,
                 relevant_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """PAIR's passage-centric L_P (Eq. 2), as in the PAIR paper and its official code: the positive
-    passage is the anchor; the candidates are its own query and the negative passages (its hard
-    negatives and every other query's, gathered across processes); the label is its query:
+    """PAIR's passage-centric L_P (Eq. 2), as in the PAIR paper and its official code: the positive passage is the
+    anchor; the candidates are its own query and the negative passages (its hard negatives and every other query's,
+    gathered across processes); the label is its query:
         L_P = -log exp(f(p+, q)) / (exp(f(p+, q)) + sum_{p- in N_P} exp(f(p+, p-))),
-    i.e. it enforces s(p+, q) > s(p+, p-). NOTE: the PAIR summary (papers/pair.md) prints the numerator as
-    exp(-f(p+, p+)), which reads as a transcription error (a passage against itself, negated, makes
-    the loss push p+ away from itself); we implement the paper's form. Needs >= 1 negative per query.
-    With passage_ids / relevant_ids (as in pair_q_loss) N_P leaves out the negatives labelled relevant to q
-    (pair_false_negatives): a copy of p+ among them would otherwise score f(p+, p+) = 1 / tau, above any query."""
+    i.e. it enforces s(p+, q) > s(p+, p-) (papers/pair.md's numerator differs: docs/notes.md). Needs >= 1 negative
+    per query. With passage_ids / relevant_ids (as in pair_q_loss) N_P leaves out the negatives labelled relevant to
+    q (pair_false_negatives): a copy of p+ among them would otherwise score f(p+, p+) = 1 / tau, above any query."""
     b, k, h = passages.shape
     if k < 2:
         raise ValueError("pair_p_loss needs at least one negative passage per query (num_negatives >= 1)")
@@ -316,13 +299,12 @@ def pair_loss(l_q: torch.Tensor, l_p: torch.Tensor, alpha: float) -> torch.Tenso
 
 @dataclass
 class LossWeights:
-    """Weights of the xPRT terms. L = xp * L_xp + cross * L_cross + self_fill * L_self + mlm * L_MLM
-    + unif * L_unif (+ the retention term, whose weight 40 -> 0 is scheduled by train.py).
+    """Weights of the xPRT terms. L = xp * L_xp + cross * L_cross + self_fill * L_self + mlm * L_MLM + unif * L_unif
+    (+ the retention term, whose weight 40 -> 0 is scheduled by train.py).
 
-    xp = 1.0 and cross = 0.1 are the paper's. self_fill, mlm and unif are NOT given by our source:
-    these defaults are OURS - we give each auxiliary term the same weight, 0.1, as the paper's one
-    auxiliary weight (L_cross), so that L_xp stays the dominant signal.
-    """
+    xp = 1.0 and cross = 0.1 are the paper's. self_fill, mlm and unif are NOT given by our source: these defaults are
+    OURS - we give each auxiliary term the same weight, 0.1, as the paper's one auxiliary weight (L_cross), so that
+    L_xp stays the dominant signal."""
 
     xp: float = 1.0
     cross: float = 0.1
@@ -341,11 +323,10 @@ class LossWeights:
 def decoder_pass_plan(num_related: int, fill_in: bool = True):
     """The decoder passes of one group, in batch order: (condition_source, target, kind) lists.
 
-    Passage indices: 0 = anchor, 1 = s1, ..., num_related. With 4 related passages:
-    passes 0-3 anchor -> related_k (cross), 4-7 related_k -> anchor (cross), 8 anchor -> anchor
-    and 9 s1 -> s1 (self): 8 cross + 2 self = the paper's 10 decoder passes per group.
-    fill_in=False (the "without the fill-in loss" ablation) keeps the 2 self passes only.
-    """
+    Passage indices: 0 = anchor, 1 = s1, ..., num_related. With 4 related passages: passes 0-3 anchor -> related_k
+    (cross), 4-7 related_k -> anchor (cross), 8 anchor -> anchor and 9 s1 -> s1 (self): 8 cross + 2 self = the
+    paper's 10 decoder passes per group. fill_in=False (the "without the fill-in loss" ablation) keeps the 2 self
+    passes only."""
     r = list(range(1, num_related + 1))
     source = [0] * num_related + r + [0, 1]
     target = r + [0] * num_related + [0, 1]
@@ -368,15 +349,12 @@ class ConditionedDecoder(nn.Module):
         self.num_condition_vectors = num_condition_vectors
         self.condition = nn.Linear(config.hidden_size, num_condition_vectors * config.hidden_size)
         self.layers = decoder_layers(encoder, num_layers)
-        # the encoder runs the layers (its masks and positions); held outside the module tree: its weights are not
-        # the decoder's
+        # the encoder runs the layers (its masks and positions); outside the module tree: not the decoder's weights
         object.__setattr__(self, "run_layers", layer_runner(encoder))
         # The encoder's init (BERT: N(0, 0.02) linear weights, LayerNorm 1/0) for the fresh decoder, as RetroMAE does.
         self.apply(encoder._init_weights)
         # Our choice: start the linear map as C stacked identities (+ the N(0, 0.02) noise above, so the C vectors
-        # differ). The mean-pooled vector then enters the decoder at the scale of the (LayerNorm-ed) token
-        # embeddings; with N(0, 0.02) alone it would be ~0.02 sqrt(H) times smaller and the decoder would start out
-        # ignoring it.
+        # differ), so that the decoder does not start out ignoring the vector (docs/notes.md)
         with torch.no_grad():
             self.condition.weight += torch.eye(config.hidden_size).repeat(num_condition_vectors, 1)
 
@@ -408,9 +386,7 @@ class ConditionedDecoder(nn.Module):
 # 4. The objectives
 # One class per objective (train.py / finetune.py --objective), each with the same few methods; XPRTModel.forward and
 # the gradient cache (XPRTModel.cached_step) are written once over them, so an objective added here (or in
-# baselines.py: random spans, RetroMAE, SimLM, the self-reconstruction ablation) is cached and tested without code of
-# its own. The batch layout (section 6) is the collator's: it builds every index tensor and says how a batch is cut
-# into chunks (Layout).
+# baselines/) is cached and tested without code of its own. The batch layout is the collator's (sections 7, 8).
 # ==============================================================================================================
 
 OBJECTIVES: dict = {}  # --objective name -> Objective class, as its module registers it (register_objective)
@@ -672,13 +648,11 @@ class PairObjective(Objective):
 
 @dataclass
 class ModelInfo:
-    """What a model folder records beyond the weights (save_model_folder writes it; model_folder.load_xprt_folder fills
-    it in from the start model): the checkpoint training started from (kept through continued runs), the
-    {"query", "document"} prefixes it is trained and used with (model_prompts), the length limit it is saved and
-    scored at (max_seq_length), the Hub id of the checkpoint it was loaded from (the card's base_model:
-    hub_base_model), the Hub repository the folder is pushed to (so a model trained from it names it), and its
-    lineage: every stage from the first checkpoint on, [{"stage", "model"}] ("model": a Hub id, or None for a local
-    one), so a model fine-tuned from an xPRT folder says so."""
+    """What a model folder records beyond the weights (plumbing/model_folder.py): the checkpoint training started
+    from, the {"query", "document"} prefixes it is trained and used with, the length limit it is saved and scored at
+    (max_seq_length), the Hub id of the checkpoint it was loaded from (the card's base_model), the Hub repository the
+    folder is pushed to, and its lineage: every stage from the first checkpoint on, [{"stage", "model"}] ("model": a
+    Hub id, or None for a local one)."""
 
     start_model: str = ""
     prompts: dict = field(default_factory=lambda: dict(query="", document=""))
@@ -696,21 +670,19 @@ class ModelInfo:
 
 
 def max_seq_length(config, stated: Optional[int] = None) -> int:
-    """The one length rule: the limit a model is used at is the one its folder states (read_max_seq_length;
-    all-MiniLM-L6-v2 says 256, and the MTEB leaderboard scored it there), else BERT's 512, never more than its
-    position table holds."""
+    """The one length rule: the limit a model is used at is the one its folder states (read_max_seq_length), else
+    BERT's 512, never more than its position table holds."""
     return int(min(stated or 512, getattr(config, "max_position_embeddings", 512)))
 
 
 class PostPooling(torch.nn.Module):
     """The sentence-transformers modules a model applies after its Pooling module (Dense, LayerNorm, Dropout,
     Normalize, any module that reads and writes the features' "sentence_embedding"), then its truncate_dim: the
-    rest of the pipeline that makes the model's sentence vector from the pooled one. load_post_pooling builds it from
-    a model folder with sentence-transformers' own loader; empty (the identity) for a model that has none.
+    rest of the pipeline that makes the model's sentence vector from the pooled one (model_folder.load_post_pooling);
+    empty (the identity) for a model that has none.
 
-    forward: pooled vectors (..., H) -> the model's sentence vectors (..., D). Its parameters are frozen (our choice:
-    the start's modules are kept as they are and the encoder is trained under them; the gradients of the losses flow
-    through them into the encoder), and they are saved back unchanged (save_model_folder)."""
+    forward: pooled vectors (..., H) -> the model's sentence vectors (..., D). Frozen (our choice: the encoder is
+    trained under the start's modules, the losses' gradients flowing through them) and saved back unchanged."""
 
     def __init__(self, modules=(), truncate_dim: Optional[int] = None, names: Sequence[str] = ()):
         super().__init__()
@@ -741,8 +713,7 @@ class PostPooling(torch.nn.Module):
 
     def describe(self) -> list:
         """["Dense(384 -> 128, Tanh)", "truncate_dim 64"]: one phrase per module, for the log and card; a Normalize
-        module is said by describe_scoring's "L2-normalised" (read_scoring finds it), so a model with Normalize alone
-        (all-MiniLM-L6-v2) is described as before."""
+        module is said by describe_scoring's "L2-normalised" (read_scoring finds it)."""
         out = []
         for m in self.modules_:
             name = type(m).__name__
@@ -760,8 +731,7 @@ class PostPooling(torch.nn.Module):
 # ==============================================================================================================
 # 6. The model
 # The encoder (an AutoModelForMaskedLM: its base model gives the token states, its MLM head the vocabulary terms), the
-# objective (section 4) with its heads, and the step written once over the objective: forward (plain) and cached_step
-# (the gradient cache). The batch layouts are the collators' (section 6, and baselines.py).
+# objective (section 4) with its heads, and the step written once over it: forward and cached_step (gradient cache).
 # ==============================================================================================================
 
 
@@ -827,10 +797,8 @@ class XPRTModel(nn.Module):
         self.info = info or ModelInfo(max_seq_length=max_seq_length(mlm_model.config))
         # the objective's setting may fix how vectors are pooled and scored: training and the saved folder follow it
         self.info = replace(self.info, **self.objective.scoring())
-        # the start's sentence-transformers modules after pooling (Dense, Normalize, truncate_dim, ...: from_pretrained,
-        # model_folder.load_post_pooling), frozen: pooled vectors (..., H) -> the model's sentence vectors (..., D). The
-        # similarity terms (batch terms, retention) read their output, so the encoder is trained under the modules;
-        # the decoders read the pooled vector, which lives in the encoder's token space they put it in.
+        # the start's modules after pooling (PostPooling), frozen. The similarity terms (batch terms, retention) read
+        # their output; the decoders read the pooled vector, which lives in the encoder's token space they put it in.
         self.post_pooling = PostPooling()
         self.carried_heads: dict = {}  # a folder's heads of another objective, written back unchanged (from_pretrained)
         self.carried_config: dict = {}
@@ -878,8 +846,7 @@ class XPRTModel(nn.Module):
 
     def clean_student(self, batch, checkpointed: Optional[bool] = None):
         """The retention term's student: the clean anchor and s1 encoded WITHOUT dropout (the teacher runs without
-        it, so the term is the model's drift only, 0 at step 0; with dropout it would be a dropout-consistency term
-        under the weight 40 that nobody chose: docs/steps.md, retention at step 0) -> (G, 2, H)."""
+        it, so the term is the model's drift only, 0 at step 0: docs/notes.md) -> (G, 2, H)."""
         if checkpointed is None:  # the layers' own flag (transformers' property is named differently across versions)
             checkpointed = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False)
                                                            for m in self.encoder.modules())
@@ -968,13 +935,8 @@ class XPRTModel(nn.Module):
     def head_parameters(self) -> list:
         """The "heads": the parameters the start model never trained - the objective's own (xPRT's decoder) and the
         MLM head's transform and output bias. The tied vocabulary projection IS the word-embedding matrix, so it
-        counts as the encoder's. The one definition of heads: train.py gives them --head_learning_rate, finetune.py
-        freezes them, xprt_heads.safetensors stores them (heads_state_dict)."""
+        counts as the encoder's. The one definition of heads (docs/notes.md)."""
         return list(self.objective.parameters()) + list(head_params(self.encoder).values())
-
-
-
-
 
 
 # ==============================================================================================================
@@ -1028,12 +990,9 @@ def group_bounds(index: torch.Tensor, width: int, groups: int) -> list:
 
 
 def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarray:
-    """Characters of each group's anchor plus its first num_related related passages (what length grouping
-    sorts by), as a numpy int64 array.
-
-    Computed with pyarrow compute on Arrow batches of the two columns (no Python dict per row, no cache file
-    written, so every process can run it at once); utf8_length counts code points like Python's len, so the
-    lengths, and hence the batches, are those Python's len gives."""
+    """Characters of each group's anchor plus its first num_related related passages (what length grouping sorts
+    by), as a numpy int64 array. pyarrow compute on Arrow batches of the two columns (no cache file written: every
+    process can run it at once); utf8_length counts code points like Python's len."""
     import pyarrow.compute as pc
 
     out = np.empty(len(groups), dtype=np.int64)
@@ -1051,17 +1010,15 @@ def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarra
 
 
 def stable_doc_hash(doc_id: str) -> int:
-    """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label
-    of L_xp, the duplicate-id check of select_groups.py, and PAIR's passage ids (of the passage *text*, so that
-    duplicated corpus entries get one id: PairCollator, pair_false_negatives)."""
+    """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label of
+    L_xp, and PAIR's passage ids (of the passage *text*, so that duplicated corpus entries get one id)."""
     return int.from_bytes(hashlib.blake2b(str(doc_id).encode("utf-8"), digest_size=8).digest(), "little", signed=True)
 
 
 # ==============================================================================================================
 # 8. Collators
 # Rows -> one batch dict of tensors. All masking, cropping and index building happens here, drawn from a generator
-# seeded per batch (batches.SeededCollate); each batch carries its Layout (batches.py: how it is cut into chunks of
-# groups for the gradient cache), so the model gathers and never computes an index.
+# seeded per batch (batches.SeededCollate); each batch carries its Layout (section 7): the model computes no index.
 # Batch layout of xPRT (XPRTCollator): G groups, P = 1 + num_related passages per group (0 = anchor, 1 = s1, ...),
 # L tokens, D decoder passes per group (2 * num_related + 2; 2 without fill-in), C conditioning vectors:
 #   input_ids, attention_mask, mlm_labels   (G, P, L)   masked encoder input, its MLM targets (-100 elsewhere)
@@ -1092,10 +1049,9 @@ def special_template(tokenizer) -> tuple[list, list]:
 
 
 def passage_tokens(tokenizer, texts, prefix: str, length: int, words: bool = False) -> dict:
-    """Passages as the encoder reads them, without special tokens: the prefix and the text tokenised together (as
-    the prefix meets the text: a BPE merges across the space), cut to `length` tokens (the prefix's and the
-    passage's max_length) -> {"ids": [[int]], "words": [[int]] each token's word, with words}. The one tokenisation
-    of the collators (GroupCollator._tokenize); train.py runs it once per passage at load (tokenize_groups)."""
+    """Passages as the encoder reads them, without special tokens: the prefix and the text tokenised together (as the
+    prefix meets the text: a BPE merges across the space), cut to `length` tokens (the prefix's and the passage's
+    max_length) -> {"ids": [[int]], "words": [[int]] each token's word, with words}. The collators' one tokenisation."""
     enc = tokenizer([prefix + t for t in texts], add_special_tokens=False, truncation=True, max_length=length)
     out = {"ids": enc["input_ids"]}
     if words:
@@ -1123,12 +1079,12 @@ def tokenize_groups(batch: dict, tokenizer, prefix: str, length: int, words: boo
 
 class GroupCollator:
     """What every pre-training collator shares: tokenising with the passage prefix, BERT-style masking drawn from
-    self.generator, the retention fields (every objective gets the same term), and the batch sampler's
-    lengths. max_length counts the passage's own tokens: select_groups.py packs passages to --passage_tokens (128)
-    without [CLS], [SEP] and the prefix, so the sequences are max_length + specials + prefix long and a selected
-    passage reaches the encoder whole. The prefix ("passage: " for E5) is never a masking candidate: it is the same
-    in every passage, and a masked prefix would both corrupt the input E5 was trained on and make "passage" and ":"
-    fill-in targets. Mask rates left at None take the class's DEFAULT_RATES (encoder, decoder)."""
+    self.generator, the retention fields (every objective gets the same term), and the batch sampler's lengths.
+    max_length counts the passage's own tokens (select_groups.py's --passage_tokens, 128): the sequences are
+    max_length + specials + prefix long, so a selected passage reaches the encoder whole. The prefix ("passage: " for
+    E5) is never a masking candidate: it is the same in every passage, and a masked prefix would both corrupt the
+    input E5 was trained on and make "passage" and ":" fill-in targets. Mask rates left at None take the class's
+    DEFAULT_RATES (encoder, decoder)."""
 
     DEFAULT_RATES = (0.15, 0.0)
     spread_documents = True  # the sampler may deal one document's groups into different batches (train.py)
@@ -1175,8 +1131,7 @@ class GroupCollator:
         """Passages (texts, or (ids, words) tokenised before: passage_tokens) -> the encoder's padded batch:
         input_ids, attention_mask (N, L) with the tokenizer's special tokens around each passage and its padding
         side; "candidates": the maskable positions (never a special token, padding or the prefix); with
-        needs_words, "word_ids" (N, L): each candidate's word, -1 elsewhere. A text is tokenised here, with the very
-        call train.py makes once per passage (passage_tokens), so both give the same batch (tested)."""
+        needs_words, "word_ids" (N, L): each candidate's word, -1 elsewhere. Texts go through passage_tokens too."""
         texts = [i for i, p in enumerate(passages) if isinstance(p, str)]
         if texts:
             done = passage_tokens(self.tokenizer, [passages[i] for i in texts], self.passage_prefix,
@@ -1343,8 +1298,7 @@ def pair_text_ids(rows: list, num_negatives: int) -> tuple:
     relevant_ids (B, R) int64: the row's positive, then every other passage labelled relevant to its query (the
     row's "relevant" texts; finetune.py fills in all positives of the query), R = the longest list of the batch.
     Shorter rows are padded by repeating their positive's id: a value the row already holds, so padding never
-    matches a candidate that the real ids do not (no value of the 64-bit hash space has to be reserved).
-    """
+    matches a candidate that the real ids do not."""
     slots = [[r["positive"]] + list(r.get("negatives") or [])[:num_negatives] for r in rows]
     passage_ids = torch.tensor([[stable_doc_hash(t) for t in texts] for texts in slots], dtype=torch.long)
     relevant = [list(dict.fromkeys([stable_doc_hash(r["positive"])] +
@@ -1355,12 +1309,11 @@ def pair_text_ids(rows: list, num_negatives: int) -> tuple:
 
 
 class PairCollator:
-    """Fine-tuning rows {"query", "positive", "negatives"} -> batch for PairObjective:
-    query_input_ids / query_attention_mask (B, Lq); passage_input_ids / passage_attention_mask
-    (B, 1 + num_negatives, Lp), the positive first. PAIR's max lengths: 32 / 128.
-    Also passage_ids (B, 1 + num_negatives) and relevant_ids (B, R), the text ids the losses mask false negatives
-    with (pair_text_ids; a row's optional "relevant" holds the texts of every passage labelled relevant to its
-    query)."""
+    """Fine-tuning rows {"query", "positive", "negatives"} -> batch for PairObjective: query_input_ids /
+    query_attention_mask (B, Lq); passage_input_ids / passage_attention_mask (B, 1 + num_negatives, Lp), the positive
+    first. PAIR's max lengths: 32 / 128. Also passage_ids (B, 1 + num_negatives) and relevant_ids (B, R), the text ids
+    the losses mask false negatives with (pair_text_ids; a row's optional "relevant" holds the texts of every passage
+    labelled relevant to its query)."""
 
     def __init__(self, tokenizer, query_max_length: int = 32, passage_max_length: int = 128, query_prefix: str = "",
                  passage_prefix: str = "", num_negatives: int = 1):

@@ -436,7 +436,8 @@ def keep_best(accelerator, args, model, tokenizer, rec: dict, best: dict) -> dic
     score = sum(scores.values()) / len(scores) if args.save_best == "average" else scores[args.save_best]
     if best and score <= best["score"]:
         return best
-    best = {"step": rec["step"], "by": args.save_best, "score": score, "scores": scores}
+    best = {"step": rec["step"], "by": args.save_best, "score": score, "scores": scores,
+            "start": best.get("start", score)}  # the start's score (step 0, scored first)
     out = Path(args.output_dir)
     card = (f"# best model of {out.name}\n\nStep {rec['step']} of the run, the best {args.save_best} score during "
             f"training ({score:.2f}; train.py --save_best). The finished run's model and card are in model/.\n")
@@ -515,6 +516,9 @@ def main(argv=None):
     stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1 / Ctrl-C: a checkpoint after the step, stop
     best = {}  # --save_best: the best scoring so far
     skip_tokens = () if teacher is not None else ("retain_",)  # masks a step computes nothing of
+    if scorer and state.completed_steps == 0:  # the start is scored too: every later score is read against it
+        rec = log_score(accelerator, args, scorer, model, 0, state.epoch, window)
+        best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
     try:
         for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
             if stopped or state.completed_steps >= stop_at:
@@ -573,7 +577,9 @@ def main(argv=None):
         best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
     if best:
         accelerator.print(f"best {best['by']} {best['score']:.2f} at step {best['step']}: "
-                          f"{Path(args.output_dir) / 'best_model'}")
+                          f"{Path(args.output_dir) / 'best_model'}" + (
+                              " holds the start model: no step of training scored above it" if best["step"] == 0
+                              else f" (the start: {best['start']:.2f})"))
 
     # ---- save: the loss curve; a finished run's model folder and card (then --push_to_hub)
     source = read_json(Path(args.groups_dir) / "stats.json").get("dataset")  # select_groups.py --dataset

@@ -197,6 +197,27 @@ def test_the_gpu_plans_count_what_a_run_can_bring_back(capsys):
 # ---------------------------------------------------------------------------------------------------------------
 # train.py's stopping signal
 # ---------------------------------------------------------------------------------------------------------------
+def test_save_best_keeps_the_start_when_no_step_beats_it(tmp_path, tiny_bert, capsys):
+    """The start is scored first (step 0). A run whose scores never rise above it (here lr 0: every score equals the
+    start's) keeps the start in best_model/ and says so; the score records begin at step 0."""
+    groups = make_groups(tmp_path / "groups", 16)
+    out = tmp_path / "run"
+    res = run_train(cli_args({"--model_name_or_path": tiny_bert, "--groups_dir": groups, "--output_dir": out,
+                              "--max_length": 32, "--per_device_train_batch_size": 4, "--report_to": "none",
+                              "--max_train_steps": 2, "--learning_rate": 0.0, "--retention_weight": 0,
+                              "--eval_tasks": str(ROOT / "data/eval/scifact"), "--eval_steps": 1,
+                              "--eval_limit": 10, "--save_best": "SciFact"}))
+    recs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    scores = {r["step"]: r["eval_SciFact"] for r in recs if "eval_SciFact" in r}
+    assert sorted(scores) == [0, 1, 2] and len(set(scores.values())) == 1
+    assert json.loads((out / "best.json").read_text())["step"] == 0 == res["best"]["step"]
+    assert "holds the start model: no step of training scored above it" in capsys.readouterr().out
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(out / "best_model" / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # lr 0: the start's weights, kept as they were
+
+
 def test_save_best_keeps_the_best_scored_model_and_the_drift_is_logged(tmp_path, tiny_bert):
     groups = make_groups(tmp_path / "groups", 16)
     out = tmp_path / "run"
@@ -207,7 +228,7 @@ def test_save_best_keeps_the_best_scored_model_and_the_drift_is_logged(tmp_path,
                               "--eval_limit": 10, "--save_best": "SciFact"}))
     recs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     scores = {r["step"]: r["eval_SciFact"] for r in recs if "eval_SciFact" in r}
-    assert sorted(scores) == [1, 2, 3, 4]
+    assert sorted(scores) == [0, 1, 2, 3, 4]  # the start (step 0) is scored first
     best_step = max(scores, key=lambda s: (scores[s], -s))  # the first of equal scores is kept
     best = json.loads((out / "best.json").read_text())
     assert best["step"] == best_step == res["best"]["step"] and best["score"] == pytest.approx(scores[best_step])

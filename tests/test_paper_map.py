@@ -197,20 +197,17 @@ def traced_step(argv, step: int = 1, end: str = "XPRTModel.forward") -> dict:
 
 
 # (functions, files) a step may call, as measured, sampler to loss and model to loss, on the first step and on a
-# steady one (step 2, not a logging step). On xPRT's steady step they are its equations, decoder, retention term and
-# collator (modeling_xprt.py), the vocabulary kernel (fused_vocab.py), the loader and the batch's move to the device
-# (batches.py), run_layers (architectures.py), the start's modules after pooling (model_folder.PostPooling) and the
-# document hash (common.py). The first step adds what runs once: the epoch's batches (training.py), the memory
-# estimate and the FLOP count (run_log.py). The function counts are those of the tree before support.py was split
-# into rooms (the same functions run); the file counts grew with the rooms. Issue 42 added two to the first step:
-# run_log.device_memory (the memory estimate's free memory, a CPU-testable CUDA branch) and run_log.addmm_flops (the
-# FLOP count of every addmm overload; inside the model's step too); then architectures.mask_for_layers (the attention
-# mask made per call, no host sync), GroupCollator.passage (the tokens train.py reads once) and
-# RowsDataset.__getitems__ (a batch read in one take, in place of __getitem__), and run_log.LogWindow.timed (the
-# loop's wait for its next batch, logged as data_wait_share).
+# steady one (step 2, not a logging step). The loop is train.py's own (its main, already running, is not counted). On
+# xPRT's steady step the files are its equations, decoder, retention term, collator and batch Layout (modeling_xprt.py),
+# the encoder's layers and the vocabulary kernel (plumbing/architectures.py), the loader and the batch's move to the
+# device (plumbing/batches.py), the log window (plumbing/run_log.py: measured, step_done) and the epoch's batches or the
+# stop check (plumbing/training.py): 5 files, where the tree before the plumbing/ folder crossed 7 (9 on the first
+# step, now 6). The first step adds what runs once: the memory estimate and the FLOP count (run_log.py), the epoch's
+# batches. The function counts grew by two with the loop moved into the script: LogWindow.measured (the token and
+# FLOP count around a micro-batch) and StopSignals.check.
 STEP_BOUNDS = {
-    "xprt": {1: {"sampler": (73, 9), "model": (35, 5)}, 2: {"sampler": (50, 7), "model": (33, 4)}},
-    "retromae": {1: {"sampler": (68, 10), "model": (30, 6)}, 2: {"sampler": (45, 8), "model": (28, 5)}},
+    "xprt": {1: {"sampler": (73, 6), "model": (35, 3)}, 2: {"sampler": (52, 5), "model": (33, 3)}},
+    "retromae": {1: {"sampler": (68, 8), "model": (30, 5)}, 2: {"sampler": (47, 7), "model": (28, 4)}},
 }
 
 

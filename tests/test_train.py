@@ -779,8 +779,9 @@ def test_accelerate_launch_deepspeed_one_cpu_process(tiny_bert, groups, tmp_path
     # the final model scored inside the DeepSpeed engine (ZeRO-3: gathered weights) = evaluate.py on the saved folder
     import evaluate
 
-    (scored,) = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()
-                 if "eval_SciFact" in line]
+    start, scored = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()
+                     if "eval_SciFact" in line]
+    assert (start["step"], scored["step"]) == (0, 3)  # the start, then the final model
     final = evaluate.run_evaluation([str(out / "model")], local_tasks=[f"SciFact={beir}"], show_progress=False)
     assert scored["eval_SciFact"] == pytest.approx(final["results"][str(out / "model")]["SciFact"]["main_score"],
                                                    abs=1e-4)
@@ -1017,7 +1018,7 @@ def test_eval_steps_scores_the_model_during_training(tiny_bert, groups, tmp_path
                   **{"--eval_steps": 2, "--eval_limit": 0, "--eval_tasks": f"SciFact={beir}"}) + [str(sts)])
     recs = _records(tmp_path / "e")
     scored = [r for r in recs if "eval_SciFact" in r]
-    assert [r["step"] for r in scored] == [2, 3]
+    assert [r["step"] for r in scored] == [0, 2, 3]  # the start, every --eval_steps, the end
     assert all(0.0 <= r["eval_SciFact"] <= 100.0 and -100.0 <= r["eval_STS12"] <= 100.0 for r in scored)
     png = (tmp_path / "e" / "loss_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -1055,7 +1056,7 @@ def test_two_process_scores_equal_evaluate_on_the_saved_model(tiny_bert, groups,
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     scored = [r for r in _records(out) if "eval_SciFact" in r]
-    assert [r["step"] for r in scored] == [1, 2]
+    assert [r["step"] for r in scored] == [0, 1, 2]
     final = evaluate.run_evaluation([str(out / "model")], local_tasks=[f"SciFact={beir}", str(sts)],
                                     show_progress=False)["results"][str(out / "model")]
     assert scored[-1]["eval_SciFact"] == pytest.approx(final["SciFact"]["main_score"], abs=1e-4)
