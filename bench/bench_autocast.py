@@ -80,7 +80,8 @@ def load(path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--module", default=None, help="a modeling_xprt.py to test (default: this tree's)")
     p.add_argument("--vectors", type=int, default=32, help="anchors (and queries) per batch")
     p.add_argument("--hidden", type=int, default=384, help="vector width (MiniLM's 384)")

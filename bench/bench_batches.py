@@ -26,7 +26,8 @@ from bench import ROOT, add_toy_flag, build_tiny, toy_sized  # the repository on
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups_dir", default="outputs/demo/groups", help="a select_groups.py output folder")
     p.add_argument("--batch_size", type=int, default=16, help="groups per batch")
     p.add_argument("--max_length", type=int, default=128, help="passage tokens, as train.py --max_length")

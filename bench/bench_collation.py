@@ -39,7 +39,8 @@ SIZES = {  # (hidden, layers, heads, intermediate, max_length, retention weight)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=["gpu", "bert-base"], choices=list(SIZES), help="model sizes")
     p.add_argument("--objectives", nargs="+", default=None, help="default: every train.py --objective")
     p.add_argument("--groups", type=int, default=16, help="groups per batch")

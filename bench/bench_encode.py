@@ -74,7 +74,8 @@ def load_texts(data: Path, n: int, seed: int) -> list[str]:
 def main(argv=None):
     from bench import add_toy_flag, toy_sized
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="all-MiniLM-L6-v2", help="model folder, hub id or 'all-MiniLM-L6-v2'")
     p.add_argument("--data", default=str(ROOT / "data" / "eval"),
                    help="folder with scifact/, stsbenchmark/, banking77/")

@@ -28,7 +28,8 @@ from plumbing import model_folder
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--groups", type=int, nargs="+", default=[16, 64, 256], help="groups per step")
     p.add_argument("--chunk", type=int, default=8, help="--gradient_cache_chunk")
     p.add_argument("--max_length", type=int, default=32, help="tokens per passage")

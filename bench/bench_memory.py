@@ -48,7 +48,7 @@ from bench import ROOT, add_toy_flag, build_tiny, toy_sized  # importing bench a
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", type=float, default=1.0,
                    help="multiplies --groups and --passages (0.1: a quick run at 10K / 100K)")
     p.add_argument("--groups", type=int, default=100_000, help="groups of the 1x train data run")

@@ -33,7 +33,7 @@ from bench import ROOT, add_toy_flag, build_tiny, toy_sized  # importing bench a
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--input", default=os.path.join(ROOT, "data", "docs.jsonl"),
                    help="JSONL documents (id, text).")
     p.add_argument("--num_docs", type=int, default=10, help="Documents for the timing part.")

@@ -43,7 +43,8 @@ from plumbing.architectures import linear_cross_entropy
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["bert-base", "minilm"], choices=["bert-base", "minilm", "tiny"],
                    help="encoders to time: a random-weight BERT-base config and/or the bundled all-MiniLM-L6-v2 "
                         "(tiny: a random 2-layer, 32-wide BERT, for --toy)")

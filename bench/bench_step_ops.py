@@ -208,7 +208,8 @@ def collate_ms_per_group(objective: str, folder: Path, tok, rows, max_length: in
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=["gpu", "bert-base"], choices=list(SIZES), help="model sizes")
     p.add_argument("--objectives", nargs="+", default=None, help="default: every train.py --objective")
     p.add_argument("--groups", type=int, default=2, help="groups per step (the counts hardly depend on it)")

@@ -27,7 +27,8 @@ from bench import ROOT, add_toy_flag, toy_sized
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", default="7d71bbd",
                    help="git revision whose fused_vocab.py is the 'before' (default: the main this change started "
                         "from)")

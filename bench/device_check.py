@@ -51,7 +51,8 @@ ROOT_DIR = HERE.parent
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--toy", action="store_true", help="toy sizes (a CPU, the test): 2 layers x 64 hidden, 16 tokens")
     p.add_argument("--max_length", type=int, default=None, help="tokens per passage (default 128; toy 16)")
     p.add_argument("--max_groups", type=int, default=None, help="largest groups per step tried (default 2048; toy 8)")

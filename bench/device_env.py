@@ -211,7 +211,7 @@ def check(env_dir: Path = DEFAULT_DIR) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1],
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("action", choices=["build", "run", "check"],
                    help="build: download and install the pins, write the hook; run: a command inside; check: the "

@@ -36,7 +36,8 @@ DEFAULT_CORPUS = os.path.join(os.path.dirname(ROOT), "shared", "data", "scifact"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", default=DEFAULT_CORPUS,
                    help="BEIR corpus.jsonl of real text (title + text); falls back to the repo's data/docs.jsonl")
     p.add_argument("--batch_size", type=int, default=32, help="pairs per contrastive batch / passages per MLM batch")

@@ -31,7 +31,7 @@ from plumbing.readers import load_beir
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--beir_dir", required=True, help="BEIR-layout folder (corpus.jsonl, queries.jsonl, qrels/)")
     p.add_argument("--qrels_split", default="train", help="qrels file the rows come from (finetune.py's default)")

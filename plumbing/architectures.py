@@ -16,8 +16,7 @@ run once, at load (encoder_pieces): a training step calls the modules and callab
   - layer_stack: where the encoder keeps its layer list, so that architectures.run_layers runs a stack of layers the way
     the encoder runs its own (the encoder's forward with its layer list swapped for them and the first layer's input
     replaced: masks, rotary and relative positions, final norms are the encoder's), checked here (check_layers);
-    decoder_layers (fresh copies of the encoder's first layer) and copy_last_layers (SimLM's
-    decoder) build such stacks;
+    decoder_layers (fresh copies of the encoder's first layer) and copy_last_layers (SimLM's decoder) build such stacks;
   - mlm_head: the transform, a module of the head's own modules that gives what the MLM model feeds into its
     vocabulary matrix (its own forward, started from given hidden states, stopped at the first operation that reads
     that matrix), the matrix and its bias;
@@ -38,7 +37,6 @@ from torch import nn
 
 logger = logging.getLogger("xprt")
 
-
 class _Stop(Exception):
     """Raised from inside a forward to stop it once the tensor we came for exists (its autograd graph stays)."""
 
@@ -46,11 +44,9 @@ class _Stop(Exception):
         super().__init__("stopped")
         self.value = value
 
-
 # ==============================================================================================================
 # The layer stack: found, copied, run as the encoder runs it
 # ==============================================================================================================
-
 
 def layer_stack(base: nn.Module) -> tuple:
     """(owner, attribute name, nn.ModuleList) of the encoder's Transformer layers: the ModuleList of `base` holding
@@ -70,7 +66,6 @@ def layer_stack(base: nn.Module) -> tuple:
         raise ValueError(f"{type(base).__name__}: no list of Transformer layers found (xprt's decoder is built from "
                          "the encoder's own layers)")
     return best
-
 
 def run_layers(base: torch.nn.Module, layers: torch.nn.ModuleList, hidden: torch.Tensor,
                attention_mask: torch.Tensor, stack: tuple) -> torch.Tensor:
@@ -101,13 +96,10 @@ def run_layers(base: torch.nn.Module, layers: torch.nn.ModuleList, hidden: torch
         handle.remove()
         owner._modules[name] = own
 
-
 def mask_for_layers(base: nn.Module, attention_mask: Optional[torch.Tensor]):
     """attention_mask (N, L) -> the mask in the form `base`'s layers take, made here: transformers'
     create_bidirectional_mask for its config and attention implementation, never dropped, which base's forward then
-    takes as it is. Left to itself, base's forward builds the same mask, but first asks whether every token is real
-    to drop it (masking_utils.sdpa_mask: `padding_mask.all()`): a read of a device value, which makes the host wait
-    for the GPU's queue, once per encoder call (bench/bench_step_ops.py). Only for an encoder whose output the load
+    takes as it is: no host sync (docs/plumbing.md: mask_for_layers). Only for an encoder whose output the load
     probe found the same with this mask (probe_prepared_mask); any other gets its 2D mask back."""
     if attention_mask is None or attention_mask.ndim != 2 or not getattr(base, "xprt_prepared_mask", False):
         return attention_mask
@@ -118,13 +110,11 @@ def mask_for_layers(base: nn.Module, attention_mask: Optional[torch.Tensor]):
     shape = torch.empty((n, l, 0), dtype=base.get_input_embeddings().weight.dtype, device=attention_mask.device)
     return create_bidirectional_mask(base.config, shape, attention_mask, allow_is_bidirectional_skip=False)
 
-
 def probe_prepared_mask(model: nn.Module) -> str:
     """At load, once: whether the encoder gives the same output on a padded probe (2 rows of up to 512 tokens, one
     padded; eval mode) with its layers' mask made by mask_for_layers as with its 2D mask; records the answer on the
-    encoder (xprt_prepared_mask) -> the line the start-up message says. An encoder that builds more than one mask
-    from the 2D one (ModernBERT's sliding-window layers: its output differs) or its own kind of mask (DeBERTa-v2: it
-    refuses a prepared one) keeps the 2D mask, and with it whatever syncs its own mask building makes."""
+    encoder (xprt_prepared_mask) -> the line the start-up message says. An encoder that fails keeps the 2D mask
+    (docs/plumbing.md: probe_prepared_mask)."""
     base = getattr(model, "base_model", model)
     base.xprt_prepared_mask = False
     if next(base.parameters()).is_meta:  # a weightless model (the harness's FLOP estimate) runs no mask
@@ -150,10 +140,8 @@ def probe_prepared_mask(model: nn.Module) -> str:
         return "attention mask: prepared per call (no host sync)"
     return f"attention mask: {type(base).__name__}'s own, from the 2D mask (with one prepared here {why})"
 
-
 def _hidden_arg(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
-
 
 def token_embeddings(base: nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None):
     """(N, L) ids -> (N, L, H) the vectors the encoder hands its first layer: its embedding layer and whatever follows
@@ -172,7 +160,6 @@ def token_embeddings(base: nn.Module, input_ids: torch.Tensor, attention_mask: O
     finally:
         handle.remove()
     raise RuntimeError(f"{type(base).__name__} never called its first layer")
-
 
 def embedding_module(base: nn.Module) -> nn.Module:
     """token_embeddings as a module of the encoder's own: the chain of its direct children, each fed the previous
@@ -214,16 +201,13 @@ def embedding_module(base: nn.Module) -> nn.Module:
                          "that run before it; xprt's decoder embeds its input with them")
     return module
 
-
 def _copy_layer(layer: nn.Module, config) -> nn.Module:
     # the copy shares the encoder's config object, so an attention setting made on the encoder holds for it too
     return copy.deepcopy(layer, memo={id(config): config})
 
-
 def decoder_layers(encoder, n: int) -> nn.ModuleList:
     """n fresh layers of the encoder's own kind: copies of its first layer (the one that reads the embeddings, as the
-    decoder's layer does: ModernBERT's first layer has no input norm because its embeddings are normed), every
-    parameter re-initialised by the architecture's own _init_weights."""
+    decoder's layer does: docs/plumbing.md: decoder_layers), every parameter re-initialised by its _init_weights."""
     base = getattr(encoder, "base_model", encoder)
     _, _, stack = layer_stack(base)
     layers = nn.ModuleList([_copy_layer(stack[0], base.config) for _ in range(n)])
@@ -233,7 +217,6 @@ def decoder_layers(encoder, n: int) -> nn.ModuleList:
     layers.apply(encoder._init_weights)
     return layers
 
-
 def copy_last_layers(encoder, n: int) -> nn.ModuleList:
     """SimLM's decoder: a copy of the encoder's last n layers, weights and all (they train apart from the encoder)."""
     base = getattr(encoder, "base_model", encoder)
@@ -242,12 +225,10 @@ def copy_last_layers(encoder, n: int) -> nn.ModuleList:
         raise ValueError(f"{type(base).__name__} has {len(stack)} layers; cannot copy the last {n}")
     return nn.ModuleList([_copy_layer(layer, base.config) for layer in stack[len(stack) - n:]])
 
-
 def check_layers(encoder, name: str = ""):
     """Refuse an encoder whose layers run_layers cannot run as the encoder does: the encoder's own layers, run on the
     vectors token_embeddings gives, must reproduce its output (a tiny input, eval mode). An encoder that reads its
-    embedding output elsewhere than through its first layer (DeBERTa-v2 with conv_kernel_size > 0 adds a
-    convolution of it after the first layer) fails here, before any work starts."""
+    embedding output elsewhere than through its first layer fails here (docs/plumbing.md: check_layers)."""
     base = getattr(encoder, "base_model", encoder)
     arch = type(base).__name__
     owner, attr, stack = layer_stack(base)
@@ -266,12 +247,10 @@ def check_layers(encoder, name: str = ""):
                          f"(re-running its own layers differs from its output by {gap:.2g}); xprt's decoder, a layer "
                          "of the encoder's own kind run on the decoder's input, cannot be built for it")
 
-
 def runs_at_length(base: nn.Module, length: int) -> bool:
     """Whether the encoder takes an input of `length` positions: its embedding layer (and what follows it before the
     layers: token_embeddings) run on one row of that length. Measured, not read from the config, so that every
-    family's position rule counts as the model applies it (RoBERTa's table starts after the padding index: 514 rows
-    hold 512 positions; rotary positions have no table)."""
+    family's position rule counts as the model applies it (docs/plumbing.md: runs_at_length)."""
     device = next(base.parameters()).device
     # a token that is not padding: RoBERTa-style positions count only the non-padding tokens
     token = 2 if getattr(base.config, "pad_token_id", None) in (0, 1) else 1
@@ -287,7 +266,6 @@ def runs_at_length(base: nn.Module, length: int) -> bool:
     finally:
         base.train(was_training)
 
-
 def longest_input(base: nn.Module, upto: int) -> int:
     """The longest input (at most `upto` positions) the encoder takes (runs_at_length, by bisection)."""
     lo, hi = 0, upto
@@ -295,7 +273,6 @@ def longest_input(base: nn.Module, upto: int) -> int:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if runs_at_length(base, mid) else (lo, mid - 1)
     return lo
-
 
 def _probe_ids(base, length: int = 6):
     """A tiny batch (2 x `length` ids, the second row padded from two thirds on) for the load-time checks."""
@@ -316,11 +293,9 @@ def _probe_ids(base, length: int = 6):
         return ids, None
     return ids, mask
 
-
 # ==============================================================================================================
 # The MLM head: transform, vocabulary matrix, bias
 # ==============================================================================================================
-
 
 class MLMHead(NamedTuple):
     """The MLM head split where the vocabulary sweep needs it: logits = transform(h) @ weight.T + bias.
@@ -330,7 +305,6 @@ class MLMHead(NamedTuple):
     transform: Callable
     weight: torch.Tensor
     bias: torch.Tensor
-
 
 class _ProjectionInput(torch.overrides.TorchFunctionMode):
     """Stops a forward at the first operation that reads the vocabulary matrix (a Linear, or a matmul with its
@@ -355,15 +329,12 @@ class _ProjectionInput(torch.overrides.TorchFunctionMode):
             return out
         return func(*args, **kwargs)
 
-
 def _shape(p) -> tuple:
     """A parameter's full shape, also under DeepSpeed ZeRO-3, where each process holds a flat shard of it."""
     return tuple(getattr(p, "ds_shape", p.shape))
 
-
 def _numel(p) -> int:
     return int(getattr(p, "ds_numel", p.numel()))
-
 
 def vocab_matrix(mlm) -> torch.Tensor:
     """The (V, D) matrix the logits come from: the output embeddings when they have V rows, else the word embeddings
@@ -374,7 +345,6 @@ def vocab_matrix(mlm) -> torch.Tensor:
         if w is not None and len(_shape(w)) == 2 and _shape(w)[0] == v:
             return w
     raise ValueError(f"{type(mlm).__name__}: no (vocabulary x dim) matrix among its output or input embeddings")
-
 
 def _vocab_bias(mlm, weight) -> torch.Tensor:
     """The logits' (V,) bias: the output embedding's, else the head's own (V,) parameter (BERT's cls.predictions.bias,
@@ -392,17 +362,13 @@ def _vocab_bias(mlm, weight) -> torch.Tensor:
                          "logits' bias is ambiguous")
     return torch.zeros(v, dtype=weight.dtype, device=weight.device)
 
-
 def mlm_head(mlm) -> MLMHead:
     """The MLM head of any *ForMaskedLM model as (transform, weight, bias), logits = transform(h) @ weight.T + bias.
 
-    transform is a module built once from the head's own modules (_transform_module): BERT's cls with its decoder
-    left out, RoBERTa's and MPNet's lm_head likewise, DistilBERT's vocab_transform / activation / vocab_layer_norm,
-    ELECTRA's generator_predictions (down to the embedding size), ModernBERT's head, DeBERTa-v2's lm_head up to its
-    matmul, all by the one rule. check_mlm_head measures it against the model's logits."""
+    transform is a module built once from the head's own modules (_transform_module; per architecture:
+    docs/plumbing.md: mlm_head). check_mlm_head measures it against the model's logits."""
     weight = vocab_matrix(mlm)
     return MLMHead(_transform_module(mlm, weight), weight, _vocab_bias(mlm, weight))
-
 
 def _projection_input(mlm, weight, h3: torch.Tensor):
     """What the MLM model's own forward, started from the hidden states h3 (its base model answers with h3 instead of
@@ -420,7 +386,6 @@ def _projection_input(mlm, weight, h3: torch.Tensor):
         del base.forward
     raise ValueError(f"{type(mlm).__name__}: its forward never read its vocabulary matrix")
 
-
 def _without(module: nn.Module, path: str) -> nn.Module:
     """A shallow copy of `module` with its submodule at the dotted `path` replaced by an identity; every other
     submodule and parameter is the original's (shared, so training moves both)."""
@@ -434,7 +399,6 @@ def _without(module: nn.Module, path: str) -> nn.Module:
     out._modules = dict(module._modules)
     out._modules[first] = _without(module._modules[first], rest) if rest else nn.Identity()
     return out
-
 
 def _transform_module(mlm, weight) -> nn.Module:
     """The head's modules (outside the base model) that run before the vocabulary matrix is read, as one module, found
@@ -490,7 +454,6 @@ def _transform_module(mlm, weight) -> nn.Module:
                          "modules; xprt's vocabulary terms need that form")
     return module
 
-
 class EncoderPieces(NamedTuple):
     """What a training step calls, resolved once when the model is built (encoder_pieces): embed (N, L) ids ->
     (N, L, H), what the encoder hands its first layer (embedding_module); run_layers(layers, hidden, mask), layers run
@@ -503,19 +466,16 @@ class EncoderPieces(NamedTuple):
     vocab_weight: torch.Tensor
     vocab_bias: torch.Tensor
 
-
 def layer_runner(encoder) -> Callable:
     """run_layers bound to the encoder, its layer list found once: (layers, hidden, mask) -> (N, L, H)."""
     base = getattr(encoder, "base_model", encoder)
     return functools.partial(run_layers, base, stack=layer_stack(base)[:2])
-
 
 def encoder_pieces(mlm) -> EncoderPieces:
     """The pieces of an AutoModelForMaskedLM a step calls, each found by its rule and checked against the encoder's
     own forward here, at load, so a step never searches for them."""
     head = mlm_head(mlm)
     return EncoderPieces(embedding_module(mlm.base_model), layer_runner(mlm), head.transform, head.weight, head.bias)
-
 
 def check_mlm_head(mlm, name: str = ""):
     """Refuse a model whose mlm_head split does not reproduce its own logits (a tiny input, eval mode)."""
@@ -538,7 +498,6 @@ def check_mlm_head(mlm, name: str = ""):
         raise ValueError(f"{name or arch}: {arch}'s MLM head is not a transform followed by one vocabulary projection "
                          f"(the split differs from its logits by {gap:.2g}); xprt's vocabulary terms need that form")
 
-
 def head_params(mlm_model) -> dict:
     """The MLM head's own parameters (not the base model's, not the projection tied to the word
     embeddings), by name: what xprt_heads.safetensors stores and what mlm_head_from copies."""
@@ -547,11 +506,9 @@ def head_params(mlm_model) -> dict:
     # in the base model) and BERT's decoder.bias (= predictions.bias) appear once.
     return {k: p for k, p in mlm_model.named_parameters() if not k.startswith(prefix)}
 
-
 # ==============================================================================================================
 # Shapes the FLOP count needs
 # ==============================================================================================================
-
 
 def layer_multiply_adds(encoder) -> tuple:
     """(number of layers, multiply-adds per token of one layer's weight matrices, hidden size), read off the modules
@@ -562,13 +519,11 @@ def layer_multiply_adds(encoder) -> tuple:
     per_token = sum(_numel(m.weight) for m in stack[0].modules() if isinstance(m, nn.Linear))
     return len(stack), per_token, base.config.hidden_size
 
-
 def head_multiply_adds(encoder) -> int:
     """Multiply-adds per row of the MLM head: its own Linear weights and the vocabulary projection."""
     weight = vocab_matrix(encoder)
     own = sum(_numel(p) for p in head_params(encoder).values() if len(_shape(p)) == 2)
     return own + _numel(weight)
-
 
 # ==============================================================================================================
 # The vocabulary terms, chunk by chunk
@@ -587,7 +542,6 @@ def linear_cross_entropy(hidden, weight, bias, targets, fused: bool = True, chun
         return hidden.sum() * 0.0
     return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets)
 
-
 def linear_kl_div(hidden, teacher_hidden, weight, bias, fused: bool = True, chunk_size: int = 1024):
     """mean_i KL(softmax(t_i W^T + b) || softmax(hidden_i W^T + b)), t = teacher_hidden (a target: no gradient).
 
@@ -602,13 +556,9 @@ def linear_kl_div(hidden, teacher_hidden, weight, bias, fused: bool = True, chun
     return F.kl_div(F.log_softmax(F.linear(hidden, weight, bias).float(), -1), t_logp, log_target=True,
                     reduction="batchmean")
 
-
-# Scratch (chunk, V) fp32 buffers kept across calls and steps, per device and slot: on CPU a fresh 125 MB tensor costs
-# its page faults on every touch (glibc maps and unmaps blocks this large each time). Only the forward of
-# _FusedLinearCE writes them, and nothing that outlives the call points into them. On a GPU the caching allocator
-# reuses memory anyway; this only keeps the peak from being handed back between steps.
+# Scratch (chunk, V) fp32 buffers kept across calls and steps, per device and slot (docs/plumbing.md: _SCRATCH). Only
+# the forward of _FusedLinearCE writes them, and nothing that outlives the call points into them.
 _SCRATCH: dict = {}
-
 
 def _scratch(slot: str, rows: int, cols: int, device) -> torch.Tensor:
     key = (slot, str(device))
@@ -618,22 +568,17 @@ def _scratch(slot: str, rows: int, cols: int, device) -> torch.Tensor:
         _SCRATCH[key] = buf = torch.empty(rows * cols, dtype=torch.float32, device=device)
     return buf[: rows * cols].view(rows, cols)
 
-
 def _logits_into(out, h, weight, bias):
-    """out (r, V) fp32 <- h W^T + b. The bias is added in place after the matmul writes straight into the reused
-    buffer (addmm(bias, ..., out=buf) first copies the broadcast bias into the buffer, an extra pass over it); in low
-    precision (or under autocast) the matmul runs in its own dtype and is copied up, as .float() would."""
+    """out (r, V) fp32 <- h W^T + b: the matmul straight into the reused buffer, then the bias in place (not addmm:
+    docs/plumbing.md: _logits_into); in low precision (or under autocast) the matmul runs in its own dtype."""
     if h.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled(h.device.type):
         return torch.mm(h, weight.t(), out=out).add_(bias)
     return out.copy_(torch.addmm(bias, h, weight.t()))
 
-
-# The vocabulary rows padded inside the kernel to a multiple of this (tensor-core tiles want leading dimensions that are
-# multiples of 8; MosaicBERT pads BERT's 30,522 words to 30,528 = 64 x 477). Padded words have a zero weight row and
-# a bias of -1e30: probability exactly 0, so they add nothing to a loss or a gradient, and their gradient rows are cut.
+# The vocabulary rows padded inside the kernel to a multiple of this (docs/plumbing.md: _PAD). Padded words have a
+# zero weight row and a bias of -1e30: probability exactly 0, nothing to a loss or a gradient; their gradient rows cut.
 _PAD = 64
 _PAD_BIAS = -1e30
-
 
 def _padded(weight, bias, dtype):
     """(W, b) once per call: W in the compute dtype (one cast, not one per chunk) and, in low precision or on CUDA,
@@ -649,16 +594,13 @@ def _padded(weight, bias, dtype):
     b_pad[:v] = bias
     return w_pad, b_pad
 
-
 _FP32_OUT: dict = {}
-
 
 def _fp32_out_gemm(device) -> bool:
     """Whether this device's addmm takes low-precision inputs into an fp32 output (out_dtype: CUDA; the CPU has no
     such kernel). Probed once per device type on an 8 x 8 product, outside any dispatch mode: a FLOP counter or a
-    profiler active at the first call must not decide the kernel's path for the whole run (torch 2.11's
-    FlopCounterMode raised TypeError on this op, and the run kept the slower path). weight_grad_path probes it at
-    start-up and says which path was chosen."""
+    profiler active at the first call must not decide the kernel's path for the whole run (docs/plumbing.md:
+    _fp32_out_gemm). weight_grad_path probes it at start-up and says which path was chosen."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     if device.type not in _FP32_OUT:
@@ -672,7 +614,6 @@ def _fp32_out_gemm(device) -> bool:
                 _FP32_OUT[device.type] = False
     return _FP32_OUT[device.type]
 
-
 def weight_grad_path(device) -> str:
     """The vocabulary weight gradient's path on this device in low precision (_add_weight_grad), probed now: a
     run's start-up line."""
@@ -680,13 +621,11 @@ def weight_grad_path(device) -> str:
         return "bf16 inputs into the fp32 accumulator in one GEMM (addmm out_dtype)"
     return "one bf16 product per chunk added in fp32 (this device has no fp32-output GEMM)"
 
-
 def _add_weight_grad(grad_w, g, hs, first: bool):
-    """grad_w (V', H) fp32 (+)= g^T hs: the step's largest matrix product. In fp32 (g fp32) in place. In
-    low precision (g bf16, under autocast) it must not stay an in-place addmm_, which autocast never casts (an fp32
-    GEMM at a fifteenth of the bf16 rate): the product runs on bf16 inputs, accumulated in fp32 inside the GEMM, and
-    lands in the fp32 accumulator directly where the device can (CUDA's out_dtype), else through one bf16 product per
-    chunk added in fp32 (one rounding of 2^-9 per chunk, tests/test_bf16.py bounds the result)."""
+    """grad_w (V', H) fp32 (+)= g^T hs: the step's largest matrix product. In fp32 (g fp32) in place. In low precision
+    (g bf16, under autocast) not an in-place addmm_, which autocast never casts (docs/plumbing.md: _add_weight_grad):
+    bf16 inputs accumulated in fp32 inside the GEMM, straight into the fp32 accumulator where the device can (CUDA's
+    out_dtype), else one bf16 product per chunk added in fp32."""
     beta = 0.0 if first else 1.0  # beta 0: the accumulator starts as uninitialised memory
     if g.dtype == torch.float32:
         return grad_w.addmm_(g.t(), hs.float(), beta=beta)
@@ -697,7 +636,6 @@ def _add_weight_grad(grad_w, g, hs, first: bool):
         part = torch.mm(g.t(), hs)
         return grad_w.copy_(part) if first else grad_w.add_(part)
 
-
 def _softmax_(z):
     """z (r, V) <- softmax(z) IN PLACE; returns log-sum-exp (r,) of the input rows."""
     m = z.amax(dim=-1, keepdim=True)
@@ -706,21 +644,15 @@ def _softmax_(z):
     z.div_(s)
     return (m + s.log()).squeeze(1)
 
-
 class _FusedLinearCE(torch.autograd.Function):
     """Vocabulary projection + cross-entropy (hard targets) and/or KL (soft targets), chunk by chunk.
 
-    Never holds the (N, V) logits: each chunk's logits give its loss and, at once, its gradients
-    w.r.t. hidden, weight and bias (the "fused linear cross-entropy" of Liger-Kernel); backward
-    only scales them by the incoming scalar. Same matmul count as plain forward + backward, much
-    less memory traffic on (tokens x 30,522) tensors: every chunk reuses one fp32 (chunk, V) buffer
+    Never holds the (N, V) logits: each chunk's logits give its loss and, at once, its gradients w.r.t. hidden,
+    weight and bias; backward only scales them by the incoming scalar. Every chunk reuses one fp32 (chunk, V) buffer
     (two for KL, kept across calls: _scratch) and the softmax runs in place in it.
     Rows: hidden[:len(targets)] have hard targets, the rest soft ones (teacher_hidden); row_scale (N,) is each row's
-    weight in the total (1 / N). Returns (total, per-row losses (N,), no gradient).
-
-    Why our own and not torch's chunked F.linear_cross_entropy: it has no KL form (L_self), and on CPU ours measured
-    faster on the step's own rows (`python -m bench.bench_step --vocab`; figures in bench/README.md).
-    """
+    weight in the total (1 / N). Returns (total, per-row losses (N,), no gradient). Its origin, and why not torch's
+    F.linear_cross_entropy: docs/plumbing.md: _FusedLinearCE."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, teacher_hidden, chunk_size, compute_grad):

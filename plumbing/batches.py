@@ -22,45 +22,31 @@ import torch
 
 from plumbing.common import UserError
 
-# ==============================================================================================================
-# 1. How a batch is cut: the contract between the collators and the gradient cache
-# ==============================================================================================================
-
-
-
-
+# 1. How a batch is cut, the contract between the collators and the gradient cache (the Layout): modeling_xprt.py
 
 # ==============================================================================================================
 # 2. Which rows make a batch: the samplers
 # ==============================================================================================================
 
-
-
 class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     """Batches of similar length, in a random order that depends only on (seed, epoch).
 
     Shuffle, cut into mega-batches of 50 batches, sort each mega-batch by length, cut into batches, shuffle the
-    batches: padding drops a lot while each batch still mixes documents (in-batch negatives stay random enough).
-    Incomplete last batches are dropped so every step has the same number of negatives. Being a function of
+    batches. Incomplete last batches are dropped so every step has the same number of negatives. Being a function of
     (seed, epoch) is what makes skip_first_batches land on the same data after a resume.
     `to_batches` turns the epoch's order into batches (NoDuplicatesBatchSampler overrides it).
     spread > 1 deals each run of `spread` length-sorted batches round-robin (row k of the run to batch k mod spread):
-    rows of nearly equal length, such as the groups of one document (they share its passages), then land in
-    different batches, at the cost of a batch spanning `spread` batches' worth of the sorted lengths
-    (bench/bench_batches.py measures both).
+    rows of nearly equal length, such as the groups of one document, then land in different batches.
     keys and max_per_key cap the rows of one key (train.py: one document's groups, which xp_loss masks out of each
-    other's negatives) in any batch: a document that dominates the data would otherwise fill whole batches whose rows
-    have no negative left. The cap keeps len(self) = the most batches the keys allow (capped_batch_count); a key's
-    rows beyond max_per_key per batch wait out the epoch (a different subset each epoch), counted in rows_left_out.
-    Where the cap binds in no batch, the batches are those without it.
-    """
+    other's negatives) in any batch (why, and the costs: docs/plumbing.md: LengthGroupedBatchSampler). The cap keeps
+    len(self) = the most batches the keys allow (capped_batch_count); a key's rows beyond max_per_key per batch wait
+    out the epoch (a different subset each epoch), counted in rows_left_out. Where the cap binds in no batch, the
+    batches are those without it."""
 
     def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50,
                  spread: int = 1, keys=None, max_per_key: int = 0):
-        # a numpy int64 array, not a list: 8 bytes per row, whatever the number of groups (a list of Python ints
-        # costs about 36). A callable epoch -> lengths: lengths that change with the epoch (the random-span
-        # baseline's crops, drawn per (seed, epoch): crop_spans); (N, 2) lengths: the longer and the shorter of two
-        # views padded separately (batch_matrix)
+        # kept as a numpy int64 array (docs/plumbing.md: LengthGroupedBatchSampler). A callable epoch -> lengths: the
+        # random-span baseline's crops (crop_spans); (N, 2) lengths: two views padded separately (batch_matrix)
         self.lengths_for_epoch = lengths if callable(lengths) else None
         lengths = lengths(0) if callable(lengths) else lengths
         self.lengths, self.batch_size, self.seed = np.asarray(lengths, dtype=np.int64), batch_size, seed
@@ -89,12 +75,9 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         self.epoch = epoch
 
     def batch_matrix(self) -> np.ndarray:
-        """The epoch's batches as a (batches, batch_size) int64 array of row indices.
-
-        The draws: random.shuffle of range(n) (shuffle accepts any mutable sequence; an array.array holds the ints
-        in 8 bytes each), a *stable* sort by -length inside each mega-batch, then random.shuffle of the list of
-        batch numbers. A (seed, epoch) gives the same batches as Python lists would (tests/test_train.py).
-        """
+        """The epoch's batches as a (batches, batch_size) int64 array of row indices. The draws: random.shuffle of
+        range(n) (an array.array), a *stable* sort by -length inside each mega-batch, then random.shuffle of the list
+        of batch numbers (docs/plumbing.md: batch_matrix)."""
         rng = random.Random(self.seed * 1_000_003 + self.epoch)
         n, bs = len(self.lengths), self.batch_size
         order = array.array("q", range(n))
@@ -125,9 +108,8 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
         A key keeps max_per_key * num_batches of its rows (a random subset), and the kept rows are trimmed to exactly
         num_batches * batch_size; they are length-grouped as usual, then cut in that order, a row whose key is full in
         the batch waiting for the next one. Before each batch, a key with r rows left and R batches to go gives the
-        batch the max(0, r - max_per_key * (R - 1)) rows it must (its next ones): the rest could not fit later. Every
-        key then keeps r <= max_per_key * R with exactly batch_size * R rows left, which dealing the rows sorted by key
-        round-robin shows can always be cut: so every batch is filled, and only forced rows leave the length order."""
+        batch the max(0, r - max_per_key * (R - 1)) rows it must (its next ones): the rest could not fit later. So
+        every batch is filled (docs/plumbing.md: _capped_batches)."""
         from collections import deque
 
         rng = np.random.default_rng([self.seed, self.epoch, 1])
@@ -203,8 +185,7 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     def _longest_first(lengths, buckets: int = 10) -> np.ndarray:
         """Stable order, longest first. (N, 2) lengths [longer view, shorter view], two tensors each padded to its
         own longest: by the longer view, then, in each of `buckets` runs of it, by the shorter, so that both tensors
-        of a batch are tight (random-span crops of the compare groups at batch 16: padding efficiency 0.917; 0.834
-        sorting by the longer alone)."""
+        of a batch are tight (docs/plumbing.md: _longest_first)."""
         if lengths.ndim == 1:
             return np.argsort(-lengths, kind="stable")
         order = np.argsort(-lengths[:, 0], kind="stable")
@@ -241,10 +222,9 @@ class NoDuplicatesBatchSampler(LengthGroupedBatchSampler):
         """Cut `order` into len(self) full batches in which no key repeats, keeping close to the order (so to the
         length grouping). Rows are taken in order. A row whose key the batch already holds trades places with the
         last row of the previous batch that the batch can take (its neighbour in length) when that batch lacks its
-        key; otherwise it waits at the head of the queue for the next batch. Trading costs less padding than
-        waiting: the traded row is one place out of order, a waiting row up to a batch. When only waiting rows are
-        left to fill the last batches, they trade with earlier batches (the nearest first). Deterministic in
-        `order`."""
+        key; otherwise it waits at the head of the queue for the next batch. When only waiting rows are left to fill
+        the last batches, they trade with earlier batches (the nearest first). Deterministic in `order`
+        (docs/plumbing.md: NoDuplicatesBatchSampler.to_batches)."""
         from collections import deque
 
         keys, bs = self.query_keys, self.batch_size
@@ -306,10 +286,9 @@ def capped_batch_count(counts, batch_size: int, max_per_key: int) -> int:
 
 def document_keys(rows, chunk: int = 65536) -> tuple:
     """Each group's document, for L_xp's same-document mask, the spread and the per-document cap: the groups of one
-    doc_id, and the groups whose anchor or top related passage is the same text as another group's (a page crawled
-    under two ids, a mirrored article, a paragraph every page of a site repeats) are one document: the connected
-    components of groups linked by a shared doc_id, anchor text or s1 text. Otherwise those copies would be each
-    other's in-batch negatives, a row's own positive text among its negatives.
+    doc_id, and the groups whose anchor or top related passage is the same text as another group's are one document
+    (docs/plumbing.md: document_keys): the connected components of groups linked by a shared doc_id, anchor text or
+    s1 text.
     -> (keys, merged): keys (groups,) int64, the code of the component's first doc_id in sorted order (so with no
     shared text, np.unique's codes of doc_id); merged {row: that doc_id} for the rows whose doc_id it replaces, which
     the collator then reads (train.load_data). Read `chunk` rows at a time from the Arrow table (texts hashed, never
@@ -381,7 +360,6 @@ def check_batch_fits(rows: int, batch_size: int, world: int, what: str, distinct
 # 3. The loader: batches collated ahead of the step, seeded by their place in the run
 # ==============================================================================================================
 
-
 class RowsDataset(torch.utils.data.Dataset):
     """(key, row) pairs: rows as plain dicts from a list of dicts (fine-tuning) or a datasets.Dataset (the groups:
     memory-mapped Arrow, one row converted to a dict when the loader asks for it, so memory does not grow with the
@@ -399,7 +377,7 @@ class RowsDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, keys: list) -> list:
         """A whole batch in one read (the DataLoader's fetcher calls this when it exists): from an Arrow table, one
-        take of the batch's rows, 3x faster than a row at a time (bench_step_ops' collation counts the read)."""
+        take of the batch's rows (docs/plumbing.md: RowsDataset)."""
         if isinstance(self.rows, list):
             return [self.__getitem__(k) for k in keys]
         columns = self.rows[[k[-1] if isinstance(k, tuple) else k for k in keys]]
@@ -445,17 +423,13 @@ class SeededCollate:
             self.collator.generator.manual_seed(int(key.generate_state(1, np.uint64)[0] >> 1))
         return self.collator(rows)
 
-# What a scheduler sends before it ends a job: Slurm SIGTERM (then SIGKILL after its KillWait, 30 s by default) or,
-# asked with `sbatch --signal=USR1@90`, SIGUSR1 ahead of the time limit; Kubernetes and torchrun's agent SIGTERM.
-# The main process answers them (training.StopSignals); the loader's workers leave them to it. Ctrl-C (SIGINT, which
-# a terminal sends the whole foreground process group) is answered the same way: a checkpoint after the step, exit 130.
+# What a scheduler sends before it ends a job, and Ctrl-C (docs/plumbing.md: STOP_SIGNALS). The main process answers
+# them (training.StopSignals); the loader's workers leave them to it.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 def leave_stop_signals_to_the_main_process(worker_id: int):
-    """A loader worker's start (worker_init_fn): ignore STOP_SIGNALS. Slurm signals every process of the job,
-    and torch's worker handler dies of a SIGTERM, which fails the main process's step half-way ('DataLoader worker
-    is killed by signal: Terminated') before its checkpoint; a SIGUSR1 would end the worker too. The workers end
-    as always, when the main process is done with them (or dies)."""
+    """A loader worker's start (worker_init_fn): ignore STOP_SIGNALS (docs/plumbing.md: STOP_SIGNALS). The workers
+    end as always, when the main process is done with them (or dies)."""
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
 

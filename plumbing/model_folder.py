@@ -31,12 +31,9 @@ from plumbing.common import (MINILM_ALIASES, UserError, atomic_path, atomic_writ
 
 logger = logging.getLogger("xprt")
 
-
 # ==============================================================================================================
 # 1. What a folder states: its length limit, pooling, scoring, the modules after pooling
 # ==============================================================================================================
-
-
 
 def read_max_seq_length(path: str) -> Optional[int]:
     """The length limit a model folder states (sentence-transformers' sentence_bert_config.json max_seq_length), or
@@ -52,13 +49,10 @@ def read_max_seq_length(path: str) -> Optional[int]:
         stated = m if isinstance(m, int) and m < 1_000_000 else None
     return stated
 
-
 def read_pooling(path: str) -> str:
     """The sentence vector a model's sentence-transformers Pooling module makes (model_file: its folder or its Hub
-    repository): "mean" or "cls" (either config layout: sentence-transformers 6's pooling_mode, or the older
-    pooling_mode_*_tokens flags); "mean" for a model without modules.json (E5 and MiniLM are mean-pooled;
-    sentence-transformers' own default). Other modes are refused: the losses would train one vector and the saved
-    folder make another."""
+    repository): "mean" or "cls" (either config layout); "mean" for a model without modules.json (docs/plumbing.md:
+    read_pooling). Other modes are refused: the losses would train one vector and the saved folder make another."""
     f = model_file(path, "modules.json")
     modules = read_json(f) if f else []
     for m in modules if isinstance(modules, list) else []:
@@ -77,12 +71,9 @@ def read_pooling(path: str) -> str:
 def read_scoring(path: str) -> dict:
     """How a start model's vectors are made and compared, as its folder or Hub repository states it (model_file), for
     ModelInfo: {"pooling" (read_pooling), "normalize" (a sentence-transformers Normalize module in modules.json),
-    "similarity_fn_name" (config_sentence_transformers.json's: cosine, dot, euclidean, manhattan;
-    sentence-transformers' default, cosine, when it names none)}. A model without modules.json states no scoring: it
-    gets the method's own, mean pooling, Normalize and cosine (E5 and the papers score so). A dot-product model
-    (TAS-B, the msmarco "-dot-" models: no Normalize, similarity "dot") keeps its scoring in the saved folder:
-    changing it changes every score, so a comparison with the start would measure the change of similarity, not the
-    training (save_model_folder, the card, evaluate.py's note)."""
+    "similarity_fn_name" (config_sentence_transformers.json's; cosine when it names none)}. A model without
+    modules.json gets mean pooling, Normalize and cosine. A dot-product model keeps its scoring in the saved folder
+    (docs/plumbing.md: read_scoring)."""
     f = model_file(path, "modules.json")
     modules = read_json(f) if f else None
     if not isinstance(modules, list):
@@ -101,16 +92,14 @@ def describe_scoring(info) -> str:
             f"{info.similarity_fn_name} similarity")
 
 def check_tokenizer_fits(tokenizer, config, where: str):
-    """Refuse a tokenizer that does not fit the model's embedding matrix, naming both sizes. transformers 5.24 gives a
-    folder without tokenizer files a 5-token fallback tokenizer with only an INFO log: every word becomes [UNK], and
-    every script would run on it to the end (STS-B Spearman -25 instead of 93). A tokenizer may be a little smaller
-    than the matrix (vocabularies padded to a multiple of 8 or 64), never larger, and not a tenth smaller."""
+    """Refuse a tokenizer that does not fit the model's embedding matrix, naming both sizes (docs/plumbing.md:
+    check_tokenizer_fits). A tokenizer may be a little smaller than the matrix (vocabularies padded to a multiple of 8
+    or 64), never larger, and not a tenth smaller."""
     n_tok, n_emb = len(tokenizer), config.vocab_size
     if n_tok > n_emb or n_tok < 0.9 * n_emb:
         raise UserError(f"{where}: the tokenizer has {n_tok:,} tokens and the model's embedding matrix {n_emb:,} "
                         "rows: they do not belong together (a folder without its tokenizer files gets transformers' "
                         "5-token fallback); save the model's own tokenizer into the folder")
-
 
 def _module_folder(name_or_path: str, subfolders: Sequence[str]) -> Optional[Path]:
     """A local folder holding the model's modules.json, config_sentence_transformers.json and `subfolders`: its own
@@ -187,10 +176,7 @@ def load_post_pooling(name_or_path: str, hidden_size: int, trust_remote_code: bo
 
 # ==============================================================================================================
 # 2. Save and load
-# save_model_folder writes a sentence-transformers folder; save_xprt_folder / load_xprt_folder are what
-# model_folder.save_xprt_folder / load_xprt_folder call (the heads, the objective's settings, the lineage).
 # ==============================================================================================================
-
 
 def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, xprt_config: dict, info: ModelInfo,
                       model_card: Optional[str] = None, post_pooling: Optional[PostPooling] = None,
@@ -199,15 +185,13 @@ def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, x
     existing out_dir is replaced; refusing it unless --overwrite is the script's job): the encoder `base` with
     `state_dict` as safetensors (loadable by transformers.AutoModel), the tokenizer, modules.json (Transformer,
     Pooling, the start's modules after pooling (post_pooling, each saved by its own sentence-transformers `save`, with
-    its truncate_dim), and Normalize when info.normalize and none of those is one: like all-MiniLM-L6-v2, or like the
-    dot-product start it came from),
-    config_sentence_transformers.json (the prompts, which encode_query / encode_document apply and evaluate.py
-    reads, and info.similarity_fn_name), sentence_bert_config.json
-    (the length limit), xprt_heads.safetensors (heads: the decoder and MLM head, so training can continue),
-    xprt_config.json (xprt_config plus `info`), the card README.md, and the start's own code (code_files:
-    model_folder.remote_code_files), which config.json's auto_map names.
-    check(folder): called on the written temporary before the rename (training.check_saved_folder loads it back the
-    way users do); its error leaves out_dir as it was."""
+    its truncate_dim), and Normalize when info.normalize and none of those is one), config_sentence_transformers.json
+    (the prompts, which encode_query / encode_document apply and evaluate.py reads, and info.similarity_fn_name),
+    sentence_bert_config.json (the length limit), xprt_heads.safetensors (heads: the decoder and MLM head, so training
+    can continue), xprt_config.json (xprt_config plus `info`), the card README.md, and the start's own code
+    (code_files: model_folder.remote_code_files), which config.json's auto_map names. check(folder): called on the
+    written temporary before the rename (training.check_saved_folder loads it back the way users do); its error leaves
+    out_dir as it was."""
     from safetensors.torch import save_file
     from sentence_transformers.sentence_transformer.modules import Normalize
 
@@ -260,20 +244,17 @@ def heads_state_dict(model) -> dict:
     sd.update({f"mlm_head.{k}": v for k, v in head_params(model.encoder).items()})
     return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
-
 def heads_config(model) -> dict:
     """What rebuilds the saved heads: {"objective": whose heads, **its config()}."""
     if not dict(model.objective.state_dict()) and model.carried_heads:
         return dict(model.carried_config)
     return {"objective": model.objective_name, **model.objective.config()}
 
-
 def complete_base_state_dict(model) -> dict:
-    """The encoder's weights as the architecture's AutoModel class holds them: the MLM model's base has no pooler
-    (BertForMaskedLM builds BertModel(add_pooling_layer=False)), so a folder saved from it alone loads in
-    AutoModel / sentence-transformers with a "LOAD REPORT" of MISSING pooler weights. The pooler comes from the
-    start checkpoint, unchanged (load_mlm_encoder keeps it; mean pooling never reads it), or, when the start had
-    none, is the architecture's own initialisation (seeded, without touching the global RNG)."""
+    """The encoder's weights as the architecture's AutoModel class holds them, with the pooler the MLM model's base
+    lacks (docs/plumbing.md: complete_base_state_dict): the start checkpoint's, unchanged (load_mlm_encoder keeps it;
+    mean pooling never reads it), or, when the start had none, the architecture's own initialisation (seeded, without
+    touching the global RNG)."""
     sd = dict(model.base.state_dict())
     sd.update({k: v for k, v in getattr(model.encoder, "xprt_base_extras", {}).items() if k not in sd})
     with torch.device("meta"):
@@ -287,7 +268,6 @@ def complete_base_state_dict(model) -> dict:
         sd.update({k: fresh[k].to(dtype) for k in missing})
     return sd
 
-
 def save_xprt_folder(model, out_dir: str, tokenizer, model_card: Optional[str] = None, check=None):
     """The XPRTModel's folder (save_model_folder: the encoder with its start's sentence-transformers modules and
     code, the tokenizer, xprt_heads.safetensors and xprt_config.json: the objective, tau and what rebuilds the
@@ -296,7 +276,6 @@ def save_xprt_folder(model, out_dir: str, tokenizer, model_card: Optional[str] =
     save_model_folder(out_dir, model.base, complete_base_state_dict(model), tokenizer, heads_state_dict(model),
                       config, model.info, model_card, model.post_pooling,
                       code_files=getattr(model.encoder, "xprt_code_files", None), check=check)
-
 
 def load_xprt_folder(cls, path: str, objective: Optional[str] = None, mlm_head_from: Optional[str] = None,
                      trust_remote_code: bool = False, prefixes: str = "auto", hub_model_id: Optional[str] = None, **kw):
@@ -358,11 +337,9 @@ def load_xprt_folder(cls, path: str, objective: Optional[str] = None, mlm_head_f
     logger.info(model.load_message)
     return model
 
-
 # ==============================================================================================================
 # 2b. Loading a start model: the MLM encoder and the retention teacher
 # ==============================================================================================================
-
 
 class LoadReportFilter(logging.Filter):
     """Drops transformers' report of missing / unexpected keys of a load (the "LOAD REPORT" table, the tied-weights
@@ -375,13 +352,11 @@ class LoadReportFilter(logging.Filter):
             return "MISMATCH" in msg or "CONVERSION" in msg
         return "seem corrupted" not in msg
 
-
 @contextlib.contextmanager
 def quiet_load_report():
     """Inside the block, transformers' loading logger (modeling_utils) drops its report of missing / unexpected keys
-    and nothing else (a filter: raising the logger's level would change what transformers checks, since it runs its
-    tensor-parallel plan check only at level WARNING or above). Used around loads whose missing / unexpected keys
-    the caller reads from output_loading_info and reports itself."""
+    and nothing else (a filter, not the logger's level: docs/plumbing.md: quiet_load_report). Used around loads
+    whose missing / unexpected keys the caller reads from output_loading_info and reports itself."""
     log, flt = logging.getLogger("transformers.modeling_utils"), LoadReportFilter()
     log.addFilter(flt)
     try:
@@ -389,12 +364,10 @@ def quiet_load_report():
     finally:
         log.removeFilter(flt)
 
-
 def checkpoint_tensors(path: str, keys: Sequence[str], prefix: str) -> dict:
     """The base model's tensors among `keys` (reported unexpected by the MLM model: BERT's pooler), read from the
     checkpoint's safetensors files and named as the base model names them ("pooler.dense.weight"). A checkpoint
-    without safetensors gives {} (a .bin file is a pickle, never opened here); save_pretrained then initialises them.
-    """
+    without safetensors gives {} (a .bin file is a pickle, never opened here); save_pretrained initialises them."""
     from safetensors import safe_open
 
     keys = [k for k in keys if "position_ids" not in k]
@@ -417,12 +390,11 @@ def checkpoint_tensors(path: str, keys: Sequence[str], prefix: str) -> dict:
                     out[name] = st.get_tensor(k)
     return out
 
-
 def attention_kwargs(path: str, loader=None, trust_remote_code: bool = False) -> tuple:
     """({"attn_implementation": ...}, note) for loading `path` with `loader` (an Auto class; AutoModel by default):
-    SDPA where the architecture has it, else the architecture's own default, said in the note (transformers raises
-    for sdpa on an architecture without it: MPNet, DeBERTa-v2 in 5.24). A config transformers does not map (remote
-    code) gets sdpa, and transformers says whether it has it."""
+    SDPA where the architecture has it, else the architecture's own default, said in the note (docs/plumbing.md:
+    attention_kwargs). A config transformers does not map (remote code) gets sdpa, and transformers says whether it
+    has it."""
     from transformers import AutoConfig, AutoModel
 
     loader = loader or AutoModel
@@ -432,19 +404,14 @@ def attention_kwargs(path: str, loader=None, trust_remote_code: bool = False) ->
         return {"attn_implementation": "sdpa"}, ""
     return {}, f"{cls.__name__} has no SDPA attention: using its own ({config._attn_implementation or 'eager'})"
 
-
 def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, trust_remote_code: bool = False,
                      pooling: str = "mean"):
     """Any checkpoint AutoModelForMaskedLM loads, with SDPA attention where its architecture has it -> (model,
     message); refused here, before any work starts, when xprt cannot take it apart (check_layers, check_mlm_head).
-
-    E5 and MiniLM are saved as plain BertModel: transformers then reports the head
-    (cls.predictions.*) as missing keys and initialises it fresh - transform N(0, 0.02), bias 0 -
-    with the vocabulary projection tied to the word embeddings (tie_word_embeddings). That is our
-    default; `mlm_head_from` (e.g. bert-base-uncased, README, Notes) copies another checkpoint's trained
-    head instead (the projection stays tied to OUR word embeddings). The message says which happened, and which
-    attention runs. pooling: the sentence vector the model is used with ("mean" or "cls"), for the message.
-    """
+    A checkpoint without an MLM head (E5, MiniLM) gets a fresh one (docs/plumbing.md: load_mlm_encoder);
+    `mlm_head_from` copies another checkpoint's trained head instead (the projection stays tied to OUR word
+    embeddings). The message says which happened, and which attention runs. pooling: the sentence vector the model is
+    used with ("mean" or "cls"), for the message."""
     from transformers import AutoModelForMaskedLM
 
     path = resolve_model_path(name_or_path)
@@ -502,16 +469,12 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
     logger.info(message)
     return model, message
 
-
 def remote_code_files(name_or_path: str, config, trust_remote_code: bool) -> dict:
     """The code a model's config.json `auto_map` names, and the files those import relatively (from .x import y),
     read from the model's folder or Hub repository -> {file name: text}. save_model_folder writes them beside the
-    saved config.json, whose auto_map still names them: transformers copies only the configuration's file
-    (custom_object_save of the config's class), so without these a saved folder's AutoModel, sentence-transformers
-    and evaluate.py all fail on "does not appear to have a file named modeling_x.py". An entry naming another
-    repository ("owner/repo--module.Class") is left to the Hub, as transformers leaves it. With --trust_remote_code
-    a named file that cannot be read is refused here, before any work; without it the code never runs, and what
-    exists is carried."""
+    saved config.json, whose auto_map still names them (docs/plumbing.md: remote_code_files). An entry naming another
+    repository ("owner/repo--module.Class") is left to the Hub. With --trust_remote_code a named file that cannot be
+    read is refused here, before any work; without it the code never runs, and what exists is carried."""
     from transformers.dynamic_module_utils import get_relative_imports
     from transformers.utils import cached_file
 
@@ -559,15 +522,12 @@ def load_teacher(name_or_path: str, trust_remote_code: bool = False):
     teacher.requires_grad_(False)
     return teacher
 
-
 # ==============================================================================================================
 # 3. The model card and the Hub
 # Base model, licence, language, usage code, the training command without local paths; evaluate.py adds the
 # scores; the upload.
 # ==============================================================================================================
 
-
-# -- the model card: base model, licence, evaluation results (train.py writes the card; evaluate.py adds scores) ------
 ALL_MINILM_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")

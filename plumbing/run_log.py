@@ -30,7 +30,6 @@ from plumbing.common import atomic_path, is_zero3, read_jsonl
 # 1. The log window: loss terms kept on the device, read back once per logging step
 # ==============================================================================================================
 
-
 EVAL_PREFIX = "eval_"  # train_log.jsonl keys of --eval_tasks scores: eval_<task name>
 
 class LogWindow:
@@ -198,9 +197,8 @@ class LogWindow:
 
 def finite_everywhere(accelerator, terms: dict, where: str) -> bool:
     """--on_nonfinite skip: True when every loss term is finite on every process, decided before this micro-batch's
-    backward. A NaN on any process must skip on every process together, or DDP would hang. This costs one
-    device-to-host sync per micro-batch, which is why only the skip mode does it (LogWindow watches on the device
-    otherwise)."""
+    backward. A NaN on any process must skip on every process together, or DDP would hang. One device-to-host sync
+    per micro-batch: only the skip mode does it (LogWindow watches on the device otherwise)."""
     bad = [k for k, v in terms.items() if not torch.isfinite(v)]
     n_bad = accelerator.reduce(torch.tensor(float(len(bad)), device=accelerator.device), "sum").item()
     if n_bad:
@@ -217,13 +215,10 @@ def write_log_record(accelerator, log_path: Path, rec: dict):
 # 2. FLOPs: torch's count of the step, the hand count of the estimates, the device's peak
 # ==============================================================================================================
 
-
 def flop_counter():
     """torch's FlopCounterMode (matmuls and attention, forward and backward: what the device computes, padding
-    included), taught the ops of our step its table lacks or miscounts: the CPU kernel SDPA runs on CPU (counted as
-    torch counts the GPU ones), and the vocabulary kernel's weight gradient, an in-place addmm_ in fp32 and, on CUDA
-    in bf16, an addmm into an fp32 output (addmm.dtype_out, whose out_dtype torch's addmm formula takes for a shape:
-    a TypeError in torch 2.11)."""
+    included), taught the ops of our step its table lacks or miscounts: the CPU kernel SDPA runs on CPU, and the
+    vocabulary kernel's weight gradient (addmm_, and addmm into an fp32 output: docs/plumbing.md: flop_counter)."""
     from torch.utils import flop_counter as fc
 
     aten = torch.ops.aten
@@ -251,9 +246,7 @@ def addmm_flops(bias, mat1, mat2, *args, **kwargs) -> int:
     (m, k), n = mat1.shape, mat2.shape[-1]
     return 2 * m * n * k
 
-
 addmm_flops._get_raw = True
-
 
 class _GlobalOnly:
     """A stand-in for FlopCounterMode's module tracker: every count goes to "Global", no module hooks."""
@@ -269,7 +262,6 @@ class _GlobalOnly:
 # Dense bf16 peak of one device (vendor figures), for the MFU estimate; --peak_tflops for any other device.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
-
 def peak_flops(accelerator, args):
     """One device's peak FLOP/s for the MFU estimate: --peak_tflops, else a known GPU's bf16 peak, else None."""
     if args.peak_tflops:
@@ -280,7 +272,6 @@ def peak_flops(accelerator, args):
 def device_peak_flops(name: str):
     """The dense bf16 peak FLOP/s of a device named `name` (torch.cuda.get_device_name: "NVIDIA H200"), or None."""
     return next((t * 1e12 for k, t in PEAK_BF16_TFLOPS.items() if k in name), None)
-
 
 def step_flops(model, batch, retention: bool) -> float:
     """Model FLOPs of one collated micro-batch: every trained pass forward and backward (3x its forward), what runs
@@ -305,11 +296,9 @@ def step_flops(model, batch, retention: bool) -> float:
             trained += teacher  # the clean student pass
     return 2.0 * (3 * trained + forward)
 
-
 # ==============================================================================================================
 # 3. Memory: what a step holds, said before the first step and in an out-of-memory message
 # ==============================================================================================================
-
 
 _MEMORY_NOTE: dict = {}  # the last estimate printed, for explain_oom's message
 
@@ -318,8 +307,7 @@ def activation_bytes_per_token_layer(encoder, length: int, device, dtype=torch.b
     two layers (random weights, on `device`) run forward under autocast(dtype) on 2 and on 4 sequences of `length`
     tokens, every tensor saved for backward counted once (saved_tensors_hooks, by storage); the differences (two
     layers less one, four sequences less two) leave one layer's per-token share, without what does not grow with
-    the tokens (the weights' low-precision copies). BERT-base width at 128 tokens, CPU bf16 autocast: 55 KiB
-    (tests/test_device_env.py)."""
+    the tokens (the weights' low-precision copies; a figure: docs/plumbing.md: activation_bytes_per_token_layer)."""
     from transformers import AutoModel
 
     def saved(layers, seqs):
@@ -437,7 +425,6 @@ def explain_oom(main):
 # ==============================================================================================================
 # 4. The loss curve
 # ==============================================================================================================
-
 
 def plot_loss_curves(log_path: Path, png_path: Path):
     """One panel per logged quantity (loss terms, lr, retention weight), written atomically."""

@@ -44,7 +44,6 @@ from plumbing.run_log import plot_loss_curves, write_log_record
 # 1. The loop's pieces
 # ==============================================================================================================
 
-
 def log_score(accelerator, args, scorer, model, step: int, epoch: int, window=None) -> dict:
     """--eval_tasks scored now (evaluate.TrainingScorer) -> its record, written to train_log.jsonl; its time left out
     of the log window's (LogWindow.exclude), so tokens/s and time per step count training only."""
@@ -54,7 +53,6 @@ def log_score(accelerator, args, scorer, model, step: int, epoch: int, window=No
     write_log_record(accelerator, Path(args.output_dir) / "train_log.jsonl", rec)
     return rec
 
-
 def say_stopped(accelerator, args, signum: int, state: "TrainState") -> str:
     """The line a run stopped by a signal ends with (its checkpoint is written) -> the signal's name."""
     name = signal.Signals(signum).name
@@ -63,12 +61,9 @@ def say_stopped(accelerator, args, signum: int, state: "TrainState") -> str:
                       "latest continues the run")
     return name
 
-
 def epoch_batches(accelerator, dataloader, sampler, state: "TrainState", epoch: int):
     """The epoch's collated batches (their order depends on (seed, epoch) only). A resumed run starts its checkpoint's
-    epoch after the batches it had done: skip_first_batches skips at the sampler, so they are never collated.
-    accelerate's loader re-sets the sampler's epoch from its own counter on every __iter__: a resumed run must move
-    that counter too, or epochs after the resumed one would replay epoch 0's order."""
+    epoch after the batches it had done; both epoch counters are set (docs/plumbing.md: epoch_batches)."""
     dataloader.set_epoch(epoch)
     sampler.set_epoch(epoch)
     skip = state.batches_in_epoch if epoch == state.epoch else 0
@@ -89,8 +84,7 @@ def gradient_cache_step(accelerator, model, batch, chunk: int, **kw) -> dict:
 
 def all_reduce_mean(grads: list, world: int, bucket_bytes: int = 25 * 2**20):
     """The gradients averaged over the processes in place, in buckets of about bucket_bytes (DDP's default, 25 MiB):
-    each bucket flattened into one buffer, one all-reduce, copied back. One collective per bucket instead of one per
-    parameter (about 200 for BERT-base), each of which pays the collective's latency."""
+    each bucket flattened into one buffer, one all-reduce, copied back (docs/plumbing.md: all_reduce_mean)."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     buckets, size = [], 0
@@ -111,7 +105,6 @@ def all_reduce_mean(grads: list, world: int, bucket_bytes: int = 25 * 2**20):
 # ==============================================================================================================
 # 2. The model and the optimiser
 # ==============================================================================================================
-
 
 def load_model(accelerator, args, **kw):
     """load_xprt_folder(XPRTModel, --model_name_or_path, **kw) and its tokenizer, for train.py and finetune.py: loaded
@@ -148,9 +141,8 @@ def load_model(accelerator, args, **kw):
     return model, tokenizer
 
 def check_input_length(model, name: str, flag: str, value: int, extra: int = 0, why: str = ""):
-    """Refuse, before any work, a length flag whose inputs (value + extra positions) the model's encoder cannot take:
-    measured on its embeddings (architectures.runs_at_length: every family's position rule as the model applies it),
-    naming the value that fits."""
+    """Refuse, before any work, a length flag whose inputs (value + extra positions) the model's encoder cannot take
+    (measured: architectures.runs_at_length), naming the value that fits."""
     base = model.encoder.base_model
     need = value + extra
     if not runs_at_length(base, need):
@@ -208,24 +200,20 @@ def adamw(accelerator, model, args, head_learning_rate=None):
     return torch.optim.AdamW(param_groups, lr=args.learning_rate, **kernel), trainable
 
 def adamw_kernel(device_type: str) -> dict:
-    """AdamW's implementation for parameters on a `device_type` device. On CUDA the fused kernel: one _fused_adamw_
-    op a step for every parameter (torch's default there, foreach, runs about a dozen _foreach_ ops, each launching
-    kernels per chunk of tensors). Elsewhere torch's default, so CPU runs compute what they did before (on a CPU,
-    one tensor at a time: 422 aten ops a step for a 2-layer BERT's 42 tensors, 4 fused, by a dispatch mode)."""
+    """AdamW's implementation for parameters on a `device_type` device: the fused kernel on CUDA, torch's default
+    elsewhere (docs/plumbing.md: adamw_kernel)."""
     return {"fused": True} if device_type == "cuda" else {}
 
 # ==============================================================================================================
 # 3. The accelerator, the run folder, prepare
 # ==============================================================================================================
 
-
 def make_accelerator(args, find_unused_parameters: bool):
     """The Accelerator of a run: trackers in <output_dir>/logs, DDP told whether some parameters go unused
     (objectives without a decoder pass), DeepSpeed given the micro-batch size it cannot infer."""
     from accelerate import Accelerator, DistributedDataParallelKwargs
 
-    # Without a GPU, accelerate only forms a multi-process (gloo) group when told cpu=True; DeepSpeed's own CPU
-    # path must not get it (cpu=True would silently turn DeepSpeed off).
+    # cpu=True without a GPU (accelerate's gloo group), never under DeepSpeed (docs/plumbing.md: make_accelerator)
     deepspeed_on = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     matmul_precision_policy()
     accelerator = Accelerator(
@@ -238,9 +226,7 @@ def make_accelerator(args, find_unused_parameters: bool):
     )
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if deepspeed_on and world != accelerator.num_processes:
-        # accelerate 1.15 on CPU under DeepSpeed: the process group holds every process, but each one's accelerator
-        # says 1 process, rank 0; every process would read all the data, write every output, and DeepSpeed would
-        # stop at prepare on train_batch_size (micro x accumulation x 1 != micro x accumulation x world)
+        # accelerate sees 1 process of a larger group (CPU DeepSpeed: docs/plumbing.md: make_accelerator)
         raise UserError(f"DeepSpeed with {world} processes, but accelerate sees {accelerator.num_processes} "
                         f"({accelerator.device.type}): accelerate forms no multi-process state for DeepSpeed on "
                         "CPU. The CPU DeepSpeed configs are one-process smoke tests (num_processes: 1); for several "
@@ -259,11 +245,8 @@ def make_accelerator(args, find_unused_parameters: bool):
     return accelerator
 
 def matmul_precision_policy():
-    """The TF32 policy, set here once per run (make_accelerator): fp32 matrix products stay IEEE fp32, TF32 off. The
-    bulk of a step runs in bf16 under --mixed_precision bf16 (autocast), where TF32 plays no part; what runs in fp32
-    does so on purpose: the similarity terms' cosines over tau = 0.05 (logits of 16-20), computed with autocast off,
-    would get from TF32's 10-bit mantissa the error bf16 gives them (tests/test_bf16.py). Set explicitly because
-    another library in the process may have turned TF32 on."""
+    """The TF32 policy, set here once per run (make_accelerator): fp32 matrix products stay IEEE fp32, TF32 off, set
+    explicitly (another library may have turned it on; why: docs/plumbing.md: matmul_precision_policy)."""
     if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
         torch.backends.cuda.matmul.fp32_precision = "ieee"
         torch.backends.cudnn.fp32_precision = "ieee"
@@ -273,12 +256,9 @@ def matmul_precision_policy():
 
 @contextlib.contextmanager
 def unpartitioned_loading():
-    """Load models whole inside this block, even under DeepSpeed ZeRO-3.
-
-    Under ZeRO-3, accelerate registers its DeepSpeed config with transformers, whose from_pretrained then
-    partitions every model it loads (deepspeed.zero.Init), whatever zero3_init_flag says. Only prepared models get
-    the hooks that gather their shards back, so a model we use ourselves (the frozen retention teacher; the
-    fine-tuning start model while it mines negatives before prepare) would run on empty shards."""
+    """Load models whole inside this block, even under DeepSpeed ZeRO-3: a model we use ourselves, unprepared (the
+    frozen retention teacher; the fine-tuning start model while it mines negatives before prepare), would otherwise
+    run on empty shards (docs/plumbing.md: unpartitioned_loading)."""
     from transformers.integrations import deepspeed as hf_ds
 
     registered = hf_ds._hf_deepspeed_config_weak_ref
@@ -310,9 +290,8 @@ def prepare_output_dir(accelerator, args, script: str, inputs: dict, extra_outpu
     fresh outputs: --overwrite, or a killed run's that logged no step or was this same run, removes the recorded
     outputs this run rewrites from its start (checkpoints, logs, train_log.jsonl, ...); model/ stays until the new
     one replaces it in one rename (common.atomic_path), so a run that fails leaves the previous model. A resume cuts
-    train_log.jsonl back to its checkpoint's step. Every process checks (each stops with the same message); the
-    main one locks and changes only once all have checked (a barrier between), so no process reads a half-changed
-    folder."""
+    train_log.jsonl back to its checkpoint's step. Every process checks; the main one changes the folder after a
+    barrier (docs/plumbing.md: prepare_output_dir)."""
     out = Path(args.output_dir)
     outputs = (*RUN_OUTPUTS, *extra_outputs)
     if args.resume_from_checkpoint not in (None, "latest"):  # a checkpoint of this very run is no outside input
@@ -496,10 +475,8 @@ def run_identity(accelerator, args, inputs: dict, known=None) -> dict:
 
 def content_digest(paths, cache: dict) -> dict:
     """sha256 over the files under `paths` (their names relative to each path, and their bytes; hidden files and
-    the '.tmp-' leftovers of atomic writes skipped) -> {"sha256", "paths", "files": {file: [size, mtime_ns,
-    sha256]}}. A file
-    whose size and mtime equal `cache`'s entry keeps its hash (make's and rsync's rule): a resume rereads no
-    unchanged shard of a web-scale groups folder."""
+    the '.tmp-' leftovers of atomic writes skipped) -> {"sha256", "paths", "files": {file: [size, mtime_ns, sha256]}}.
+    A file whose size and mtime equal `cache`'s entry keeps its hash (docs/plumbing.md: content_digest)."""
     total, files = hashlib.sha256(), {}
     for root in map(Path, paths):
         found = [root] if root.is_file() else sorted(
@@ -549,15 +526,12 @@ def cut_log(log_path: Path, step: int):
     keep = [r for r in read_jsonl(log_path) if r.get("step", 0) <= step]
     atomic_write(log_path, "".join(json.dumps(r) + "\n" for r in keep))
 
-
 # ==============================================================================================================
 # 5. Checkpoints, resume, the saved model
 # ==============================================================================================================
 
-
-# A run of more steps than this is checkpointed this often unless --checkpointing_steps says otherwise (about 5 minutes
-# of the harness's 0.29 s step on the H200); two are kept (--checkpoints_total_limit), so a long run killed without
-# a signal (SIGKILL, a node lost) loses at most this many steps.
+# A run of more steps than this is checkpointed this often unless --checkpointing_steps says otherwise: a run killed
+# without a signal loses at most this many steps (docs/plumbing.md: DEFAULT_CHECKPOINT_EVERY).
 DEFAULT_CHECKPOINT_EVERY = 1000
 
 def checkpoint_interval(args, max_steps: int) -> int:
@@ -709,8 +683,7 @@ def save_model_with_card(accelerator, args, model, tokenizer, card: dict, log_pa
 
 def export_checkpoint(request, parse_args, build_model, script: str) -> dict:
     """--export_checkpoint (request: the script's parsed flags, which parse_args returns unchecked when it is given):
-    a checkpoint's model as a model folder, <--output_dir>/model, as a finished run writes
-    it (every script's --model_name_or_path, evaluate.py and sentence-transformers load it), by the code that
+    a checkpoint's model as a model folder, <--output_dir>/model, as a finished run writes it, by the code that
     trained it: the run's flags and inputs read from the checkpoint's run.json, the model built as the run built
     it (build_model: train.py's load_pretraining_model, finetune.py's load_model), every tensor of the checkpoint's
     model.safetensors loaded into it (strict), then save_model_with_card (loaded back and checked before "saved").
@@ -834,7 +807,6 @@ def save_run(accelerator, args, model, tokenizer, finished: bool, card: dict, st
 # ==============================================================================================================
 # 6. The flags both stages share
 # ==============================================================================================================
-
 
 def add_common_args(p, default_lr: float):
     """The flags train.py and finetune.py share: the start model, loss temperature, optimisation, output."""

@@ -356,3 +356,41 @@ def test_custom_code_is_refused_only_where_transformers_needs_it(data, tmp_path)
     known.mkdir()
     (known / "config.json").write_text(json.dumps({"model_type": "bert", "auto_map": {"AutoModel": "m.M"}}))
     assert common.check_model_name(str(known), "--model_name_or_path") == str(known)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Flags are never matched by prefix, in any script (issue 54 item 10)
+# ----------------------------------------------------------------------------------------------------------------
+def test_every_parser_refuses_a_prefix_of_a_flag():
+    """Every argparse parser of the repository is built without prefix matching: plumbing.common.ArgumentParser (the
+    step scripts') sets allow_abbrev=False, and every plain argparse.ArgumentParser call passes it (read from the
+    source of every script, bench and experiment)."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    plain = []
+    for path in root.rglob("*.py"):
+        if {".venv", ".git", ".cache"} & set(path.parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "argparse.ArgumentParser":
+                kw = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                if kw.get("allow_abbrev") != "False":
+                    plain.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert plain == []
+
+
+@pytest.mark.parametrize("script, argv, wanted", [
+    ("train", ["--groups_dir", "g", "--output_dir", "o", "--lr", "1e-5"], "--lr: did you mean --lr_scheduler_type?"),
+    ("train", ["--groups_dir", "g", "--output_dir", "o", "--per", "4"], "did you mean --per_device_train_batch_size"),
+    ("finetune", ["--output_dir", "o", "--per", "4"], "did you mean --per_device_train_batch_size"),
+    ("select_groups", ["--input", "x", "--output_dir", "o", "--passage", "32"], "did you mean --passage_tokens"),
+    ("evaluate", ["--models", "m", "--output_dir", "o", "--local", "x"], "did you mean --local_tasks"),
+])
+def test_an_abbreviated_flag_is_refused_naming_the_real_one(script, argv, wanted):
+    import importlib
+
+    from plumbing.common import UserError
+
+    with pytest.raises(UserError, match=re.escape(wanted)):
+        importlib.import_module(script).parse_args(argv)

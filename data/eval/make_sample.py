@@ -13,7 +13,8 @@ import random
 import shutil
 from pathlib import Path
 
-p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--shared", default=str(Path(__file__).resolve().parents[3] / "shared" / "data"),
                help="the shared data folder (SOURCES.md there)")
 p.add_argument("--out", default=str(Path(__file__).resolve().parent), help="output folder (this one)")

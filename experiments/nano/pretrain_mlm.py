@@ -41,7 +41,7 @@ from plumbing.common import (UserError, atomic_path, atomic_write, claim_output_
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--inputs", nargs="+", required=True, help="JSONL files of documents with a 'text' field")
     p.add_argument("--output_dir", required=True, help="folder for the model, tokenizer, log and curve")

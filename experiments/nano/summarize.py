@@ -21,7 +21,7 @@ from plumbing.common import atomic_path, atomic_write  # noqa: E402  (the reposi
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="the experiment folder run.sh wrote (OUT)")
     p.add_argument("--arms", nargs="+", required=True, help="arm names, in the order run.sh evaluated them")
     p.add_argument("--noise", type=float, default=1.0,

@@ -42,7 +42,7 @@ from experiments.paper.stages import (  # noqa: I001
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--scale", required=True,
                    help="tiny | gpu | paper (experiments/paper/configs/<scale>.json) or a config file's path")

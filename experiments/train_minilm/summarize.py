@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--run_dir", required=True, help="train.py --output_dir of the run")
     p.add_argument("--start", default="all-MiniLM-L6-v2", help="the run's starting model")
     p.add_argument("--out", default="experiments/train_minilm", help="where summary.json and the copies go")
