@@ -281,7 +281,8 @@ class XPRTEncoder(AbsEncoder):
         # A sentence-transformers model states the length it was trained and scored with (all-MiniLM-L6-v2: 256);
         # the MTEB leaderboard numbers use it, so we do too unless told. A plain checkpoint states none.
         stated = self.model.max_seq_length if has_st_config or not os.path.isdir(path) else None
-        self.max_length = int(max_length) if max_length else max_seq_length(self.model[0].auto_model.config, stated)
+        self.max_length = int(max_length) if max_length else max_seq_length(self.model[0].auto_model.config, stated,
+                                                                                     self.model[0].auto_model)
         self.model.max_seq_length = self.max_length
         self.batch_size = batch_size
         self.show_progress = show_progress

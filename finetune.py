@@ -1,11 +1,14 @@
 """
-PAIR's fine-tuning stage: the encoder trained on (query, positive passage) pairs with PAIR's loss
-(1 - alpha) L_Q + alpha L_P (modeling_xprt.pair_q_loss / pair_p_loss / pair_loss).
+PAIR's two training stages: the encoder trained on (query, positive passage) pairs with PAIR's loss
+(1 - alpha) L_Q + alpha L_P (modeling_xprt.pair_q_loss / pair_p_loss / pair_loss): stage 2 on labelled queries,
+alpha 0 (L = L_Q: the passage-centric L_P off), by default; stage 1 with pseudo-queries (--generate_pseudo_queries),
+alpha decaying from alpha_0 = 0.1 to 0 (linear), by default. An explicit --pair_alpha (and schedule) always wins.
 
 Read it beside the PAIR paper. In the xPRT project it answers "does the pre-training gain survive fine-tuning?":
 fine-tune the start model and the xPRT model the same way and compare. The steps, in the order of this file:
   1. flags
-  2. PAIR's alpha schedule (constant, as the official code; or linear decay, as the paper describes)
+  2. PAIR's alpha: its default by stage (pair_alpha_default), its schedule (constant, as the official code; or linear
+     decay, as the paper describes), and the stage said as it runs (pair_stage: the start line, the card's title)
   3. the data: labelled pairs (a BEIR folder's train qrels, MS MARCO's, or --train_data in FlagEmbedding,
      sentence-transformers, tevatron or triples format: read_pairs), or PAIR's stage 1 - pseudo-queries
      generated for corpus passages and kept when a cross-encoder agrees; hard negatives mined with the start model
@@ -41,10 +44,11 @@ from plumbing.readers import load_beir
 from plumbing.run_log import LogWindow
 from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, epoch_batches,
                                export_checkpoint, gradient_cache_step, load_model, log_score, make_accelerator,
-                               prepare_output_dir, prepare_run, print_run, save_checkpoint, save_run, say_stopped,
+                               prepare_output_dir, prepare_run, save_checkpoint, save_run, say_stopped,
                                StopSignals, unpartitioned_loading)
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
+PAIR_ALPHA_0 = 0.1  # PAIR's stage-1 alpha_0 (its official code's pre-training alpha), decayed to 0 by default
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -96,13 +100,16 @@ def parse_args(argv=None):
     g.add_argument("--query_max_length", type=positive_int, default=32, help="max query tokens (PAIR: 32)")
     g.add_argument("--passage_max_length", type=positive_int, default=128, help="max passage tokens (PAIR: 128)")
 
-    g = p.add_argument_group("PAIR's loss")
-    g.add_argument("--pair_alpha", type=float, default=0.0,
-                   help="alpha of (1 - alpha) L_Q + alpha L_P; 0 = plain fine-tuning (PAIR stage 2), 0.1 = "
-                        "official code")
-    g.add_argument("--pair_alpha_schedule", choices=["constant", "linear"], default="constant",
-                   help="constant alpha (official code) or linear decay from --pair_alpha to 0 (PAIR's "
-                        "description)")
+    g = p.add_argument_group("PAIR's loss and stage")
+    g.add_argument("--pair_alpha", type=float, default=None,
+                   help="alpha of (1 - alpha) L_Q + alpha L_P, the weight of the passage-centric L_P. Default by "
+                        "the data, as PAIR's two stages: labelled queries -> 0 (L = L_Q: PAIR's stage 2); "
+                        f"--generate_pseudo_queries -> {PAIR_ALPHA_0} decaying to 0 (PAIR's stage 1, alpha_0; "
+                        "--pair_alpha_schedule linear). Given, it is used as given (its schedule constant unless "
+                        "--pair_alpha_schedule says otherwise)")
+    g.add_argument("--pair_alpha_schedule", choices=["constant", "linear"], default=None,
+                   help="constant alpha (official code) or linear decay from --pair_alpha to 0 (PAIR's stage-1 "
+                        "'dynamic decay from alpha_0'). Default: linear for stage 1's default alpha, else constant")
 
     g = p.add_argument_group("PAIR stage 1: pseudo-queries (needs real generator / cross-encoder weights)")
     g.add_argument("--generate_pseudo_queries", action="store_true",
@@ -130,8 +137,14 @@ def parse_args(argv=None):
         raise UserError("finetune.py needs --beir_dir, --train_data or --generate_pseudo_queries")
     if args.generate_pseudo_queries and not (args.generator_model and args.cross_encoder_model):
         raise UserError("--generate_pseudo_queries needs --generator_model and --cross_encoder_model")
+    defaulted = args.pair_alpha is None
+    args.pair_alpha, args.pair_alpha_schedule = pair_alpha_default(args.pair_alpha, args.pair_alpha_schedule,
+                                                                   args.generate_pseudo_queries)
     if not 0.0 <= args.pair_alpha <= 1.0:
         raise UserError("--pair_alpha must be in [0, 1]")
+    if args.pair_alpha > 0 and args.num_negatives == 0 and not args.mine_only:
+        raise UserError(f"--pair_alpha {args.pair_alpha:g}{' (the stage-1 default)' if defaulted else ''}: L_P needs "
+                        "hard negatives: --num_negatives >= 1, or --pair_alpha 0 (L = L_Q)")
     if not 1 <= args.negatives_rank_min <= args.negatives_rank_max:
         raise UserError("need 1 <= --negatives_rank_min <= --negatives_rank_max")
     if args.mine_only and (args.mined_negatives or not (args.beir_dir or args.generate_pseudo_queries or (
@@ -156,6 +169,39 @@ def check_inputs(args):
 # ----------------------------------------------------------------------------------------------------------------
 # 2. PAIR's alpha
 # ----------------------------------------------------------------------------------------------------------------
+def pair_alpha_default(alpha, schedule, pseudo_queries: bool) -> tuple:
+    """(--pair_alpha, --pair_alpha_schedule) as the run uses them; None = not given. PAIR trains in two stages:
+    stage 1 on pseudo-queries with alpha decaying from alpha_0 > 0, stage 2 on labelled queries with alpha = 0. Not
+    given, alpha is its stage's: PAIR_ALPHA_0, linear, with --generate_pseudo_queries; 0 (constant) without. Given,
+    it is kept, with a constant schedule unless one is given: the alpha(t) a run with --pair_alpha always had."""
+    if alpha is None:
+        alpha, default_schedule = (PAIR_ALPHA_0, "linear") if pseudo_queries else (0.0, "constant")
+    else:
+        default_schedule = "constant"
+    return alpha, schedule or default_schedule
+
+
+def pair_stage(args) -> str:
+    """Which of PAIR's two stages the run is, and what its alpha means, as the start line ("PAIR " + this) and the
+    model card's title say it: stage 1 with pseudo-queries (--generate_pseudo_queries; PAIR: alpha decaying from
+    alpha_0 > 0), else stage 2 on labelled queries (PAIR: alpha = 0, plain L_Q). An alpha that is not its stage's
+    PAIR value (an explicit --pair_alpha) is said to be so."""
+    a, first = args.pair_alpha, args.generate_pseudo_queries
+    stage = "stage 1 (pseudo-queries, with the labelled pairs)" if first else "stage 2 (labelled queries)"
+    if a == 0:
+        return (f"{stage}: L = L_Q (alpha 0: the passage-centric L_P off, "
+                + ("unlike PAIR's first stage, whose alpha starts at alpha_0 > 0)" if first
+                   else "as PAIR's second stage)"))
+    linear = args.pair_alpha_schedule == "linear"
+    alpha = f"alpha {a:g} -> 0 (linear)" if linear else f"alpha {a:g} (constant)"
+    if first:
+        meaning = ("the passage-centric L_P on, decaying as in PAIR's first stage" if linear
+                   else "the passage-centric L_P on, constant as in PAIR's official code")
+    else:
+        meaning = "the passage-centric L_P on, which PAIR's second stage leaves off (alpha 0)"
+    return f"{stage}: L = (1 - alpha) L_Q + alpha L_P, {alpha}: {meaning}"
+
+
 def pair_alpha_at(step: int, total_steps: int, alpha_0: float, schedule: str) -> float:
     """PAIR's alpha in L = (1 - alpha) L_Q + alpha L_P at optimiser step `step` (0-based).
 
@@ -904,6 +950,27 @@ def print_false_negatives(c: dict):
           "had at least one", flush=True)
 
 
+def run_line(accelerator, args, data: str, max_steps: int) -> str:
+    """The run's shape at its start, training.print_run's with PAIR's in-batch negatives: L_Q's candidates are every
+    passage of the step (each row's positive and hard negatives, gathered across processes), L_P's the step's hard
+    negatives; the mask PAIR's losses apply is pair_false_negatives' (copies of a row's positive and passages
+    labelled relevant to its query, counted by print_false_negatives), not train.py's same-document mask."""
+    world = accelerator.num_processes
+    rows, n = args.per_device_train_batch_size * world, args.num_negatives
+    negatives = (f"{rows * (1 + n) - 1} for L_Q (the passages of the step's {rows} rows, a positive and {n} hard "
+                 "negatives each, but the row's own positive)")
+    if args.pair_alpha > 0:
+        negatives += f", {rows * n} for L_P (the step's hard negatives)"
+    return (f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {data}, "
+            f"{max_steps} steps x {args.per_device_train_batch_size} per device x {world} processes x "
+            f"{args.gradient_accumulation_steps} accumulation; in-batch negatives per query = {negatives} "
+            "(accumulation adds none; the false-negative mask leaves fewer: a copy of the row's positive or of "
+            "another passage labelled relevant to its query is not its negative, counted above); "
+            f"lr {args.learning_rate}; "
+            + (f"a checkpoint every {args.checkpointing_steps} steps" if args.checkpointing_steps else "no checkpoints")
+            + " (and one on SIGTERM / SIGUSR1 / Ctrl-C)")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 4. Main: accelerator, model, data, optimiser and scheduler, prepare, the loop, save
 # ----------------------------------------------------------------------------------------------------------------
@@ -978,7 +1045,9 @@ def main(argv=None):
     model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch = prepare_run(accelerator, args, model,
                                                                                      optimizer, dataloader)
     max_steps, world = state.max_steps, accelerator.num_processes
-    print_run(accelerator, args, f"{len(rows)} (query, positive) rows of {len(set(keys))} queries", max_steps)
+    accelerator.print(f"PAIR {pair_stage(args)}")
+    accelerator.print(run_line(accelerator, args, f"{len(rows)} (query, positive) rows of {len(set(keys))} queries",
+                               max_steps))
     scorer = None
     if args.eval_tasks:
         import evaluate
@@ -1043,7 +1112,7 @@ def main(argv=None):
     # ---- save
     # a Hub dataset given as --train_data is named in the model card's metadata (a local file is not)
     hub_data = [args.train_data] if args.train_data and not Path(args.train_data).exists() else None
-    title = f"xprt finetune (PAIR loss, alpha {args.pair_alpha} {args.pair_alpha_schedule})"
+    title = f"xprt finetune (PAIR loss, {pair_stage(args)})"  # "xprt finetune (PAIR loss" first: the lineage's name
     save_run(accelerator, args, model, tokenizer, state.completed_steps >= max_steps,
              {"title": title, "script": "finetune.py", "argv": argv, "datasets": hub_data,
               "summary": {"steps": state.completed_steps, "processes": world, "rows": len(rows),

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plumbing.architectures import (decoder_layers, encoder_pieces, head_params, layer_multiply_adds, layer_runner,
-                                    linear_cross_entropy, linear_kl_div, mask_for_layers)
+                                    linear_cross_entropy, linear_kl_div, longest_input, mask_for_layers, runs_at_length)
 
 logger = logging.getLogger("xprt")
 
@@ -669,10 +669,12 @@ class ModelInfo:
     dim: Optional[int] = None
 
 
-def max_seq_length(config, stated: Optional[int] = None) -> int:
+def max_seq_length(config, stated: Optional[int] = None, model: Optional[nn.Module] = None) -> int:
     """The one length rule: the limit a model is used at is the one its folder states (read_max_seq_length), else
-    BERT's 512, never more than its position table holds."""
-    return int(min(stated or 512, getattr(config, "max_position_embeddings", 512)))
+    BERT's 512, never more than its position table holds. model: the loaded encoder, whose embeddings then measure
+    what the table holds (architectures.longest_input: a RoBERTa-family table of 66 positions takes 64 tokens)."""
+    limit = int(min(stated or 512, getattr(config, "max_position_embeddings", 512)))
+    return limit if model is None or runs_at_length(model, limit) else longest_input(model, limit)
 
 
 class PostPooling(torch.nn.Module):
@@ -794,7 +796,7 @@ class XPRTModel(nn.Module):
         if retention_student == "masked" and type(self.objective).masked_student is Objective.masked_student:
             raise ValueError(f"--retention_student masked: objective {objective!r} has no masked anchor and s1 "
                              "vectors to reuse; use the clean student")
-        self.info = info or ModelInfo(max_seq_length=max_seq_length(mlm_model.config))
+        self.info = info or ModelInfo(max_seq_length=max_seq_length(mlm_model.config, model=mlm_model.base_model))
         # the objective's setting may fix how vectors are pooled and scored: training and the saved folder follow it
         self.info = replace(self.info, **self.objective.scoring())
         # the start's modules after pooling (PostPooling), frozen. The similarity terms (batch terms, retention) read

@@ -1288,7 +1288,7 @@ def load_selection_encoder(args, sel: Selection, state) -> Encoder:
     check_tokenizer_fits(tokenizer, model.config, sel.model_name_or_path)
     model = model.to(device).eval()
     post = load_post_pooling(path, model.config.hidden_size, args.trust_remote_code).to(device)
-    encoder = Encoder(tokenizer, model, max_seq_length(model.config, read_max_seq_length(path)),
+    encoder = Encoder(tokenizer, model, max_seq_length(model.config, read_max_seq_length(path), model),
                       selection_batch_size(args.batch_size, torch.device(device)),
                       read_pooling(path), post)
     vector = ", ".join([f"{encoder.pooling} pooling", *post.describe()])

@@ -309,7 +309,7 @@ def load_xprt_folder(cls, path: str, objective: Optional[str] = None, mlm_head_f
     # the stages so far: an xprt folder's own record, else the start checkpoint itself
     lineage = saved.get("lineage") or [{"stage": "start", "model": hub_base_model(name)}]
     args["info"] = ModelInfo(start_model=saved.get("start_model") or name, prompts=model_prompts(name, prefixes),
-                             max_seq_length=max_seq_length(mlm.config, read_max_seq_length(path)),
+                             max_seq_length=max_seq_length(mlm.config, read_max_seq_length(path), mlm.base_model),
                              base_model=hub_base_model(name), hub_model_id=hub_model_id, lineage=lineage,
                              modules=post_pooling.describe(), dim=post_pooling.dim(mlm.config.hidden_size), **scoring)
     model = cls(mlm, objective=objective, **args)

@@ -347,3 +347,30 @@ def test_the_longest_input_is_measured_as_each_family_applies_its_positions():
     for kind in ARCHS:
         torch.manual_seed(0)
         assert longest_input(AutoModel.from_config(tiny_config(kind, 30522)), 600) == want[kind], kind
+
+
+@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta", "mpnet"])
+def test_every_length_limit_is_the_one_the_model_takes(kind, tmp_path):
+    """modeling_xprt.max_seq_length with the loaded model measures what its position table holds (issue 54 item 8:
+    a RoBERTa-family table of 66 rows, padding index 0, holds 65 tokens, and select_groups.py indexed position 66).
+    Over every family with a table: the limit XPRTModel records and the one select_groups.py embeds at are tokens
+    the model takes, and a selection with such a start runs."""
+    import json
+
+    from transformers import AutoModel
+
+    import modeling_xprt as mx
+    import select_groups
+    from plumbing.architectures import runs_at_length
+    from test_select_groups import _docs, _write_jsonl
+
+    folder = build_tiny(kind, tmp_path / kind, max_position_embeddings=66)
+    base = AutoModel.from_pretrained(folder)
+    limit = mx.max_seq_length(base.config, None, base)
+    assert limit <= 66 and runs_at_length(base, limit) and not runs_at_length(base, limit + 1)
+    assert load_xprt_folder(mx.XPRTModel, str(folder)).max_seq_length == limit
+    docs = tmp_path / "docs.jsonl"
+    _write_jsonl(docs, _docs(6))
+    select_groups.main(["--input", str(docs), "--model_name_or_path", str(folder), "--output_dir",
+                        str(tmp_path / "groups"), "--centrality_threshold", "-1", "--passage_tokens", "48"])
+    assert json.loads((tmp_path / "groups" / "stats.json").read_text())["groups"] > 0

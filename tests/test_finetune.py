@@ -142,15 +142,31 @@ def ft_args(model, beir, out, **kw):
     return cli_args(args)
 
 
-@pytest.mark.parametrize("alpha,schedule", [pytest.param(0.0, "constant", marks=pytest.mark.slow), (0.1, "constant"),
+@pytest.mark.parametrize("alpha,schedule", [pytest.param(None, None, marks=pytest.mark.slow), (0.1, "constant"),
                                             pytest.param(0.5, "linear", marks=pytest.mark.slow)])
 def test_finetune_stage_runs_and_its_loss_falls(tiny_bert, beir, tmp_path, capsys, alpha, schedule):
     """4 queries per step, one mined negative each; 17 pairs -> 4 steps per epoch; the loss averaged over the first
-    epoch is above the last epoch's. The start-up line counts the false negatives the losses mask in epoch 0."""
+    epoch is above the last epoch's. The start-up line counts the false negatives the losses mask in epoch 0; the
+    next ones name PAIR's stage and the in-batch negatives with the mask the losses have; the card's title the stage.
+    alpha None: no --pair_alpha, labelled queries -> PAIR's stage 2, alpha 0."""
     out = tmp_path / "ft"
     res = run(ft_args(tiny_bert, beir, out, **{"--pair_alpha": alpha, "--pair_alpha_schedule": schedule,
                                                "--num_train_epochs": 4}))
-    printed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("false negatives"))
+    lines = capsys.readouterr().out.splitlines()
+    printed = next(line for line in lines if line.startswith("false negatives"))
+    stage = next(line for line in lines if line.startswith("PAIR stage"))
+    shape = lines[lines.index(stage) + 1]
+    if alpha is None:
+        alpha, schedule = 0.0, "constant"
+        assert stage == ("PAIR stage 2 (labelled queries): L = L_Q (alpha 0: the passage-centric L_P off, as PAIR's "
+                         "second stage)")
+    else:  # explicit: kept, and said to differ from PAIR's stage 2
+        assert stage.startswith(f"PAIR stage 2 (labelled queries): L = (1 - alpha) L_Q + alpha L_P, alpha {alpha:g} ")
+        assert stage.endswith("which PAIR's second stage leaves off (alpha 0)")
+    # the run's shape: L_Q's negatives are the step's 4 x (1 + 1) passages but the row's own positive; no
+    # same-document mask (train.py's), the false-negative mask instead
+    assert "in-batch negatives per query = 7 for L_Q" in shape and "same-document" not in shape, shape
+    assert ("4 for L_P" in shape) == (alpha > 0) and "labelled relevant to its query" in shape
     # recount from the rows as build_finetune_rows makes them (BEIR order, the mined pools) and the sampler
     from plumbing.batches import NoDuplicatesBatchSampler
 
@@ -178,10 +194,13 @@ def test_finetune_stage_runs_and_its_loss_falls(tiny_bert, beir, tmp_path, capsy
     pools = json.loads((out / "mined_negatives.json").read_text())
     assert len(pools) == 17 and all(len(p) >= 1 for p in pools)
     assert (out / "model" / "model.safetensors").exists()
+    card = (out / "model" / "README.md").read_text()
+    assert f"xprt finetune (PAIR loss, {stage.removeprefix('PAIR ')}), trained from" in card
 
 
 @pytest.mark.slow
-def test_finetune_with_pseudo_queries_end_to_end(tiny_bert, beir, tmp_path):
+def test_finetune_with_pseudo_queries_end_to_end(tiny_bert, beir, tmp_path, capsys):
+    """PAIR's stage 1 with its defaults: alpha decays from 0.1 (alpha_0) to 0, said at the start."""
     gen_path, ce_path = tiny_seq2seq_and_cross_encoder(tmp_path)
     out = tmp_path / "ft"
     res = run(ft_args(tiny_bert, beir, out, **{"--generate_pseudo_queries": True, "--generator_model": gen_path,
@@ -190,6 +209,10 @@ def test_finetune_with_pseudo_queries_end_to_end(tiny_bert, beir, tmp_path):
                                                "--max_train_steps": 3, "--no_save_model": True}))
     assert res["completed_steps"] == 3
     assert len(json.loads((out / "mined_negatives.json").read_text())) == 17 + 20  # threshold 0 keeps every pseudo pair
+    assert ("PAIR stage 1 (pseudo-queries, with the labelled pairs): L = (1 - alpha) L_Q + alpha L_P, alpha 0.1 -> 0 "
+            "(linear): the passage-centric L_P on, decaying as in PAIR's first stage") in capsys.readouterr().out
+    log = read_log(out)
+    assert [log[s]["pair_alpha"] for s in (1, 2, 3)] == pytest.approx([0.1, 0.1 * 2 / 3, 0.1 / 3])
 
 
 def test_finetune_trains_the_encoder_and_leaves_the_idle_heads_untouched(tiny_bert, beir, tmp_path):
@@ -334,6 +357,69 @@ def test_pair_alpha_schedule_values():
     lin = [finetune.pair_alpha_at(t, 10, 0.5, "linear") for t in range(11)]
     assert lin[0] == 0.5 and lin[5] == pytest.approx(0.25) and lin[10] == 0.0
     assert all(a > b for a, b in zip(lin, lin[1:]))
+
+
+def test_pair_alpha_defaults_to_its_stage_and_an_explicit_alpha_wins():
+    """No --pair_alpha: labelled queries -> PAIR's stage 2 (alpha 0, constant); --generate_pseudo_queries -> PAIR's
+    stage 1 (alpha_0 = 0.1, linear decay). A given --pair_alpha (and schedule) is kept as given, constant unless
+    a schedule is given: the alpha(t) such a run always had."""
+    base = ["--output_dir", "x", "--beir_dir", "b"]
+    pseudo = base + ["--generate_pseudo_queries", "--generator_model", "g", "--cross_encoder_model", "c"]
+
+    def alpha(argv):
+        a = finetune.parse_args(argv)
+        return a.pair_alpha, a.pair_alpha_schedule
+
+    assert alpha(base) == (0.0, "constant")
+    assert alpha(base + ["--train_data", "t.jsonl"]) == (0.0, "constant")
+    assert alpha(pseudo) == (finetune.PAIR_ALPHA_0, "linear") == (0.1, "linear")
+    assert alpha(base + ["--pair_alpha", "0.1"]) == (0.1, "constant")
+    assert alpha(base + ["--pair_alpha", "0.5", "--pair_alpha_schedule", "linear"]) == (0.5, "linear")
+    assert alpha(pseudo + ["--pair_alpha", "0"]) == (0.0, "constant")
+    assert alpha(pseudo + ["--pair_alpha", "0.3"]) == (0.3, "constant")
+    assert alpha(pseudo + ["--pair_alpha_schedule", "constant"]) == (0.1, "constant")  # the official code's
+    assert alpha(base + ["--pair_alpha_schedule", "linear"]) == (0.0, "linear")  # 0 every step
+    assert finetune.pair_alpha_default(None, None, False) == (0.0, "constant")
+    assert finetune.pair_alpha_default(0.2, None, True) == (0.2, "constant")
+    # L_P needs hard negatives: the stage-1 default or a given alpha > 0 without any is refused, naming the way out
+    with pytest.raises(UserError, match=r"--pair_alpha 0.1 \(the stage-1 default\).*--num_negatives >= 1"):
+        finetune.parse_args(pseudo + ["--num_negatives", "0"])
+    with pytest.raises(UserError, match=r"--pair_alpha 0.2: L_P needs"):
+        finetune.parse_args(base + ["--pair_alpha", "0.2", "--num_negatives", "0"])
+    assert alpha(base + ["--num_negatives", "0"]) == (0.0, "constant")
+    with pytest.raises(UserError, match=r"\[0, 1\]"):
+        finetune.parse_args(base + ["--pair_alpha", "1.5"])
+
+
+def test_pair_stage_says_the_stage_and_what_alpha_means():
+    from types import SimpleNamespace
+
+    def said(argv):
+        return finetune.pair_stage(finetune.parse_args(["--output_dir", "x", "--beir_dir", "b", *argv]))
+
+    pseudo = ["--generate_pseudo_queries", "--generator_model", "g", "--cross_encoder_model", "c"]
+    assert said([]) == ("stage 2 (labelled queries): L = L_Q (alpha 0: the passage-centric L_P off, as PAIR's second "
+                        "stage)")
+    assert said(pseudo) == ("stage 1 (pseudo-queries, with the labelled pairs): L = (1 - alpha) L_Q + alpha L_P, "
+                            "alpha 0.1 -> 0 (linear): the passage-centric L_P on, decaying as in PAIR's first stage")
+    assert said(["--pair_alpha", "0.1"]) == ("stage 2 (labelled queries): L = (1 - alpha) L_Q + alpha L_P, alpha 0.1 "
+                                             "(constant): the passage-centric L_P on, which PAIR's second stage leaves "
+                                             "off (alpha 0)")
+    assert said([*pseudo, "--pair_alpha_schedule", "constant"]).endswith(
+        "alpha 0.1 (constant): the passage-centric L_P on, constant as in PAIR's official code")
+    assert said([*pseudo, "--pair_alpha", "0"]) == (
+        "stage 1 (pseudo-queries, with the labelled pairs): L = L_Q (alpha 0: the passage-centric L_P off, unlike "
+        "PAIR's first stage, whose alpha starts at alpha_0 > 0)")
+    # the run's shape: 2 processes x 4 rows x (1 positive + 3 negatives); the mask the losses have, no other
+    args = finetune.parse_args(["--output_dir", "x", "--beir_dir", "b", "--per_device_train_batch_size", "4",
+                                "--num_negatives", "3", "--pair_alpha", "0.1"])
+    acc = SimpleNamespace(num_processes=2, distributed_type="MULTI_CPU", mixed_precision="no")
+    line = finetune.run_line(acc, args, "16 (query, positive) rows of 12 queries", 10)
+    assert line.startswith("MULTI_CPU x 2, mixed precision no; 16 (query, positive) rows of 12 queries, 10 steps")
+    assert "in-batch negatives per query = 31 for L_Q" in line and "24 for L_P" in line
+    assert "same-document" not in line and "copy of the row's positive" in line
+    args.pair_alpha = 0.0
+    assert "for L_P" not in finetune.run_line(acc, args, "rows", 10)
 
 
 def test_flags_fail_early():

@@ -239,7 +239,7 @@ def test_cached_step_equals_the_plain_step(tiny_bert, tiny_lm, tok, chunk=2):
     # shapes; BLAS splits a reduction by thread count (1 vs 2 threads changes the plain step's own order). A sum of k
     # terms in float32 is off by up to ~k * eps32 * sum|terms| (eps32 = 1.19e-7), and these sums cancel: the token-type
     # embedding's gradient sums ~10^3 token gradients to elements of 1e-4..1, off by ~2e-5 (~200 eps32 of its largest
-    # element) whatever the order. A fixed atol cannot hold that: 1e-6 failed an element 1.02e-6 off (issue 54, 2 threads).
+    # element) whatever the order. A fixed atol cannot hold that: 1e-6 failed an element 1.02e-6 off (issue 54).
     # So each tensor's bound is what float32 rounding actually costs it here: err = max|plain - x| against the same
     # plain step in float64 (x). |cached - plain| <= |cached - x| + |plain - x|, each ~err (measured, both archs, 1 and
     # 2 threads: |cached - x| <= 1.2 err, |cached - plain| <= 1.2 err), so 4 err is about twice that worst case, plus
