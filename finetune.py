@@ -46,6 +46,7 @@ from plumbing.training import (adamw, add_common_args, check_common_args, check_
                                export_checkpoint, gradient_cache_step, load_model, log_score, make_accelerator,
                                prepare_output_dir, prepare_run, save_checkpoint, save_run, say_stopped,
                                StopSignals, unpartitioned_loading)
+from plumbing.training import run_line as training_run_line
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
 PAIR_ALPHA_0 = 0.1  # PAIR's stage-1 alpha_0 (its official code's pre-training alpha), decayed to 0 by default
@@ -951,7 +952,7 @@ def print_false_negatives(c: dict):
 
 
 def run_line(accelerator, args, data: str, max_steps: int) -> str:
-    """The run's shape at its start, training.print_run's with PAIR's in-batch negatives: L_Q's candidates are every
+    """The run's shape at its start, training.run_line's with PAIR's in-batch negatives: L_Q's candidates are every
     passage of the step (each row's positive and hard negatives, gathered across processes), L_P's the step's hard
     negatives; the mask PAIR's losses apply is pair_false_negatives' (copies of a row's positive and passages
     labelled relevant to its query, counted by print_false_negatives), not train.py's same-document mask."""
@@ -961,14 +962,9 @@ def run_line(accelerator, args, data: str, max_steps: int) -> str:
                  "negatives each, but the row's own positive)")
     if args.pair_alpha > 0:
         negatives += f", {rows * n} for L_P (the step's hard negatives)"
-    return (f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {data}, "
-            f"{max_steps} steps x {args.per_device_train_batch_size} per device x {world} processes x "
-            f"{args.gradient_accumulation_steps} accumulation; in-batch negatives per query = {negatives} "
-            "(accumulation adds none; the false-negative mask leaves fewer: a copy of the row's positive or of "
-            "another passage labelled relevant to its query is not its negative, counted above); "
-            f"lr {args.learning_rate}; "
-            + (f"a checkpoint every {args.checkpointing_steps} steps" if args.checkpointing_steps else "no checkpoints")
-            + " (and one on SIGTERM / SIGUSR1 / Ctrl-C)")
+    return training_run_line(accelerator, args, data, max_steps, (
+        f"per query = {negatives} (accumulation adds none; the false-negative mask leaves fewer: a copy of the row's "
+        "positive or of another passage labelled relevant to its query is not its negative, counted above)"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1057,7 +1053,7 @@ def main(argv=None):
     # ---- the loop, train.py's with PAIR's alpha(t) where train.py has w(t): accumulate, the step, backward, clip,
     # optimiser and lr steps; per optimiser step, log, score and checkpoint on their steps
     model.train()
-    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps)
+    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, state=state)
     stop_at = min(max_steps, args.stop_after_steps or max_steps)
     stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1 / Ctrl-C: a checkpoint after the step, stop
     if scorer and state.completed_steps == 0:  # the start is scored too: every later score is read against it

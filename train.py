@@ -45,7 +45,7 @@ from plumbing.model_folder import load_teacher
 from plumbing.run_log import EVAL_PREFIX, LogWindow, explain_oom, memory_estimate, peak_flops
 from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype,
                                epoch_batches, export_checkpoint, gradient_cache_step, load_model, log_score,
-                               make_accelerator, prepare_output_dir, prepare_run, print_run, save_checkpoint,
+                               make_accelerator, prepare_output_dir, prepare_run, run_line, save_checkpoint,
                                save_model, save_run, say_stopped, StopSignals, unpartitioned_loading)
 
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
@@ -225,11 +225,13 @@ def count_groups(groups_dir: str) -> int:
 def load_groups(groups_dir: str, max_groups=None):
     """The groups folder (schema: select_groups.group_schema()) as a datasets.Dataset, in file then row order.
 
-    It stays memory-mapped (datasets converts the parquet shards to an Arrow cache file once, under HF_HOME, and
-    maps it): every process of a run shares the pages through the OS page cache, and a row becomes a Python dict
-    only when RowsDataset hands it to the loader. The paper's 0.7-7M groups as Python dicts (six passages of up
-    to 128 tokens each) would take GBs to tens of GBs in every process."""
-    from datasets import load_dataset
+    It stays memory-mapped (datasets converts the shards to an Arrow cache file once, which every process maps, in
+    HF_DATASETS_CACHE/xprt/groups-<the shards' sha256: content_digest, which groups_digests.json there spares a reread
+    of unchanged files>: a shard rewritten with its mtime kept, which datasets' own key misses, gets another; the
+    fingerprint, tokenized's key, holds it too). A row becomes a Python dict only when RowsDataset hands it to the
+    loader: the paper's 0.7-7M groups as dicts (six passages of up to 128 tokens) would take GBs in every process."""
+    from datasets import config, load_dataset
+    from plumbing.training import content_digest
 
     # stats.json is what select_groups.py writes last: without it the selection was interrupted (rerunning its command
     # resumes it), and the folder may hold an unfinished chunk's temporary shard
@@ -248,7 +250,12 @@ def load_groups(groups_dir: str, max_groups=None):
         except (pyarrow.ArrowInvalid, OSError) as err:
             raise UserError(f"--groups_dir: {f} is not a readable parquet file ({str(err).split('.')[0]}): truncated "
                             "or changed after the selection; select again with --overwrite") from None
-    ds = load_dataset("parquet", data_files=files, split="train")
+    root = Path(config.HF_DATASETS_CACHE) / "xprt"
+    digest = content_digest(files, known := read_json(root / "groups_digests.json"))
+    if any(known.get(f) != e for f, e in digest["files"].items()):  # those of other folders kept while they exist
+        atomic_write(root / "groups_digests.json", json.dumps({**{f: e for f, e in known.items() if os.path.exists(f)},
+                                                                **digest["files"]}))
+    ds = load_dataset("parquet", data_files=files, split="train", cache_dir=f"{root}/groups-{digest['sha256'][:16]}")
     expected = json.loads(stats.read_text()).get("groups")
     if expected is not None and len(ds) != expected:
         raise UserError(f"{groups_dir}: its shards hold {len(ds):,} groups, its stats.json {expected:,}: shards were "
@@ -259,9 +266,8 @@ def load_groups(groups_dir: str, max_groups=None):
     for col in ("doc_id", "anchor", "related", "random_passage"):
         if col not in ds.column_names:
             raise UserError(f"{groups_dir} lacks column {col!r}: not a select_groups.py output?")
-    if max_groups:
-        ds = ds.select(range(min(max_groups, len(ds))))
-    return ds
+    n = min(max_groups or len(ds), len(ds))  # the fingerprint: datasets' own (paths, mtimes, features) and the content
+    return ds.select(range(n), new_fingerprint=f"{ds._fingerprint}-{digest['sha256'][:16]}-{n}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -344,10 +350,15 @@ def load_data(accelerator, args, model, tokenizer):
 def tokenized(accelerator, rows, collator, groups_per_process: int = 20_000):
     """The groups with every passage tokenised once (modeling_xprt.tokenize_groups: <field>_ids beside each text
     column, int32, and <field>_words for whole-word masking), so the loader's workers only mask and pad: tokenising
-    was 95% of xPRT's collation (bench/README.md, bench_step_ops). datasets.map writes the columns to an Arrow cache
-    beside the groups' own, keyed by the tokenizer, the prefix and --max_length: a later run with the same ones
-    reads them back, and the main process computes them while the others wait, then read its cache."""
-    from datasets import Sequence, Value
+    was 95% of xPRT's collation (bench/README.md, bench_step_ops). datasets.map caches the columns beside the groups'
+    Arrow file, keyed by all that makes them: the groups' fingerprint (their content: load_groups), the source of
+    tokenize_groups, special_template and this repository's functions they name (passage_tokens) as a call finds them,
+    the transformers, tokenizers and datasets versions, the tokenizer's serialisation (a slow one's class, vocabulary
+    and special tokens only), the prefix, length, words and fields. The main process computes them, then the rest."""
+    import inspect
+    from importlib.metadata import version
+
+    from datasets import Sequence, Value, fingerprint
 
     fields = [f for f in collator.passage_fields if f in rows.column_names]
     if not fields:  # a collator that reads texts only (Revela)
@@ -363,9 +374,21 @@ def tokenized(accelerator, rows, collator, groups_per_process: int = 20_000):
     # groups/s a core here (64-token passages), so the paper's 7M groups take minutes on a GPU machine's cores, once
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     procs = min(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(rows) // groups_per_process)
+    code, todo, root = [], [tokenize_groups, tokenize_groups.__globals__["special_template"]], Path(__file__).resolve()
+    while todo:
+        if (fn := todo.pop()) not in code and "site-packages" not in (f := inspect.getfile(fn)) \
+                and root.parent in Path(f).resolve().parents:
+            code.append(fn)
+            todo += filter(inspect.isfunction, map(fn.__globals__.get, fn.__code__.co_names))
+    tok = collator.tokenizer  # a fast one's tokenizer.json, less the truncation and padding its last call left
+    serial = [type(tok).__name__, tok.get_vocab(), tok.special_tokens_map] if not tok.is_fast else {
+        k: v for k, v in json.loads(tok.backend_tokenizer.to_str()).items() if k not in ("truncation", "padding")}
+    key = "\0".join([rows._fingerprint, *sorted(map(inspect.getsource, code)), *map(version, [
+        "transformers", "tokenizers", "datasets"]), json.dumps([serial, {**kwargs, "tokenizer": 0}], sort_keys=True)])
     with accelerator.main_process_first():
         return rows.map(tokenize_groups, batched=True, fn_kwargs=kwargs, features=features,
-                        num_proc=procs if procs > 1 else None, desc="tokenising each passage once")
+                        num_proc=procs if procs > 1 else None, desc="tokenising each passage once",
+                        new_fingerprint=fingerprint.Hasher.hash(key))
 
 
 def passages_cut(rows, tokenizer, args, sample: int = 4096) -> str:
@@ -499,7 +522,10 @@ def main(argv=None):
     model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch = prepare_run(accelerator, args, model,
                                                                                      optimizer, dataloader)
     max_steps, world = state.max_steps, accelerator.num_processes
-    print_run(accelerator, args, f"{len(rows)} groups", max_steps)
+    # L_xp: a row's anchor against every s1 of the step (gathered across processes) but its own
+    accelerator.print(run_line(accelerator, args, f"{len(rows)} groups", max_steps, (
+        f"per row = {args.per_device_train_batch_size * world - 1} (accumulation adds none; the same-document mask "
+        "leaves fewer: in_batch_negatives in the log)")))
     if accelerator.mixed_precision != "no":  # probed here, before any step, outside any FLOP counter
         accelerator.print(f"vocabulary weight gradient: {weight_grad_path(accelerator.device)}")
     scorer = None
@@ -511,7 +537,7 @@ def main(argv=None):
     # ---- the loop, as run_mlm_no_trainer.py writes it: accumulate, the step with the retention weight w(t), backward,
     # clip, optimiser and lr steps; per optimiser step, log, score and checkpoint on their steps
     model.train()
-    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops(accelerator, args))
+    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops(accelerator, args), state)
     stop_at = min(max_steps, args.stop_after_steps or max_steps)
     stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1 / Ctrl-C: a checkpoint after the step, stop
     best = {}  # --save_best: the best scoring so far

@@ -144,13 +144,14 @@ def write_groups(folder: Path, max_length: int, n: int) -> Path:
 def count_steps(argv: list, steps: int, adamw: str = "default") -> list:
     """train.main(argv) with the counter on from each batch's move to the device to the end of its optimiser step:
     [(syncs, aten ops, {where: count})] per step. adamw "cuda": the AdamW train.py builds on CUDA
-    (training.adamw_kernel), built here on the CPU (torch's fused AdamW runs on both)."""
+    (training.adamw_kernel), built here on the CPU (torch's fused AdamW runs on both). The batch's move is patched
+    where train.py's loop calls it (train.batch_to_device: train.py imports the name from plumbing.batches)."""
     from accelerate.state import AcceleratorState, GradientState
 
     import train
     from plumbing import run_log, training
     counter, per_step = StepCounter(), []
-    move, step_done, kernel = training.batch_to_device, run_log.LogWindow.step_done, training.adamw_kernel
+    move, step_done, kernel = train.batch_to_device, run_log.LogWindow.step_done, training.adamw_kernel
     if adamw == "cuda":
         training.adamw_kernel = lambda device_type: kernel("cuda")
 
@@ -164,7 +165,7 @@ def count_steps(argv: list, steps: int, adamw: str = "default") -> list:
         per_step.append(counter.take())
         return step_done(window, *a, **kw)
 
-    training.batch_to_device, run_log.LogWindow.step_done = moved, done
+    train.batch_to_device, run_log.LogWindow.step_done = moved, done
     AcceleratorState._reset_state(True)  # one run after another in this process
     GradientState._reset_state()
     quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
@@ -172,7 +173,7 @@ def count_steps(argv: list, steps: int, adamw: str = "default") -> list:
         with counter, counter.ops, quiet[0], quiet[1]:
             train.main(argv)
     finally:
-        training.batch_to_device, run_log.LogWindow.step_done, training.adamw_kernel = move, step_done, kernel
+        train.batch_to_device, run_log.LogWindow.step_done, training.adamw_kernel = move, step_done, kernel
     assert len(per_step) == steps, (len(per_step), steps)
     return per_step
 

@@ -1,11 +1,11 @@
 """
-The fused vocabulary kernel (fused_vocab._FusedLinearCE) under bf16 autocast, this tree's against an earlier
-revision's, in one run: speed (forward + backward, interleaved, fastest of --repeats) and each one's error against fp32
+The fused vocabulary kernel (plumbing/architectures.py's chunked linear_cross_entropy / linear_kl_div; fused_vocab.py
+before the move to plumbing/) under bf16 autocast, this tree's against an earlier revision's, in one run: speed (forward + backward, interleaved, fastest of --repeats) and each one's error against fp32
 (the same rows without autocast): the loss, and the gradients of the rows, the weight and the bias (relative:
 ||g_bf16 - g_fp32|| / ||g_fp32||).
 
     python -m bench.bench_vocab_bf16                       # BERT-base's head: 768 wide, 30,522 words, 1,024 rows
-    python -m bench.bench_vocab_bf16 --before 7d71bbd      # the revision to compare with (git show REV:fused_vocab.py)
+    python -m bench.bench_vocab_bf16 --before 7d71bbd      # the revision to compare with (its kernel: kernel_at)
     python -m bench.bench_vocab_bf16 --toy                 # seconds
 
 Rows: 3/4 hard-target (L_MLM, L_cross), 1/4 soft-target (L_self's KL to teacher rows), as one sweep. The last line is
@@ -30,8 +30,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", default="7d71bbd",
-                   help="git revision whose fused_vocab.py is the 'before' (default: the main this change started "
-                        "from)")
+                   help="git revision whose vocabulary kernel is the 'before' (plumbing/architectures.py, or "
+                        "fused_vocab.py before the move; default: the main this change started from)")
     p.add_argument("--rows", type=int, default=1024, help="rows through the vocabulary (3/4 hard, 1/4 soft)")
     p.add_argument("--hidden", type=int, default=768, help="hidden width")
     p.add_argument("--vocab", type=int, default=30522, help="vocabulary size (BERT's 30,522: not a multiple of 64)")
@@ -41,15 +41,25 @@ def parse_args(argv=None):
     return toy_sized(p.parse_args(argv), rows=256, hidden=64, vocab=1000, chunk_size=64, repeats=2)
 
 
+KERNEL_FILES = ("plumbing/architectures.py", "fused_vocab.py")  # where the kernel lives, newest layout first
+KERNEL_DEFS = ("def linear_cross_entropy(", "def vocab_sweep(")  # its entry points, newest first (run)
+
+
 def kernel_at(rev: str):
-    """The vocabulary kernel as of git revision rev (plumbing/architectures.py, which imports no file of the
-    repository; fused_vocab.py before it moved there), imported as its own module."""
-    for where in ("plumbing/architectures.py", "fused_vocab.py"):
+    """The vocabulary kernel as of git revision rev, imported as its own module: the first of KERNEL_FILES that exists
+    at rev and defines the kernel (plumbing/architectures.py, which imports no file of the repository; fused_vocab.py
+    before the move to plumbing/, when architectures.py held only the encoder's parts)."""
+    tried = []
+    for where in KERNEL_FILES:
         src = subprocess.run(["git", "show", f"{rev}:{where}"], cwd=ROOT, capture_output=True, text=True)
-        if not src.returncode:
+        if src.returncode:
+            tried.append(src.stderr.strip().splitlines()[-1] if src.stderr.strip() else f"no {where}")
+        elif any(d in src.stdout for d in KERNEL_DEFS):
             break
-    if src.returncode:
-        raise SystemExit(f"--before {rev}: {src.stderr.strip()}")
+        else:
+            tried.append(f"{where} at {rev} defines no vocabulary kernel ({' / '.join(KERNEL_DEFS)})")
+    else:
+        raise SystemExit(f"--before {rev}: " + "; ".join(tried))
     path = Path(tempfile.mkdtemp()) / f"fused_vocab_{rev}.py"
     path.write_text(src.stdout)
     spec = importlib.util.spec_from_file_location(path.stem, path)

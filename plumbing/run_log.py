@@ -38,12 +38,35 @@ class LogWindow:
     step). `check_finite` and `record` read them once per logging step (and before a checkpoint)."""
 
     def __init__(self, accelerator=None, args=None, lr_scheduler=None, optimizer=None, max_steps: int = 0,
-                 peak_flops: Optional[float] = None):
+                 peak_flops: Optional[float] = None, state=None):
+        """state: the run's TrainState, which carries the window's sums in a checkpoint (state_dict): a resumed run's
+        window continues the one its checkpoint interrupted."""
         self.accelerator, self.args, self.lr_scheduler, self.optimizer = accelerator, args, lr_scheduler, optimizer
         self.max_steps, self.peak_flops = max_steps, peak_flops  # peak FLOP/s of one device (None: not known)
         self.progress = None
         self.flops_per_token = None  # measured on the run's first counted micro-batch (measured)
         self.reset()
+        if state is not None:
+            state.log_window = self
+            if state.resumed_window:
+                self.load_state_dict(state.resumed_window)
+
+    def state_dict(self) -> dict:
+        """The window so far, as plain numbers (read back at a checkpoint only: no step waits on it)."""
+        return {"sums": {k: float(v) for k, v in self.sums.items()}, "bad": {k: bool(v) for k, v in self.bad.items()},
+                "first_bad": None if self.first_bad is None else int(self.first_bad),
+                "elapsed": time.time() - self.start_time,  # the window's time so far, kept with its steps
+                **{k: getattr(self, k) for k in ("n_micro", "n_skipped", "steps", "real_tokens", "processed_tokens",
+                                                 "flops", "data_wait")}}
+
+    def load_state_dict(self, saved: dict):
+        device = self.accelerator.device
+        self.sums = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in saved["sums"].items()}
+        self.bad = {k: torch.tensor(v, device=device) for k, v in saved["bad"].items()}
+        self.first_bad = None if saved["first_bad"] is None else torch.tensor(saved["first_bad"], device=device)
+        for k in ("n_micro", "n_skipped", "steps", "real_tokens", "processed_tokens", "flops", "data_wait"):
+            setattr(self, k, saved[k])
+        self.start_time = time.time() - saved["elapsed"]
 
     @contextlib.contextmanager
     def measured(self, batch, skip_tokens=()):
@@ -177,7 +200,7 @@ class LogWindow:
         counts = torch.tensor([self.real_tokens, self.processed_tokens], device=device, dtype=torch.float64)
         vals = accelerator.reduce(torch.cat([torch.stack(means).to(device), counts]) if means else counts, "sum")
         vals = vals.tolist()  # the one read-back of the window
-        rec = {"step": step, "epoch": epoch}
+        rec = {"step": step, "epoch": epoch, "steps": self.steps}  # the optimiser steps the record averages
         rec.update({k: vals[i] / world for i, k in enumerate(keys + on_device)})
         rec.update({"lr": lr_scheduler.get_last_lr()[0], **{k: v for k, v in scalars.items() if k not in on_device},
                     "padding_efficiency": vals[-2] / max(vals[-1], 1),

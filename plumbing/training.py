@@ -354,18 +354,16 @@ def prepare_run(accelerator, args, model, optimizer, dataloader):
                                                   for k, v in vars(args).items()})
     return model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch
 
-def print_run(accelerator, args, data: str, max_steps: int):
-    """The run's shape at its start: processes, precision, the data (`data`, e.g. "1,000 groups"), steps, batch and
-    in-batch negatives."""
+def run_line(accelerator, args, data: str, max_steps: int, negatives: str) -> str:
+    """The run's shape at its start: processes, precision, the data (`data`, e.g. "1,000 groups"), steps, batch, the
+    in-batch negatives a row has (`negatives`: the script's losses say what they are), lr, checkpoints."""
     world = accelerator.num_processes
-    accelerator.print(
-        f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {data}, "
-        f"{max_steps} steps x {args.per_device_train_batch_size} per device x {world} processes x "
-        f"{args.gradient_accumulation_steps} accumulation; in-batch negatives per step = "
-        f"{args.per_device_train_batch_size * world} (accumulation adds none; a same-document mask leaves fewer: "
-        f"in_batch_negatives in the log); lr {args.learning_rate}; "
-        + (f"a checkpoint every {args.checkpointing_steps} steps" if args.checkpointing_steps else "no checkpoints")
-        + " (and one on SIGTERM / SIGUSR1 / Ctrl-C)")
+    return (f"{accelerator.distributed_type} x {world}, mixed precision {accelerator.mixed_precision}; {data}, "
+            f"{max_steps} steps x {args.per_device_train_batch_size} per device x {world} processes x "
+            f"{args.gradient_accumulation_steps} accumulation; in-batch negatives {negatives}; "
+            f"lr {args.learning_rate}; "
+            + (f"a checkpoint every {args.checkpointing_steps} steps" if args.checkpointing_steps else "no checkpoints")
+            + " (and one on SIGTERM / SIGUSR1 / Ctrl-C)")
 
 # ==============================================================================================================
 # 4. A run's identity: one live run per folder, and a resume (or a rerun) that is the same run
@@ -475,8 +473,15 @@ def run_identity(accelerator, args, inputs: dict, known=None) -> dict:
 
 def content_digest(paths, cache: dict) -> dict:
     """sha256 over the files under `paths` (their names relative to each path, and their bytes; hidden files and
-    the '.tmp-' leftovers of atomic writes skipped) -> {"sha256", "paths", "files": {file: [size, mtime_ns, sha256]}}.
-    A file whose size and mtime equal `cache`'s entry keeps its hash (docs/plumbing.md: content_digest)."""
+    the '.tmp-' leftovers of atomic writes skipped) -> {"sha256", "paths", "files": {file: [size, mtime_ns, sha256,
+    ctime_ns, inode]}} (the hash stays third, where a record of an earlier version has it).
+    What is trusted: a file whose size, mtime, ctime and inode all equal `cache`'s entry keeps its hash unread. The
+    ctime is the kernel's: every write, truncation, rename or chmod moves it, and touch -r, cp -p and rsync -t, which
+    put a modification time back, cannot; a file replaced by a rename gets another inode. So a rewritten file is
+    reread, whatever its mtime says. Not caught: a rewrite within the same clock tick as the hash's stat (4-10 ms on
+    kernels without fine-grained timestamps), and a file system whose ctime is not maintained (some FUSE and network
+    mounts). An entry in another shape (an earlier record's [size, mtime_ns, sha256]) is reread
+    (docs/plumbing.md: content_digest)."""
     total, files = hashlib.sha256(), {}
     for root in map(Path, paths):
         found = [root] if root.is_file() else sorted(
@@ -484,9 +489,10 @@ def content_digest(paths, cache: dict) -> dict:
         for f in found:
             st = f.stat()
             entry = cache.get(str(f))
-            if not (entry and entry[:2] == [st.st_size, st.st_mtime_ns]):
+            stat = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+            if not (isinstance(entry, list) and len(entry) == 5 and entry[:2] + entry[3:] == stat):
                 with open(f, "rb") as fh:
-                    entry = [st.st_size, st.st_mtime_ns, hashlib.file_digest(fh, "sha256").hexdigest()]
+                    entry = [*stat[:2], hashlib.file_digest(fh, "sha256").hexdigest(), *stat[2:]]
             files[str(f)] = entry
             total.update(f"{f.relative_to(root) if f != root else f.name}\0{entry[2]}\n".encode())
     return {"sha256": total.hexdigest(), "paths": [str(p) for p in paths], "files": files}
@@ -547,16 +553,23 @@ class TrainState:
 
     def __init__(self, max_steps: int = 0):
         self.completed_steps, self.epoch, self.batches_in_epoch, self.max_steps = 0, 0, 0, max_steps
+        # the open log window (run_log.LogWindow registers itself): its sums so far travel with a checkpoint, so a
+        # resumed run's first record averages the steps the uninterrupted run's does
+        self.log_window, self.resumed_window = None, None
 
     def state_dict(self):
-        return dict(vars(self))
+        out = {k: v for k, v in vars(self).items() if k not in ("log_window", "resumed_window")}
+        if self.log_window is not None:
+            out["log_window"] = self.log_window.state_dict()
+        return out
 
     def load_state_dict(self, state):
         saved = int(state.get("max_steps", self.max_steps))
         if saved != self.max_steps:
             raise UserError(f"the checkpoint's run has {saved} steps, this one {self.max_steps}: resume with the "
                              "same --max_train_steps / --num_train_epochs and data")
-        self.__dict__.update({k: int(v) for k, v in state.items()})
+        self.__dict__.update({k: int(v) for k, v in state.items() if k != "log_window"})
+        self.resumed_window = state.get("log_window")
 
 class StopSignals:
     """train_loop's handler of STOP_SIGNALS (batches.py: what schedulers send) while it runs: the handler only notes

@@ -623,6 +623,24 @@ def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(tiny_bert, grou
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_4", "step_6"]
 
 
+def test_a_resumed_runs_records_average_the_steps_the_uninterrupted_runs_do(tiny_bert, groups, tmp_path):
+    """Every log record says how many optimiser steps it averages ("steps"). Logging every 3 steps, a run resumed
+    from step 4 logs step 6 over steps 4-6 as the uninterrupted run does: the checkpoint carries the log window's
+    sums (TrainState -> LogWindow.state_dict), not only the model and the data position (issue 54 item 4)."""
+    common = {"--max_train_steps": 7, "--num_related": 2, "--max_length": 24, "--learning_rate": 1e-3,
+              "--logging_steps": 3, "--checkpointing_steps": 2}
+    run(base_args(tiny_bert, groups, tmp_path / "a", **common))
+    run(base_args(tiny_bert, groups, tmp_path / "b", **common, **{"--stop_after_steps": 4}))
+    run(base_args(tiny_bert, groups, tmp_path / "b", **common, **{"--resume_from_checkpoint": "latest"}))
+    a, b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
+    assert sorted(a) == [3, 6, 7] and [a[s]["steps"] for s in (3, 6, 7)] == [3, 3, 1]
+    assert sorted(b) == [3, 4, 6, 7] and b[4]["steps"] == 1  # the stopped run's last record: step 4 alone
+    for s in (6, 7):
+        assert b[s]["steps"] == a[s]["steps"]
+        for k in (k for k in a[s] if k.endswith("loss")):
+            assert b[s][k] == pytest.approx(a[s][k], rel=1e-6, abs=1e-7), (s, k)
+
+
 @pytest.mark.slow
 def test_existing_output_is_refused_without_overwrite(tiny_bert, groups, tmp_path):
     argv = base_args(tiny_bert, groups, tmp_path / "o", **{"--max_train_steps": 1, "--max_groups": 4})
@@ -837,7 +855,7 @@ def test_two_process_run_resumes_exactly(tiny_bert, groups, tmp_path):
         return proc.stdout + proc.stderr
 
     text = launch(tmp_path / "a")
-    assert "MULTI_CPU x 2" in text and "in-batch negatives per step = 8" in text
+    assert "MULTI_CPU x 2" in text and "in-batch negatives per row = 7" in text
     launch(tmp_path / "b", "--stop_after_steps", "2")
     assert "resumed from" in launch(tmp_path / "b", "--resume_from_checkpoint", "latest")
     a, b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
