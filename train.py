@@ -225,11 +225,11 @@ def count_groups(groups_dir: str) -> int:
 def load_groups(groups_dir: str, max_groups=None):
     """The groups folder (schema: select_groups.group_schema()) as a datasets.Dataset, in file then row order.
 
-    It stays memory-mapped (datasets converts the shards to an Arrow cache file once, which every process maps, in
-    HF_DATASETS_CACHE/xprt/groups-<the shards' sha256: content_digest, which groups_digests.json there spares a reread
-    of unchanged files>: a shard rewritten with its mtime kept, which datasets' own key misses, gets another; the
-    fingerprint, tokenized's key, holds it too). A row becomes a Python dict only when RowsDataset hands it to the
-    loader: the paper's 0.7-7M groups as dicts (six passages of up to 128 tokens) would take GBs in every process."""
+    It stays memory-mapped: datasets converts the shards to an Arrow cache file once, which every process maps. The
+    cache sits in HF_DATASETS_CACHE/xprt/groups-<the shards' sha256> (content_digest; groups_digests.json there spares
+    unchanged files a reread), so a shard rewritten with its mtime kept, which datasets' own key misses, gets a new
+    one; the fingerprint (tokenized's key) holds the sha256 too. Rows become Python dicts only in RowsDataset: the
+    paper's 0.7-7M groups as dicts (six passages of up to 128 tokens) would take GBs in every process."""
     from datasets import config, load_dataset
     from plumbing.training import content_digest
 
@@ -251,10 +251,9 @@ def load_groups(groups_dir: str, max_groups=None):
             raise UserError(f"--groups_dir: {f} is not a readable parquet file ({str(err).split('.')[0]}): truncated "
                             "or changed after the selection; select again with --overwrite") from None
     root = Path(config.HF_DATASETS_CACHE) / "xprt"
-    digest = content_digest(files, known := read_json(root / "groups_digests.json"))
-    if any(known.get(f) != e for f, e in digest["files"].items()):  # those of other folders kept while they exist
-        atomic_write(root / "groups_digests.json", json.dumps({**{f: e for f, e in known.items() if os.path.exists(f)},
-                                                                **digest["files"]}))
+    digest = content_digest(files, known := read_json(kept := root / "groups_digests.json"))
+    if new := {f: e for f, e in digest["files"].items() if known.get(f) != e}:  # with the others' still there
+        atomic_write(kept, json.dumps({f: e for f, e in {**known, **new}.items() if os.path.exists(f)}))
     ds = load_dataset("parquet", data_files=files, split="train", cache_dir=f"{root}/groups-{digest['sha256'][:16]}")
     expected = json.loads(stats.read_text()).get("groups")
     if expected is not None and len(ds) != expected:
@@ -350,14 +349,13 @@ def load_data(accelerator, args, model, tokenizer):
 def tokenized(accelerator, rows, collator, groups_per_process: int = 20_000):
     """The groups with every passage tokenised once (modeling_xprt.tokenize_groups: <field>_ids beside each text
     column, int32, and <field>_words for whole-word masking), so the loader's workers only mask and pad: tokenising
-    was 95% of xPRT's collation (bench/README.md, bench_step_ops). datasets.map caches the columns beside the groups'
-    Arrow file, keyed by all that makes them: the groups' fingerprint (their content: load_groups), the source of
-    tokenize_groups, special_template and this repository's functions they name (passage_tokens) as a call finds them,
-    the transformers, tokenizers and datasets versions, the tokenizer's serialisation (a slow one's class, vocabulary
-    and special tokens only), the prefix, length, words and fields. The main process computes them, then the rest."""
+    was 95% of xPRT's collation (bench/README.md, bench_step_ops). datasets.map caches them beside the groups' Arrow
+    file (the main process first), keyed by all that makes them: the groups' fingerprint (their content), the source
+    of tokenize_groups, special_template and the functions they name (passage_tokens) as a call finds them, the
+    transformers, tokenizers and datasets versions, the tokenizer's serialisation (tokenizer.json less the settings the
+    last call left; a slow one's class, vocabulary and special tokens only), the prefix, length, words and fields."""
     import inspect
     from importlib.metadata import version
-
     from datasets import Sequence, Value, fingerprint
 
     fields = [f for f in collator.passage_fields if f in rows.column_names]
@@ -375,14 +373,13 @@ def tokenized(accelerator, rows, collator, groups_per_process: int = 20_000):
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     procs = min(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(rows) // groups_per_process)
     code, todo, root = [], [tokenize_groups, tokenize_groups.__globals__["special_template"]], Path(__file__).resolve()
-    while todo:
+    while todo:  # the code: these and the functions of this repository (not of site-packages) they name
         if (fn := todo.pop()) not in code and "site-packages" not in (f := inspect.getfile(fn)) \
                 and root.parent in Path(f).resolve().parents:
             code.append(fn)
             todo += filter(inspect.isfunction, map(fn.__globals__.get, fn.__code__.co_names))
-    tok = collator.tokenizer  # a fast one's tokenizer.json, less the truncation and padding its last call left
-    serial = [type(tok).__name__, tok.get_vocab(), tok.special_tokens_map] if not tok.is_fast else {
-        k: v for k, v in json.loads(tok.backend_tokenizer.to_str()).items() if k not in ("truncation", "padding")}
+    serial = [type(t).__name__, t.get_vocab(), t.special_tokens_map] if not (t := collator.tokenizer).is_fast else {
+        k: v for k, v in json.loads(t.backend_tokenizer.to_str()).items() if k not in ("truncation", "padding")}
     key = "\0".join([rows._fingerprint, *sorted(map(inspect.getsource, code)), *map(version, [
         "transformers", "tokenizers", "datasets"]), json.dumps([serial, {**kwargs, "tokenizer": 0}], sort_keys=True)])
     with accelerator.main_process_first():

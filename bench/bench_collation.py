@@ -47,8 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=4, help="timed steps per setting (after one untimed)")
     p.add_argument("--workers", nargs="+", type=int, default=[0, 2], help="DataLoader workers to compare")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the step (default: torch's)")
-    add_toy_flag(p, "a 2-layer 32-wide BERT, 4 groups, 2 steps")
-    return toy_sized(p.parse_args(argv), sizes=["toy"], groups=4, steps=2)
+    add_toy_flag(p, "a 2-layer 32-wide BERT, 4 groups, 1 timed step")
+    return toy_sized(p.parse_args(argv), sizes=["toy"], groups=4, steps=1)
 
 
 def passage_rows(max_length: int, n: int) -> list:

@@ -1,8 +1,9 @@
 """
 The fused vocabulary kernel (plumbing/architectures.py's chunked linear_cross_entropy / linear_kl_div; fused_vocab.py
-before the move to plumbing/) under bf16 autocast, this tree's against an earlier revision's, in one run: speed (forward + backward, interleaved, fastest of --repeats) and each one's error against fp32
-(the same rows without autocast): the loss, and the gradients of the rows, the weight and the bias (relative:
-||g_bf16 - g_fp32|| / ||g_fp32||).
+before the move to plumbing/) under bf16 autocast, this tree's against an earlier revision's, in one run: speed
+(forward + backward, interleaved, fastest of --repeats) and each one's error against fp32 (the same rows without
+autocast): the loss, and the gradients of the rows, the weight and the bias (relative: ||g_bf16 - g_fp32|| /
+||g_fp32||).
 
     python -m bench.bench_vocab_bf16                       # BERT-base's head: 768 wide, 30,522 words, 1,024 rows
     python -m bench.bench_vocab_bf16 --before 7d71bbd      # the revision to compare with (its kernel: kernel_at)
@@ -53,11 +54,11 @@ def kernel_at(rev: str):
     for where in KERNEL_FILES:
         src = subprocess.run(["git", "show", f"{rev}:{where}"], cwd=ROOT, capture_output=True, text=True)
         if src.returncode:
-            tried.append(src.stderr.strip().splitlines()[-1] if src.stderr.strip() else f"no {where}")
+            tried.append(f"{where}: " + (src.stderr.strip().splitlines() or ["not found"])[-1])
         elif any(d in src.stdout for d in KERNEL_DEFS):
             break
         else:
-            tried.append(f"{where} at {rev} defines no vocabulary kernel ({' / '.join(KERNEL_DEFS)})")
+            tried.append(f"{where}: defines no vocabulary kernel ({' / '.join(KERNEL_DEFS)})")
     else:
         raise SystemExit(f"--before {rev}: " + "; ".join(tried))
     path = Path(tempfile.mkdtemp()) / f"fused_vocab_{rev}.py"

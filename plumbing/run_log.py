@@ -77,7 +77,7 @@ class LogWindow:
         real, proc = padding_efficiency(batch, skip_tokens)
         self.real_tokens += real
         self.processed_tokens += proc
-        counting = self.n_micro == 0
+        counting = self.n_micro == 0 or self.flops_per_token is None  # (a resumed window: not yet in this process)
         counter = flop_counter() if counting else contextlib.nullcontext()
         with counter:
             yield

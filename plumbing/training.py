@@ -474,21 +474,16 @@ def run_identity(accelerator, args, inputs: dict, known=None) -> dict:
 def content_digest(paths, cache: dict) -> dict:
     """sha256 over the files under `paths` (their names relative to each path, and their bytes; hidden files and
     the '.tmp-' leftovers of atomic writes skipped) -> {"sha256", "paths", "files": {file: [size, mtime_ns, sha256,
-    ctime_ns, inode]}} (the hash stays third, where a record of an earlier version has it).
-    What is trusted: a file whose size, mtime, ctime and inode all equal `cache`'s entry keeps its hash unread. The
-    ctime is the kernel's: every write, truncation, rename or chmod moves it, and touch -r, cp -p and rsync -t, which
-    put a modification time back, cannot; a file replaced by a rename gets another inode. So a rewritten file is
-    reread, whatever its mtime says. Not caught: a rewrite within the same clock tick as the hash's stat (4-10 ms on
-    kernels without fine-grained timestamps), and a file system whose ctime is not maintained (some FUSE and network
-    mounts). An entry in another shape (an earlier record's [size, mtime_ns, sha256]) is reread
-    (docs/plumbing.md: content_digest)."""
+    ctime_ns, inode]}}. Trusted unread: a file whose size, mtime, ctime and inode equal `cache`'s entry (an older
+    [size, mtime, sha256] never does): a write or rename moves the ctime, which cp -p, touch -r or rsync -t cannot
+    set. Not caught: a rewrite in the last hash's clock tick, a file system without ctimes (docs/plumbing.md:
+    content_digest)."""
     total, files = hashlib.sha256(), {}
     for root in map(Path, paths):
         found = [root] if root.is_file() else sorted(
             p for p in root.rglob("*") if p.is_file() and not any(n.startswith(".") for n in p.relative_to(root).parts))
         for f in found:
-            st = f.stat()
-            entry = cache.get(str(f))
+            st, entry = f.stat(), cache.get(str(f))
             stat = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
             if not (isinstance(entry, list) and len(entry) == 5 and entry[:2] + entry[3:] == stat):
                 with open(f, "rb") as fh:

@@ -1,7 +1,9 @@
 """Every benchmark in bench/ runs end to end at toy size (--toy) and ends with the line bench/README.md promises,
 `ratio: <number>`: a renamed function or attribute breaks this test, not the next person who runs the benchmark.
-The toy figures mean nothing; only that the code runs and reports is checked. bench.device_check has its own test
-(tests/test_device_check.py, the same --toy mechanism)."""
+The toy figures mean nothing; only that the code runs and reports is checked. The list of scripts is read from bench/,
+so a new script without --toy fails here. bench.device_check has its own test (tests/test_device_check.py, the same
+--toy mechanism), bench.bench_step_ops one below that also checks its counts (OWN_TEST); bench.device_env is a tool,
+not a benchmark (TOOLS)."""
 
 import argparse
 import importlib
@@ -12,9 +14,12 @@ from unittest import mock
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOLS = {"device_env"}  # not benchmarks: the device's environment simulated (tests/test_device_env.py)
+# not benchmarks (no figure, no ratio line): device_env builds and enters the GPU machine's package environment
+# simulated here, for device_check's command (tests/test_device_env.py runs it)
+TOOLS = {"device_env"}
 BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__" and p.stem not in TOOLS)
-OWN_TEST = {"device_check": "tests/test_device_check.py", "bench_step_ops": "this file"}
+# run at toy size by a test of their own, which checks more than the ratio line
+OWN_TEST = {"device_check": "tests/test_device_check.py", "bench_step_ops": "tests/test_bench_smoke.py"}
 RATIO = re.compile(r"ratio: (-?\d+\.\d+|nan|inf)")
 
 
@@ -40,6 +45,15 @@ def parser_of(main):
 def test_every_bench_has_a_toy_size(name):
     module = importlib.import_module(f"bench.{name}")
     assert "--toy" in parser_of(module.main)._option_string_actions, f"bench/{name}.py has no --toy"
+
+
+def test_every_script_in_bench_is_run_or_excused():
+    """TOOLS and OWN_TEST name scripts that exist, and each OWN_TEST file does run its script's main with --toy."""
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"__init__"}
+    assert TOOLS <= scripts and set(OWN_TEST) <= scripts, (TOOLS | set(OWN_TEST)) - scripts
+    for name, test_file in OWN_TEST.items():
+        text = (ROOT / test_file).read_text(encoding="utf-8")
+        assert re.search(rf"""{name}\.main\(\[\s*["']--toy["']""", text), f"{test_file} never runs {name} --toy"
 
 
 @pytest.mark.parametrize("name", [b for b in BENCHES if b not in OWN_TEST])
@@ -92,6 +106,7 @@ def test_step_ops_counts_each_host_read_once():
     assert aten > 8 and counter.take()[:2] == (0, 0)
 
 
+@pytest.mark.slow  # train.main for every objective under two dispatch modes: about 65 s CPU at toy size
 def test_step_ops_no_host_sync_and_collation_from_tokens(capsys):
     """bench.bench_step_ops at toy size, train.py's own loop: no steady step of an encoder objective reads a device
     value (the attention masks prepared per call: architectures.mask_for_layers); Revela's language model keeps its
@@ -104,3 +119,14 @@ def test_step_ops_no_host_sync_and_collation_from_tokens(capsys):
     assert syncs == {o: (2.0 if o == "revela" else 0.0) for o in syncs} and len(syncs) == 7
     assert all(r["collate_ms_per_group"] < r["collate_text_ms_per_group"]
                for r in results if r["objective"] != "revela")
+
+
+def test_vocab_bf16_reads_the_kernel_in_either_layout(capsys):
+    """bench.bench_vocab_bf16 --before REV: the kernel from plumbing/architectures.py (HEAD; the toy run above takes
+    the default revision's fused_vocab.py), and a revision with neither file named with what was tried."""
+    from bench import bench_vocab_bf16
+
+    bench_vocab_bf16.main(["--toy", "--before", "HEAD"])
+    assert RATIO.fullmatch(capsys.readouterr().out.strip().splitlines()[-1])
+    with pytest.raises(SystemExit, match="plumbing/architectures.py.*fused_vocab.py"):
+        bench_vocab_bf16.kernel_at("no-such-revision")

@@ -625,16 +625,18 @@ def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(tiny_bert, grou
 
 def test_a_resumed_runs_records_average_the_steps_the_uninterrupted_runs_do(tiny_bert, groups, tmp_path):
     """Every log record says how many optimiser steps it averages ("steps"). Logging every 3 steps, a run resumed
-    from step 4 logs step 6 over steps 4-6 as the uninterrupted run does: the checkpoint carries the log window's
-    sums (TrainState -> LogWindow.state_dict), not only the model and the data position (issue 54 item 4)."""
+    from its step-4 checkpoint (a step it did not log: as a SIGTERM's mid-window checkpoint) logs step 6 over steps
+    4-6 as the uninterrupted run does: the checkpoint carries the open log window's sums (TrainState ->
+    LogWindow.state_dict), not only the model and the data position (issue 54 item 4)."""
     common = {"--max_train_steps": 7, "--num_related": 2, "--max_length": 24, "--learning_rate": 1e-3,
               "--logging_steps": 3, "--checkpointing_steps": 2}
     run(base_args(tiny_bert, groups, tmp_path / "a", **common))
-    run(base_args(tiny_bert, groups, tmp_path / "b", **common, **{"--stop_after_steps": 4}))
+    run(base_args(tiny_bert, groups, tmp_path / "b", **common, **{"--stop_after_steps": 5}))
+    assert sorted(read_log(tmp_path / "b")) == [3, 5]  # stopped after step 5; its last checkpoint is step 4's
     run(base_args(tiny_bert, groups, tmp_path / "b", **common, **{"--resume_from_checkpoint": "latest"}))
     a, b = read_log(tmp_path / "a"), read_log(tmp_path / "b")
     assert sorted(a) == [3, 6, 7] and [a[s]["steps"] for s in (3, 6, 7)] == [3, 3, 1]
-    assert sorted(b) == [3, 4, 6, 7] and b[4]["steps"] == 1  # the stopped run's last record: step 4 alone
+    assert sorted(b) == [3, 6, 7]  # the log cut back to the checkpoint's step, then continued
     for s in (6, 7):
         assert b[s]["steps"] == a[s]["steps"]
         for k in (k for k in a[s] if k.endswith("loss")):
