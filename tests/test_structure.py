@@ -16,9 +16,10 @@ STEP_SCRIPTS = {"select_groups", "select_groups_datatrove", "train", "finetune",
 
 
 def modules() -> dict:
-    """{module name: path} of every Python file of the root, plumbing/ and baselines/."""
+    """{module name: path} of every Python file of the root, plumbing/, baselines/, experiments/ and bench/."""
     out = {}
-    for folder in (ROOT, ROOT / "plumbing", ROOT / "baselines"):
+    for folder in (ROOT, ROOT / "plumbing", ROOT / "baselines", ROOT / "experiments", ROOT / "experiments" / "paper",
+                   ROOT / "experiments" / "nano", ROOT / "bench"):
         for p in sorted(folder.glob("*.py")):
             rel = p.relative_to(ROOT).with_suffix("")
             name = ".".join(rel.parts)

@@ -285,16 +285,6 @@ def tensors_digest(folder: Path) -> str:
         h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
-def round_to_fp16(folder: Path):
-    """A start model's float weights rounded to fp16 and kept as fp32: the fp16 bundle it comes back in then holds
-    these very values, so the arms trained from it here and those of later runs (which carry it) share one start."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    path = Path(folder) / "model.safetensors"
-    tensors = {k: v.to(torch.float16).to(v.dtype) if v.is_floating_point() else v
-               for k, v in load_file(str(path)).items()}
-    save_file(tensors, str(path), metadata={"format": "pt"})
 
 def record_returned(out: Path, returned: Path, report: dict) -> dict:
     """Add a returned GPU run's finished runs to the ledger, refusing one whose start (tensors_digest) or groups
@@ -466,7 +456,7 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
         start, folders = str(out / "start"), {}
     else:  # the first run: masked-language-model pre-training on this machine, from the carried texts
         start = stages.stage_start(with_carried_texts(exp, "start", carry, out), out, False)
-        round_to_fp16(Path(start))
+        stages.round_to_fp16(Path(start))
         folders = {"start": Path(start)}
     lap("start")
     from plumbing.training import code_revision, content_digest
@@ -480,7 +470,7 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
             lm = out / "lm"
         else:
             lm = Path(stages.stage_lm(with_carried_texts(exp, "lm", carry, out), out, False))
-            round_to_fp16(lm)
+            stages.round_to_fp16(lm)
             folders["lm"] = lm
         exp = {**exp, "lm_path": str(lm)}
         report["lm_digest"] = tensors_digest(lm)

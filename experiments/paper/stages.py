@@ -162,7 +162,6 @@ def stage_start(exp: dict, out: Path, dry_run: bool) -> str:
         if not dry_run and not (dest / "config.json").is_file():
             import shutil
 
-            from experiments.paper.device import round_to_fp16
             from plumbing.common import atomic_path, resolve_model_path
 
             src = Path(resolve_model_path(start["name"]))
@@ -442,3 +441,15 @@ def print_estimate(exp: dict, rows: list):
               "  ".join(f"{v:>9.2f}" for v in r["gpu_hours"].values()))
     tot = {m: sum(r["gpu_hours"][m] for r in rows) for m in rows[0]["gpu_hours"]}
     print(f"  {'all arms':<46}  " + "  ".join(f"{v:>9.2f}" for v in tot.values()))
+
+
+def round_to_fp16(folder: Path):
+    """A start model's float weights rounded to fp16 and kept as fp32: the fp16 bundle it comes back in then holds
+    these very values, so the arms trained from it here and those of later runs (which carry it) share one start."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(folder) / "model.safetensors"
+    tensors = {k: v.to(torch.float16).to(v.dtype) if v.is_floating_point() else v
+               for k, v in load_file(str(path)).items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
