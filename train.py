@@ -325,9 +325,9 @@ def load_data(accelerator, args, model, tokenizer):
     cap = max(bs // 2, 1) if args.max_document_groups_per_batch is None else args.max_document_groups_per_batch
     # (groups,) a group's document as an integer: its doc_id, joined with every other id that shares its anchor or
     # top related passage text (batches.document_keys); the collator reads the merged id (make_row below)
-    docs, merged = document_keys(rows)
+    docs, merged = document_keys(rows, positive=args.positive)
     if merged:
-        accelerator.print(f"{len(merged):,} groups share an anchor or top related passage text with a group of another "
+        accelerator.print(f"{len(merged):,} groups share an anchor or positive text with a group of another "
                           f"doc_id: {len(set(merged.values())):,} documents under several ids, each masked and spread "
                           "as one document")
     sampler = LengthGroupedBatchSampler(lengths, bs, args.seed, spread=spread, keys=docs, max_per_key=cap)

@@ -284,15 +284,18 @@ def capped_batch_count(counts, batch_size: int, max_per_key: int) -> int:
             hi = mid - 1
     return lo
 
-def document_keys(rows, chunk: int = 65536) -> tuple:
+def document_keys(rows, chunk: int = 65536, positive: str = "s1") -> tuple:
     """Each group's document, for L_xp's same-document mask, the spread and the per-document cap: the groups of one
-    doc_id, and the groups whose anchor or top related passage is the same text as another group's are one document
-    (docs/plumbing.md: document_keys): the connected components of groups linked by a shared doc_id, anchor text or
-    s1 text.
+    doc_id, and the groups that share a text L_xp reads (docs/plumbing.md: document_keys): the connected components
+    of groups linked by a shared doc_id or a shared text in either of L_xp's roles, one text space over both: the
+    anchor and the positive slot (s1, or the random passage under --positive random), so group A's anchor copied as
+    group B's s1 links them too.
     -> (keys, merged): keys (groups,) int64, the code of the component's first doc_id in sorted order (so with no
     shared text, np.unique's codes of doc_id); merged {row: that doc_id} for the rows whose doc_id it replaces, which
     the collator then reads (train.load_data). Read `chunk` rows at a time from the Arrow table (texts hashed, never
-    held): memory is a few int64 arrays of the group count."""
+    held). Memory at its peak: about 0.9 KB a group, measured with tracemalloc on 200,000 groups with FineWeb's
+    47-character ids (180 MB; the ids as Python strings and as a fixed-width array dominate): some 6 GB a process at
+    the paper's 7M groups."""
     import pyarrow.compute as pc
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
@@ -303,15 +306,17 @@ def document_keys(rows, chunk: int = 65536) -> tuple:
     for part in rows.with_format("arrow").iter(batch_size=chunk):
         ids += part.column("doc_id").to_pylist()
         anchors.append(np.fromiter(map(stable_doc_hash, part.column("anchor").to_pylist()), np.int64))
-        s1 = pc.list_element(part.column("related"), 0).to_pylist()
-        firsts.append(np.fromiter(map(stable_doc_hash, s1), np.int64))
+        slot = (part.column("random_passage") if positive == "random"
+                else pc.list_element(part.column("related"), 0)).to_pylist()
+        firsts.append(np.fromiter(map(stable_doc_hash, slot), np.int64))
     names, doc = np.unique(np.asarray(ids, dtype=object).astype(str), return_inverse=True)
     n = len(doc)
-    # a bipartite graph: the groups 0..n-1, then one node per distinct doc_id, anchor text and s1 text
-    cols, offset = [], n
-    for codes in (doc, *(np.unique(np.concatenate(h), return_inverse=True)[1] for h in (anchors, firsts))):
-        cols.append(codes.reshape(-1) + offset)
-        offset += int(codes.max()) + 1 if n else 0
+    # a bipartite graph: the groups 0..n-1, then one node per distinct doc_id, then one per distinct text of either
+    # role (one space: an anchor and another group's positive with the same text are one node)
+    text = np.unique(np.concatenate(anchors + firsts), return_inverse=True)[1].reshape(-1) if n else doc
+    text_nodes = text + n + (int(doc.max()) + 1 if n else 0)  # anchors' then positives' (2n,)
+    cols = [doc.reshape(-1) + n, text_nodes[:n], text_nodes[n:]]
+    offset = int(text_nodes.max()) + 1 if n else 0
     src = np.tile(np.arange(n), 3)
     graph = coo_matrix((np.ones(3 * n, dtype=np.int8), (src, np.concatenate(cols))), shape=(offset, offset))
     _, component = connected_components(graph, directed=False)

@@ -215,8 +215,38 @@ def test_the_same_text_under_another_doc_id_is_one_document(tiny_bert, tmp_path,
     assert collator.retention_fields(pair)["doc_ids"].unique().numel() == 1  # masked as one document
     run(base_args(tiny_bert, groups, tmp_path / "run", **{"--max_train_steps": 2, "--num_related": 2,
                                                           "--max_length": 24, "--no_save_model": True}))
-    assert f"{len(merged)} groups share an anchor or top related passage text with a group of another doc_id" in \
+    assert f"{len(merged)} groups share an anchor or positive text with a group of another doc_id" in \
         capsys.readouterr().out
+
+
+def test_one_document_links_a_text_across_its_roles(tmp_path):
+    """document_keys links groups over one text space for both of L_xp's roles (issue 54 item 3): group A's anchor
+    copied as group B's s1 (before: anchors and s1 texts in separate sets, so B's row scored A's anchor against its
+    own text as a negative), and under --positive random group A's anchor as group B's random passage. Groups sharing
+    no text stay apart."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from plumbing.batches import document_keys
+    from select_groups import group_schema
+
+    src = make_groups(tmp_path / "src", 24)
+    table = pq.read_table(src / "shard-00000.parquet").to_pylist()
+    a = 0
+    b = next(i for i, r in enumerate(table) if r["doc_id"] != table[a]["doc_id"])
+    c = next(i for i, r in enumerate(table) if r["doc_id"] not in (table[a]["doc_id"], table[b]["doc_id"]))
+    table[b]["related"] = [table[a]["anchor"]] + table[b]["related"][1:]  # A's anchor as B's s1
+    table[c]["random_passage"] = table[a]["anchor"]  # A's anchor as C's random passage
+    groups = tmp_path / "groups"
+    groups.mkdir()
+    pq.write_table(pa.Table.from_pylist(table, schema=group_schema()), groups / "shard-00000.parquet")
+    (groups / "stats.json").write_text(json.dumps({"groups": len(table)}))
+    rows = train.load_groups(str(groups))
+    keys, _ = document_keys(rows)
+    assert keys[b] == keys[a] and keys[c] != keys[a]  # s1 positives: C's random passage is not read
+    keys, _ = document_keys(rows, positive="random")
+    assert keys[c] == keys[a]  # --positive random: its random passage is its positive
+    assert (keys[b] == keys[a]) == (table[b]["random_passage"] == table[a]["anchor"])
 
 
 def test_passages_the_training_tokenizer_cuts_are_counted_and_said(tiny_bert, tmp_path, capsys):
