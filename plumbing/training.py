@@ -493,12 +493,12 @@ def content_digest(paths, cache: dict) -> dict:
     return {"sha256": total.hexdigest(), "paths": [str(p) for p in paths], "files": files}
 
 def code_revision() -> dict:
-    """The code a run runs: sha256 of the repository's scripts (*.py beside this file), and the git commit when
-    there is one (for the reader; the hash is what is compared)."""
-    root = Path(__file__).resolve().parent
+    """The code a run runs: sha256 of the repository's scripts (the root's, plumbing/'s and baselines/' *.py), and
+    the git commit when there is one (for the reader; the hash is what is compared)."""
+    root = Path(__file__).resolve().parent.parent
     total = hashlib.sha256()
-    for f in sorted(root.glob("*.py")):
-        total.update(f.name.encode() + b"\0" + f.read_bytes())
+    for f in sorted(p for d in ("", "plumbing", "baselines") for p in (root / d).glob("*.py")):
+        total.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
     return {"sha256": total.hexdigest(), "git": head.stdout.strip() if head.returncode == 0 else None}
 

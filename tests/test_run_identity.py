@@ -168,3 +168,26 @@ def test_every_process_checks_the_folder_before_the_main_one_locks_it(tiny_bert,
     assert json.loads((out / "run.lock").read_text())["pid"] == os.getpid()
     assert (out / "run.json").exists()
     training.release_run_lock(out / "run.lock")
+
+
+def test_the_code_revision_covers_every_script_of_the_repository(tmp_path):
+    """training.code_revision (the run record's "code", compared on resume) hashes the root's scripts, plumbing/ and
+    baselines/: an edit of modeling_xprt.py, train.py or an arm changes it (after the move to plumbing/ it hashed
+    plumbing/ alone until this test)."""
+    import importlib.util
+    import shutil
+
+    root = Path(__file__).resolve().parent.parent
+    for d in ("", "plumbing", "baselines"):
+        (tmp_path / d).mkdir(exist_ok=True)
+        for f in (root / d).glob("*.py"):
+            shutil.copy(f, tmp_path / d / f.name)
+    spec = importlib.util.spec_from_file_location("training_copy", tmp_path / "plumbing" / "training.py")
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    seen = [copy.code_revision()["sha256"]]
+    for f in ("modeling_xprt.py", "train.py", "baselines/retromae.py", "plumbing/batches.py"):
+        with open(tmp_path / f, "a") as fh:
+            fh.write("\n# edited\n")
+        seen.append(copy.code_revision()["sha256"])
+    assert len(set(seen)) == len(seen)
