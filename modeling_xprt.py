@@ -40,11 +40,9 @@ from plumbing.architectures import (decoder_layers, encoder_pieces, head_params,
 
 logger = logging.getLogger("xprt")
 
-
 # ==============================================================================================================
 # 1. Pooling and gathers
 # ==============================================================================================================
-
 
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Mean of the token vectors over the attention mask: the sentence vector of E5 and xPRT.
@@ -56,14 +54,12 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     # clamp: an all-padding row (never produced by our collators) would otherwise divide by zero
     return (hidden.float() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
 
-
 def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """cos(a_i, b_j) as an (A, B) fp32 matrix: what every similarity-based term is built on (L_xp and the baselines'
     InfoNCE, L_unif, the retention KL, PAIR's L_Q and L_P). fp32 with autocast off: bf16 autocast would recast the
     matmul's inputs to bf16 whatever .float() came before it, too coarse at tau = 0.05 (docs/notes.md: Numerics)."""
     with torch.autocast(a.device.type, enabled=False):
         return F.normalize(a.float(), dim=-1) @ F.normalize(b.float(), dim=-1).t()
-
 
 def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
     """Concatenate `t` from every process along dim 0, keeping gradients (identity when not distributed). Also for
@@ -87,13 +83,11 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
         warnings.simplefilter("ignore", FutureWarning)
         return torch.cat(dist_fn.all_gather(t.contiguous()), dim=0)
 
-
 # ==============================================================================================================
 # 2. The equations, in the paper's order
 # L_xp (the main term), L_cross (fill-in), L_self, L_MLM, L_unif, the retention KL; then PAIR's L_Q, L_P and their
 # mix. Each returns its value.
 # ==============================================================================================================
-
 
 def info_nce(queries: torch.Tensor, keys: torch.Tensor, labels: torch.Tensor, tau: float,
              exclude: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -105,7 +99,6 @@ def info_nce(queries: torch.Tensor, keys: torch.Tensor, labels: torch.Tensor, ta
     if exclude is not None:
         logits = logits.masked_fill(exclude, float("-inf"))
     return F.cross_entropy(logits.float(), labels)
-
 
 def xp_loss(anchors: torch.Tensor, s1: torch.Tensor, doc_ids: torch.Tensor, tau: float = 0.05) -> torch.Tensor:
     """L_xp, the paper's main term: symmetric InfoNCE between each anchor and its top related passage s1.
@@ -130,7 +123,6 @@ def xp_loss(anchors: torch.Tensor, s1: torch.Tensor, doc_ids: torch.Tensor, tau:
     s_to_a = info_nce(s1, all_anchors, labels, tau, same_doc)
     return 0.5 * (a_to_s + s_to_a)
 
-
 def cross_fill_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """L_cross (weight 0.1): masked-token cross-entropy of the conditioned one-layer decoder.
 
@@ -144,7 +136,6 @@ def cross_fill_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch
     # the (M, V) logits are never held: linear_cross_entropy projects and takes the cross-entropy chunk by chunk
     return linear_cross_entropy(model.transform(hidden), model.vocab_weight, model.vocab_bias, targets,
                                 fused=model.fused_vocab_loss)
-
 
 def self_fill_loss(model, hidden: torch.Tensor, teacher_hidden: torch.Tensor) -> torch.Tensor:
     """L_self: the decoder fills a passage's own masked words from that passage's own vector; the target is the
@@ -160,7 +151,6 @@ def self_fill_loss(model, hidden: torch.Tensor, teacher_hidden: torch.Tensor) ->
     return linear_kl_div(model.transform(hidden), teacher, model.vocab_weight, model.vocab_bias,
                          fused=model.fused_vocab_loss)
 
-
 def mlm_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """L_MLM: the encoder's masked-LM cross-entropy on the 15%-masked passes that also give the sentence vectors
     (BERT's 80/10/10 masking, XPRTCollator); it keeps the teacher of L_self from drifting.
@@ -170,7 +160,6 @@ def mlm_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     hidden: (M, H) encoder states at the masked positions, targets (M,) the original tokens."""
     return linear_cross_entropy(model.transform(hidden), model.vocab_weight, model.vocab_bias, targets,
                                 fused=model.fused_vocab_loss)
-
 
 def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
     """L_unif (Wang & Isola 2020): log mean_{i != j} exp(-t ||x_i - x_j||^2), x L2-normalised, t = 2.
@@ -187,7 +176,6 @@ def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
     # i != j by a -inf diagonal, not a boolean-mask gather (whose data-dependent size is a device-to-host sync)
     diag = torch.eye(n, dtype=torch.bool, device=vectors.device)
     return torch.logsumexp((-t * sq).masked_fill(diag, float("-inf")).flatten(), dim=0) - math.log(n * (n - 1))
-
 
 def retention_loss(student_anchors, student_related, teacher_anchors, teacher_related,
                    tau: float = 0.05) -> torch.Tensor:
@@ -208,7 +196,6 @@ def retention_loss(student_anchors, student_related, teacher_anchors, teacher_re
     cols = F.kl_div(F.log_softmax(s.t(), -1), F.log_softmax(t.t(), -1), log_target=True, reduction="batchmean")
     return 0.5 * (rows + cols)
 
-
 def retention_weight(step: int, total: int, start: float = 40.0, end: float = 0.0, shape: str = "linear") -> float:
     """Weight of the retention term at optimiser step t = `step` of T = `total`: the paper's 40 -> 0 decay.
 
@@ -221,7 +208,6 @@ def retention_weight(step: int, total: int, start: float = 40.0, end: float = 0.
     elif shape == "cosine":
         frac = 0.5 * (1 - math.cos(math.pi * frac))
     return start + (end - start) * frac
-
 
 def pair_false_negatives(candidate_ids: torch.Tensor, relevant_ids: torch.Tensor,
                          labels: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -238,7 +224,6 @@ def pair_false_negatives(candidate_ids: torch.Tensor, relevant_ids: torch.Tensor
     if labels is not None:
         exclude[torch.arange(exclude.shape[0], device=exclude.device), labels] = False
     return exclude
-
 
 def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05,
                 passage_ids: Optional[torch.Tensor] = None,
@@ -260,7 +245,6 @@ def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
         relevant_ids = passage_ids[:, :1] if relevant_ids is None else relevant_ids
         exclude = pair_false_negatives(gather_with_grad(passage_ids.reshape(b * k)), relevant_ids, labels)
     return info_nce(queries, all_p, labels, tau, exclude)
-
 
 def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05,
                 passage_ids: Optional[torch.Tensor] = None,
@@ -289,13 +273,11 @@ def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
         logits = logits.masked_fill(exclude, float("-inf"))
     return F.cross_entropy(logits.float(), torch.zeros(b, dtype=torch.long, device=pos.device))
 
-
 def pair_loss(l_q: torch.Tensor, l_p: torch.Tensor, alpha: float) -> torch.Tensor:
     """PAIR's combined objective (Eq. 3): L = (1 - alpha) L_Q + alpha L_P. alpha = 0 is plain fine-tuning (PAIR's
     second stage); the official code's pre-training stage uses alpha = 0.1 constant, the paper describes a decaying
     alpha: both are schedules of finetune.py (pair_alpha_at)."""
     return (1.0 - alpha) * l_q + alpha * l_p
-
 
 @dataclass
 class LossWeights:
@@ -312,13 +294,11 @@ class LossWeights:
     mlm: float = 0.1  # ours
     unif: float = 0.1  # ours
 
-
 # ==============================================================================================================
 # 3. The decoder
 # A group's 10 passes (8 cross, 2 self) and the one-layer decoder that runs them all in one call. The collator
 # builds the passes' inputs and the rows each loss reads from the decoder's output (ConditionedDecoder.output_rows).
 # ==============================================================================================================
-
 
 def decoder_pass_plan(num_related: int, fill_in: bool = True):
     """The decoder passes of one group, in batch order: (condition_source, target, kind) lists.
@@ -333,7 +313,6 @@ def decoder_pass_plan(num_related: int, fill_in: bool = True):
     kind = ["cross"] * (2 * num_related) + ["self", "self"]
     keep = [i for i, k in enumerate(kind) if fill_in or k == "self"]
     return [source[i] for i in keep], [target[i] for i in keep], [kind[i] for i in keep]
-
 
 class ConditionedDecoder(nn.Module):
     """xPRT's fill-in decoder: vector -> one linear map -> C conditioning vectors, inserted right
@@ -381,7 +360,6 @@ class ConditionedDecoder(nn.Module):
         c = num_condition_vectors
         return index + index // length * c + c * (index % length > 0)
 
-
 # ==============================================================================================================
 # 4. The objectives
 # One class per objective (train.py / finetune.py --objective), each with the same few methods; XPRTModel.forward and
@@ -396,12 +374,10 @@ PRETRAINING_OBJECTIVES = {"xprt": "modeling_xprt", "retromae": "baselines.retrom
                           "contriever": "baselines.contriever", "contrastive_random_span": "baselines.contriever",
                           "self_reconstruction": "baselines.self_reconstruction", "revela": "baselines.revela"}
 
-
 def register_objective(cls):
     """Class decorator: make `cls` an --objective choice under cls.name."""
     OBJECTIVES[cls.name] = cls
     return cls
-
 
 def objective_class(name: str):
     """The Objective class of --objective `name`, its module imported on first use (PRETRAINING_OBJECTIVES)."""
@@ -412,11 +388,9 @@ def objective_class(name: str):
                          f"got {name!r}")
     return OBJECTIVES[name]
 
-
 def pretraining_objectives() -> list:
     """The train.py --objective choices, without importing them."""
     return list(PRETRAINING_OBJECTIVES)
-
 
 def objective_flags(names=None) -> dict:
     """{"--flag": (argparse keywords, [the objectives that take it])} over the objectives `names` (default: every
@@ -427,7 +401,6 @@ def objective_flags(names=None) -> dict:
         for flag, spec in objective_class(name).flags.items():
             found.setdefault(flag, (spec, []))[1].append(name)
     return found
-
 
 class Objective(nn.Module):
     """An objective: what one training step computes, split the way the gradient cache needs it.
@@ -504,9 +477,7 @@ class Objective(nn.Module):
         """The objective's collator (section 6, or baselines.py), with the settings of the objective it needs."""
         raise NotImplementedError
 
-
 TERMS = ("xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity_loss", "retention_loss")
-
 
 @register_objective
 class XPRTObjective(Objective):
@@ -606,7 +577,6 @@ class XPRTObjective(Objective):
     def masked_student(self, vec):
         return vec[:, :2]  # the 15%-masked anchor and s1 (--retention_student masked)
 
-
 @register_objective
 class PairObjective(Objective):
     """PAIR (finetune.py): (1 - alpha) L_Q + alpha L_P on the queries and their positive-first passages. Only batch
@@ -639,12 +609,10 @@ class PairObjective(Objective):
     def total(self, terms: dict, retention_weight: float = 0.0, pair_alpha: float = 0.0, **step):
         return pair_loss(terms.get("pair_q_loss", 0.0), terms.get("pair_p_loss", 0.0), pair_alpha)
 
-
 # ==============================================================================================================
 # 5. What the model is beyond its weights: its length limit, its vector's pooling and scoring, the modules after
 # pooling (a saved folder records them: plumbing/model_folder.py)
 # ==============================================================================================================
-
 
 @dataclass
 class ModelInfo:
@@ -668,14 +636,12 @@ class ModelInfo:
     modules: list = field(default_factory=list)
     dim: Optional[int] = None
 
-
 def max_seq_length(config, stated: Optional[int] = None, model: Optional[nn.Module] = None) -> int:
     """The one length rule: the limit a model is used at is the one its folder states (read_max_seq_length), else
     BERT's 512, never more than its position table holds. model: the loaded encoder, whose embeddings then measure
     what the table holds (architectures.longest_input: a RoBERTa-family table of 66 positions takes 64 tokens)."""
     limit = int(min(stated or 512, getattr(config, "max_position_embeddings", 512)))
     return limit if model is None or runs_at_length(model, limit) else longest_input(model, limit)
-
 
 class PostPooling(torch.nn.Module):
     """The sentence-transformers modules a model applies after its Pooling module (Dense, LayerNorm, Dropout,
@@ -729,13 +695,11 @@ class PostPooling(torch.nn.Module):
                 out.append(name)
         return out + ([f"truncate_dim {self.truncate_dim}"] if self.truncate_dim is not None else [])
 
-
 # ==============================================================================================================
 # 6. The model
 # The encoder (an AutoModelForMaskedLM: its base model gives the token states, its MLM head the vocabulary terms), the
 # objective (section 4) with its heads, and the step written once over it: forward and cached_step (gradient cache).
 # ==============================================================================================================
-
 
 @contextlib.contextmanager
 def dropout_off(module: nn.Module):
@@ -748,7 +712,6 @@ def dropout_off(module: nn.Module):
     finally:
         module.train(was_training)
 
-
 def _rng_state(device, state=None):
     """The random state dropout draws from (CPU, and the device's own generator on an accelerator), kept for a
     chunk's replay: returned, or set to `state` when given."""
@@ -758,7 +721,6 @@ def _rng_state(device, state=None):
     torch.set_rng_state(state[0])
     if state[1] is not None:
         accel.set_rng_state(state[1], device)
-
 
 class XPRTModel(nn.Module):
     """The encoder (AutoModelForMaskedLM; the start model's pooling) + one objective (section 4) with its heads.
@@ -940,11 +902,9 @@ class XPRTModel(nn.Module):
         counts as the encoder's. The one definition of heads (docs/notes.md)."""
         return list(self.objective.parameters()) + list(head_params(self.encoder).values())
 
-
 # ==============================================================================================================
 # 7. How a batch is cut: the contract between the collators and the gradient cache (XPRTModel.cached_step)
 # ==============================================================================================================
-
 
 class Layout:
     """How a collated batch is cut into chunks of groups (rows) for the gradient cache; the collator builds it.
@@ -985,11 +945,9 @@ class Layout:
             out.append(((a, b), part))
         return out
 
-
 def group_bounds(index: torch.Tensor, width: int, groups: int) -> list:
     """Where each group's rows start in a sorted flat index over (groups * width) positions: G + 1 ints."""
     return torch.searchsorted(index, torch.arange(groups + 1) * width).tolist()
-
 
 def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarray:
     """Characters of each group's anchor plus its first num_related related passages (what length grouping sorts
@@ -1010,12 +968,10 @@ def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarra
         pos += len(anchor)
     return out
 
-
 def stable_doc_hash(doc_id: str) -> int:
     """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label of
     L_xp, and PAIR's passage ids (of the passage *text*, so that duplicated corpus entries get one id)."""
     return int.from_bytes(hashlib.blake2b(str(doc_id).encode("utf-8"), digest_size=8).digest(), "little", signed=True)
-
 
 # ==============================================================================================================
 # 8. Collators
@@ -1036,7 +992,6 @@ def stable_doc_hash(doc_id: str) -> int:
 # (B, 1 + n, Lp), passage_ids (B, 1 + n), relevant_ids (B, R).
 # ==============================================================================================================
 
-
 def special_template(tokenizer) -> tuple[list, list]:
     """The special tokens the tokenizer puts around one passage -> (head, tail) token ids: [CLS] / [SEP] for BERT,
     <s> / </s> for RoBERTa, none / </s> for T5, measured by tokenising a probe with and without them, so it holds for
@@ -1049,7 +1004,6 @@ def special_template(tokenizer) -> tuple[list, list]:
             return full[:at], full[at + len(plain):]
     raise ValueError(f"{type(tokenizer).__name__}: its special tokens are not a head and a tail around the passage")
 
-
 def passage_tokens(tokenizer, texts, prefix: str, length: int, words: bool = False) -> dict:
     """Passages as the encoder reads them, without special tokens: the prefix and the text tokenised together (as the
     prefix meets the text: a BPE merges across the space), cut to `length` tokens (the prefix's and the passage's
@@ -1059,7 +1013,6 @@ def passage_tokens(tokenizer, texts, prefix: str, length: int, words: bool = Fal
     if words:
         out["words"] = [[-1 if w is None else w for w in enc.word_ids(i)] for i in range(len(texts))]
     return out
-
 
 def tokenize_groups(batch: dict, tokenizer, prefix: str, length: int, words: bool, fields) -> dict:
     """datasets.map's function over the groups (train.py): each passage column in `fields` tokenised once
@@ -1077,7 +1030,6 @@ def tokenize_groups(batch: dict, tokenizer, prefix: str, length: int, words: boo
                 values = [values[e - len(texts):e] for e, texts in zip(ends, column)]
             out[f"{name}_{key}"] = values
     return out
-
 
 class GroupCollator:
     """What every pre-training collator shares: tokenising with the passage prefix, BERT-style masking drawn from
@@ -1214,7 +1166,6 @@ class GroupCollator:
                 "retain_input_ids": clean["input_ids"].view(g, 2, lr),
                 "retain_attention_mask": clean["attention_mask"].view(g, 2, lr)}
 
-
 class XPRTCollator(GroupCollator):
     """Rows of the groups dataset (select_groups.py) -> the batch XPRTObjective reads: anchor + num_related related
     passages per group (with positive="random", slot 1 - the L_xp positive and the second self fill-in - holds
@@ -1308,7 +1259,6 @@ def pair_text_ids(rows: list, num_negatives: int) -> tuple:
     width = max(len(x) for x in relevant)
     relevant_ids = torch.tensor([x + [x[0]] * (width - len(x)) for x in relevant], dtype=torch.long)
     return passage_ids, relevant_ids
-
 
 class PairCollator:
     """Fine-tuning rows {"query", "positive", "negatives"} -> batch for PairObjective: query_input_ids /

@@ -46,10 +46,9 @@ class LogWindow:
         self.progress = None
         self.flops_per_token = None  # measured on the run's first counted micro-batch (measured)
         self.reset()
-        if state is not None:
+        if state is not None:  # the checkpoint's open window, when resumed; this one goes into the next checkpoint
             state.log_window = self
-            if state.resumed_window:
-                self.load_state_dict(state.resumed_window)
+            self.load_state_dict(state.resumed_window or {})
 
     def state_dict(self) -> dict:
         """The window so far, as plain numbers (read back at a checkpoint only: no step waits on it)."""
@@ -60,6 +59,8 @@ class LogWindow:
                                                  "flops", "data_wait")}}
 
     def load_state_dict(self, saved: dict):
+        if not saved:
+            return
         device = self.accelerator.device
         self.sums = {k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in saved["sums"].items()}
         self.bad = {k: torch.tensor(v, device=device) for k, v in saved["bad"].items()}
