@@ -554,10 +554,14 @@ def selection_speed(args, device):
 
 def main(argv=None):
     args = parse_args(argv)
+    import torch
+
+    if not args.toy and not torch.cuda.is_available():  # its sizes are a GPU's: on a CPU it would swap, then be killed
+        raise SystemExit("device_check measures a GPU (BERT-base and the harness's size, bf16) and this machine has "
+                         "none: run it on the GPU machine, or with --toy here (its toy sizes, minutes on a CPU)")
     args.max_length = args.max_length or (16 if args.toy else 128)
     args.max_groups = args.max_groups or (8 if args.toy else 2048)
     still_missing = ensure_packages(Path(args.wheels))
-    import torch
 
     import modeling_xprt as mx
     from plumbing import run_log, training

@@ -26,3 +26,15 @@ def test_device_check_runs_at_toy_size_on_cpu(tmp_path):
     assert report["e2e"]["scifact"] >= 0 and (tmp_path / "run" / "model" / "model.safetensors").exists()
     assert report["selection"]["8"]["tokens_per_s"] > 0 and report["selection"]["8"]["groups"] > 0
     assert json.loads((tmp_path / "device_check.json").read_text())["step"] == report["step"]
+
+
+def test_device_check_on_a_cpu_says_it_needs_a_gpu(tmp_path, monkeypatch):
+    """Without --toy on a machine with no GPU, the device check stops in one line before it builds anything (issue 54
+    item 6: it built BERT-base at 128 groups, estimated ~110 GiB, went on and was killed, leaving 420 MB behind)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="device_check measures a GPU .* or with --toy here"):
+        device_check.main(["--out", str(out)])
+    assert not out.exists()
