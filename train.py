@@ -523,6 +523,15 @@ def main(argv=None):
     accelerator.print(run_line(accelerator, args, f"{len(rows)} groups", max_steps, (
         f"per row = {args.per_device_train_batch_size * world - 1} (accumulation adds none; the same-document mask "
         "leaves fewer: in_batch_negatives in the log)")))
+    # every group an epoch leaves out, with its reason: the cap, the last partial batch, batches the processes cannot
+    # share evenly (accelerate's sharding drops them)
+    bs, trained = args.per_device_train_batch_size, len(dataloader) * args.per_device_train_batch_size * world
+    if trained < len(rows):
+        accelerator.print(
+            f"each epoch trains {trained:,} of {len(rows):,} groups; left out: {sampler.rows_left_out:,} over the "
+            f"per-document cap, {len(rows) - sampler.rows_left_out - sampler.num_batches * bs:,} in the last partial "
+            f"batch" + (f", {(sampler.num_batches - len(dataloader) * world) * bs:,} in batches the {world} "
+                        "processes cannot share evenly" if world > 1 else ""))
     if accelerator.mixed_precision != "no":  # probed here, before any step, outside any FLOP counter
         accelerator.print(f"vocabulary weight gradient: {weight_grad_path(accelerator.device)}")
     scorer = None

@@ -249,6 +249,16 @@ def test_one_document_links_a_text_across_its_roles(tmp_path):
     assert (keys[b] == keys[a]) == (table[b]["random_passage"] == table[a]["anchor"])
 
 
+def test_every_group_an_epoch_leaves_out_is_counted_with_its_reason(tiny_bert, groups, tmp_path, capsys):
+    """24 groups at batch 5: 4 batches an epoch, the last 4 groups left out (issue 54 item 13: groups an epoch left
+    out were not said, while the cap's line said 0). The start says how many each reason leaves out."""
+    run(base_args(tiny_bert, groups, tmp_path / "r", **{"--max_train_steps": 1, "--per_device_train_batch_size": 5,
+                                                        "--max_document_groups_per_batch": 0, "--no_save_model": True}))
+    said = capsys.readouterr().out
+    assert "each epoch trains 20 of 24 groups; left out: 0 over the per-document cap, 4 in the last partial batch\n" \
+        in said
+
+
 def test_passages_the_training_tokenizer_cuts_are_counted_and_said(tiny_bert, tmp_path, capsys):
     """Groups select_groups.py packed to 128 tokens, trained at --max_length 24: before, the collator truncated them
     without a word. Now the run counts the passages (anchor + the num_related it trains on) longer than --max_length
