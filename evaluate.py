@@ -65,10 +65,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from modeling_xprt import max_seq_length
-from plumbing.common import (E5_PROMPTS, MINILM_ALIASES, NO_PROMPTS, ArgumentParser, UserError, atomic_path,
+from plumbing.common import (ArgumentParser, E5_PROMPTS, MINILM_ALIASES, NO_PROMPTS, UserError, atomic_path,
                              atomic_write, check_model_name, check_writable, claim_output_folder, hub_cached,
                              hub_offline, local_inputs, model_prompts, pick_device_and_dtype, positive_int, read_json,
-                             record_outputs, resolve_model_path, run_script)
+                             record_outputs, resolve_model_path, run_script, task_spec)
 from plumbing.embed import embed_texts
 from plumbing.model_folder import add_eval_results_to_card, attention_kwargs, check_tokenizer_fits
 from plumbing.readers import load_beir
@@ -496,7 +496,7 @@ def parse_local_spec(spec: str) -> tuple[str, Path, str]:
     """"DIR" or "TaskName=DIR" -> (mteb task name, folder, kind). A BEIR folder that holds no qrels split of the task
     (a dev-only copy: qrels/dev.tsv) is scored on its own split under its own name (the folder's, or the name given
     when it is no mteb task), not reported as the task's evaluation."""
-    name, _, path = spec.rpartition("=") if "=" in spec and not os.path.exists(spec) else ("", "", spec)
+    name, path = task_spec(spec)
     folder = Path(path).expanduser()
     kind, default = detect_local_format(folder)
     name = name or default
@@ -1030,8 +1030,7 @@ def load_training_eval_tasks(specs: Sequence[str], limit: Optional[int], seed: i
     tasks = []
     with preserved_rng():  # loading draws from the global generators too
         for spec in specs:
-            path = spec.rpartition("=")[2] if "=" in spec and not os.path.exists(spec) else spec
-            if os.path.isdir(path):
+            if os.path.isdir(task_spec(spec)[1]):
                 name, folder, kind = parse_local_spec(spec)
                 task = build_task(name, local=(folder, kind), limit=limit, seed=seed)
             else:  # an mteb task name: mteb's own loader (the hub)
@@ -1060,7 +1059,7 @@ def check_task_specs(specs: Sequence[str]):
     """train.py / finetune.py --eval_tasks, checked at parse time: a local folder that is no known task stops the
     run before it starts, not after its first --eval_steps."""
     for spec in specs:
-        if os.path.isdir(spec.rpartition("=")[2]) or os.path.isdir(spec):
+        if os.path.isdir(task_spec(spec)[1]):
             try:
                 parse_local_spec(spec)
             except (ValueError, FileNotFoundError) as err:
@@ -1342,7 +1341,7 @@ def main(argv=None):
     out_dir = Path(args.output_dir)
     # refused before hours of encoding, not after: inputs inside the folder, a stranger's results.*, earlier
     # results without --overwrite, a folder that cannot be written (common.claim_output_folder)
-    inputs = local_inputs(models=args.models, local_tasks=[t.rpartition("=")[2] for t in args.local_tasks],
+    inputs = local_inputs(models=args.models, local_tasks=[task_spec(t)[1] for t in args.local_tasks],
                           score_as=args.score_as)
     existing = claim_output_folder(out_dir, "evaluate.py", REPORT_FILES, inputs)
     if existing and not args.overwrite:

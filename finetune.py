@@ -38,7 +38,7 @@ import torch
 from modeling_xprt import PairCollator, pair_false_negatives, pair_text_ids
 from plumbing.batches import NoDuplicatesBatchSampler, batch_to_device, check_batch_fits, training_loader
 from plumbing.common import (ArgumentParser, UserError, atomic_write, check_model_name, iter_jsonl, iter_parquet,
-                             local_inputs, non_negative_int, positive_int, rank_and_world, run_script)
+                             local_inputs, non_negative_int, positive_int, rank_and_world, run_script, task_spec)
 from plumbing.embed import embed_texts
 from plumbing.readers import load_beir
 from plumbing.run_log import LogWindow
@@ -994,7 +994,7 @@ def main(argv=None):
     prepare_output_dir(accelerator, args, "finetune.py", local_inputs(
         model_name_or_path=args.model_name_or_path, beir_dir=args.beir_dir, train_data=args.train_data,
         mined_negatives=args.mined_negatives, generator_model=args.generator_model,
-        cross_encoder_model=args.cross_encoder_model, eval_tasks=[t.rpartition("=")[2] for t in args.eval_tasks],
+        cross_encoder_model=args.cross_encoder_model, eval_tasks=[task_spec(t)[1] for t in args.eval_tasks],
         resume_from_checkpoint=resumed), extra_outputs=("mined_negatives.json",), reuse=[mined_file] if reused else [])
     set_seed(args.seed)
 

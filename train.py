@@ -38,9 +38,9 @@ from modeling_xprt import (objective_class, objective_flags, pretraining_objecti
 from plumbing.architectures import weight_grad_path
 from plumbing.batches import (LengthGroupedBatchSampler, batch_to_device, check_batch_fits, document_keys,
                               in_batch_negatives, sampler_negatives, training_loader)
-from plumbing.common import (META_DIR, ArgumentParser, UserError, atomic_write, check_model_name, is_zero3,
+from plumbing.common import (ArgumentParser, META_DIR, UserError, atomic_write, check_model_name, is_zero3,
                              local_inputs, non_negative_float, non_negative_int, positive_int, read_json,
-                             resolve_model_path, run_script)
+                             resolve_model_path, run_script, task_spec)
 from plumbing.model_folder import load_teacher
 from plumbing.run_log import EVAL_PREFIX, LogWindow, explain_oom, memory_estimate, peak_flops
 from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype,
@@ -487,7 +487,7 @@ def main(argv=None):
         groups_dir=args.groups_dir, model_name_or_path=args.model_name_or_path,
         teacher_name_or_path=args.teacher_name_or_path, mlm_head_from=args.mlm_head_from,
         **{f[2:]: getattr(args, f[2:]) for f in objective_class(args.objective).model_flags},
-        eval_tasks=[t.rpartition("=")[2] for t in args.eval_tasks], resume_from_checkpoint=resumed))
+        eval_tasks=[task_spec(t)[1] for t in args.eval_tasks], resume_from_checkpoint=resumed))
     set_seed(args.seed)
 
     # ---- model

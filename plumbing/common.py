@@ -39,6 +39,16 @@ class UserError(ValueError):
     """A mistake of the user's (a flag, a value, a path, a file refused), not a bug: one line, no traceback, exit 2.
     A ValueError, so a caller of a library function (load_beir, read_pairs) that catches bad values catches it."""
 
+def task_spec(spec: str) -> tuple:
+    """A task flag's value, "DIR" or "NAME=DIR", as its writer meant it -> (name or "", path): a path that exists is
+    read whole (a folder may hold "=" in its name); else NAME is what stands before the first "=" (a name holds no
+    "/"), and the rest, "=" and all, is the path."""
+    name, eq, path = spec.partition("=")
+    if os.path.exists(spec) or not eq or "/" in name or not name:
+        return "", spec
+    return name, path
+
+
 def run_script(main, argv=None):
     """Each script's entry point: main(argv), a UserError printed as one line `script: message` on stderr and exit
     status 2 (argparse's own status for a usage error)."""

@@ -615,3 +615,21 @@ def test_card_and_results_folders_are_checked_writable_before_scoring(tiny_bert,
         ev.check_outputs_writable([str(model), str(tiny_bert)], str(tmp_path / "results"))
     ev.check_outputs_writable([], str(tmp_path / "results"))  # --no_card_update: the results folder only
     assert ev.parse_args(["--models", str(model), "--no_card_update"]).no_card_update
+
+
+def test_a_task_folder_with_an_equals_sign_is_read_whole(beir, tmp_path):
+    """A task flag's value is read as its writer meant it (issue 54 item 11): an existing folder whose path holds "="
+    is that folder, "NAME=DIR" names a folder whose path holds "=" too, and a bare "name" is no NAME=DIR."""
+    import shutil
+
+    from plumbing.common import task_spec
+
+    odd = tmp_path / "runs" / "lr=1e-5" / "scifact"
+    shutil.copytree(beir, odd)
+    assert task_spec(str(odd)) == ("", str(odd))
+    assert task_spec(f"SciFact={odd}") == ("SciFact", str(odd))
+    assert task_spec("SciFact") == ("", "SciFact")
+    name, folder, kind = ev.parse_local_spec(str(odd))
+    assert folder == odd and kind == "retrieval"
+    name, folder, _ = ev.parse_local_spec(f"SciFact={odd}")
+    assert (name, folder) == ("SciFact", odd)
