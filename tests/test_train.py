@@ -178,6 +178,17 @@ def test_spread_puts_one_documents_groups_into_different_batches():
     assert max(np.ptp(lengths[b]) for b in spread) <= 10 * 8
 
 
+def write_groups(folder: Path, rows: list) -> Path:
+    """select_groups.py's rows (edited by a test) written back as a finished groups folder: one shard, stats.json."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows, schema=group_schema()), folder / "shard-00000.parquet")
+    (folder / "stats.json").write_text(json.dumps({"groups": len(rows)}))
+    return folder
+
+
 def test_the_same_text_under_another_doc_id_is_one_document(tiny_bert, tmp_path, capsys):
     """A groups folder where 3 groups were copied under new doc ids ("mirror-*": a page crawled twice) and one
     group of another document repeats a group's top related passage: before, each copy was an in-batch negative of
@@ -185,7 +196,6 @@ def test_the_same_text_under_another_doc_id_is_one_document(tiny_bert, tmp_path,
     the repeater carry their original's key and doc id, every other group keeps np.unique's code of its own doc_id;
     the collated doc_ids (L_xp's mask) of a copy and its original are equal; train.py says how many groups it
     joined and trains."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
@@ -198,10 +208,7 @@ def test_the_same_text_under_another_doc_id_is_one_document(tiny_bert, tmp_path,
     other = next(i for i, r in enumerate(table) if r["doc_id"] != table[0]["doc_id"] and i > 4)
     table[other]["related"] = [table[0]["related"][0]] + table[other]["related"][1:]  # s1 of group 0, repeated
     rows_in = table + copies
-    groups = tmp_path / "groups"
-    groups.mkdir()
-    pq.write_table(pa.Table.from_pylist(rows_in, schema=group_schema()), groups / "shard-00000.parquet")
-    (groups / "stats.json").write_text(json.dumps({"groups": len(rows_in)}))
+    groups = write_groups(tmp_path / "groups", rows_in)
     rows = train.load_groups(str(groups))
     keys, merged = document_keys(rows)
     codes = np.unique([r["doc_id"] for r in rows_in], return_inverse=True)[1]
@@ -224,11 +231,9 @@ def test_one_document_links_a_text_across_its_roles(tmp_path):
     copied as group B's s1 (before: anchors and s1 texts in separate sets, so B's row scored A's anchor against its
     own text as a negative), and under --positive random group A's anchor as group B's random passage. Groups sharing
     no text stay apart."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from plumbing.batches import document_keys
-    from select_groups import group_schema
 
     src = make_groups(tmp_path / "src", 24)
     table = pq.read_table(src / "shard-00000.parquet").to_pylist()
@@ -237,11 +242,7 @@ def test_one_document_links_a_text_across_its_roles(tmp_path):
     c = next(i for i, r in enumerate(table) if r["doc_id"] not in (table[a]["doc_id"], table[b]["doc_id"]))
     table[b]["related"] = [table[a]["anchor"]] + table[b]["related"][1:]  # A's anchor as B's s1
     table[c]["random_passage"] = table[a]["anchor"]  # A's anchor as C's random passage
-    groups = tmp_path / "groups"
-    groups.mkdir()
-    pq.write_table(pa.Table.from_pylist(table, schema=group_schema()), groups / "shard-00000.parquet")
-    (groups / "stats.json").write_text(json.dumps({"groups": len(table)}))
-    rows = train.load_groups(str(groups))
+    rows = train.load_groups(str(write_groups(tmp_path / "groups", table)))
     keys, _ = document_keys(rows)
     assert keys[b] == keys[a] and keys[c] != keys[a]  # s1 positives: C's random passage is not read
     keys, _ = document_keys(rows, positive="random")
