@@ -1147,17 +1147,25 @@ def overlap_analysis(out: dict, task: str) -> dict:
     return res
 
 
-def short(m: str) -> str:
-    """Column label of a model: its folder name, or "<run>/model" for train.py's `<run>/model` folders
-    (every run's folder is called model/, so the name alone would not tell the runs apart)."""
-    p = Path(m.rstrip("/"))
-    if p.name == "model" and p.parent.name:
-        return f"{p.parent.name}/{p.name}"
-    return p.name or m
+def column_labels(models: Sequence[str]) -> dict:
+    """{model: its column label}: the fewest trailing parts of its path that tell it from the others. Its folder's
+    name, "<run>/model" for train.py's `<run>/model` folders (every run's folder is called model/), and more parts
+    where two still end alike (A/run/model and B/run/model: "A/run/model", "B/run/model")."""
+    parts = {m: Path(m.rstrip("/")).parts or (m,) for m in models}
+    depth = {m: 2 if len(p) > 1 and p[-1] == "model" else 1 for m, p in parts.items()}
+    while True:
+        label = {m: "/".join(parts[m][-depth[m]:]) for m in models}
+        alike = [m for m in models if depth[m] < len(parts[m]) and list(label.values()).count(label[m]) > 1]
+        if not alike:
+            return label
+        for m in alike:
+            depth[m] += 1
 
 
 def to_markdown(out: dict, summ: dict, overlaps: Sequence[dict] = ()) -> str:
     models, first = out["models"], out["models"][0]
+    name = column_labels(list(models) + [m for m in out.get("contracts", {}) if m not in models])
+    short = lambda m: name.get(m, m)  # a model's unique column label
     head = "| " + " | ".join(["task", "type", "metric"] + [short(m) for m in models]
                              + [f"Δ {short(m)}" for m in models[1:]]) + " |"
     sep = "|" + "---|" * (3 + 2 * len(models) - 1)
@@ -1232,7 +1240,7 @@ def plot_bars(summ: dict, models: Sequence[str], path: Path):
     w = 0.8 / len(models)
     fig, ax = plt.subplots(figsize=(max(6, 0.75 * len(groups) * max(1, len(models) / 2) + 2), 4.2))
     for i, m in enumerate(models):
-        bars = ax.bar(x + (i - (len(models) - 1) / 2) * w, vals[m], w, label=short(m))
+        bars = ax.bar(x + (i - (len(models) - 1) / 2) * w, vals[m], w, label=column_labels(models)[m])
         ax.bar_label(bars, fmt="%.1f", fontsize=6, padding=1)
     ax.set_xticks(x, groups, rotation=40, ha="right", fontsize=8)
     ax.set_ylabel("score x100 (mteb main score)")

@@ -468,12 +468,15 @@ def test_cli_defaults_to_mteb_eng_v2():
 
 
 def test_train_run_model_folders_get_distinct_column_labels():
-    """Every train.py run saves to <run>/model; the tables must still tell the runs apart."""
-    from evaluate import short
+    """Every train.py run saves to <run>/model; the tables must still tell the runs apart, also two runs whose folders
+    end alike (issue 54 item 11: A/run/model and B/run/model got one column name)."""
+    from evaluate import column_labels
 
-    labels = [short(m) for m in ["all-MiniLM-L6-v2", "runs/xprt/model", "runs/contrastive/model/", "a/b/my-model"]]
-    assert labels == ["all-MiniLM-L6-v2", "xprt/model", "contrastive/model", "my-model"]
-    assert len(set(labels)) == len(labels)
+    models = ["all-MiniLM-L6-v2", "runs/xprt/model", "runs/contrastive/model/", "a/b/my-model"]
+    assert list(column_labels(models).values()) == ["all-MiniLM-L6-v2", "xprt/model", "contrastive/model", "my-model"]
+    alike = column_labels(["A/run/model", "B/run/model", "C/other/model", "x/e5"])
+    assert alike == {"A/run/model": "A/run/model", "B/run/model": "B/run/model", "C/other/model": "other/model",
+                     "x/e5": "e5"}
 
 
 # ---------------------------------------------------------------- mteb's results folder, run names, pooling, cards
