@@ -412,3 +412,16 @@ def test_each_run_carries_the_groups_its_arms_read(tmp_path, monkeypatch):
     assert sorted(ledger["runs"]) == ["s1/e5_ranking", "s1/xprt"] and set(ledger["groups"]) == {"rrf", "e5"}
     md = (here / "results.md").read_text()
     assert "| xPRT, E5-only ranking |" in md and "Not yet trained" not in md
+
+
+def test_the_page_marks_runs_made_by_other_code():
+    """The ledger records each returned run's code (training.code_revision in the device report); the page names the
+    runs made by other code than this tree's (issue 54 item 5), and a run with no code record as such."""
+    from experiments.paper import page
+    from plumbing.training import code_revision
+
+    here = code_revision()
+    other = {"sha256": "f" * 64, "git": "0123456789abcd"}
+    ledger = {"runs": {"s0/xprt": {"code": here}, "s0/retromae": {"code": other}, "s1/xprt": {"code": None}}}
+    assert page.other_code(ledger, here["sha256"]) == {"s0/retromae": "0123456789ab", "s1/xprt": "no code record"}
+    assert page.other_code({"runs": {"s0/xprt": {"code": here}}}, here["sha256"]) == {}

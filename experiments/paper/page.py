@@ -10,6 +10,7 @@ from pathlib import Path
 from experiments.paper import stages
 from experiments.paper.published import E5_SETTING, FROM_MLM_SETTING
 from plumbing.common import atomic_write, read_json
+from plumbing.training import code_revision
 
 LABELS = {"start": "start", "xprt": "xPRT", "contrastive_random_span": "random spans (Contriever)",
           "self_reconstruction": "self-reconstruction", "retromae": "RetroMAE", "simlm": "SimLM",
@@ -76,6 +77,17 @@ def published_main(setting: str, arm: str) -> str:
         return ""
     key = arm if arm in ("xprt", "revela") else "baselines"
     return f"{E5_SETTING['average_delta'][key][0]} (Δ start, 41 tasks)"
+
+
+def other_code(ledger: dict, here: str) -> dict:
+    """{run: its code's git commit (or "no record")} of the ledger's runs made by other code than `here` (the sha256 of
+    training.code_revision, what a run's report records): their rows are marked on the page."""
+    out = {}
+    for run, rec in ledger.get("runs", {}).items():
+        code = rec.get("code") or {}
+        if code.get("sha256") != here:
+            out[run] = (code.get("git") or "a commit not recorded")[:12] if code else "no code record"
+    return out
 
 
 def write(exp: dict, out: Path, arms: list, results: list, seconds: float, as_start: list = ()) -> dict:
@@ -157,6 +169,10 @@ def write(exp: dict, out: Path, arms: list, results: list, seconds: float, as_st
     if isinstance(exp.get("exclude"), dict) and exp["exclude"]:  # the config's arms that do not run, with why
         lines += ["", "## Arms not run at this scale", ""] + [f"- {LABELS.get(a, a)}: {why}"
                                                               for a, why in exp["exclude"].items()]
+    others = other_code(read_json(out / "ledger.json") or {}, code_revision()["sha256"])
+    if others:  # a returned GPU run made by other code than this tree's: its numbers are that code's
+        lines += ["", "**Made by other code than this tree's** (the ledger's code record): " + ", ".join(
+            f"{run} ({commit})" for run, commit in sorted(others.items())) + "."]
     if exp.get("missing_runs"):
         lines += ["", f"**Not yet trained** (the ledger's missing runs; `--stage build` plans the next GPU run): "
                   f"{', '.join(exp['missing_runs'])}."]
