@@ -48,6 +48,7 @@ from plumbing.training import (adamw, add_common_args, check_common_args, check_
                                make_accelerator, prepare_output_dir, prepare_run, run_line, save_checkpoint,
                                save_model, save_run, say_stopped, StopSignals, unpartitioned_loading)
 
+ROOT = Path(__file__).resolve().parent  # the repository
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
 
 
@@ -372,16 +373,22 @@ def tokenized(accelerator, rows, collator, groups_per_process: int = 20_000):
     # groups/s a core here (64-token passages), so the paper's 7M groups take minutes on a GPU machine's cores, once
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     procs = min(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(rows) // groups_per_process)
-    code, todo, root = [], [tokenize_groups, tokenize_groups.__globals__["special_template"]], Path(__file__).resolve()
-    while todo:  # the code: these and the functions of this repository (not of site-packages) they name
-        if (fn := todo.pop()) not in code and "site-packages" not in (f := inspect.getfile(fn)) \
-                and root.parent in Path(f).resolve().parents:
+    # the code that makes the tokens: these functions and every function of this repository they name, followed
+    code, todo = [], [tokenize_groups, tokenize_groups.__globals__["special_template"]]
+    while todo:
+        fn = todo.pop()
+        if fn not in code and Path(inspect.getfile(fn)).resolve().parent in (ROOT, ROOT / "plumbing"):
             code.append(fn)
             todo += filter(inspect.isfunction, map(fn.__globals__.get, fn.__code__.co_names))
-    serial = [type(t).__name__, t.get_vocab(), t.special_tokens_map] if not (t := collator.tokenizer).is_fast else {
-        k: v for k, v in json.loads(t.backend_tokenizer.to_str()).items() if k not in ("truncation", "padding")}
-    key = "\0".join([rows._fingerprint, *sorted(map(inspect.getsource, code)), *map(version, [
-        "transformers", "tokenizers", "datasets"]), json.dumps([serial, {**kwargs, "tokenizer": 0}], sort_keys=True)])
+    tok = collator.tokenizer  # all it is (a fast one: tokenizer.json, less the settings the last call left)
+    if tok.is_fast:
+        state = json.loads(tok.backend_tokenizer.to_str())
+        serial = {k: v for k, v in state.items() if k not in ("truncation", "padding")}
+    else:
+        serial = [type(tok).__name__, tok.get_vocab(), tok.special_tokens_map]
+    versions = [version(p) for p in ("transformers", "tokenizers", "datasets")]
+    key = "\0".join([rows._fingerprint, *sorted(map(inspect.getsource, code)), *versions,
+                     json.dumps([serial, {**kwargs, "tokenizer": 0}], sort_keys=True)])
     with accelerator.main_process_first():
         return rows.map(tokenize_groups, batched=True, fn_kwargs=kwargs, features=features,
                         num_proc=procs if procs > 1 else None, desc="tokenising each passage once",
