@@ -142,7 +142,10 @@ def build_parser(objectives=None):
                    help="keep the model of the best score during training in <output_dir>/best_model (best.json says "
                         "its step): an --eval_tasks task's name (its mteb main score, e.g. SciFact) or 'average' "
                         "(mean over --eval_tasks); needs --eval_tasks")
-
+    g.add_argument("--ignore_memory_estimate", action="store_true",
+                   help="go on when the memory estimate printed before the first step says the batch does not fit "
+                        "in the device's free memory (a GPU's; a CPU's: the host's available memory shared by the "
+                        "node's processes); without it such a run stops there in one line naming the flags to change")
     g.add_argument("--peak_tflops", type=float, default=None,
                    help="peak TFLOP/s of one device in the run's precision, for the logged MFU estimate (default: "
                         "a table of known GPUs, bf16 dense; none on CPU, where only TFLOP/s is logged)")

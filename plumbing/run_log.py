@@ -16,6 +16,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -23,6 +24,7 @@ from typing import Optional
 import torch
 
 from plumbing.architectures import head_multiply_adds, layer_multiply_adds
+from plumbing.common import UserError
 from plumbing.batches import padding_efficiency
 from plumbing.common import atomic_path, is_zero3, read_jsonl
 
@@ -402,29 +404,56 @@ def memory_estimate(accelerator, args, model, batch, teacher, max_length: int) -
              + 4 * sum(p.numel() for p in (teacher.parameters() if teacher is not None else []))
              + 2 * 4 * 1024 * vocab)
     b = args.per_device_train_batch_size
+    # the gradient cache holds one chunk's activations at a time; checkpointing keeps a fraction the estimate does
+    # not measure (it is then an upper bound, never a reason to refuse)
+    held = min(getattr(args, "gradient_cache_chunk", None) or b, b)
     note = {"bytes_per_token_layer": per_tl, "gib_per_group": per_group / 2**30, "fixed_gib": fixed / 2**30,
-            "batch_gib": (fixed + b * per_group) / 2**30, "batch": b}
-    line = (f"memory: ~{note['batch_gib']:.1f} GiB for {b} groups per device at {max_length} tokens "
+            "batch_gib": (fixed + held * per_group) / 2**30, "batch": b}
+    line = (f"memory: ~{note['batch_gib']:.1f} GiB for {b} groups per device"
+            + (f" ({held} at a time: --gradient_cache_chunk)" if held < b else "") + f" at {max_length} tokens "
             f"({note['gib_per_group'] * 1024:.0f} MiB of activations a group from {per_tl / 1024:.1f} KiB per token "
             f"per layer, measured; {note['fixed_gib']:.1f} GiB of weights, gradients, AdamW and the teacher)")
     free_total = device_memory(dev)
-    if free_total is not None:
+    if free_total is None:
+        accelerator.print(line)
+    else:
         free, total = free_total
         fit = max(int((0.9 * free - fixed) // per_group), 0)
         chunk = 2 ** int(math.log2(fit)) if fit >= 1 else 0
         note.update({"device_gib": total / 2**30, "groups_that_fit": fit, "cache_chunk": min(chunk, b)})
         cached = (fixed + chunk * per_group) / 2**30
-        line += (f"; this device: {free / 2**30:.0f} of {total / 2**30:.0f} GiB free -> at most ~{fit} groups per "
-                 f"step" + ("" if fit >= b else f": {b} do not fit; --gradient_cache_chunk {note['cache_chunk']} "
-                                                f"keeps the batch (its negatives) in ~{cached:.0f} GiB"))
-    accelerator.print(line)
+        where = "this device" if dev.type != "cpu" else "this machine (host memory, shared by its processes)"
+        line += (f"; {where}: {free / 2**30:.0f} of {total / 2**30:.0f} GiB free -> at most ~{fit} groups per "
+                 f"step" + ("" if fit >= held else f": {held} do not fit" + (
+                     f"; --gradient_cache_chunk {note['cache_chunk']} keeps the batch (its negatives) in ~{cached:.0f} "
+                     "GiB" if chunk else "")))
+        accelerator.print(line)
+        # A run that cannot fit stops here, before its first step, in one line: not minutes later out of memory (a
+        # GPU's OOM error) or killed by the kernel without a word (a CPU's host memory)
+        if fit < held and not getattr(args, "gradient_checkpointing", False) \
+                and not getattr(args, "ignore_memory_estimate", False):
+            fix = (f"--gradient_cache_chunk {note['cache_chunk']} (the same batch, {note['cache_chunk']} groups at a "
+                   f"time), a smaller --per_device_train_batch_size, --gradient_checkpointing" if chunk else
+                   "a smaller model or --max_length (not even one group fits)")
+            raise UserError(f"--per_device_train_batch_size {b}: the step needs ~{note['batch_gib']:.1f} GiB and "
+                            f"{where} has {free / 2**30:.1f} GiB free (estimate measured before the first step); use "
+                            f"{fix}, or --ignore_memory_estimate to try anyway")
     _MEMORY_NOTE.clear()
     _MEMORY_NOTE.update(note)
     return note
 
 def device_memory(device):
-    """(free, total) bytes of the device's memory as its driver says them (CUDA's mem_get_info), None on a CPU."""
-    return torch.cuda.mem_get_info(device) if device.type == "cuda" else None
+    """(free, total) bytes where a step's memory lives: a GPU's as its driver says them (CUDA's mem_get_info); on a
+    CPU the host's available memory (psutil, what the kernel can give without swapping) shared evenly by the node's
+    processes (LOCAL_WORLD_SIZE, set by torchrun and accelerate), and its total."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    if device.type == "cpu":
+        import psutil
+
+        mem, local = psutil.virtual_memory(), max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+        return mem.available // local, mem.total
+    return None
 
 def explain_oom(main):
     """A script's main, with a device out-of-memory error turned into one line that names the flags to change and

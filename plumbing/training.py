@@ -378,7 +378,7 @@ WATCH_FLAGS = frozenset({
     "checkpoints_total_limit", "report_to", "logging_steps", "no_save_model", "eval_tasks", "eval_steps",
     "eval_limit", "eval_batch_size", "save_best", "license", "push_to_hub", "hub_model_id", "hub_private",
     "hub_token", "dataloader_num_workers", "peak_tflops", "trust_remote_code", "mining_batch_size",
-    "min_in_batch_negatives"})
+    "min_in_batch_negatives", "ignore_memory_estimate"})
 
 def take_run_lock(accelerator, lock: Path):
     """Lock the run folder for this run (the main process): run.lock holds the owner's pid, its start time and the

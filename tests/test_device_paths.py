@@ -21,6 +21,7 @@ matmul_precision_policy (sets CUDA's flags on any machine), fused_vocab._padded 
 import argparse
 import types
 
+import pytest
 import torch
 
 from plumbing import architectures
@@ -149,7 +150,10 @@ def test_memory_estimate_with_the_device_memory(monkeypatch, tiny_bert, capsys):
     accelerator = types.SimpleNamespace(device=torch.device("cpu"), mixed_precision="no", state=types.SimpleNamespace(),
                                         print=print)
     args = argparse.Namespace(per_device_train_batch_size=4)
-    assert run_log.device_memory(torch.device("cpu")) is None
+    import psutil
+
+    free, total = run_log.device_memory(torch.device("cpu"))  # a CPU: the host's, the same arithmetic
+    assert total == psutil.virtual_memory().total and 0 < free <= total
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * 2**30, 4 * 2**30))
     assert run_log.device_memory(torch.device("cuda", 0)) == (2 * 2**30, 4 * 2**30)
     monkeypatch.setattr(run_log, "device_memory", lambda device: (2 * 2**30, 4 * 2**30))
@@ -157,7 +161,44 @@ def test_memory_estimate_with_the_device_memory(monkeypatch, tiny_bert, capsys):
     per_group, fixed = note["gib_per_group"] * 2**30, note["fixed_gib"] * 2**30
     assert note["groups_that_fit"] == int((0.9 * 2 * 2**30 - fixed) // per_group)
     assert note["device_gib"] == 4.0
-    assert "this device: 2 of 4 GiB free" in capsys.readouterr().out
+    assert "this machine (host memory, shared by its processes): 2 of 4 GiB free" in capsys.readouterr().out
+
+
+def test_a_batch_that_cannot_fit_stops_before_its_first_step(monkeypatch, tiny_bert, capsys):
+    """Issue 54 item 6: the estimate over what the device has stops the run in one line (a UserError) naming the
+    --gradient_cache_chunk that keeps the batch; with that chunk, with --gradient_checkpointing (which the estimate
+    does not measure) or --ignore_memory_estimate the run goes on. Fed a free memory of the fixed share plus 2.5
+    groups; on a CPU the same branch reads the host's memory, shared by the node's processes."""
+    from test_modeling import collator_for, make_model, toy_rows
+    from transformers import AutoTokenizer
+
+    from plumbing.common import UserError
+
+    tok = AutoTokenizer.from_pretrained(tiny_bert)
+    model = make_model(tiny_bert, "xprt")
+    batch = collator_for("xprt", tok, seed=0)(toy_rows(4))
+    accelerator = types.SimpleNamespace(device=torch.device("cpu"), mixed_precision="no", state=types.SimpleNamespace(),
+                                        print=print)
+    probe = run_log.memory_estimate(accelerator, argparse.Namespace(per_device_train_batch_size=4), model, batch,
+                                    None, 32)
+    free = (probe["fixed_gib"] + 2.5 * probe["gib_per_group"]) * 2**30 / 0.9
+    monkeypatch.setattr(run_log, "device_memory", lambda device: (int(free), 8 * 2**30))
+    args = argparse.Namespace(per_device_train_batch_size=4)
+    with pytest.raises(UserError) as err:
+        run_log.memory_estimate(accelerator, args, model, batch, None, 32)
+    assert "--per_device_train_batch_size 4: the step needs" in str(err.value)
+    assert "--gradient_cache_chunk 2 (the same batch, 2 groups at a time)" in str(err.value)
+    for ok in ({"gradient_cache_chunk": 2}, {"gradient_checkpointing": True}, {"ignore_memory_estimate": True}):
+        note = run_log.memory_estimate(accelerator, argparse.Namespace(per_device_train_batch_size=4, **ok), model,
+                                       batch, None, 32)
+        assert note["groups_that_fit"] == 2
+    assert "2 at a time: --gradient_cache_chunk" in capsys.readouterr().out
+    monkeypatch.undo()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two processes on one host: each has half of what is available
+    import psutil
+
+    half = run_log.device_memory(torch.device("cpu"))[0]
+    assert abs(half - psutil.virtual_memory().available / 2) < 0.05 * psutil.virtual_memory().total
 
 
 def test_rng_state_keeps_the_device_generator(monkeypatch):
