@@ -12,8 +12,8 @@ OUT=${DEMO_OUT:-outputs/demo}
 MODEL=all-MiniLM-L6-v2
 STEPS=${DEMO_STEPS:-60}
 BATCH=${DEMO_BATCH:-8}
-# 64 tokens per passage keeps a step at ~5 s on 2 CPU cores; the paper trains at 128 (select_groups.py packs
-# passages to 128 tokens, so raise it on a GPU).
+# 64 tokens per passage keeps a step at ~5 s on 2 CPU cores; the paper packs and trains at 128 (raise it on a GPU).
+# Selection packs passages to the same length, so training cuts none of them.
 MAXLEN=${DEMO_MAXLEN:-64}
 # 1e-6 is the paper's rate for E5 over tens of thousands of steps; a 60-step CPU demo needs a larger
 # one for the model to move at all (see experiments/README.md for how it was chosen).
@@ -26,7 +26,7 @@ EVAL_STEPS=${DEMO_EVAL_STEPS:-20}
 # 0.825 is the E5 threshold; MiniLM centralities run lower, so the threshold is set from the corpus
 # (half of the passages become anchors; experiments/select_fineweb/README.md shows why).
 run $PY select_groups.py --input data/docs.jsonl --model_name_or_path $MODEL \
-    --anchor_share 0.5 --calibration_docs 100 --output_dir "$OUT/groups" --inspect 5 --overwrite
+    --anchor_share 0.5 --calibration_docs 100 --passage_tokens $MAXLEN --output_dir "$OUT/groups" --inspect 5 --overwrite
 run $PY train.py --model_name_or_path $MODEL --groups_dir "$OUT/groups" --output_dir "$OUT/xprt" \
     --max_train_steps $STEPS --per_device_train_batch_size $BATCH --learning_rate $LR \
     --max_length $MAXLEN --logging_steps 10 --overwrite \

@@ -232,6 +232,13 @@ def make_accelerator(args, find_unused_parameters: bool):
                         "CPU. The CPU DeepSpeed configs are one-process smoke tests (num_processes: 1); for several "
                         "CPU processes use torchrun without DeepSpeed, for DeepSpeed use GPUs "
                         "(configs/accelerate_deepspeed_zero2.yaml)")
+    asked = launcher_processes()
+    if asked and asked > accelerator.num_processes:  # accelerate launch starts one process without GPUs, silently
+        accelerator.print(f"warning: `accelerate launch --num_processes {asked}` started {accelerator.num_processes} "
+                          f"process(es) on this machine ({accelerator.device.type}; it forms a group of several only "
+                          f"on GPUs, or with --multi_gpu): for {asked} CPU processes use torchrun --nproc_per_node "
+                          f"{asked}. The run goes on with {accelerator.num_processes}: its batch and negatives are "
+                          "those of that many processes")
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None and args.gradient_cache_chunk:
         raise UserError("--gradient_cache_chunk runs several backward passes per step (one per chunk, and one for the "
                         "batch-wide terms); DeepSpeed's engine expects one backward per forward of its module and "
@@ -243,6 +250,30 @@ def make_accelerator(args, find_unused_parameters: bool):
         if ds_cfg.get("gradient_clipping") == "auto":
             ds_cfg["gradient_clipping"] = args.max_grad_norm
     return accelerator
+
+def launcher_processes(pid: int | None = None):
+    """The processes `accelerate launch` was asked for (`--num_processes N` on its command line), read from the
+    launching process (this process's parent; /proc, so Linux) -- None when the parent is no accelerate launch or
+    names no count. accelerate passes the count to no environment variable of a single process it starts, so this
+    is where a launch of N processes that became one can be seen."""
+    try:
+        raw = Path(f"/proc/{os.getppid() if pid is None else pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    # `accelerate launch ...`, `python -m accelerate.commands.launch ...` (or its accelerate_cli, then launch)
+    head = argv[:4]
+    if not any(a == "accelerate.commands.launch" or (a == "launch" and any(
+            Path(b).name == "accelerate" or b.startswith("accelerate.commands") for b in head[:i]))
+            for i, a in enumerate(head)):
+        return None
+    for i, a in enumerate(argv[:-1]):
+        value = argv[i + 1] if a == "--num_processes" else None
+        if a.startswith("--num_processes="):
+            value = a.split("=", 1)[1]
+        if value is not None:
+            return int(value) if value.isdigit() else None
+    return None
 
 def matmul_precision_policy():
     """The TF32 policy, set here once per run (make_accelerator): fp32 matrix products stay IEEE fp32, TF32 off, set

@@ -907,6 +907,20 @@ def test_two_process_run_resumes_exactly(tiny_bert, groups, tmp_path):
             assert a[s][k] == pytest.approx(b[s][k], rel=1e-5), (s, k)
 
 
+@pytest.mark.slow
+def test_accelerate_launch_of_two_processes_that_start_one_is_said(tiny_bert, groups, tmp_path):
+    """Issue 54 item 13: `accelerate launch --num_processes 2` on a machine without GPUs starts one process and says
+    nothing; train.py reads the launcher's command line (training.launcher_processes) and says it, naming torchrun."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", str(ROOT / "train.py")]
+    toy = {"--max_train_steps": 1, "--num_related": 2, "--max_length": 24, "--no_save_model": True}
+    cmd += [str(a) for a in base_args(tiny_bert, groups, tmp_path / "run", **toy)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("warning: `accelerate launch --num_processes 2` started 1 process(es) on this machine (cpu"
+            in proc.stdout + proc.stderr)
+    assert "torchrun --nproc_per_node 2" in proc.stdout + proc.stderr
+
+
 def test_no_host_reads_outside_logging_steps(tiny_bert, groups, tmp_path, monkeypatch):
     """The loop reads nothing back from the device between logging steps: loss terms, token counts and the
     non-finite watch stay on the device (LogWindow); the repository's `.item()` / `.tolist()` calls run only inside
