@@ -215,7 +215,7 @@ def test_groups_get_eleven_anchors_of_other_documents():
 def test_cached_step_equals_the_plain_step(tiny_bert, tiny_lm, tok, chunk=2):
     """XPRTModel.cached_step takes Revela (a row term: each group's passages are the LM's batch): the loss, the
     retention term and every gradient of the plain step, for chunks that do not divide the batch (5 groups)."""
-    from test_gradient_cache import _step
+    from test_gradient_cache import _step, assert_equal_to_rounding
 
     from plumbing.model_folder import load_teacher
 
@@ -234,24 +234,7 @@ def test_cached_step_equals_the_plain_step(tiny_bert, tiny_lm, tok, chunk=2):
         torch.testing.assert_close(cached_out[k], plain_out[k], atol=1e-5, rtol=1e-5)
     assert set(plain_grads) == set(cached_grads) == set(exact)
     assert any(n.startswith("objective.adapters.") for n in plain_grads)
-    # Both float32 steps round the same exact gradient x, summed in different orders: the cached step sums each
-    # parameter's gradient chunk by chunk (2 + 2 + 1 groups, accumulated in .grad) and runs its matmuls on other
-    # shapes; BLAS splits a reduction by thread count (1 vs 2 threads changes the plain step's own order). A sum of k
-    # terms in float32 is off by up to ~k * eps32 * sum|terms| (eps32 = 1.19e-7), and these sums cancel: the token-type
-    # embedding's gradient sums ~10^3 token gradients to elements of 1e-4..1, off by ~2e-5 (~200 eps32 of its largest
-    # element) whatever the order. A fixed atol cannot hold that: 1e-6 failed an element 1.02e-6 off (issue 54).
-    # So each tensor's bound is what float32 rounding actually costs it here: err = max|plain - x| against the same
-    # plain step in float64 (x). |cached - plain| <= |cached - x| + |plain - x|, each ~err (measured, both archs, 1 and
-    # 2 threads: |cached - x| <= 1.2 err, |cached - plain| <= 1.2 err), so 4 err is about twice that worst case, plus
-    # eps32 * max|x| (one rounding of the largest element) for a tensor the plain step got exact. err / max|x| is
-    # <= 6e-5 for every tensor whose gradient is not pure rounding noise (the key biases': 0 in exact arithmetic), so
-    # 4 err < 2.5e-4 max|x| and a bug worth 1e-3 of a tensor's scale (a wrong chunk boundary, a missing term) fails.
-    eps32 = torch.finfo(torch.float32).eps
-    for n in plain_grads:
-        x = exact[n]
-        err = float((plain_grads[n].double() - x).abs().max())
-        torch.testing.assert_close(cached_grads[n].double(), plain_grads[n].double(),
-                                   atol=4 * err + eps32 * float(x.abs().max()), rtol=0, msg=lambda m, n=n: f"{n}: {m}")
+    assert_equal_to_rounding(cached_grads, plain_grads, exact)  # the bound: test_gradient_cache's docstring
 
 
 def test_saved_folder_keeps_the_adapters_only(tiny_bert, tiny_lm, tok, tmp_path):
