@@ -65,15 +65,16 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from modeling_xprt import max_seq_length
-from plumbing.common import (ArgumentParser, E5_PROMPTS, MINILM_ALIASES, NO_PROMPTS, UserError, atomic_path,
-                             atomic_write, check_model_name, check_writable, claim_output_folder, hub_cached,
-                             hub_offline, local_inputs, model_prompts, pick_device_and_dtype, positive_int, read_json,
-                             record_outputs, resolve_model_path, run_script, task_spec)
+from plumbing.common import (META_DIR, ArgumentParser, E5_PROMPTS, MINILM_ALIASES, NO_PROMPTS, UserError,
+                             atomic_path, atomic_write, check_inputs_apart, check_model_name, check_writable,
+                             claim_output_folder, hub_cached, hub_offline, local_inputs, model_prompts,
+                             pick_device_and_dtype, positive_int, read_json, record_outputs, resolve_model_path,
+                             run_script, task_spec)
 from plumbing.embed import embed_texts
-from plumbing.model_folder import add_eval_results_to_card, attention_kwargs, check_tokenizer_fits
+from plumbing.model_folder import add_eval_results_to_card, attention_kwargs, check_tokenizer_fits, public_command
 from plumbing.readers import load_beir
 from plumbing.run_log import EVAL_PREFIX
-from plumbing.training import gathered_params
+from plumbing.training import code_revision, gathered_params
 
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (docs/notes.md); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))
@@ -250,7 +251,8 @@ class XPRTEncoder(AbsEncoder):
     def __init__(self, name_or_path: str, prefixes: str = "auto", batch_size: int = 64,
                  max_length: Optional[int] = None, device: Optional[str] = None, dtype: Optional[str] = None,
                  query_prefix: Optional[str] = None, passage_prefix: Optional[str] = None,
-                 trust_remote_code: bool = False, show_progress: bool = False, score_as: Optional[dict] = None):
+                 trust_remote_code: bool = False, show_progress: bool = False, score_as: Optional[dict] = None,
+                 model_meta_given: Optional[dict] = None):
         from sentence_transformers import SentenceTransformer
 
         if prefixes not in ("auto", "e5", "none"):
@@ -293,6 +295,11 @@ class XPRTEncoder(AbsEncoder):
             self.settings.update(query_prefix=self.query_prefix, passage_prefix=self.passage_prefix)
         if max_length:
             self.settings["max_length"] = self.max_length
+        # the model's own ModelMeta, before any --score_as changes how it is scored (section 7)
+        self.mteb_model_meta, self.meta_said, self.meta_missing = model_meta_of(
+            name_or_path, path, self.model, self.prompts, self.max_length, model_meta_given)
+        self.meta_registry = registry_entry(self.mteb_model_meta.name, self.mteb_model_meta.revision) is \
+            self.mteb_model_meta
         if score_as:
             self.score_as(score_as)
         mode, normalize = st_scoring(self.model)
@@ -300,17 +307,6 @@ class XPRTEncoder(AbsEncoder):
                          "similarity": str(self.model.similarity_fn_name or "cosine"),
                          "query_prefix": self.query_prefix, "passage_prefix": self.passage_prefix,
                          "max_length": self.max_length, "prompts": self.prompts}
-        name, revision = model_name_and_revision(name_or_path)
-        self.mteb_model_meta = ModelMeta(
-            loader=None, name=name, revision=revision, release_date=None, languages=None,
-            n_parameters=sum(p.numel() for p in self.model.parameters()), memory_usage_mb=None,
-            max_tokens=self.max_length, embed_dim=self.model.get_embedding_dimension(), license=None,
-            open_weights=True, public_training_code=None, public_training_data=None,
-            framework=["PyTorch", "Sentence Transformers"],
-            similarity_fn_name=scoring_function(self.model.similarity_fn_name),
-            use_instructions=e5, training_datasets=None, reference=None if os.path.isdir(path) else
-            f"https://huggingface.co/{name}",
-        )
 
     def score_as(self, contract: dict):
         """Score with another model's contract (its CONTRACT_KEYS): the Pooling module rebuilt with its mode, a
@@ -430,7 +426,8 @@ def load_classification_folder(folder: Path) -> dict:
 
 
 def detect_local_format(folder: Path) -> tuple[str, str]:
-    """(kind, default mteb task name) for a local folder; kind is retrieval, sts or classification."""
+    """(kind, the mteb task the folder's files or name say, "" when none) for a local folder; kind is retrieval, sts
+    or classification."""
     if not folder.is_dir():
         raise UserError(f"local task folder not found: {folder}")
     if (folder / "corpus.jsonl").is_file() or (folder / "qrels").is_dir():
@@ -487,30 +484,71 @@ def local_retrieval_split(folder: Path, wanted: str) -> str:
     return scored[0]
 
 
-# the stock task whose class scores a local BEIR folder that is no mteb task (every retrieval task computes the same
-# metrics; the metadata is the folder's: its name and split)
-GENERIC_RETRIEVAL = "SciFact"
+# A local folder's kind -> the mteb class, task type and main score of a task of the user's own (own_task): the
+# evaluator and metrics every mteb task of that type uses.
+OWN_TASK_KINDS = {
+    "retrieval": ("mteb.abstasks.retrieval", "AbsTaskRetrieval", "Retrieval", "ndcg_at_10"),
+    "sts": ("mteb.abstasks.sts", "AbsTaskSTS", "STS", "cosine_spearman"),
+    "classification": ("mteb.abstasks.classification", "AbsTaskClassification", "Classification", "accuracy"),
+}
+
+
+def stock_task(name: str, kind: str):
+    """The mteb task called `name`, or None when mteb has none (a name of the user's own). A task of another type than
+    the folder's kind is refused in one line (a BEIR folder named STS12 cannot be scored as STS12)."""
+    try:
+        task = mteb.get_task(name)
+    except KeyError:
+        return None
+    if task.metadata.type != OWN_TASK_KINDS[kind][2]:
+        raise UserError(f"--local_tasks {name}: mteb's {name} is a {task.metadata.type} task, the folder a "
+                        f"{OWN_TASK_KINDS[kind][2]} one; give the folder a name of your own (NAME=DIR)")
+    return task
 
 
 def parse_local_spec(spec: str) -> tuple[str, Path, str]:
-    """"DIR" or "TaskName=DIR" -> (mteb task name, folder, kind). A BEIR folder that holds no qrels split of the task
-    (a dev-only copy: qrels/dev.tsv) is scored on its own split under its own name (the folder's, or the name given
-    when it is no mteb task), not reported as the task's evaluation."""
+    """"DIR" or "NAME=DIR" -> (task name, folder, kind).
+
+    The name is the one given, else the mteb task the folder's files or name say (detect_local_format: scifact/ ->
+    SciFact, sts-test.csv -> STSBenchmark), else the folder's own name. A name mteb knows is that stock task scored on
+    the folder's data; any other is the user's own task (own_task). A BEIR folder that holds no qrels split of the
+    stock task (a dev-only copy: qrels/dev.tsv) is its own task, under the folder's name, on its own split: never
+    reported as the stock task's evaluation."""
     name, path = task_spec(spec)
     folder = Path(path).expanduser()
     kind, default = detect_local_format(folder)
-    name = name or default
+    name = name or default or folder.name
     if kind == "retrieval":
-        try:
-            known, wanted = name, mteb.get_task(name).metadata.eval_splits[0] if name else "test"
-        except KeyError:  # a name of the user's own, no mteb task
-            known, wanted = "", "test"
+        stock = stock_task(name, kind)
+        wanted = stock.metadata.eval_splits[0] if stock is not None else "test"
         split = local_retrieval_split(folder, wanted)
-        if split != wanted:
-            name = folder.name if known or not name else name
-    if not name:
-        raise UserError(f"{folder}: cannot tell which mteb task this is; name it: --local_tasks TaskName={folder}")
+        if stock is not None and split != wanted:
+            name = folder.name if stock_task(folder.name, kind) is None else f"{folder.name}-{split}"
     return name, folder, kind
+
+
+def own_task(name: str, folder: Path, kind: str):
+    """The user's own task: a class of mteb's (AbsTaskRetrieval, AbsTaskSTS or AbsTaskClassification, with
+    _XPRTTaskMixin's loader in front) whose TaskMetadata is the folder's: `name`, its split, its path, the main score
+    every mteb task of that type reports. So mteb's own evaluator scores it and writes its result file under `name`;
+    no stock task's metadata (name, dataset id, revision) is borrowed."""
+    import importlib
+
+    from mteb.abstasks.task_metadata import TaskMetadata
+
+    module, class_name, task_type, main_score = OWN_TASK_KINDS[kind]
+    base = getattr(importlib.import_module(module), class_name)
+    split = local_retrieval_split(folder, "test") if kind == "retrieval" else "test"
+    attrs = {"metadata": TaskMetadata(
+        name=name, description=f"The user's own {task_type} task from the local folder {folder.name} "
+                               "(xprt evaluate.py --local_tasks); not an mteb task.",
+        dataset={"path": str(folder), "revision": "local"}, type=task_type, category="t2t", modalities=["text"],
+        eval_splits=[split], eval_langs=["und-Zzzz"],  # language and script undetermined: the folder does not say
+        main_score=main_score), "_xprt_own": True}
+    if kind == "sts":  # the folder's own scale (mteb normalises the gold scores by it; Spearman does not change)
+        gold = [s for _, _, s in load_sts_folder(folder)[1]]
+        attrs.update(min_score=min(gold, default=0), max_score=max(gold, default=1))
+    return type(re.sub(r"\W", "_", f"OwnTask_{name}"), (_XPRTTaskMixin, base), attrs)()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -551,8 +589,8 @@ def subsample_retrieval(data: dict, limit: int, corpus_limit: Optional[int], see
 
 
 class _XPRTTaskMixin:
-    """Put in front of a stock mteb task's class (see `build_task`): same metadata and metrics."""
-
+    """Put in front of a stock mteb task's class, or of mteb's abstract class of a user's own task (see `build_task`):
+    the metadata and metrics stay mteb's."""
 
     _xprt_local: Optional[tuple[Path, str]] = None
     _xprt_limit: Optional[int] = None
@@ -651,31 +689,24 @@ class _XPRTTaskMixin:
 
 def build_task(name: str, local: Optional[tuple[Path, str]] = None, limit: Optional[int] = None,
                corpus_limit: Optional[int] = None, seed: int = 0, task=None):
-    """The stock mteb task `name` (or the instance `task`, e.g. from a benchmark, with its language
-    filters) with `_XPRTTaskMixin` put in front of its class: mteb's metadata and metric, our loader."""
-    local_split = None
+    """The task to score, with `_XPRTTaskMixin` in front of its class (our loader, --limit, per-query scores): the stock
+    mteb task `name` (or the instance `task`, e.g. from a benchmark, with its language filters), with mteb's metadata
+    and metric, on mteb's data or on the local folder `local` = (folder, kind); or, for a local folder under a name
+    mteb does not know, the user's own task (own_task)."""
     if task is not None:
         stock = task
-    elif local is not None and local[1] == "retrieval":
-        try:
-            stock = mteb.get_task(name)
-        except KeyError:  # a BEIR folder under its own name (parse_local_spec)
-            stock = mteb.get_task(GENERIC_RETRIEVAL)
-        local_split = local_retrieval_split(local[0], stock.metadata.eval_splits[0])
+    elif local is not None:
+        stock = stock_task(name, local[1])
     else:
         stock = mteb_task(name)
-    base = type(stock)
-    own = {}
-    if local_split is not None and (stock.metadata.name != name or local_split != stock.metadata.eval_splits[0]):
-        # the folder's own data: its name and split, not the stock task's (whose scores it would pass for); on the
-        # class, as mteb's unload_data drops an instance's own metadata
-        own["metadata"] = stock.metadata.model_copy(update={
-            "name": name, "eval_splits": [local_split], "dataset": {"path": str(local[0]), "revision": "local"}})
-    cls = type(base.__name__, (_XPRTTaskMixin, base), own)
-    # A new instance of the subclass with the stock instance's state (a benchmark's language and split
-    # filters live there); __class__ assignment is refused by some task classes' layouts.
-    task = cls.__new__(cls)
-    task.__dict__.update({k: v for k, v in stock.__dict__.items() if not (own and k == "metadata")})
+    if stock is None:  # a local folder under a name mteb does not know
+        task = own_task(name, *local)
+    else:
+        cls = type(type(stock).__name__, (_XPRTTaskMixin, type(stock)), {})
+        # A new instance of the subclass with the stock instance's state (a benchmark's language and split
+        # filters live there); __class__ assignment is refused by some task classes' layouts.
+        task = cls.__new__(cls)
+        task.__dict__.update(stock.__dict__)
     task._xprt_local, task._xprt_limit, task._xprt_corpus_limit, task._xprt_seed = local, limit, corpus_limit, seed
     return task
 
@@ -753,7 +784,10 @@ def evaluate_model_on_task(encoder, task, batch_size: int, cache=None, settings:
             for split, entries in tr.scores.items()}
     return {"task": name, "type": task.metadata.type, "metric": task.metadata.main_score,
             "main_score": 100.0 * float(tr.get_score()), "scores": slim, "per_query": per_query,
-            "result_file": str(path) if path else None}
+            "result_file": str(path) if path else None, "settings": dict(settings or {}),
+            # what the result file says made it (a finished task read back may come from an earlier run)
+            "mteb_version": tr.mteb_version, "dataset_revision": tr.dataset_revision,
+            "date": tr.date.isoformat() if tr.date else None}
 
 
 def card_results(results: dict) -> tuple[dict, dict]:
@@ -820,6 +854,55 @@ def contract_differences(out: dict) -> dict:
             if len({json.dumps(c[k]) for c in contracts.values()}) > 1}
 
 
+def task_variant(metadata) -> str:
+    """Which of mteb's ids of a task this is, so that two result pages compare like with like. mteb 2.21+ gives a
+    revised dataset (deduplicated, corrected: a "cleaned" variant) a new id, `Name.v2`, whose `adapted_from` names the
+    earlier id, and marks the earlier id `superseded_by` the new one; scores on the two do not compare (mteb#5228).
+    -> "revised id of X: <what its description says changed>", "original id; revised as Y ...", or "the only id"."""
+    m = metadata
+
+    def superseded_by(name):
+        try:
+            return mteb.get_task(name).metadata.superseded_by
+        except KeyError:
+            return None
+
+    parents = [p for p in m.adapted_from or [] if superseded_by(p) == m.name or re.fullmatch(rf"{re.escape(p)}\.v\d+",
+                                                                                              m.name)]
+    if parents:
+        said = re.search(r"[^.]*\bversion\b[^.]*\.", m.description, re.IGNORECASE)
+        return f"revised id of {', '.join(parents)}" + (f": {said.group(0).strip()}" if said else "")
+    if m.superseded_by:
+        return (f"original id; mteb revised it as {m.superseded_by}: scores on the two do not compare (a benchmark "
+                "that lists this id still scores it)")
+    return "the only id"
+
+
+def task_record(name: str, task, local, sample: bool, data_hash: Optional[str]) -> dict:
+    """What the report says of a task: {"name", "type", "source", "data", "sample", "scored_by", "main_score",
+    "split", "dataset" (mteb's id and revision of its data), "variant" (task_variant), "data_hash"}. scored_by: "mteb"
+    (the stock task on mteb's data), "stock" (the stock task on a local folder's data) or "own" (the user's own task
+    from a local folder, own_task)."""
+    m = task.metadata
+    scored_by = "own" if getattr(task, "_xprt_own", False) else ("stock" if local else "mteb")
+    return {"name": name, "type": m.type, "source": str(local[0]) if local else "mteb (online)",
+            "data": {"mteb": "mteb", "stock": "local copy", "own": "local folder"}[scored_by], "sample": sample,
+            "scored_by": scored_by, "main_score": m.main_score, "split": m.eval_splits[0],
+            "dataset": None if scored_by == "own" else {k: m.dataset.get(k) for k in ("path", "revision")},
+            "variant": None if scored_by == "own" else task_variant(m), "data_hash": data_hash}
+
+
+def scored_by_phrase(t: dict) -> str:
+    """What scored a task, in words (results.md)."""
+    folder = Path(t["source"]).name
+    if t.get("scored_by") == "own":
+        return (f"the user's own task, from folder `{folder}`, scored by mteb's {t['type'].lower()} evaluator "
+                f"({t['main_score']})")
+    if t.get("scored_by") == "stock":
+        return f"the stock mteb task {t['name']} on the folder `{folder}`'s data"
+    return f"the stock mteb task {t['name']} on mteb's data"
+
+
 def task_specs(local_tasks: Sequence[str], tasks: Sequence[str], benchmark: Optional[str]) -> list:
     """--local_tasks, --tasks and --benchmark's tasks as (name, (folder, kind) or None, benchmark task or None)."""
     specs = [(name, (folder, kind), None) for name, folder, kind in map(parse_local_spec, local_tasks)]
@@ -832,6 +915,10 @@ def task_specs(local_tasks: Sequence[str], tasks: Sequence[str], benchmark: Opti
         specs += [(t.metadata.name, None, t) for t in bench.tasks]
     if not specs:
         raise UserError("no task: give --local_tasks, --tasks or --benchmark")
+    names = [name for name, _, _ in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # two folders called alike (a/data, b/data) would file their results under one name
+        raise UserError(f"two tasks are called {twice[0]}: name the local ones apart, --local_tasks NAME=DIR")
     return specs
 
 
@@ -847,7 +934,17 @@ def record_encoder(out: dict, model_name: str, encoder):
         warnings.warn(f"models run with different max lengths {lengths}: long documents are cut differently; "
                       "pass --max_length to compare like with like")
     meta = encoder.mteb_model_meta
-    out["model_meta"][model_name] = {"name": meta.name, "revision": meta.revision}
+    # the complete ModelMeta (section 7), where each field came from and what a submission still lacks; the object
+    # itself for --submission, and what the model ran with for its run settings
+    out["model_meta"][model_name] = {"name": meta.name, "revision": meta.revision,
+                                     "registry": bool(getattr(encoder, "meta_registry", False)),
+                                     "fields": json.loads(json.dumps(meta.to_dict(), default=str)),
+                                     "said": getattr(encoder, "meta_said", {}),
+                                     "missing": getattr(encoder, "meta_missing", [])}
+    out.setdefault("metas", {})[model_name] = meta
+    out.setdefault("runtime", {})[model_name] = {
+        "prompts": getattr(encoder, "prompts", None), "dtype": str(getattr(encoder, "dtype", None)),
+        "device": str(getattr(encoder, "device", None)), "max_length": getattr(encoder, "max_length", None)}
     print(f"model {model_name}: mteb name {meta.name}, revision {meta.revision}; pooling "
           f"{getattr(encoder, 'pooling', '?')}", flush=True)
     print(f"model {model_name}: prefixes: query {getattr(encoder, 'query_prefix', '')!r}, "
@@ -861,7 +958,8 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
                    dtype: Optional[str] = None, query_prefix: Optional[str] = None,
                    passage_prefix: Optional[str] = None, results_dir: Optional[str] = None, rerun: bool = False,
                    trust_remote_code: bool = False, show_progress: bool = True, encoder_factory=None,
-                   update_cards: bool = False, score_as: Optional[str] = None) -> dict:
+                   update_cards: bool = False, score_as: Optional[str] = None,
+                   model_meta_given: Optional[dict] = None) -> dict:
     """Evaluate every model on every task; the function the CLI wraps (and the demo, through the CLI).
 
     results_dir: mteb's results folder (mteb.ResultCache(results_dir)); every task result is written there by mteb
@@ -874,6 +972,8 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     score_as: a model whose scoring contract (pooling, normalisation, similarity, prefixes, length) every model is
     scored with (XPRTEncoder.score_as), so that the differences between them are their weights'. Without it, models
     whose contracts differ are compared as each is used, and the report says how they differ (contract_differences).
+    model_meta_given: what each model's ModelMeta takes beyond its records (model_meta_of's `given`:
+    public_training_code, public_training_data, training_datasets).
     """
     from tqdm.auto import tqdm
 
@@ -885,19 +985,18 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     out = {"models": list(models), "results": {}, "tasks": [], "model_meta": {},
            "results_dir": str(cache.cache_path) if cache else None,
            "sample": {"limit": limit, "corpus_limit": corpus_limit, "seed": seed} if limit else None}
+    # once per task, not per model: the fingerprint reads every file of the folder
+    task_settings = {name: run_settings(local, limit, corpus_limit, seed) for name, local, _ in specs}
     for name, local, bench_task in specs:
         t = build_task(name, local=local, task=bench_task)
         if local is None:
             check_task_data(t, "--benchmark" if bench_task is not None else "--tasks")
-        out["tasks"].append({"name": name, "type": t.metadata.type,
-                             "source": str(local[0]) if local else "mteb (online)",
-                             "data": "local copy" if local else "mteb", "sample": bool(limit)})
-    # once per task, not per model: the fingerprint reads every file of the folder
-    task_settings = {name: run_settings(local, limit, corpus_limit, seed) for name, local, _ in specs}
+        out["tasks"].append(task_record(name, t, local, bool(limit), task_settings[name].get("data")))
     def make_encoder(n, contract=None):
         return XPRTEncoder(n, prefixes=prefixes, batch_size=batch_size, max_length=max_length, device=device,
                            dtype=dtype, query_prefix=query_prefix, passage_prefix=passage_prefix,
-                           trust_remote_code=trust_remote_code, show_progress=show_progress, score_as=contract)
+                           trust_remote_code=trust_remote_code, show_progress=show_progress, score_as=contract,
+                           model_meta_given=model_meta_given)
 
     reference = None
     if score_as:  # the contract every model is scored with: the one its own folder gives it
@@ -1188,10 +1287,11 @@ def to_markdown(out: dict, summ: dict, overlaps: Sequence[dict] = ()) -> str:
     if out.get("contracts"):
         lines += ["| model | scored with |", "|---|---|"] + [
             f"| {short(m)} | {describe_contract(c)} |" for m, c in out["contracts"].items()] + [""]
-    local = [t["name"] for t in out["tasks"] if t.get("data") == "local copy"]
+    local = [t for t in out["tasks"] if t.get("data") in ("local copy", "local folder")]
     if local:
-        lines += [f"Local task folders (`--local_tasks`): {', '.join(local)}, scored by the stock mteb tasks on the "
-                  "folders' data; a folder that holds a subset of a task gives that subset's score.", ""]
+        lines += ["Local task folders (`--local_tasks`): " + "; ".join(f"{t['name']}: {scored_by_phrase(t)}"
+                                                                         for t in local)
+                  + ". A folder that holds a subset of a task gives that subset's score.", ""]
     lines += ["## Per task", "", head, sep]
     for t in out["tasks"]:
         n = t["name"]
@@ -1221,9 +1321,35 @@ def to_markdown(out: dict, summ: dict, overlaps: Sequence[dict] = ()) -> str:
             cells += [f"{row['ndcg_at_10'][m]:.2f}" for m in models]
             cells += [f"{row['ndcg_at_10'][m] - row['ndcg_at_10'][first]:+.2f}" for m in models[1:]]
             lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *task_versions_table(out, short)]
     sources = sorted({t["source"] for t in out["tasks"]})
     lines += ["", "Data: " + ", ".join(sources), ""]
     return "\n".join(lines)
+
+
+def task_versions_table(out: dict, short) -> list:
+    """results.md's "Tasks" section: for each task what scored it (scored_by_phrase), its data (mteb's dataset id at its
+    revision, or the local folder by its content hash), which of mteb's ids it is (task_variant: an original id and
+    its cleaned revision do not compare) and the mteb version each model's result file names, so that two result
+    pages can be checked to compare like with like."""
+    lines = ["## Tasks: what scored each, on which data, which version", "",
+             "| task | scored by | data (revision) | mteb's ids | mteb version of the result |",
+             "|---|---|---|---|---|"]
+    for t in out["tasks"]:
+        ds = t.get("dataset") or {}
+        mteb_data = f"{ds.get('path')} @ {str(ds.get('revision'))[:12]}" if ds else ""
+        if t.get("scored_by") in ("stock", "own"):
+            data = f"local folder `{Path(t['source']).name}` (data_{t.get('data_hash')})"
+            data += f", in place of {mteb_data}" if mteb_data else ""
+        else:
+            data = mteb_data
+        versions = {}
+        for m in out["models"]:
+            versions.setdefault(out["results"][m][t["name"]].get("mteb_version") or "?", []).append(short(m))
+        said = ", ".join(v if len(versions) == 1 else f"{v} ({', '.join(ms)})" for v, ms in versions.items())
+        lines.append(f"| {t['name']} | {scored_by_phrase(t)} | {data} | {t.get('variant') or 'not an mteb task'} | "
+                     f"{said} |")
+    return lines
 
 
 def plot_bars(summ: dict, models: Sequence[str], path: Path):
@@ -1279,6 +1405,395 @@ def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (),
 
 
 # ---------------------------------------------------------------------------------------------------
+# 7. The leaderboard: each model's complete ModelMeta, and the folder a results PR needs (--submission)
+# ---------------------------------------------------------------------------------------------------
+
+# train.py's and finetune.py's flags whose values are a model's training data (their run.json "inputs"; --train_data
+# also as a Hub id in its "flags")
+DATA_FLAGS = ("--groups_dir", "--beir_dir", "--train_data")
+
+
+def registry_entry(name: str, revision: Optional[str]):
+    """mteb's own ModelMeta of `name` when its registry holds the model at this revision (or names no revision), else
+    None. It is used as it is: never rebuilt, never overwritten by what this repository would say."""
+    from mteb.models.model_implementations import MODEL_REGISTRY
+
+    entry = MODEL_REGISTRY.get(name)
+    return entry if entry is not None and (not entry.revision or entry.revision == revision) else None
+
+
+def data_origins(flag: str, path: str) -> list:
+    """Where one training input's data came from: a groups folder's own sources (select_groups.py's stats.json
+    "dataset", a Hub id, and its .xprt/run_config.json "input" files), else the input itself."""
+    if flag == "--groups_dir":
+        recorded = read_json(Path(path) / "stats.json").get("dataset")
+        files = read_json(Path(path) / META_DIR / "run_config.json").get("input") or []
+        if recorded or files:
+            return [recorded] * bool(recorded) + list(files)
+    return [path]
+
+
+def training_sources(path: str) -> tuple[list, list]:
+    """What trained a model folder, stage by stage, from the records train.py and finetune.py leave beside the folders
+    they write (<run>/run.json beside <run>/model: the inputs, with their paths, and the flags), following each run's
+    --model_name_or_path back through the lineage xprt_config.json records -> (sources: [{"stage", "flag",
+    "source"}], gaps: the stages whose data no record names, in words). Trusted: that run.json is the run that wrote
+    the folder beside it (a folder copied without it is a gap)."""
+    folder = Path(resolve_model_path(path))
+    lineage = read_json(folder / "xprt_config.json").get("lineage") or []
+    sources, gaps = [], []
+    for stage in [s["stage"] for s in lineage[1:]][::-1]:  # the trained stages, the last first
+        record = read_json(folder.parent / "run.json") if folder.name in ("model", "best_model") else {}
+        if not record.get("inputs"):
+            gaps.append(f"{stage}: no run.json beside {folder}")
+            break
+        inputs, flags = record["inputs"], record.get("flags") or {}
+        for flag in DATA_FLAGS:
+            found = [s for p in (inputs.get(flag) or {}).get("paths", []) for s in data_origins(flag, p)]
+            if not found and isinstance(flags.get(flag[2:]), str):  # a Hub dataset, no path
+                found = [flags[flag[2:]]]
+            sources += [{"stage": stage, "flag": flag, "source": s} for s in found]
+        start = (inputs.get("--model_name_or_path") or {}).get("paths") or []
+        if not start:
+            break
+        folder = Path(start[0])
+    return sources, gaps
+
+
+def _task_key(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+_TASK_KEYS: dict = {}
+
+
+def mteb_tasks_of(source: str) -> list:
+    """The mteb tasks whose data a training source is, by the name they share: a Hub dataset id equal to a task's
+    dataset id or to its last part (mteb/scifact, BeIR/scifact -> SciFact), a local folder or file named as a task or
+    as the last part of its dataset id (a BEIR folder scifact/ -> SciFact; a FlagEmbedding msmarco.jsonl -> MSMARCO).
+    A local copy keeps its origin in its name and nowhere else; web text (HuggingFaceFW/fineweb, docs.jsonl) names no
+    task. Case and punctuation are ignored; every id mteb has (superseded ones too) counts."""
+    if not _TASK_KEYS:
+        for t in mteb.get_tasks(exclude_superseded=False):
+            path = t.metadata.dataset.get("path") or ""
+            for key in {t.metadata.name, path, path.rsplit("/", 1)[-1]} - {""}:
+                _TASK_KEYS.setdefault(_task_key(key), set()).add(t.metadata.name)
+    name = Path(source).name.split(".")[0] if os.path.exists(source) else source
+    for key in dict.fromkeys([name, name.rsplit("/", 1)[-1]]):
+        if _task_key(key) in _TASK_KEYS:
+            return sorted(_TASK_KEYS[_task_key(key)])
+    return []
+
+
+def weights_megabytes(folder: Path) -> Optional[int]:
+    """The memory the weights take as saved (every *.safetensors of the folder but the decoder heads, each tensor's
+    element count x its dtype's size, read from the files' headers), as mteb reckons it from a Hub repository's
+    safetensors metadata; None without safetensors files."""
+    from safetensors import safe_open
+
+    total, files = 0, [f for f in folder.rglob("*.safetensors") if f.name != "xprt_heads.safetensors"]
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                t = fh.get_slice(k)
+                total += math.prod(t.get_shape()) * {"F64": 8, "F32": 4, "I64": 8, "I32": 4}.get(t.get_dtype(), 2)
+    return round(total / 2**20) if files else None
+
+
+def model_meta_of(name_or_path: str, path: str, st_model, prompts: dict, max_length: int,
+                  given: Optional[dict] = None) -> tuple:
+    """A model's complete mteb ModelMeta -> (meta, {field: where its value came from}, [what is still missing for a
+    leaderboard submission, in words]).
+
+    A model mteb's registry holds at this revision, unmodified (all-MiniLM-L6-v2, a Hub id), gets the registry's own
+    entry as it is. Any other is described from what it records: its folder (the weights, modules.json, the card's
+    licence and languages, xprt_config.json's lineage, whose first stage names the start: adapted_from), the run
+    records beside it (training_sources, mapped to mteb task names by mteb_tasks_of: training_datasets) and the
+    loaded model (parameters, dimension, similarity, length); `given` adds what no record holds:
+    public_training_code, public_training_data, training_datasets (evaluate.py's flags of those names)."""
+    from mteb.languages.iso_mappings import _hf_langs_to_iso_lang_scripts  # mteb's own reading of a card's languages
+    from pydantic import ValidationError
+
+    from plumbing.model_folder import card_data, card_language, card_license
+
+    given = given or {}
+    name, revision = model_name_and_revision(name_or_path)
+    folder = Path(path) if os.path.isdir(path) else None
+    cfg = read_json(folder / "xprt_config.json") if folder else {}
+    entry = None if cfg else registry_entry(name, revision)
+    if entry is not None:
+        return entry, {"(every field)": f"mteb's registry entry of {name} at revision {entry.revision}, as it is"}, []
+    said, missing = {}, []
+    said["name"] = ("xprt_config.json's hub_model_id" if cfg.get("hub_model_id") else "the Hub id" if not folder else
+                    "local/ + the run's folder name (no Hub id recorded)")
+    said["revision"] = ("12 hex digits of a hash of the weights' and configs' content (content_revision)" if folder
+                        else "the local Hub snapshot's commit")
+    if name.startswith("local/"):
+        missing.append("no Hub id: the leaderboard names a model by its Hub repository. Push it (train.py / "
+                       "finetune.py --push_to_hub --hub_model_id ORG/NAME) and evaluate the Hub id, whose revision is "
+                       "then the Hub commit")
+    elif folder:
+        missing.append(f"revision {revision} is this folder's content hash, not a Hub commit of {name}: evaluate the "
+                       "pushed model by its Hub id")
+    weights = next((f for f in sorted(folder.rglob("*.safetensors")) if f.name != "xprt_heads.safetensors"),
+                   None) if folder else None
+    release_date = None
+    if weights is not None:
+        import datetime
+
+        release_date = datetime.datetime.fromtimestamp(weights.stat().st_mtime, datetime.timezone.utc).date()
+        said["release_date"] = f"the day {weights.relative_to(folder)} was written (UTC)"
+    else:
+        missing.append("no release date: the folder holds no safetensors weights to date (a Hub model: its first "
+                       "commit, which needs the Hub)")
+    languages = _hf_langs_to_iso_lang_scripts(card_language(name_or_path))
+    said["languages"] = "the model card's language, as mteb converts a card's"
+    if not languages:
+        missing.append("no language: the model card names none")
+    n_parameters = sum(p.numel() for p in st_model.parameters())
+    said["n_parameters"] = "the loaded sentence-transformers model's parameters"
+    memory = weights_megabytes(folder) if folder else None
+    said["memory_usage_mb"] = ("the weights as saved (safetensors headers: elements x dtype size)" if memory else
+                               "mteb's estimate: n_parameters x 4 bytes")
+    if memory is None:
+        memory = ModelMeta._calculate_memory_usage_mb(name, n_parameters)
+    said["n_embedding_parameters"] = "mteb's reckoning: the tokenizer's vocabulary x the embedding dimension"
+    said.update(max_tokens="the length limit the model states (sentence_bert_config.json), at most its positions",
+                embed_dim="the loaded model's sentence-embedding dimension",
+                similarity_fn_name="config_sentence_transformers.json's similarity_fn_name (cosine when none)",
+                use_instructions="whether the model's own prompts (config_sentence_transformers.json) are non-empty",
+                framework="the folder's files: sentence-transformers modules, PyTorch, safetensors, transformers' "
+                          "config.json", open_weights="the weights are in the folder")
+    license_ = card_license(name_or_path)
+    said["license"] = "the model card's licence (train.py / finetune.py carry the start's on)"
+    lineage = cfg.get("lineage") or []
+    start = (lineage[0].get("model") if lineage else None) or cfg.get("base_model")
+    if not folder or not cfg:  # no lineage of ours: what the card says it derives from
+        card = card_data(name_or_path)
+        start = getattr(card, "base_model", None) if card is not None else None
+        start = start[0] if isinstance(start, list) and start else start
+    said["adapted_from"] = "xprt_config.json's lineage: its first stage, the start model" if cfg else \
+        "the model card's base_model"
+    if start is None and lineage:
+        missing.append("no adapted_from: the start model was a local folder with no Hub id, so mteb cannot count its "
+                       "own training data")
+    elif start is not None and start not in mteb_registry_names():
+        missing.append(f"adapted_from {start} is not in mteb's registry: its own training data counts in the "
+                       "zero-shot figure only once its ModelMeta is added")
+    # training_datasets: every stage's data mapped to mteb tasks; unknown (None) while a stage's data is unknown
+    sources, gaps = training_sources(path) if cfg else ([], [] if lineage else ["the model's training"])
+    tasks = sorted({t for s in sources for t in mteb_tasks_of(s["source"])} | set(given.get("training_datasets") or []))
+    if gaps and given.get("training_datasets") is None:
+        training_datasets = None
+        missing.append(f"training data unknown ({'; '.join(gaps)}): pass --training_datasets TASK ... (the mteb "
+                       "tasks whose data trained it; none when none did)")
+    else:
+        training_datasets = set(tasks)
+    said["training_datasets"] = "; ".join(
+        [f"{s['flag']} {Path(s['source']).name if os.path.exists(s['source']) else s['source']} "
+         f"({stage_script(s['stage'])}) -> {', '.join(mteb_tasks_of(s['source'])) or 'no mteb task'}"
+         for s in sources]
+        + ([f"--training_datasets {' '.join(given['training_datasets']) or '(none)'}"]
+           if given.get("training_datasets") is not None else [])) or "no record"
+    for field, flag in (("public_training_code", "--public_training_code"),
+                        ("public_training_data", "--public_training_data")):
+        said[field] = f"{flag}" if given.get(field) else "not given"
+        if not given.get(field):
+            missing.append(f"no {field.replace('_', ' ')} given: pass {flag} URL")
+    with warnings.catch_warnings():  # mteb's helper calls sentence-transformers' renamed dimension method
+        warnings.simplefilter("ignore", FutureWarning)
+        n_embedding = ModelMeta._get_n_embedding_parameters_from_sentence_transformers(st_model)
+    files = {f.name for f in folder.iterdir()} if folder else set()
+    framework = ["Sentence Transformers", "PyTorch"] + ["safetensors"] * bool(weights) + [
+        "Transformers"] * ("config.json" in files)
+    fields = dict(
+        loader=None, name=name, revision=revision, release_date=release_date and release_date.isoformat(),
+        languages=languages, n_parameters=n_parameters,
+        n_embedding_parameters=n_embedding,
+        memory_usage_mb=memory, max_tokens=max_length, embed_dim=st_model.get_embedding_dimension(), license=license_,
+        open_weights=True, public_training_code=given.get("public_training_code"),
+        public_training_data=given.get("public_training_data"), framework=framework,
+        reference=None if name.startswith("local/") else f"https://huggingface.co/{name}",
+        similarity_fn_name=scoring_function(st_model.similarity_fn_name), use_instructions=any(prompts.values()),
+        training_datasets=training_datasets, adapted_from=start, modalities=["text"], model_type=["dense"])
+    said["reference"] = "the Hub page of its name" if fields["reference"] else "none (no Hub id)"
+    try:
+        meta = ModelMeta(**fields)
+    except ValidationError:  # a licence mteb's list does not hold: left out, and said
+        meta = ModelMeta(**{**fields, "license": None})
+        license_ = None
+    if license_ is None:
+        missing.append(f"no licence mteb accepts (the card says {card_license(name_or_path)!r}): set the card's "
+                       "licence (train.py / finetune.py --license) to one of mteb.types.Licenses or a URL")
+    return meta, said, missing
+
+
+def stage_script(stage: str) -> str:
+    """The script of a lineage stage ("xprt pretrain (xprt), 2 steps (train.py)" -> "train.py")."""
+    found = re.search(r"\((\w+\.py)\)$", stage)
+    return found.group(1) if found else stage
+
+
+def mteb_registry_names() -> set:
+    from mteb.models.model_implementations import MODEL_REGISTRY
+
+    return set(MODEL_REGISTRY)
+
+
+def leaderboard_exclusion(t: dict, r: dict) -> Optional[str]:
+    """Why a result does not go into a results PR (None: it goes): the leaderboard holds mteb tasks scored on mteb's own
+    data, whole, with the model's own settings, so a user's own task, a local copy, a --limit sample and a run with
+    forced settings are left out, each with the way to a result that goes."""
+    s = r.get("settings") or {}
+    if t.get("scored_by") == "own":
+        return "the user's own task, not an mteb task"
+    if "data" in s:
+        return (f"scored on a local copy (data_{s['data']}), which mteb cannot tell is its data: rerun it as "
+                f"--tasks {t['name']} (needs the Hub)")
+    if "limit" in s:
+        return f"a --limit {s['limit']} sample, not the whole task"
+    if s:
+        return f"scored with settings that are not the model's own ({', '.join(sorted(s))})"
+    if not r.get("result_file"):
+        return "not written to an mteb results folder"
+    return None
+
+
+def check_submission_folder(folder: Path, overwrite: bool, inputs: dict):
+    """--submission DIR, checked before any scoring. It is written whole, in one rename (atomic_path), so it may be
+    absent, or hold an earlier --submission (its submission.json says so), replaced with --overwrite; anything else,
+    a folder inside an input or holding one, and a place that cannot be written are refused in one line."""
+    check_inputs_apart(folder, inputs, "--submission")
+    if folder.exists():
+        if read_json(folder / "submission.json").get("written_by") != SUBMISSION_MARK:
+            raise UserError(f"--submission {folder} exists and is no folder evaluate.py --submission wrote: it is "
+                            "never replaced; choose another")
+        if not overwrite:
+            raise UserError(f"--submission {folder} holds an earlier submission: pass --overwrite to replace it")
+    check_writable(folder.parent, "--submission")
+
+
+SUBMISSION_MARK = "evaluate.py --submission"
+
+
+def pr_meta(meta, registry: bool, prompts: dict):
+    """The ModelMeta a ModelMeta PR adds: the model's own, loaded by mteb's sentence-transformers wrapper with its
+    prompts (as mteb's E5 entries give theirs); a registry entry as it is."""
+    from mteb.models.sentence_transformer_wrapper import SentenceTransformerEncoderWrapper
+
+    if registry:
+        return meta
+    own = {k: v for k, v in (prompts or {}).items() if v}
+    return meta.model_copy(update={"loader": SentenceTransformerEncoderWrapper, "experiment_kwargs": None,
+                                   "loader_kwargs": {"model_prompts": own} if own else {}})
+
+
+def python_entry(meta, missing: Sequence[str]) -> str:
+    """The ModelMeta as the Python source a ModelMeta PR adds to mteb/models/model_implementations/ (ModelMeta's own
+    to_python), with its imports and, on top, what is still missing."""
+    import textwrap
+
+    var = re.sub(r"\W+", "_", meta.name.rsplit("/", 1)[-1]).strip("_").lower() or "model"
+    todo = "".join("\n".join(textwrap.wrap(m, 116, initial_indent="#   - ", subsequent_indent="#     ")) + "\n"
+                   for m in missing) or "#   nothing\n"
+    return (f"# The ModelMeta of {meta.name} at revision {meta.revision}, as a ModelMeta PR adds it to mteb\n"
+            f"# (mteb/models/model_implementations/), written by xprt's {SUBMISSION_MARK}. Still missing:\n{todo}"
+            "from mteb.models.model_meta import ModelMeta, ScoringFunction\n"
+            "from mteb.models.sentence_transformer_wrapper import SentenceTransformerEncoderWrapper\n\n"
+            f"{var} = {meta.to_python()}\n")
+
+
+def write_submission(out: dict, folder: Path, run: dict) -> dict:
+    """The folder a results PR needs (--submission), written whole in one rename -> its record (submission.json).
+
+    For each model: results/<org__name>/<revision>/ in mteb's ResultCache layout, so that `mteb.ResultCache(folder)`
+    reads it and its submit_results copies it into the results repository: the task JSONs mteb wrote (only those the
+    leaderboard takes: leaderboard_exclusion), model_meta.json (ModelMeta.to_dict, as mteb's own save_to_cache
+    writes it, the loader by name) and run_settings.jsonl (mteb's own lines for the task, merged by mteb's own
+    writer, with "xprt": the code, the command and flags, the prompts, dtype, device, batch size, length limit, and
+    the task's dataset revision, mteb id and the mteb version its result names); model_meta/<org__name>.py, the
+    ModelMeta PR's entry (none for a model mteb's registry holds); README.md, what it holds and what is still
+    missing. The PRs themselves are not made (they need the network and a GitHub token): README.md says how."""
+    from mteb.results.task_result import _read_run_settings_from_file, _write_and_merge_keyed_json
+
+    record = {"written_by": SUBMISSION_MARK, "mteb_version": mteb.__version__, "code": run["code"],
+              "command": run["command"], "models": {}}
+    with atomic_path(folder) as tmp:
+        for m in out["models"]:
+            info = out["model_meta"][m]
+            meta = pr_meta(out["metas"][m], info["registry"], out["runtime"][m].get("prompts"))
+            dest = tmp / "results" / meta.model_name_as_path() / str(meta.revision)
+            dest.mkdir(parents=True)
+            submitted, left_out, settings = [], {}, []
+            for t in out["tasks"]:
+                r = out["results"][m][t["name"]]
+                why = leaderboard_exclusion(t, r)
+                if why:
+                    left_out[t["name"]] = why
+                    continue
+                source = Path(r["result_file"])
+                (dest / source.name).write_bytes(source.read_bytes())
+                submitted.append(t["name"])
+                xprt = {**run["settings"], **out["runtime"][m],
+                        "task": {"dataset": t.get("dataset"), "mteb_ids": t.get("variant"),
+                                 "result_mteb_version": r.get("mteb_version"), "result_date": r.get("date")}}
+                theirs = [e for e in _read_run_settings_from_file(source.parent / "run_settings.jsonl")
+                          if e.get("task") == t["name"]] or [{"task": t["name"], "splits": [t["split"]],
+                                                              "subsets": ["default"]}]
+                settings += [{**e, "xprt": xprt} for e in theirs]
+            (dest / "model_meta.json").write_text(json.dumps(meta.to_dict(), default=str, indent=4))
+            if settings:
+                _write_and_merge_keyed_json(dest / "run_settings.jsonl", settings)
+            missing = list(info["missing"]) + ([] if submitted else [
+                "no result the leaderboard takes: " + ("; ".join(f"{k}: {v}" for k, v in left_out.items())
+                                                       or "no task was scored")])
+            entry = None
+            if not info["registry"]:
+                entry = tmp / "model_meta" / f"{meta.model_name_as_path()}.py"
+                entry.parent.mkdir(exist_ok=True)
+                entry.write_text(python_entry(meta, missing))
+            record["models"][m] = {
+                "name": meta.name, "revision": meta.revision, "registry": info["registry"],
+                "results": str(dest.relative_to(tmp)), "tasks": submitted, "left_out": left_out,
+                "python_entry": str(entry.relative_to(tmp)) if entry else None, "missing": missing,
+                "said": info["said"], "model_meta": json.loads(json.dumps(meta.to_dict(), default=str))}
+        (tmp / "submission.json").write_text(json.dumps(record, indent=1))
+        (tmp / "README.md").write_text(submission_readme(record, folder))
+    return record
+
+
+def submission_readme(record: dict, folder: Path) -> str:
+    """The submission folder's README.md: per model what it holds, its ModelMeta field by field with where each value
+    came from, what was left out and what is still missing; then the steps that need the network."""
+    lines = [f"# An mteb leaderboard submission, written by xprt's {SUBMISSION_MARK}", "",
+             f"mteb {record['mteb_version']}; xprt code {record['code'].get('git') or 'no git commit'} (scripts' "
+             f"sha256 {record['code']['sha256'][:12]}). Command: `{record['command']}`", ""]
+    for m in record["models"].values():
+        lines += [f"## {m['name']} at revision {m['revision']}", "",
+                  f"- `{m['results']}/`: {len(m['tasks'])} task result(s) ({', '.join(m['tasks']) or 'none'}), "
+                  "`model_meta.json`" + (", `run_settings.jsonl`" if m["tasks"] else "")
+                  + ", in mteb's ResultCache layout",
+                  f"- `{m['python_entry']}`: the ModelMeta PR's entry" if m["python_entry"] else
+                  f"- its ModelMeta is mteb's registry entry (`mteb.get_model_meta({m['name']!r})`), used as it is: "
+                  "no ModelMeta PR"]
+        lines += [f"- left out: {task}: {why}" for task, why in m["left_out"].items()]
+        if not m["registry"]:
+            lines += ["", "| field | value | from |", "|---|---|---|"]
+            lines += [f"| {k} | `{json.dumps(v)}` | {m['said'][k]} |" for k, v in m["model_meta"].items()
+                      if k in m["said"]]
+        lines += ["", "Still missing for a valid submission:", ""]
+        lines += [f"- {x}" for x in m["missing"]] or ["- nothing"]
+        lines.append("")
+    lines += ["## The steps that need the network (not taken here)", "",
+              "1. The ModelMeta PR: add each `model_meta/*.py` entry to mteb's `mteb/models/model_implementations/`.",
+              "2. The results PR, by mteb's own code (it clones embeddings-benchmark/results and commits on a branch):",
+              "", "```bash", *([f"python -c \"import mteb; mteb.ResultCache('{folder}').submit_results('{m['name']}', "
+                                 "create_pr=True)\"" for m in record["models"].values() if m["tasks"]]
+                               or ["# no model has a result the leaderboard takes yet"]), "```", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
 # 6. Command line
 # ---------------------------------------------------------------------------------------------------
 
@@ -1329,6 +1844,21 @@ def parse_args(argv=None):
     p.add_argument("--no_card_update", action="store_true",
                    help="leave the model card (README.md) of a scored xprt folder as it is (a folder you may not "
                         "write); by default the scores are written into it")
+    p.add_argument("--submission", default=None, metavar="DIR",
+                   help="also write the folder an mteb leaderboard submission needs: each model's task results in "
+                        "mteb's ResultCache layout (results/<org__name>/<revision>/<Task>.json, model_meta.json, "
+                        "run_settings.jsonl), its ModelMeta as the Python entry a ModelMeta PR adds, and README.md "
+                        "saying what is still missing; only mteb tasks scored on mteb's data, whole, with the "
+                        "model's own settings go in. The PRs are not made (README.md says how)")
+    p.add_argument("--public_training_code", default=None, metavar="URL",
+                   help="the public training code, for each model's ModelMeta (e.g. this repository at its commit); "
+                        "a submission lists it as missing without it")
+    p.add_argument("--public_training_data", default=None, metavar="URL",
+                   help="the public training data, for each model's ModelMeta; a submission lists it as missing "
+                        "without it")
+    p.add_argument("--training_datasets", nargs="*", default=None, metavar="TASK",
+                   help="mteb tasks whose data trained the models beyond what their run records name (given with no "
+                        "name: none); needed when a stage's records are gone (a folder copied without its run.json)")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="auto: bf16 (fp16 before Ampere) on GPU, fp32 on CPU")
@@ -1336,7 +1866,22 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.tasks and not args.local_tasks and not args.benchmark:
         args.benchmark = DEFAULT_BENCHMARK
+    for name in args.training_datasets or []:  # mteb's names, or the zero-shot figure would count nothing
+        mteb_task(name, "--training_datasets")
     return args
+
+
+def public_task_flags(argv: Sequence[str]) -> list:
+    """argv with each --local_tasks folder as DIR (NAME=DIR keeps its NAME), for the command a submission records:
+    model_folder.public_command hides the other local paths."""
+    words, flag = [], ""
+    for word in map(str, argv):
+        flag = word if word.startswith("--") else flag
+        if flag == "--local_tasks" and word != flag:
+            name = task_spec(word)[0]
+            word = f"{name}=DIR" if name else "DIR"
+        words.append(word)
+    return words
 
 
 def main(argv=None):
@@ -1355,6 +1900,8 @@ def main(argv=None):
     if existing and not args.overwrite:
         raise UserError(f"{out_dir} already has {[p.name for p in existing]}; pass --overwrite (finished tasks come "
                         "from the results folder)")
+    if args.submission:
+        check_submission_folder(Path(args.submission), args.overwrite, inputs)
     results_dir = args.results_dir or str(mteb.ResultCache().cache_path)
     update_cards = not args.score_as and not args.no_card_update
     check_outputs_writable(args.models if update_cards else [], results_dir)
@@ -1366,7 +1913,9 @@ def main(argv=None):
                          passage_prefix=args.passage_prefix,
                          results_dir=results_dir, rerun=args.rerun,
                          trust_remote_code=args.trust_remote_code, update_cards=update_cards,
-                         score_as=args.score_as)
+                         score_as=args.score_as, model_meta_given={
+                             k: getattr(args, k) for k in ("public_training_code", "public_training_data",
+                                                           "training_datasets")})
     retrieval = [t["name"] for t in out["tasks"] if t["type"] == "Retrieval"]
     overlap = [] if args.overlap_analysis is None else (args.overlap_analysis or retrieval)
     bad = [t for t in overlap if t not in retrieval]
@@ -1374,6 +1923,20 @@ def main(argv=None):
         raise UserError(f"--overlap_analysis needs retrieval tasks that were run; not: {bad}")
     rep = write_report(out, out_dir, overlap, overwrite=args.overwrite)
     print((out_dir / "results.md").read_text())
+    if args.submission:
+        # what a reviewer of the results asks for when scores disagree; local paths left out (public_command shows
+        # them as placeholders), as on a model card
+        paths = ("models", "output_dir", "results_dir", "submission", "local_tasks", "score_as")
+        run = {"code": code_revision(),
+               "command": public_command("evaluate.py", public_task_flags(sys.argv[1:] if argv is None else argv)),
+               "settings": {"batch_size": args.batch_size, "mteb_version": mteb.__version__,
+                            "flags": {k: v for k, v in sorted(vars(args).items()) if k not in paths}}}
+        rep["submission"] = write_submission(out, Path(args.submission), run)
+        for m in rep["submission"]["models"].values():
+            print(f"submission {args.submission}: {m['name']} at {m['revision']}: {len(m['tasks'])} task result(s)"
+                  + "".join(f"\n  missing: {x}" for x in m["missing"]), flush=True)
+        print(f"submission {args.submission}: the PRs are not made here; {args.submission}/README.md says how",
+              flush=True)
     return rep
 
 

@@ -322,8 +322,8 @@ def test_bad_input_errors(tmp_path):
     (tmp_path / "weird").mkdir()
     with pytest.raises(ValueError, match="not a known task layout"):
         ev.parse_local_spec(str(tmp_path / "weird"))
-    with pytest.raises(ValueError, match="name it"):  # a BEIR folder whose name is no mteb task
-        ev.parse_local_spec(str(write_beir(tmp_path / "my_retrieval")))
+    with pytest.raises(UserError, match="mteb's STS12 is a STS task, the folder a Retrieval one"):
+        ev.parse_local_spec(f"STS12={write_beir(tmp_path / 'a_beir_folder')}")
     # qrels ids absent from the corpus: counted, warned, dropped
     b = write_beir(tmp_path / "b1", extra_qrels=[("q1", "ghost1"), ("q2", "ghost2")])
     with pytest.warns(UserWarning, match="2 qrels lines point to documents absent"):
@@ -636,3 +636,81 @@ def test_a_task_folder_with_an_equals_sign_is_read_whole(beir, tmp_path):
     assert folder == odd and kind == "retrieval"
     name, folder, _ = ev.parse_local_spec(f"SciFact={odd}")
     assert (name, folder) == ("SciFact", odd)
+
+
+# ---------------------------------------------------------------- a user's own task folder (issue 54 item 11)
+
+
+def test_a_users_own_folder_is_a_first_class_task(tiny_bert, tmp_path):
+    """A BEIR folder under a name mteb does not know (given, or the folder's own) is the user's own task: an mteb
+    AbsTaskRetrieval whose TaskMetadata is the folder's (no stock task's name, dataset id or revision borrowed), scored
+    by mteb's retrieval evaluator and filed by mteb under its own name. The same folder under an mteb task's name is
+    that stock task on the folder's data. On the bundled SciFact sample (real SciFact documents, queries and qrels)
+    the three give one nDCG@10 (one evaluator, one --limit sample), and results.md says which of the two scored
+    each."""
+    import shutil
+
+    from mteb.abstasks.retrieval import AbsTaskRetrieval
+
+    scifact = Path(__file__).resolve().parent.parent / "data" / "eval" / "scifact"
+    mine = tmp_path / "my_claims"
+    shutil.copytree(scifact, mine)
+    assert ev.parse_local_spec(f"MyClaims={scifact}") == ("MyClaims", scifact, "retrieval")
+    assert ev.parse_local_spec(str(mine)) == ("my_claims", mine, "retrieval")  # 146ed67: "cannot tell which mteb task"
+    own = ev.build_task("MyClaims", local=(scifact, "retrieval"))
+    stock = ev.build_task("SciFact", local=(scifact, "retrieval"))
+    assert isinstance(own, AbsTaskRetrieval) and type(own).__mro__[2] is AbsTaskRetrieval  # the mix-in, then mteb's
+    assert (own.metadata.name, own.metadata.dataset, own.metadata.eval_splits, own.metadata.main_score) == (
+        "MyClaims", {"path": str(scifact), "revision": "local"}, ["test"], "ndcg_at_10")
+    assert stock.metadata == mteb.get_task("SciFact").metadata  # the stock task, its metadata untouched
+
+    results = tmp_path / "results"
+    out = ev.run_evaluation([str(tiny_bert)], local_tasks=[f"SciFact={scifact}", f"MyClaims={scifact}", str(mine)],
+                            limit=10, corpus_limit=60, results_dir=str(results), show_progress=False, batch_size=16)
+    scores = {t: r["main_score"] for t, r in out["results"][str(tiny_bert)].items()}
+    assert 0.0 < scores["SciFact"] < 100.0
+    assert scores["MyClaims"] == pytest.approx(scores["SciFact"], abs=1e-9)
+    assert scores["my_claims"] == pytest.approx(scores["SciFact"], abs=1e-9)
+    assert [t["scored_by"] for t in out["tasks"]] == ["stock", "own", "own"]
+    name = out["model_meta"][str(tiny_bert)]["name"]
+    loaded = mteb.ResultCache(results).load_results(models=[name], include_remote=False, load_experiments="match_name")
+    assert {tr.task_name: 100 * tr.get_score() for m in loaded.model_results for tr in m.task_results} == \
+        pytest.approx(scores)
+    ev.write_report(out, tmp_path / "report")
+    md = (tmp_path / "report" / "results.md").read_text()
+    assert ("Local task folders (`--local_tasks`): SciFact: the stock mteb task SciFact on the folder `scifact`'s "
+            "data; MyClaims: the user's own task, from folder `scifact`, scored by mteb's retrieval evaluator "
+            "(ndcg_at_10); my_claims: the user's own task, from folder `my_claims`, scored by mteb's retrieval "
+            "evaluator") in md
+    data = ev.data_fingerprint(scifact)
+    assert (f"| SciFact | the stock mteb task SciFact on the folder `scifact`'s data | local folder `scifact` "
+            f"(data_{data}), in place of mteb/scifact @ d56462d0e63a | the only id | {mteb.__version__} |") in md
+    assert f"| MyClaims | the user's own task, from folder `scifact`, scored by mteb's retrieval evaluator " \
+           f"(ndcg_at_10) | local folder `scifact` (data_{data}) | not an mteb task | {mteb.__version__} |" in md
+
+
+def test_own_sts_and_classification_folders_score_as_their_stock_tasks(tmp_path):
+    """The family beyond retrieval: a SemEval STS folder and a Banking77-layout folder under names of their own are
+    own tasks of mteb's STS and classification classes, scoring what the stock tasks score on the same files
+    (Spearman 89.44 of the one-hot vectors against the gold scores; accuracy 100). Two folders called alike are
+    refused, not filed under one name."""
+    sts = write_semeval_sts(tmp_path / "sts12")
+    pairs = write_semeval_sts(tmp_path / "my_pairs")
+    intents = tmp_path / "my_intents"
+    intents.mkdir()
+    for split, n in (("train", 10), ("test", 4)):
+        rows = "".join(("my card apple,card\n", "rate banana,rate\n")[i % 2] for i in range(n))
+        (intents / f"{split}.csv").write_text("text,category\n" + rows)
+    out = ev.run_evaluation(["perfect"], local_tasks=[str(sts), str(pairs), f"Banking77Classification={intents}",
+                                                      str(intents)], encoder_factory=factory("perfect"),
+                            show_progress=False)
+    r = out["results"]["perfect"]
+    assert r["STS12"]["main_score"] == pytest.approx(100 * 0.894427, abs=1e-3)
+    assert r["my_pairs"]["main_score"] == pytest.approx(r["STS12"]["main_score"], abs=1e-9)
+    assert r["my_pairs"]["metric"] == "cosine_spearman"
+    assert r["my_intents"]["main_score"] == r["Banking77Classification"]["main_score"] == pytest.approx(100.0)
+    assert [(t["name"], t["scored_by"]) for t in out["tasks"]] == [
+        ("STS12", "stock"), ("my_pairs", "own"), ("Banking77Classification", "stock"), ("my_intents", "own")]
+    twin = write_semeval_sts(tmp_path / "b" / "my_pairs")
+    with pytest.raises(UserError, match="two tasks are called my_pairs: name the local ones apart"):
+        ev.task_specs([str(pairs), str(twin)], [], None)
