@@ -1524,28 +1524,29 @@ def model_meta_of(name_or_path: str, path: str, st_model, prompts: dict, max_len
     if entry is not None:
         return entry, {"(every field)": f"mteb's registry entry of {name} at revision {entry.revision}, as it is"}, []
     said, missing = {}, []
-    said["name"] = ("xprt_config.json's hub_model_id" if cfg.get("hub_model_id") else "the Hub id" if not folder else
-                    "local/ + the run's folder name (no Hub id recorded)")
-    said["revision"] = ("12 hex digits of a hash of the weights' and configs' content (content_revision)" if folder
+    own = os.path.isdir(name_or_path)  # a folder given by its path (else a Hub id, whose snapshot may be here)
+    said["name"] = ("xprt_config.json's hub_model_id" if cfg.get("hub_model_id") else
+                    "local/ + the run's (or the folder's) name, no Hub id recorded" if own else "the Hub id")
+    said["revision"] = ("12 hex digits of a hash of the weights' and configs' content (content_revision)" if own
                         else "the local Hub snapshot's commit")
     if name.startswith("local/"):
         missing.append("no Hub id: the leaderboard names a model by its Hub repository. Push it (train.py / "
                        "finetune.py --push_to_hub --hub_model_id ORG/NAME) and evaluate the Hub id, whose revision is "
                        "then the Hub commit")
-    elif folder:
+    elif own:
         missing.append(f"revision {revision} is this folder's content hash, not a Hub commit of {name}: evaluate the "
                        "pushed model by its Hub id")
     weights = next((f for f in sorted(folder.rglob("*.safetensors")) if f.name != "xprt_heads.safetensors"),
                    None) if folder else None
     release_date = None
-    if weights is not None:
+    if own and weights is not None:
         import datetime
 
         release_date = datetime.datetime.fromtimestamp(weights.stat().st_mtime, datetime.timezone.utc).date()
         said["release_date"] = f"the day {weights.relative_to(folder)} was written (UTC)"
     else:
-        missing.append("no release date: the folder holds no safetensors weights to date (a Hub model: its first "
-                       "commit, which needs the Hub)")
+        missing.append("no release date: a Hub model's is its first commit's (ModelMeta.fetch_release_date needs the "
+                       "Hub)" if not own else "no release date: the folder holds no safetensors weights to date")
     languages = _hf_langs_to_iso_lang_scripts(card_language(name_or_path))
     said["languages"] = "the model card's language, as mteb converts a card's"
     if not languages:
@@ -1589,6 +1590,11 @@ def model_meta_of(name_or_path: str, path: str, st_model, prompts: dict, max_len
                        "tasks whose data trained it; none when none did)")
     else:
         training_datasets = set(tasks)
+    if given.get("training_datasets") is None:
+        # labelled pairs are most often some benchmark's train split, and a file's name may not say whose
+        missing += [f"{s['flag']} {Path(s['source']).name} ({stage_script(s['stage'])}) names no mteb task: if it "
+                    "holds an mteb task's data (a train split counts), add the task with --training_datasets"
+                    for s in sources if s["flag"] != "--groups_dir" and not mteb_tasks_of(s["source"])]
     said["training_datasets"] = "; ".join(
         [f"{s['flag']} {Path(s['source']).name if os.path.exists(s['source']) else s['source']} "
          f"({stage_script(s['stage'])}) -> {', '.join(mteb_tasks_of(s['source'])) or 'no mteb task'}"
@@ -1734,7 +1740,7 @@ def write_submission(out: dict, folder: Path, run: dict) -> dict:
                 source = Path(r["result_file"])
                 (dest / source.name).write_bytes(source.read_bytes())
                 submitted.append(t["name"])
-                xprt = {**run["settings"], **out["runtime"][m],
+                xprt = {"code": run["code"], "command": run["command"], **run["settings"], **out["runtime"][m],
                         "task": {"dataset": t.get("dataset"), "mteb_ids": t.get("variant"),
                                  "result_mteb_version": r.get("mteb_version"), "result_date": r.get("date")}}
                 theirs = [e for e in _read_run_settings_from_file(source.parent / "run_settings.jsonl")
