@@ -15,10 +15,14 @@ Three ways to pick tasks, one scoring path (mteb's own evaluators, so the number
 
 (train.py and finetune.py save the model to `<run>/model`; the run folder beside it holds logs and checkpoints.)
 
-A local folder is loaded into the *stock* mteb task (its class, metadata and metric), only `load_data`
-is replaced (docs/notes.md: "mteb 2.26 offline"). Formats are auto-detected: BEIR retrieval (corpus.jsonl,
-queries.jsonl, qrels/test.tsv), the original STS-B / SICK / SemEval STS12-16 / BIOSSES files, and
-Banking77's train/test csv.
+A local folder under an mteb task's name (given as NAME=DIR, or said by its files or its folder's name: scifact/,
+sts-test.csv) is loaded into that *stock* mteb task (its class, metadata and metric), only `load_data` is replaced
+(docs/notes.md: "mteb 2.26 offline"). Under any other name (given, or the folder's own) it is the user's own task:
+mteb's retrieval, STS or classification class with the folder's metadata, scored by mteb's evaluator of that type.
+results.md says which of the two scored each task, and each task's data revision, mteb id (an original, or its
+cleaned revision: they do not compare) and mteb version. Formats are auto-detected: BEIR retrieval (corpus.jsonl,
+queries.jsonl, qrels/test.tsv), the original STS-B / SICK / SemEval STS12-16 / BIOSSES files, and Banking77's
+train/test csv.
 
 mteb writes each task's result into its standard results folder (--results_dir, default mteb's own cache):
 results/<model>/<revision>/<task>.json, where `mteb.load_results` and `mteb.ResultCache(...).load_results` read
@@ -40,6 +44,13 @@ similarity function, prefixes, length limit: CONTRACT_KEYS) is printed for every
 and where the models differ in any of it the report says so above the table (a dot-product start against a
 cosine-saved continuation compares two similarities, not two trainings). `--score_as MODEL` scores every model with
 MODEL's settings, so that the differences are the weights' alone (filed as an mteb experiment, kept off the cards).
+
+For the MTEB leaderboard every model gets a complete mteb ModelMeta from what its folder records (section 7: the
+registry's own entry for a registry model; else its card's licence, its lineage's start as adapted_from, the mteb
+tasks its runs' data are, ...), and `--submission DIR` writes the folder a results PR needs, saying what is still
+missing (docs/steps.md, Step 4):
+
+    python evaluate.py --models me/xprt-minilm --tasks SciFact --submission runs/submission --public_training_code URL
 
 Plumbing comes from common.py (names, prefixes, files, devices) and model_folder.py (the model card); modeling_xprt.py
 gives only the hand-written embedder of the scores during training (section 4b).
@@ -1814,7 +1825,9 @@ def parse_args(argv=None):
                         "nor --local_tasks is given")
     p.add_argument("--tasks", nargs="*", default=[], help="mteb task names, e.g. SciFact STSBenchmark (online)")
     p.add_argument("--local_tasks", nargs="*", default=[],
-                   help="local folders, optionally TaskName=DIR; format and task auto-detected (offline)")
+                   help="local folders, optionally NAME=DIR (offline; format detected): under an mteb task's name "
+                        "(given, or said by the folder) the stock task scored on the folder's data; under any other "
+                        "(given, or the folder's own) the user's own task, scored by mteb's evaluator of its type")
     p.add_argument("--output_dir", default="outputs/eval", help="where results.md/.json/.png go")
     p.add_argument("--overwrite", action="store_true", help="replace existing results.* in --output_dir")
     p.add_argument("--results_dir", default=None,
