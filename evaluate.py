@@ -1496,6 +1496,11 @@ def mteb_tasks_of(source: str) -> list:
     return []
 
 
+# bytes per element of each safetensors dtype (the table mteb reads a Hub repository's weights by, completed)
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+               "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 def weights_megabytes(folder: Path) -> Optional[int]:
     """The memory the weights take as saved (every *.safetensors of the folder but the decoder heads, each tensor's
     element count x its dtype's size, read from the files' headers), as mteb reckons it from a Hub repository's
@@ -1507,7 +1512,7 @@ def weights_megabytes(folder: Path) -> Optional[int]:
         with safe_open(str(f), "pt") as fh:
             for k in fh.keys():
                 t = fh.get_slice(k)
-                total += math.prod(t.get_shape()) * {"F64": 8, "F32": 4, "I64": 8, "I32": 4}.get(t.get_dtype(), 2)
+                total += math.prod(t.get_shape()) * DTYPE_BYTES.get(t.get_dtype(), 4)
     return round(total / 2**20) if files else None
 
 
