@@ -1018,7 +1018,8 @@ def main(argv=None):
     lengths = [len(r["query"]) + len(r["positive"]) for r in rows]
     collator = PairCollator(tokenizer, query_max_length=args.query_max_length,
                             passage_max_length=args.passage_max_length, query_prefix=model.prompts["query"],
-                            passage_prefix=model.prompts["document"], num_negatives=args.num_negatives)
+                            passage_prefix=model.prompts["document"], num_negatives=args.num_negatives,
+                            pad_to_multiple_of=args.pad_to_multiple_of)
     # No batch holds two rows of one query, and the losses mask every in-batch copy of a row's positive or other
     # passage labelled relevant to its query. The exact count of what they will mask in the first epoch:
     keys = [r["query"] for r in rows]
@@ -1067,6 +1068,8 @@ def main(argv=None):
                     batch = batch_to_device(batch, accelerator.device)
                     # alpha(t): the weight of the passage-centric L_P in (1 - alpha) L_Q + alpha L_P
                     alpha = pair_alpha_at(state.completed_steps, max_steps, args.pair_alpha, args.pair_alpha_schedule)
+                    if args.compile == "reduce-overhead":  # CUDA graphs: a new step, the last one's outputs done
+                        torch.compiler.cudagraph_mark_step_begin()
                     with accelerator.accumulate(model):
                         if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
                             outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk,

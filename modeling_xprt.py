@@ -968,6 +968,16 @@ def group_lengths(groups, num_related: int, batch_size: int = 8192) -> np.ndarra
         pos += len(anchor)
     return out
 
+def pad_to_multiple(ids: torch.Tensor, mask: torch.Tensor, multiple: int, pad_id: int, left: bool = False) -> tuple:
+    """(N, L) ids and attention mask, widened with masked padding to a multiple of `multiple` (train.py and
+    finetune.py --pad_to_multiple_of: a compiled step meets few shapes); as they are at 1. `left`: a left-padding
+    tokenizer's side."""
+    extra = -ids.shape[-1] % multiple
+    if not extra:
+        return ids, mask
+    pad = (extra, 0) if left else (0, extra)
+    return F.pad(ids, pad, value=pad_id), F.pad(mask, pad, value=0)
+
 def stable_doc_hash(doc_id: str) -> int:
     """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label of
     L_xp, and PAIR's passage ids (of the passage *text*, so that duplicated corpus entries get one id)."""
@@ -1047,12 +1057,14 @@ class GroupCollator:
 
     def __init__(self, tokenizer, num_related: int = 4, max_length: int = 128,
                  encoder_mask_rate: Optional[float] = None, decoder_mask_rate: Optional[float] = None,
-                 passage_prefix: str = "", positive: str = "s1", seed: int = 0):
+                 passage_prefix: str = "", positive: str = "s1", seed: int = 0, pad_to_multiple_of: int = 1):
         if positive not in ("s1", "random"):
             raise ValueError(f"positive must be 's1' or 'random', got {positive!r}")
         if num_related < 1:
             raise ValueError("num_related must be >= 1")
         self.tokenizer, self.num_related, self.max_length, self.positive = tokenizer, num_related, max_length, positive
+        # every batch's width a multiple of this (train.py --pad_to_multiple_of): few shapes for a compiled step
+        self.pad_to_multiple_of = pad_to_multiple_of
         enc_d, dec_d = self.DEFAULT_RATES
         self.encoder_mask_rate = enc_d if encoder_mask_rate is None else encoder_mask_rate
         self.decoder_mask_rate = dec_d if decoder_mask_rate is None else decoder_mask_rate
@@ -1096,6 +1108,7 @@ class GroupCollator:
         head, tail, skip = self.head, self.tail, len(self.head) + len(self.prefix_ids)
         lengths = np.fromiter((len(ids) for ids, _ in passages), dtype=np.int64, count=len(passages))
         n, width = len(passages), len(head) + len(tail) + int(lengths.max())
+        width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of  # rounded up: the padding is masked
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids = np.full((n, width), pad, dtype=np.int64)
         # each row's first token: its padding before it on a left-padding tokenizer
@@ -1268,10 +1281,11 @@ class PairCollator:
     labelled relevant to its query)."""
 
     def __init__(self, tokenizer, query_max_length: int = 32, passage_max_length: int = 128, query_prefix: str = "",
-                 passage_prefix: str = "", num_negatives: int = 1):
+                 passage_prefix: str = "", num_negatives: int = 1, pad_to_multiple_of: int = 1):
         if num_negatives < 0:
             raise ValueError("num_negatives must be >= 0")
         self.tokenizer, self.qlen, self.plen = tokenizer, query_max_length, passage_max_length
+        self.pad_to_multiple_of = pad_to_multiple_of  # every batch's widths a multiple of this (pad_to_multiple)
         self.query_prefix, self.passage_prefix, self.num_negatives = query_prefix, passage_prefix, num_negatives
 
     def __call__(self, rows: list) -> dict:
@@ -1282,10 +1296,16 @@ class PairCollator:
             if len(negs) < self.num_negatives:
                 raise ValueError(f"query {r['query'][:50]!r} has {len(negs)} negatives, need {self.num_negatives}")
             passages += [r["positive"]] + negs[: self.num_negatives]
-        q = self.tokenizer([self.query_prefix + r["query"] for r in rows], padding=True, truncation=True,
-                           max_length=self.qlen, return_tensors="pt")
-        p = self.tokenizer([self.passage_prefix + t for t in passages], padding=True, truncation=True,
-                           max_length=self.plen, return_tensors="pt")
+        tok, left = self.tokenizer, self.tokenizer.padding_side == "left"
+        q = tok([self.query_prefix + r["query"] for r in rows], padding=True, truncation=True, max_length=self.qlen,
+                return_tensors="pt")
+        p = tok([self.passage_prefix + t for t in passages], padding=True, truncation=True, max_length=self.plen,
+                return_tensors="pt")
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        q["input_ids"], q["attention_mask"] = pad_to_multiple(q["input_ids"], q["attention_mask"],
+                                                              self.pad_to_multiple_of, pad, left)
+        p["input_ids"], p["attention_mask"] = pad_to_multiple(p["input_ids"], p["attention_mask"],
+                                                              self.pad_to_multiple_of, pad, left)
         lp = p["input_ids"].shape[1]
         passage_ids, relevant_ids = pair_text_ids(rows, self.num_negatives)
         return {"query_input_ids": q["input_ids"], "query_attention_mask": q["attention_mask"],

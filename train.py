@@ -46,7 +46,7 @@ from plumbing.run_log import EVAL_PREFIX, LogWindow, explain_oom, memory_estimat
 from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype,
                                epoch_batches, export_checkpoint, gradient_cache_step, load_model, log_score,
                                make_accelerator, prepare_output_dir, prepare_run, run_line, save_checkpoint,
-                               save_model, save_run, say_stopped, StopSignals, unpartitioned_loading)
+                               save_model, save_run, say_stopped, StopSignals, uncompiled, unpartitioned_loading)
 
 ROOT = Path(__file__).resolve().parent  # the repository
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
@@ -320,7 +320,7 @@ def load_data(accelerator, args, model, tokenizer):
                                           encoder_mask_rate=args.encoder_mask_rate,
                                           decoder_mask_rate=args.decoder_mask_rate,
                                           passage_prefix=model.prompts["document"], positive=args.positive,
-                                          seed=args.seed)
+                                          seed=args.seed, pad_to_multiple_of=args.pad_to_multiple_of)
     lengths, row_extras = collator.sort_lengths(rows, args.seed)
     accelerator.print(passages_cut(rows, tokenizer, args))
     rows = tokenized(accelerator, rows, collator)
@@ -452,7 +452,7 @@ def teacher_cosine(model, teacher, batch) -> torch.Tensor:
     of the batch's clean anchors and top related passages (the retention term's pairs and passes: no dropout, here no
     gradient). 1.0 at step 0. Computed on logging steps only (one extra forward of 2 x groups passages) and left on
     the device: the logging step's one read-back (LogWindow.record) averages it over the processes' batches."""
-    with torch.no_grad():
+    with torch.no_grad(), uncompiled():
         s, t = model.post_pooling(model.clean_student(batch)), model.teacher_vectors(batch, teacher)
     return torch.nn.functional.cosine_similarity(s.float(), t.float(), dim=-1).mean()
 
@@ -573,6 +573,8 @@ def main(argv=None):
                     # w(t): 40 -> 0 over the run, the paper's retention weight (0 throughout without a teacher)
                     w = retention_weight(state.completed_steps, max_steps, args.retention_weight,
                                          args.retention_final_weight, args.retention_schedule)
+                    if args.compile == "reduce-overhead":  # CUDA graphs: a new step, the last one's outputs done
+                        torch.compiler.cudagraph_mark_step_begin()
                     with accelerator.accumulate(model):
                         if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
                             outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk,

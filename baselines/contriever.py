@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from baselines.shared import SETTING_FLAG, AnchorCollator, scoring_of, setting_of
-from modeling_xprt import GroupCollator, Layout, Objective, gather_with_grad, info_nce, register_objective
+from modeling_xprt import (GroupCollator, Layout, Objective, gather_with_grad, info_nce, pad_to_multiple,
+                           register_objective)
 from plumbing.architectures import layer_multiply_adds
 from plumbing.common import UserError, momentum, positive_int, rank_and_world
 
@@ -105,7 +106,8 @@ class ContrieverCollator(CropsBeforeBatching, AnchorCollator):
             am = torch.zeros_like(ids)
             for j, v in enumerate(vs):
                 ids[j, :len(v)], am[j, :len(v)] = torch.tensor(v), 1
-            batch[f"{name}_input_ids"], batch[f"{name}_attention_mask"] = ids, am
+            batch[f"{name}_input_ids"], batch[f"{name}_attention_mask"] = pad_to_multiple(
+                ids, am, self.pad_to_multiple_of, tok.pad_token_id)
         batch["layout"] = Layout(len(rows))
         return batch
 
@@ -432,7 +434,7 @@ class RandomSpanCollator(CropsBeforeBatching, GroupCollator):
             for j, v in enumerate(vs):
                 ids[j, : len(v)] = torch.tensor(v)
                 am[j, : len(v)] = 1
-            return ids, am
+            return pad_to_multiple(ids, am, self.pad_to_multiple_of, tok.pad_token_id)
 
         (ids, am), (sids, sam) = pad(long), pad(short)
         return {"input_ids": ids, "attention_mask": am, "short_input_ids": sids, "short_attention_mask": sam,

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modeling_xprt import GroupCollator, Layout, Objective, group_bounds, register_objective
+from modeling_xprt import GroupCollator, Layout, Objective, group_bounds, pad_to_multiple, register_objective
 from plumbing.common import dropout_rate, non_negative_int, positive_float, positive_int, resolve_model_path
 
 ATTENTION = "revela_sdpa"  # the name the language model's layers look their attention function up by
@@ -201,7 +201,9 @@ class RevelaCollator(GroupCollator):
         lt = self.lm_tokenizer
         lm = lt(flat, padding=True, truncation=True, return_tensors="pt",
                 max_length=self.max_length + lt.num_special_tokens_to_add(pair=False))
-        ids, am = lm["input_ids"], lm["attention_mask"]  # (G*P, L')
+        ids, am = pad_to_multiple(lm["input_ids"], lm["attention_mask"], self.pad_to_multiple_of,
+                                  lt.pad_token_id if lt.pad_token_id is not None else 0, lt.padding_side == "left")
+        # (G*P, L')
         l = ids.shape[1]
         follows = torch.zeros_like(am, dtype=torch.bool)
         follows[:, :-1] = am[:, 1:].bool()  # position t predicts t + 1, a real token

@@ -61,6 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--loop_sizes", nargs="+", default=list(LOOP_SIZES), choices=list(LOOP_SIZES),
                    help="part 2's sizes of train.py's own loop (default both: the paper's BERT-base step, the "
                         "harness's gpu scale)")
+    p.add_argument("--modes", nargs="+", default=["eager", "default", "reduce-overhead", "stock-compiled"],
+                   choices=["eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "stock-compiled"],
+                   help="part 2's table: train.py's loop eager and under these --compile modes (reduce-overhead, CUDA "
+                        "graphs, at the harness's size only), and the stock step whole-model compiled")
     p.add_argument("--memory_sweep", action="store_true",
                    help="also the bf16 xPRT step at doubling groups per step until the memory is full (minutes)")
     p.add_argument("--skip_e2e", action="store_true", help="skip part 5 (select -> train -> evaluate)")
@@ -252,11 +256,12 @@ def loop_groups(folder: Path, max_length: int, n: int) -> Path:
     return folder
 
 
-def stock_step(cfg, device, rows: int, tokens: int, peak, steps: int = 6) -> dict:
+def stock_step(cfg, device, rows: int, tokens: int, peak, steps: int = 6, compiled: bool = False) -> dict:
     """The peer: a stock transformers BertForMaskedLM step of the same config in bf16 autocast (on a GPU), on `rows`
     full sequences of `tokens` (the passages xPRT's encoder reads a step), 15% of positions labelled, forward with the
     full vocabulary logits, backward, AdamW as train.py builds it (fused on CUDA) -> seconds per step, TFLOP/s
-    (FlopCounterMode's count), MFU."""
+    (FlopCounterMode's count, on an eager step), MFU; compiled: the whole model torch.compile'd (its first step's
+    seconds are compile_s, apart from the timed steps)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import BertForMaskedLM
@@ -277,17 +282,22 @@ def stock_step(cfg, device, rows: int, tokens: int, peak, steps: int = 6) -> dic
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter:  # eager: a module first met under the counter never compiles
         step()
     flops = counter.get_total_flops()
-    step()
+    if compiled:
+        model.compile()
+    t0 = time.perf_counter()
+    step()  # compiles, when compiled
     sync(device)
+    compile_s = time.perf_counter() - t0 if compiled else 0.0
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     sync(device)
     dt = (time.perf_counter() - t0) / steps
-    return {"step_s": dt, "tflops_per_s": flops / dt / 1e12, "mfu": flops / dt / peak if peak else None}
+    return {"step_s": dt, "tflops_per_s": flops / dt / 1e12, "mfu": flops / dt / peak if peak else None,
+            "compile_s": compile_s}
 
 
 def train_py_loop(args, device, size: str, peak) -> dict:
@@ -320,7 +330,8 @@ def train_py_loop(args, device, size: str, peak) -> dict:
     argv = ["--model_name_or_path", str(work / "model"), "--groups_dir", str(data), "--max_length", str(max_length),
             "--per_device_train_batch_size", str(groups), "--retention_weight", str(retention), "--seed", "0",
             "--max_document_groups_per_batch", "0", "--no_save_model", "--report_to", "none", "--overwrite",
-            "--learning_rate", "1e-5"] + (["--mixed_precision", "bf16"] if device.type == "cuda" else [])
+            "--learning_rate", "1e-5", "--pad_to_multiple_of", "8"] + (["--mixed_precision", "bf16"]
+                                                                       if device.type == "cuda" else [])
     print(f"== 2. train.py's own loop, {size} ({layers} x {hidden}, {max_length} tokens, {groups} groups a step, "
           f"retention {retention:g}{', bf16' if device.type == 'cuda' else ''}): {steps} steps", flush=True)
     # two steps of the last window that neither count FLOPs (its first step: train_loop's FlopCounterMode) nor log
@@ -365,6 +376,8 @@ def train_py_loop(args, device, size: str, peak) -> dict:
     out = {"size": size, "groups": groups, "steps": steps, "wall_s": round(wall, 1), **mean,
            "host_syncs_per_step": syncs, "aten_ops_per_step": aten, "peak_memory_gib": memory, "top": top,
            "stock": peer, "vs_stock": mean[rate] / peer[rate] if peer[rate] else None}
+    out["modes"] = compiled_modes(args, device, size, argv, work, steps, every, mean, peer, cfg, groups, max_length,
+                                  peak)
     print(f"  {mean['time_per_step_s'] * 1000:8.1f} ms/step, {mean['tflops_per_s']:.3f} TFLOP/s, MFU "
           f"{'n/a' if not peak else f'{mean[rate]:.3f}'}; waiting for data {mean['data_wait_share']:.1%} of the time; "
           f"padding efficiency {mean['padding_efficiency']:.2f}; host syncs {syncs} and aten ops {aten} per steady "
@@ -550,6 +563,48 @@ def selection_speed(args, device):
               "H200)", flush=True)
         out[str(batch_size)] = row
     return out
+
+
+# part 2's alternatives to the eager step, each a train.py --compile mode (CUDA graphs at the small size only: the
+# big step's launches are a small share of its time, and its graphs would hold a copy of its activations)
+MODES = {"bert-base": ("default",), "harness": ("default", "reduce-overhead")}
+
+
+def compiled_modes(args, device, size, argv, work, steps, every, eager, peer, cfg, groups, max_length, peak) -> dict:
+    """Part 2's table at one size: train.py's loop eager (the timed run above), and under each --compile mode of
+    MODES[size] (timed as the eager run is: windows 2 and 3; the compile seconds and graphs from its own log), beside
+    the stock BertForMaskedLM step eager and whole-model compiled -> {mode: {ms a step, MFU or TFLOP/s, compile s,
+    graphs, the ratio to the stock eager step}}, printed as a table. All of train.py's runs pad batches to a multiple
+    of 8 (--pad_to_multiple_of: the compiled runs' default), so the modes differ in how they compute only."""
+    import train
+
+    rate = "mfu" if peak else "tflops_per_s"
+    rows = {"eager": {"ms_per_step": eager["time_per_step_s"] * 1000, rate: eager[rate], "compile_s": 0.0,
+                      "graphs": 0}}
+    for mode in ([] if args.modes == ["eager"] else MODES[size]):
+        if mode not in args.modes:
+            continue
+        out = work / f"compiled_{mode}"
+        train.main(argv + ["--output_dir", str(out), "--max_train_steps", str(steps), "--logging_steps", str(every),
+                           "--compile", mode])
+        log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+        steady = [r for r in log if every < r["step"] <= 3 * every]
+        rows[mode] = {"ms_per_step": 1000 * sum(r["time_per_step_s"] for r in steady) / len(steady),
+                      rate: sum(r.get(rate) or 0 for r in steady) / len(steady),
+                      "compile_s": sum(r.get("compile_s", 0) for r in log), "graphs": log[-1].get("compiled_graphs")}
+    stock_compiled = stock_step(cfg, device, groups * 5, max_length + 2, peak, compiled=True) \
+        if "stock-compiled" in args.modes else None
+    rows["stock eager"] = {"ms_per_step": peer["step_s"] * 1000, rate: peer[rate], "compile_s": 0.0, "graphs": None}
+    if stock_compiled:
+        rows["stock compiled"] = {"ms_per_step": stock_compiled["step_s"] * 1000, rate: stock_compiled[rate],
+                                  "compile_s": stock_compiled["compile_s"], "graphs": None}
+    for row in rows.values():
+        row["vs_stock"] = row[rate] / peer[rate] if peer[rate] else None
+    print(f"  {size}: {'mode':<16} {'ms/step':>9} {rate:>12} {'compile s':>10} {'graphs':>7} {'vs stock':>9}")
+    for mode, row in rows.items():
+        print(f"  {size}: {mode:<16} {row['ms_per_step']:9.1f} {row[rate] or 0:12.4f} {row['compile_s']:10.1f} "
+              f"{'-' if row['graphs'] is None else row['graphs']:>7} {row['vs_stock'] or 0:9.3f}", flush=True)
+    return rows
 
 
 def main(argv=None):

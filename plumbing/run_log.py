@@ -47,6 +47,7 @@ class LogWindow:
         self.max_steps, self.peak_flops = max_steps, peak_flops  # peak FLOP/s of one device (None: not known)
         self.progress = None
         self.flops_per_token = None  # measured on the run's first counted micro-batch (measured)
+        self.shapes = set()  # the distinct shapes of the batches' inputs this process has met (--compile: graphs)
         self.reset()
         if state is not None:  # the checkpoint's open window, when resumed; this one goes into the next checkpoint
             state.log_window = self
@@ -78,11 +79,17 @@ class LogWindow:
         a recomputed forward, the gradient cache's or checkpointing's, is work and counts) and scaled by each later
         one's processed tokens. The run's first counted micro-batch prints the tokens and TFLOP of a step."""
         real, proc = padding_efficiency(batch, skip_tokens)
+        self.shapes.add(tuple((k, tuple(v.shape)) for k, v in batch.items() if k.endswith("input_ids")
+                              and torch.is_tensor(v)))
         self.real_tokens += real
         self.processed_tokens += proc
-        counting = self.n_micro == 0 or self.flops_per_token is None  # (a resumed window: not yet in this process)
+        # (a resumed window: not yet in this process). Under --compile the run's first micro-batch only, run eagerly:
+        # a compiled layer first met under the counter (a dispatch mode) is never compiled (dynamo skips its code)
+        compiled = bool(getattr(self.args, "compile", None))
+        counting = self.flops_per_token is None or (self.n_micro == 0 and not compiled)
         counter = flop_counter() if counting else contextlib.nullcontext()
-        with counter:
+        with counter, (torch.compiler.set_stance("force_eager") if counting and compiled
+                       else contextlib.nullcontext()):
             yield
         if counting:
             first, self.flops_per_token = self.flops_per_token is None, counter.get_total_flops() / max(proc, 1)
@@ -145,6 +152,7 @@ class LogWindow:
 
     def reset(self):
         self.start_time, self.sums, self.n_micro, self.n_skipped = time.time(), {}, 0, 0
+        self.compile_start = compile_seconds()
         self.real_tokens = self.processed_tokens = 0  # attention-mask ones, and every position the device computes
         self.flops = 0.0  # FLOPs of the window's micro-batches (train_loop's count), this process
         self.data_wait = 0.0  # seconds the loop waited for its next batch (timed)
@@ -193,7 +201,9 @@ class LogWindow:
                 f"{bad}; nothing was saved from this state. Lower --learning_rate or use --on_nonfinite skip")
 
     def record(self, accelerator, args, step: int, epoch: int, lr_scheduler, optimizer, scalars: dict) -> dict:
-        world, dt = accelerator.num_processes, time.time() - self.start_time
+        # the window's training time: compiling (--compile: the first batch of each new shape) is logged apart
+        compile_s = compile_seconds() - self.compile_start
+        world, dt = accelerator.num_processes, max(time.time() - self.start_time - compile_s, 1e-9)
         keys = sorted(self.sums)
         # scalars given as device tensors (train.py's drift) join the one read-back, averaged over processes
         on_device = sorted(k for k, v in scalars.items() if torch.is_tensor(v))
@@ -218,8 +228,20 @@ class LogWindow:
             rec["head_lr"] = next(lr for lr, g in zip(lrs, optimizer.param_groups) if g["name"] == "heads")
         if self.n_skipped:
             rec["skipped_nonfinite_micro_batches"] = self.n_skipped
+        if getattr(args, "compile", None):  # what compiling cost this window, and the graphs and shapes so far
+            from torch._dynamo.utils import counters
+
+            rec.update(compile_s=compile_s, compiled_graphs=counters["stats"]["unique_graphs"],
+                       batch_shapes=len(self.shapes))
         self.reset()
         return rec
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent compiling in this process (dynamo's frames and their forward graphs, and the
+    backward graphs, compiled at their first backward), from dynamo's own timers; 0 without --compile."""
+    from torch._dynamo.utils import cumulative_time_spent_ns
+
+    return sum(cumulative_time_spent_ns.get(k, 0) for k in ("entire_frame_compile", "entire_backward_compile")) / 1e9
 
 def finite_everywhere(accelerator, terms: dict, where: str) -> bool:
     """--on_nonfinite skip: True when every loss term is finite on every process, decided before this micro-batch's

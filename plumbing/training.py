@@ -47,11 +47,18 @@ from plumbing.run_log import plot_loss_curves, write_log_record
 def log_score(accelerator, args, scorer, model, step: int, epoch: int, window=None) -> dict:
     """--eval_tasks scored now (evaluate.TrainingScorer) -> its record, written to train_log.jsonl; its time left out
     of the log window's (LogWindow.exclude), so tokens/s and time per step count training only."""
-    rec = scorer(model, step, epoch)
+    with uncompiled():
+        rec = scorer(model, step, epoch)
     if window is not None:
         window.exclude(rec["scoring_time_s"])
     write_log_record(accelerator, Path(args.output_dir) / "train_log.jsonl", rec)
     return rec
+
+def uncompiled():
+    """Inside, --compile's layers run eagerly (torch.compiler.set_stance "force_eager"): passes beside the training
+    step (scoring during training, the drift's forward) would otherwise compile graphs of their own, one per shape
+    and grad mode, for a few calls each. A no-op without --compile."""
+    return torch.compiler.set_stance("force_eager")
 
 def say_stopped(accelerator, args, signum: int, state: "TrainState") -> str:
     """The line a run stopped by a signal ends with (its checkpoint is written) -> the signal's name."""
@@ -362,6 +369,8 @@ def prepare_run(accelerator, args, model, optimizer, dataloader):
     -> (model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch)."""
     from transformers import get_scheduler
 
+    if getattr(args, "compile", None):  # after any mining (finetune.py), before DDP wraps the model
+        accelerator.print(compile_layers(model, args.compile))
     model, optimizer = accelerator.prepare(model, optimizer)
     # The loader is prepared without device placement: its batches stay on the CPU (pinned on CUDA, loader_options)
     # until train_loop's one batch_to_device, so the host-side counts before it never wait on the device
@@ -384,6 +393,30 @@ def prepare_run(accelerator, args, model, optimizer, dataloader):
         accelerator.init_trackers("xprt", config={k: v if isinstance(v, (int, float, str, bool)) else str(v)
                                                   for k, v in vars(args).items()})
     return model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch
+
+def compile_layers(model, mode: str) -> str:
+    """--compile: regional compilation (the form transformers and accelerate document): every list of repeated
+    Transformer layers in the model (the encoder's, the objective's decoder, Revela's LM) compiled layer by layer in
+    place (nn.Module.compile, so parameter names, checkpoints and saved folders stay as they are). The layers of a
+    list share one class and so one compiled graph per input shape; the code around them (pooling, the losses, the
+    chunked vocabulary terms) stays eager. Shapes are static (dynamic=False): --pad_to_multiple_of keeps a run's
+    batch widths few, and dynamo's recompile limit is raised to hold them all (a shape over the limit would run
+    eagerly, silently). mode: torch.compile's ("default"; "reduce-overhead" adds CUDA graphs on a GPU, one per
+    shape; "max-autotune-no-cudagraphs"). -> the line the run prints."""
+    import torch._dynamo
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0
+             and len({type(x) for x in m}) == 1 and any(True for _ in m.parameters())]
+    for layers in lists:
+        for layer in layers:
+            layer.compile(mode=mode, dynamic=False)
+    # each width a batch can have, encoder and decoder inputs alike (up to 512 / 8 = 64 of them), compiled once
+    cfg = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # (its name before 2.7)
+    setattr(cfg, limit, max(getattr(cfg, limit), 128))
+    names = [f"{len(m)} x {type(m[0]).__name__}" for m in lists]
+    return (f"compiled ({mode}, regional): {', '.join(names)}; one graph per batch width (--pad_to_multiple_of); "
+            "compile seconds are logged apart (compile_s) and left out of the step time and MFU")
 
 def run_line(accelerator, args, data: str, max_steps: int, negatives: str) -> str:
     """The run's shape at its start: processes, precision, the data (`data`, e.g. "1,000 groups"), steps, batch, the
@@ -894,6 +927,15 @@ def add_common_args(p, default_lr: float):
                         "batch-wide terms on all of the batch's vectors (XPRTModel.cached_step), so the batch, and "
                         "with it the in-batch negatives, is no longer bound by the activations' memory; one more "
                         "forward of the encoder passes. Off by default; not under DeepSpeed"),
+    g.add_argument("--compile", nargs="?", const="default", default=None,
+                   choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                   help="torch.compile the encoder's and decoder's layers, each in place (regional compilation; "
+                        "training.compile_layers); a mode after the flag: reduce-overhead adds CUDA graphs on a GPU. "
+                        "Off by default (eager)")
+    g.add_argument("--pad_to_multiple_of", type=positive_int, default=None,
+                   help="pad every batch's width to a multiple of this, so a compiled step meets few shapes (the "
+                        "padding is masked; the masks drawn change with the width). Default: 8 with --compile, "
+                        "else 1 (each batch as long as its longest passage)")
     g.add_argument("--seed", type=int, default=42, help="seed of everything (data order, masks, init, dropout)")
     g.add_argument("--dataloader_num_workers", type=non_negative_int, default=None,
                    help="processes that collate (tokenise, mask) the next batches while the device runs the step; "
@@ -958,6 +1000,8 @@ def check_common_args(args):
     folders with evaluate.check_task_specs; numbers out of range are refused by their argparse types)."""
     if args.warmup_ratio is not None and not 0.0 <= args.warmup_ratio < 1.0:
         raise UserError("--warmup_ratio must be in [0, 1)")
+    if args.pad_to_multiple_of is None:  # a compiled step meets one shape per width: few widths (8: tensor cores')
+        args.pad_to_multiple_of = 8 if args.compile else 1
     if args.eval_steps is not None and not args.eval_tasks:
         raise UserError("--eval_steps needs --eval_tasks (the tasks to score)")
     if args.push_to_hub and not args.hub_model_id:

@@ -493,7 +493,7 @@ def test_every_objective_and_ablation_loss_falls_on_a_repeated_batch(name, tiny_
 # ---------------------------------------------------------------------------------------------------------------
 # collation off the step: a batch is a pure function of its rows and (seed, epoch, batch, process)
 # ---------------------------------------------------------------------------------------------------------------
-def _loader_batches(tok, groups, workers, process=0, epoch=0):
+def _loader_batches(tok, groups, workers, process=0, epoch=0, pad_to_multiple_of=1):
     from types import SimpleNamespace
 
     from modeling_xprt import XPRTCollator
@@ -503,7 +503,8 @@ def _loader_batches(tok, groups, workers, process=0, epoch=0):
     sampler.set_epoch(epoch)
     args = SimpleNamespace(dataloader_num_workers=workers, seed=3)
     accelerator = SimpleNamespace(process_index=process, device=torch.device("cpu"))
-    loader = batches.training_loader(accelerator, args, rows, sampler, XPRTCollator(tok, num_related=2))
+    loader = batches.training_loader(accelerator, args, rows, sampler,
+                                     XPRTCollator(tok, num_related=2, pad_to_multiple_of=pad_to_multiple_of))
     return [{k: v for k, v in b.items() if torch.is_tensor(v)} for b in loader]
 
 

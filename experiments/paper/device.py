@@ -446,6 +446,11 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     clock = {"setup": time.time() - t0}
     report = {"status": "started", "budget_seconds": budget, "arms": list(arms), "seeds": seeds, "seconds": clock,
               "finished": [], "skipped": {}, "failed": {}}
+    mode, why = train_mode(args, dest)
+    report["compile"] = {"mode": mode, "why": why}
+    print(f"train.py mode: {mode} ({why})", flush=True)
+    if mode != "eager":  # every arm of the run in the one mode: a table compares objectives, not modes
+        exp = {**exp, "train": {**exp["train"], "--compile": mode}}
 
     def lap(name):
         clock[name] = round(time.time() - t0 - sum(v for k, v in clock.items() if k != name), 1)
@@ -547,6 +552,25 @@ def run_on_device(exp: dict, out: Path, arms: dict, seeds: list, args) -> dict:
     write_report(dest, report)
     print(json.dumps(report, indent=1))
     return report
+
+
+def train_mode(args, dest: Path) -> tuple:
+    """The --compile mode the arms train in -> (mode, why). --compile auto reads the device check run before the
+    harness in the same GPU session (bench.device_check part 2, its table at the harness's size): the train.py mode
+    with the fewest ms a step. Equality with the eager step is the CPU suite's (tests/test_compile.py: every
+    objective's logged losses, fp32 and bf16); the check measures speed only. Eager when there is no report."""
+    mode = getattr(args, "compile", "eager") or "eager"
+    if mode != "auto":
+        return mode, "--compile"
+    path = Path(getattr(args, "device_check_report", None) or dest / "device_check.json")
+    rows = ((read_json(path) or {}).get("loop", {}).get("harness", {}) or {}).get("modes") or {}
+    ours = {m: r for m, r in rows.items() if not m.startswith("stock") and r.get("ms_per_step")}
+    if not ours:
+        return "eager", f"--compile auto: no device check table at the harness's size in {path}"
+    best = min(ours, key=lambda m: ours[m]["ms_per_step"])
+    return best, (f"--compile auto: the fastest in {path.name} at the harness's size: "
+                  + ", ".join(f"{m} {r['ms_per_step']:.1f} ms" for m, r in sorted(ours.items(),
+                                                                                key=lambda x: x[1]["ms_per_step"])))
 
 
 def with_carried_texts(exp: dict, key: str, carry: Path, out: Path) -> dict:

@@ -57,6 +57,13 @@ def parse_args(argv=None):
     p.add_argument("--budget_seconds", type=float, default=None,
                    help="--stage device: its wall-clock budget (default: the config's steps.budget_seconds, 540 at the "
                         "gpu scale); arms that would end past it are skipped, and say so in run.json")
+    p.add_argument("--compile", default="eager",
+                   choices=["eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "auto"],
+                   help="--stage device: the mode train.py trains the arms in (train.py --compile); auto = the fastest "
+                        "train.py mode at the harness's size in the device check's report (--device_check_report), "
+                        "eager without one")
+    p.add_argument("--device_check_report", default=None,
+                   help="bench.device_check's device_check.json for --compile auto (default: $OUT/device_check.json)")
     p.add_argument("--toy", action="store_true",
                    help="the gpu config's device stage at toy size on a CPU (tests/test_harness.py): same commands, "
                         "tiny model, few steps")

@@ -1,0 +1,143 @@
+"""--compile (issue 55): the compiled step is the same step. Every objective's logged losses under train.py (and PAIR's
+under finetune.py) equal the eager run's, in fp32 and under bf16 autocast, over a few steps on the CPU (inductor's C++
+backend); the compiled regions have no graph break; the batches' widths, padded to a multiple, are few over an epoch;
+compile time is logged apart; the CUDA-graph branch of the loop (--compile reduce-overhead) runs.
+
+Dropout: a compiled graph draws its own random numbers (inductor's), so the two runs would drop different elements;
+torch._inductor.config.fallback_random makes the compiled graphs draw from torch's generator as eager does, so both runs
+see the same masks and only the compiled arithmetic (fused kernels, other reduction orders) differs.
+
+Each distinct graph (a layer class x an input shape x fp32 / bf16 x forward / backward) compiles once per process and
+once per machine (inductor's on-disk cache): the runs here pad every batch to one width (--pad_to_multiple_of 32)."""
+
+import json
+import math
+
+import pytest
+import torch
+from test_baselines import tiny_generator  # noqa: F401  (a fixture)
+from test_finetune import beir, ft_args  # noqa: F401  (a fixture)
+from test_train import base_args, groups, read_log, run  # noqa: F401  (a fixture)
+
+import finetune
+from plumbing.run_log import compile_seconds
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def same_random_numbers():
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._dynamo.reset()  # each test compiles its own graphs (from inductor's disk cache when it has them)
+    torch._dynamo.utils.counters.clear()
+    with torch._inductor.config.patch(fallback_random=True):  # the config's own patch (monkeypatch would delete it)
+        yield
+
+
+# the losses each objective logs, and a tolerance per precision: fp32's differ by reduction order (a few ulps of
+# each term, compounded by 3 optimiser steps at lr 1e-3); bf16 autocast rounds each matmul input to 8 bits of
+# mantissa (eps 2^-8 = 3.9e-3), and a fused kernel rounds at other points than eager's
+TOLERANCE = {"no": 2e-5, "bf16": 2e-2}
+
+
+def _objective_args(name, tiny_generator):
+    extra = {"simlm": {"--generator_name_or_path": tiny_generator}}.get(name, {})
+    return {"--objective": name, **extra}
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+@pytest.mark.parametrize("objective", ["xprt", "retromae", "simlm", "contriever", "contrastive_random_span",
+                                       "self_reconstruction"])
+def test_compiled_run_logs_the_eager_runs_losses(objective, precision, tiny_bert, tiny_generator, groups, tmp_path,
+                                                 same_random_numbers):
+    def train(name, *compile_flag):
+        out = tmp_path / name
+        run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 3, "--num_related": 2, "--max_length": 24,
+                                                 "--learning_rate": 1e-3, "--pad_to_multiple_of": 32,
+                                                 "--mixed_precision": precision, "--no_save_model": True,
+                                                 **_objective_args(objective, tiny_generator)}) + list(compile_flag))
+        return read_log(out)
+
+    eager, compiled = train("eager"), train("compiled", "--compile")
+    assert sorted(eager) == sorted(compiled) == [1, 2, 3]
+    losses = [k for k in eager[1] if k.endswith("loss")]
+    assert "loss" in losses and len(losses) >= 2
+    for step in eager:
+        for k in losses:
+            assert compiled[step][k] == pytest.approx(eager[step][k], rel=TOLERANCE[precision], abs=1e-6), \
+                (objective, precision, step, k)
+    assert torch._dynamo.utils.counters["graph_break"] == {}, dict(torch._dynamo.utils.counters["graph_break"])
+    rec = compiled[3]
+    # one width: a graph per compiled layer class and grad mode (the gradient cache's, the MoCo keys' no-grad passes)
+    assert rec["batch_shapes"] == 1 and 1 <= rec["compiled_graphs"] <= 6, rec
+    assert "compile_s" not in eager[3] and all(r.get("compile_s", 0) >= 0 for r in compiled.values())
+
+
+def test_finetune_compiled_logs_the_eager_losses(tiny_bert, beir, tmp_path, same_random_numbers):  # noqa: F811
+    """PAIR's L_Q and L_P (alpha 0.1) under finetune.py --compile equal the eager run's, fp32."""
+    def tune(name, *flag):
+        out = tmp_path / name
+        from test_train import run as run_main
+
+        run_main(ft_args(tiny_bert, beir, out, **{"--max_train_steps": 3, "--pair_alpha": 0.1,
+                                                  "--pad_to_multiple_of": 32, "--passage_max_length": 24,
+                                                  "--no_save_model": True}) + list(flag), main=finetune.main)
+        return read_log(out)
+
+    eager, compiled = tune("eager"), tune("compiled", "--compile")
+    for step in eager:
+        for k in ("loss", "query_loss", "passage_loss"):
+            if k in eager[step]:
+                assert compiled[step][k] == pytest.approx(eager[step][k], rel=TOLERANCE["no"], abs=1e-6), (step, k)
+    assert torch._dynamo.utils.counters["graph_break"] == {}
+
+
+def test_compile_time_is_logged_apart_and_left_out_of_the_step_time(tiny_bert, groups, tmp_path, same_random_numbers):
+    """A fresh shape compiles inside the first compiled step (step 2: step 1 counts the FLOPs, eagerly): that time is
+    the record's compile_s, the process's whole compile time, and time_per_step_s leaves it out (the next step, of
+    the same shape, compiles nothing)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # nothing compiled yet in this process
+    before = compile_seconds()
+    out = tmp_path / "run"
+    run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 3, "--num_related": 2, "--max_length": 24,
+                                             "--pad_to_multiple_of": 32, "--no_save_model": True, "--compile": True}))
+    log = read_log(out)
+    spent = compile_seconds() - before
+    assert log[1]["compile_s"] == 0 and log[2]["compile_s"] > 0 and log[3]["compile_s"] == 0
+    assert log[2]["compile_s"] == pytest.approx(spent, rel=0.01)
+    assert log[2]["time_per_step_s"] < log[2]["compile_s"]
+
+
+def test_reduce_overhead_marks_each_step_for_cuda_graphs(tiny_bert, groups, tmp_path, monkeypatch,
+                                                         same_random_numbers):
+    """--compile reduce-overhead (CUDA graphs on a GPU; on a CPU inductor runs without them): the loop tells the
+    CUDA-graph trees where each step begins (torch.compiler.cudagraph_mark_step_begin), once per micro-batch."""
+    marks = []
+    real = torch.compiler.cudagraph_mark_step_begin
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: (marks.append(1), real())[1])
+    out = tmp_path / "run"
+    run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 2, "--num_related": 2, "--max_length": 24,
+                                             "--pad_to_multiple_of": 32, "--no_save_model": True,
+                                             "--gradient_accumulation_steps": 2}) + ["--compile", "reduce-overhead"])
+    assert len(marks) == 4  # 2 steps x 2 micro-batches
+    assert math.isfinite(read_log(out)[2]["loss"])
+
+
+@pytest.mark.parametrize("multiple", [1, 8])
+def test_padding_to_a_multiple_keeps_the_widths_few(tiny_bert, groups, multiple):
+    """Over an epoch of train.py's own batches, the distinct input widths: as many as the batches' longest passages
+    differ (multiple 1), or at most one per multiple of 8 up to the longest (8). Printed for the closing note."""
+    from test_train import _loader_batches
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_bert)
+    batches = _loader_batches(tok, groups, 0, pad_to_multiple_of=multiple)
+    widths = {b["input_ids"].shape[-1] for b in batches}
+    print(json.dumps({"pad_to_multiple_of": multiple, "batches": len(batches), "widths": sorted(widths)}))
+    assert all(w % multiple == 0 for w in widths)
+    if multiple > 1:
+        assert len(widths) <= math.ceil(max(widths) / multiple)
