@@ -11,21 +11,14 @@ from bench import device_check
 
 @pytest.mark.slow
 def test_device_check_runs_at_toy_size_on_cpu(tmp_path):
-    report = device_check.main(["--toy", "--out", str(tmp_path), "--memory_sweep"])
+    # part 2's compiled modes: proven in the device's environment (tests/test_device_env.py), eager only here
+    report = device_check.main(["--toy", "--out", str(tmp_path), "--memory_sweep", "--modes", "eager"])
     for size, loop in report["loop"].items():  # train.py's own loop: timed, counted, profiled, beside the stock step
         assert loop["host_syncs_per_step"] == 0 and loop["time_per_step_s"] > 0 and loop["tflops_per_s"] > 0, size
         assert 0 <= loop["data_wait_share"] < 1 and loop["aten_ops_per_step"] > 0 and len(loop["top"]) == 8
         assert loop["stock"]["step_s"] > 0 and loop["vs_stock"] > 0 and loop["peak_memory_gib"] is None  # a CPU
     assert set(report["loop"]) == {"bert-base", "harness"}
-    # part 2's table: eager, each --compile mode of the size (CUDA graphs' at the harness's), the stock step both ways
-    assert set(report["loop"]["bert-base"]["modes"]) == {"eager", "default", "stock eager", "stock compiled"}
-    assert set(report["loop"]["harness"]["modes"]) == {"eager", "default", "reduce-overhead", "stock eager",
-                                                       "stock compiled"}
-    for size, loop in report["loop"].items():
-        for mode, row in loop["modes"].items():
-            assert row["ms_per_step"] > 0 and row["vs_stock"] > 0, (size, mode)
-        assert loop["modes"]["default"]["graphs"] >= 1 and loop["modes"]["eager"]["graphs"] == 0
-        assert loop["modes"]["stock compiled"]["compile_s"] > 0
+    assert set(report["loop"]["harness"]["modes"]) == {"eager", "stock eager"}
     assert report["step"]["groups"] == 8 and report["step"]["tflops_per_s"] > 0  # 2, 4, 8 groups all fit
     vocab = report["vocab"]
     assert set(vocab) >= {"ours fused", "plain"}

@@ -58,6 +58,26 @@ def test_device_check_runs_in_the_device_environment(env, tmp_path):
         assert report["loop"][size]["host_syncs_per_step"] == 0 and report["loop"][size]["vs_stock"] > 0, size
     assert "attention mask: prepared per call" in proc.stdout
     assert "(--no-deps)" in proc.stdout and report["e2e"] == {"skipped": "['mteb'] missing"}  # datasets came
+    # part 2's table (issue 55): eager, each --compile mode of the size (CUDA graphs' at the harness's), the stock
+    # step eager and compiled; torch.compile's inductor with the device's transformers
+    assert set(report["loop"]["bert-base"]["modes"]) == {"eager", "default", "stock eager", "stock compiled"}
+    assert set(report["loop"]["harness"]["modes"]) == {"eager", "default", "reduce-overhead", "stock eager",
+                                                       "stock compiled"}
+    for size, loop in report["loop"].items():
+        for mode, row in loop["modes"].items():
+            assert row["ms_per_step"] > 0 and row["vs_stock"] > 0, (size, mode)
+        assert loop["modes"]["default"]["graphs"] >= 1 and loop["modes"]["stock compiled"]["compile_s"] > 0
+    assert f"  harness: {'reduce-overhead':<16}" in proc.stdout  # the printed table
+    # the harness's device stage reads this report for --compile auto: the fastest train.py mode at its size
+    from types import SimpleNamespace
+
+    from experiments.paper.device import train_mode
+
+    rows = {m: r for m, r in report["loop"]["harness"]["modes"].items() if not m.startswith("stock")}
+    mode, why = train_mode(SimpleNamespace(compile="auto", device_check_report=str(tmp_path / "out" /
+                                                                                    "device_check.json")), tmp_path)
+    assert mode == min(rows, key=lambda m: rows[m]["ms_per_step"]) and why.startswith("--compile auto: the fastest")
+    assert train_mode(SimpleNamespace(compile="auto", device_check_report=None), tmp_path)[0] == "eager"  # none
 
 
 def build_here(tmp_path, arms=ARMS, scale="gpu") -> Path:
