@@ -1,6 +1,6 @@
 """The repository's shape, kept: the import graph has no circle, the plumbing imports no step script and no arm,
 modeling_xprt.py imports one file of the repository (its companion, plumbing/architectures.py, which imports none),
-and an xPRT run of train.py imports no baseline, no select_groups and no evaluate, in at most 6,000 lines.
+and an xPRT run of train.py imports no baseline, no select_groups and no evaluate, in at most 6,200 lines.
 
     python tests/test_structure.py      # prints the floors, the arrows up, the circles and the closures
 """
@@ -141,7 +141,9 @@ def test_an_xprt_run_imports_no_baseline_and_stays_small(tmp_path, tiny_bert):
     print(f"train.py's run-time closure for xPRT: {len(closure)} files, {sum(closure.values()):,} lines: "
           + ", ".join(f"{m} {n}" for m, n in sorted(closure.items())))
     assert not {m for m in closure if m.startswith("baselines") or m in {"select_groups", "evaluate", "finetune"}}
-    assert sum(closure.values()) <= 6000
+    # 5,952 after issue 53's move; issue 54's memory refusal and launch check, issue 55's --compile and shapes and
+    # issue 55's casts brought it to ~6,130: the budget is raised to 6,200, never silently
+    assert sum(closure.values()) <= 6200
 
 
 if __name__ == "__main__":
