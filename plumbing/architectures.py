@@ -569,8 +569,10 @@ def _scratch(slot: str, rows: int, cols: int, device) -> torch.Tensor:
     return buf[: rows * cols].view(rows, cols)
 
 def _logits_into(out, h, weight, bias):
-    """out (r, V) fp32 <- h W^T + b: the matmul straight into the reused buffer, then the bias in place (not addmm:
-    docs/plumbing.md: _logits_into); in low precision (or under autocast) the matmul runs in its own dtype."""
+    """out (r, V) fp32 <- h W^T + b, the product in W's dtype (_padded's), autocast on or off: the matmul straight into
+    the reused buffer, then the bias in place (not addmm: docs/plumbing.md: _logits_into); in low precision (or under
+    autocast) the matmul runs in its own dtype."""
+    h = h.to(weight.dtype)  # (r, H): the cast autocast would make; a no-op where the dtypes agree
     if h.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled(h.device.type):
         return torch.mm(h, weight.t(), out=out).add_(bias)
     return out.copy_(torch.addmm(bias, h, weight.t()))
@@ -581,16 +583,21 @@ _PAD = 64
 _PAD_BIAS = -1e30
 
 def _padded(weight, bias, dtype):
-    """(W, b) once per call: W in the compute dtype (one cast, not one per chunk) and, in low precision or on CUDA,
-    the vocabulary padded to a multiple of _PAD -> (W' (V', H), b' (V',))."""
-    w = weight.to(dtype) if dtype is not None else weight
+    """(W, b) once per call in the products' dtype (autocast's; None: the weight's own), one cast each, not one per
+    chunk (the bias too: under autocast the matmul would recast it every chunk); in low precision or on CUDA, the
+    vocabulary padded to a multiple of _PAD, W cast straight into the padded matrix (one pass over W, not a cast and
+    a copy) -> (W' (V', H), b' (V',))."""
+    pad = dtype is not None or weight.device.type == "cuda"  # fp32 on a CPU: no tiles to fill
+    dtype = dtype or weight.dtype
     v = weight.shape[0]
     vp = -(-v // _PAD) * _PAD
-    if vp == v or (dtype is None and weight.device.type != "cuda"):  # fp32 on a CPU: no tiles to fill
-        return w, bias
-    w_pad = w.new_zeros((vp, w.shape[1]))
-    w_pad[:v] = w
-    b_pad = bias.new_full((vp,), _PAD_BIAS)
+    if vp == v or not pad:
+        return weight.to(dtype), bias.to(dtype)  # no-ops where the dtypes agree
+    w_pad = weight.new_empty((vp, weight.shape[1]), dtype=dtype)
+    w_pad[:v].copy_(weight)
+    w_pad[v:].zero_()
+    # fp16 has no -1e30 (it would round to -inf, and 0 x -inf is a NaN in the KL's sums): its lowest finite value
+    b_pad = bias.new_full((vp,), max(_PAD_BIAS, torch.finfo(dtype).min), dtype=dtype)
     b_pad[:v] = bias
     return w_pad, b_pad
 
@@ -627,10 +634,10 @@ def _add_weight_grad(grad_w, g, hs, first: bool):
     bf16 inputs accumulated in fp32 inside the GEMM, straight into the fp32 accumulator where the device can (CUDA's
     out_dtype), else one bf16 product per chunk added in fp32."""
     beta = 0.0 if first else 1.0  # beta 0: the accumulator starts as uninitialised memory
+    hs = hs.to(g.dtype)  # (r, H): a no-op where the rows come in g's dtype (autocast's, or fp32 in fp32)
     if g.dtype == torch.float32:
-        return grad_w.addmm_(g.t(), hs.float(), beta=beta)
+        return grad_w.addmm_(g.t(), hs, beta=beta)
     with torch.autocast(g.device.type, enabled=False):  # the dtypes are chosen here
-        hs = hs.to(g.dtype)
         if _fp32_out_gemm(g.device):
             return torch.addmm(grad_w, g.t(), hs, beta=beta, out_dtype=torch.float32, out=grad_w)
         part = torch.mm(g.t(), hs)
@@ -648,16 +655,17 @@ class _FusedLinearCE(torch.autograd.Function):
     """Vocabulary projection + cross-entropy (hard targets) and/or KL (soft targets), chunk by chunk.
 
     Never holds the (N, V) logits: each chunk's logits give its loss and, at once, its gradients w.r.t. hidden,
-    weight and bias; backward only scales them by the incoming scalar. Every chunk reuses one fp32 (chunk, V) buffer
-    (two for KL, kept across calls: _scratch) and the softmax runs in place in it.
-    Rows: hidden[:len(targets)] have hard targets, the rest soft ones (teacher_hidden); row_scale (N,) is each row's
-    weight in the total (1 / N). Returns (total, per-row losses (N,), no gradient). Its origin, and why not torch's
-    F.linear_cross_entropy: docs/plumbing.md: _FusedLinearCE."""
+    weight and bias, summed over the rows; backward only scales them by the incoming scalar over N (the mean's 1/N
+    goes on there, where every gradient is scaled anyway, not on the rows). Every chunk reuses one fp32 (chunk, V)
+    buffer (two for KL, kept across calls: _scratch) and the softmax runs in place in it.
+    Rows: hidden[:len(targets)] have hard targets, the rest soft ones (teacher_hidden). Returns (the mean over rows,
+    per-row losses (N,), no gradient). Its origin, and why not torch's F.linear_cross_entropy: docs/plumbing.md:
+    _FusedLinearCE."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, teacher_hidden, chunk_size, compute_grad):
         n = hidden.shape[0]
-        row_scale = torch.full((n,), 1.0 / max(n, 1), dtype=torch.float32, device=hidden.device)  # the mean
+        ctx.inv_n = 1.0 / max(n, 1)  # the mean
         n_ce = 0 if targets is None else targets.shape[0]
         # no gradient work at all under torch.no_grad (evaluation)
         need = [compute_grad and x for x in ctx.needs_input_grad[:3]]
@@ -669,12 +677,13 @@ class _FusedLinearCE(torch.autograd.Function):
         v = weight.shape[0]
         # the matrix products run in autocast's dtype (bf16 / fp16) where it is on, else in the weight's own (None)
         lowp = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else None
-        w, b = _padded(weight, bias, lowp)  # (V', H) in the compute dtype, V' a multiple of _PAD
+        w, b = _padded(weight, bias, lowp)  # (V', H), (V',) in the products' dtype, V' a multiple of _PAD
         vp = w.shape[0]
         grad_h = torch.empty_like(hidden) if need[0] else None
         grad_w = torch.empty((vp, weight.shape[1]), dtype=torch.float32, device=hidden.device) if need[1] else None
         grad_b = torch.zeros((vp,), dtype=torch.float32, device=hidden.device) if need[2] else None
         rows = min(chunk_size, n)
+        ones = torch.ones(rows, dtype=torch.float32, device=hidden.device)  # grad_b: column sums through addmv
         buf = _scratch("logits", rows, vp, hidden.device)
         tbuf = _scratch("teacher", rows, vp, hidden.device) if teacher_hidden is not None else None
         first = True
@@ -684,7 +693,6 @@ class _FusedLinearCE(torch.autograd.Function):
         for s, e in starts:
             h = hidden[s:e]
             r = e - s
-            scale = row_scale[s:e]
             if s < n_ce:  # hard targets: CE = lse - logit[target]
                 tgt = targets[s:e]
                 z = _logits_into(buf[:r], h, w, b)
@@ -697,22 +705,25 @@ class _FusedLinearCE(torch.autograd.Function):
                 p = buf[:r].copy_(zt)
                 lse_t = _softmax_(p)
                 # sum p log p, before tbuf is reused for the student (a padded word: p = 0 times -1e30, 0)
-                # row-wise dot products through a batched matmul: no (r, V) temporary
-                kl = torch.bmm(p.unsqueeze(1), zt.unsqueeze(2)).view(-1) - lse_t
-                z = _logits_into(tbuf[:r], h, w, b)
-                kl -= torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1) - _softmax_(z)  # - sum p log q
+                # row-wise dot products through a batched matmul: no (r, V) temporary; with autocast off, which would
+                # recast the fp32 rows to bf16, two (r, V) casts each (docs/notes.md: Numerics)
+                with torch.autocast(hidden.device.type, enabled=False):
+                    kl = torch.bmm(p.unsqueeze(1), zt.unsqueeze(2)).view(-1) - lse_t
+                    z = _logits_into(tbuf[:r], h, w, b)
+                    kl -= torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1) - _softmax_(z)  # - sum p log q
                 row_loss[s:e] = kl
                 g = z.sub_(p)  # softmax(student) - p
             if grad_b is not None:  # fp32, from the fp32 g
-                grad_b.addmv_(g.t(), scale)
+                grad_b.addmv_(g.t(), ones[:r])
+            if grad_h is None and grad_w is None:
+                continue  # no product of g to feed (evaluation): no cast of it either
             g_mm = g if lowp is None else g.to(lowp)  # one cast of the (r, V') gradient, read by both products
             if grad_h is not None:
-                gh = g_mm.to(w.dtype) @ w  # (r, H): small
-                grad_h[s:e] = gh * scale.unsqueeze(1).to(gh.dtype)
-            if grad_w is not None:  # the rows' scales go on the small (r, H) side, never on the (r, V) one
-                _add_weight_grad(grad_w, g_mm, h.float() * scale.unsqueeze(1), first)
+                grad_h[s:e] = g_mm.to(w.dtype) @ w  # (r, H): small
+            if grad_w is not None:  # the rows as they are: no 1/N on them, no fp32 round trip of the (r, H) rows
+                _add_weight_grad(grad_w, g_mm, h, first)
             first = False
-        total = (row_loss * row_scale).sum()
+        total = row_loss.mean()
         gw = None if grad_w is None else grad_w[:v].to(weight.dtype)  # the padded words' rows cut
         gb = None if grad_b is None else grad_b[:v].to(bias.dtype)
         # The gradients are intermediates (neither inputs nor outputs), so they may live on ctx; backward hands
@@ -727,4 +738,5 @@ class _FusedLinearCE(torch.autograd.Function):
             raise RuntimeError("backward ran twice through the fused vocabulary loss (retain_graph=True): "
                                "its gradients were handed over the first time; use fused=False for that")
         grads, ctx.grads = ctx.grads, None
-        return (*(None if g is None else g.mul_(grad_out) for g in grads), None, None, None, None)
+        scale = grad_out * ctx.inv_n  # one fp32 scalar for the three gradients
+        return (*(None if g is None else g.mul_(scale) for g in grads), None, None, None, None)
