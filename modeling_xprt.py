@@ -426,6 +426,9 @@ class Objective(nn.Module):
     trains_every_head = False  # every head parameter (its own, the MLM head's) gets a gradient: DDP needs no search
     forward_only_inputs: tuple = ()  # batch inputs encoded without gradient (MoCo's keys): no saved activations
     prepare = None  # or a method prepare(model, batch) -> batch (SimLM's generator, Revela's language model)
+    # the models it runs but keeps out of the module tree (not saved, not wrapped by DDP): SimLM's generator, Revela's
+    # language model. A walk over the model's modules that must reach them too (--compile) adds these.
+    held_modules: tuple = ()
     # The train.py flags of this objective: {"--flag": argparse keywords}, each the constructor's option of the flag's
     # name. Left unset (None), the option keeps the constructor's default; set for another objective, it is refused.
     flags: dict = {}

@@ -283,7 +283,7 @@ class Revela(Objective):
         if not self.adapters:
             raise ValueError(f"--lora_target_modules {','.join(self.lora_target_modules)}: no such module in "
                              f"{lm_name_or_path}")
-        self._lm = (lm,)  # a tuple: nn.Module does not register what it holds
+        self._lm = self.held_modules = (lm,)  # a tuple: nn.Module does not register what it holds
 
     @property
     def lm(self) -> nn.Module:

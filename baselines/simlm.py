@@ -128,7 +128,7 @@ class SimLM(Objective):
         # eval mode (no dropout) in the paper's (prepare)
         gen.eval().requires_grad_(False)
         probe_prepared_mask(gen)  # its masks made per call: no host sync (architectures.mask_for_layers)
-        self._generator = (gen,)  # a tuple: nn.Module does not register what it holds
+        self._generator = self.held_modules = (gen,)  # a tuple: nn.Module does not register what it holds
 
     @property
     def generator(self) -> nn.Module:

@@ -15,6 +15,7 @@ common.py, architectures.py).
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import hashlib
 import json
@@ -396,7 +397,8 @@ def prepare_run(accelerator, args, model, optimizer, dataloader):
 
 def compile_layers(model, mode: str) -> str:
     """--compile: regional compilation (the form transformers and accelerate document): every list of repeated
-    Transformer layers in the model (the encoder's, the objective's decoder, Revela's LM) compiled layer by layer in
+    Transformer layers in the model (the encoder's, the objective's decoder) and in the models an objective holds
+    outside it (Objective.held_modules: SimLM's generator, Revela's LM) compiled layer by layer in
     place (nn.Module.compile, so parameter names, checkpoints and saved folders stay as they are). The layers of a
     list share one class and so one compiled graph per input shape; the code around them (pooling, the losses, the
     chunked vocabulary terms) stays eager. Shapes are static (dynamic=False): --pad_to_multiple_of keeps a run's
@@ -405,16 +407,21 @@ def compile_layers(model, mode: str) -> str:
     shape; "max-autotune-no-cudagraphs"). -> the line the run prints."""
     import torch._dynamo
 
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0
-             and len({type(x) for x in m}) == 1 and any(True for _ in m.parameters())]
-    for layers in lists:
-        for layer in layers:
-            layer.compile(mode=mode, dynamic=False)
+    roots = [model] + [held for m in model.modules() for held in getattr(m, "held_modules", ())]
+    modules = {id(m): m for root in roots for m in root.modules()}.values()
+    # a layer class is what a list of repeated layers holds; a layer of that class outside a list (RetroMAE's one
+    # decoder layer, a copy of the encoder's) is compiled too
+    classes = {type(m[0]) for m in modules if isinstance(m, torch.nn.ModuleList) and len(m) > 0
+               and len({type(x) for x in m}) == 1 and any(True for _ in m.parameters())}
+    layers = [m for m in modules if type(m) in classes]
+    for layer in layers:
+        layer.compile(mode=mode, dynamic=False)
     # each width a batch can have, encoder and decoder inputs alike (up to 512 / 8 = 64 of them), compiled once
     cfg = torch._dynamo.config
     limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # (its name before 2.7)
     setattr(cfg, limit, max(getattr(cfg, limit), 128))
-    names = [f"{len(m)} x {type(m[0]).__name__}" for m in lists]
+    counts = collections.Counter(type(m).__name__ for m in layers)
+    names = [f"{n} x {name}" for name, n in counts.items()]
     return (f"compiled ({mode}, regional): {', '.join(names)}; one graph per batch width (--pad_to_multiple_of); "
             "compile seconds are logged apart (compile_s) and left out of the step time and MFU")
 
