@@ -50,21 +50,25 @@ def test_device_check_runs_in_the_device_environment(env, tmp_path):
     installed --no-deps (with dependency resolution datasets 5.2's pins abort the install)."""
     wheels = tmp_path / "wheels"
     shutil.copytree(Path(env["dir"]) / "carried", wheels)
-    # part 2's compiled modes run eagerly-only here: inductor's CPU backend imports setuptools -> jaraco, which the
-    # simulation blocks (the device's setuptools vendors it; its GPU kernels are triton's): on a cold inductor cache
-    # the compiled rows would fail on the simulation, not on the code. tests/test_compile.py runs them on this CPU.
+    # every mode of part 2's table, compiled ones included, on a cold inductor cache (a fresh machine's): inductor's
+    # CPU build imports setuptools, whose vendored packages (jaraco) the simulation must leave visible
     proc = device_env.run(["python", "-m", "bench.device_check", "--toy", "--out", str(tmp_path / "out"),
-                           "--wheels", str(wheels), "--modes", "eager"], capture_output=True, text=True)
+                           "--wheels", str(wheels)], capture_output=True, text=True,
+                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "device_check.json").read_text())
     for size in ("bert-base", "harness"):  # train.py's own loop with the device's transformers: no host sync
         assert report["loop"][size]["host_syncs_per_step"] == 0 and report["loop"][size]["vs_stock"] > 0, size
     assert "attention mask: prepared per call" in proc.stdout
     assert "(--no-deps)" in proc.stdout and report["e2e"] == {"skipped": "['mteb'] missing"}  # datasets came
-    # part 2's table (issue 55), eager rows only here (above): train.py's loop and the stock step
+    # part 2's table (issue 55): train.py's loop in each mode and the stock step, eager and compiled; CUDA graphs
+    # (reduce-overhead) at the small size only
     for size, loop in report["loop"].items():
-        assert set(loop["modes"]) == {"eager", "stock eager"}, size
+        modes = {"eager", "default", "stock eager", "stock compiled"}
+        modes |= {"reduce-overhead"} if size == "harness" else set()
+        assert set(loop["modes"]) == modes, (size, sorted(loop["modes"]))
         assert all(row["ms_per_step"] > 0 and row["vs_stock"] > 0 for row in loop["modes"].values()), size
+        assert all(loop["modes"][m]["compile_s"] > 0 for m in modes - {"eager", "stock eager"}), size
     assert f"  harness: {'stock eager':<16}" in proc.stdout  # the printed table
     # the harness's device stage reads this report for --compile auto: the fastest train.py mode at its size
     from types import SimpleNamespace

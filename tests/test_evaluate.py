@@ -14,6 +14,7 @@ from mteb.models.abs_encoder import AbsEncoder
 from mteb.models.model_meta import ModelMeta, ScoringFunction
 
 import evaluate as ev
+from plumbing import leaderboard as lb
 from plumbing.common import E5_PROMPTS, NO_PROMPTS, UserError, model_prompts, resolve_model_path
 from plumbing.readers import load_beir
 from plumbing.model_folder import load_xprt_folder, save_xprt_folder
@@ -254,12 +255,12 @@ def test_folder_hashes_are_pinned(beir, tmp_path):
     (model / "vocab.txt").write_text("[PAD]\n[UNK]\n")
     (model / "xprt_heads.safetensors").write_bytes(b"heads")
     (model / "README.md").write_text("card")
-    assert ev.content_revision(str(model)) == "dba4c287f369"
+    assert lb.content_revision(str(model)) == "dba4c287f369"
     (model / "xprt_heads.safetensors").write_bytes(b"other heads")  # the decoder heads and the card are no part
     (model / "README.md").write_text("a new card")  # of the sentence vector's identity
-    assert ev.content_revision(str(model)) == "dba4c287f369"
+    assert lb.content_revision(str(model)) == "dba4c287f369"
     (model / "vocab.txt").write_text("[PAD]\n[CLS]\n")
-    assert ev.content_revision(str(model)) != "dba4c287f369"
+    assert lb.content_revision(str(model)) != "dba4c287f369"
 
 
 def test_limit_keeps_relevant_docs(tmp_path):
@@ -533,26 +534,26 @@ def test_mteb_loader_reads_evaluate_results_folder(tiny_bert, beir, tmp_path, ca
     assert f"| SciFact | local copy {beir.name} (data_" in card and "queries |" in card
     assert str(tmp_path) not in card
     # rewriting the card does not change the model's revision (the card is not part of its identity)
-    assert ev.model_name_and_revision(str(model)) == (name, revision)
+    assert lb.model_name_and_revision(str(model)) == (name, revision)
 
 
 def test_model_names_and_revisions(tiny_bert, tmp_path):
     model = _xprt_run_folder(tiny_bert, tmp_path / "runs" / "xprt-e5")
-    name, rev = ev.model_name_and_revision(str(model))
+    name, rev = lb.model_name_and_revision(str(model))
     assert name == "local/xprt-e5"
     cfg = json.loads((model / "xprt_config.json").read_text())
     (model / "xprt_config.json").write_text(json.dumps({**cfg, "hub_model_id": "me/xprt-e5-base"}))
-    assert ev.model_name_and_revision(str(model)) == ("me/xprt-e5-base", rev)  # the hub id recorded in the folder
+    assert lb.model_name_and_revision(str(model)) == ("me/xprt-e5-base", rev)  # the hub id recorded in the folder
     (model / "README.md").write_text("a new card")
-    assert ev.model_name_and_revision(str(model))[1] == rev
+    assert lb.model_name_and_revision(str(model))[1] == rev
     from safetensors.torch import load_file, save_file
     weights = load_file(str(model / "model.safetensors"))
     k = next(iter(weights))
     weights[k] = weights[k] + 1
     save_file(weights, str(model / "model.safetensors"))
-    assert ev.model_name_and_revision(str(model))[1] != rev  # new weights, new revision
-    assert ev.model_name_and_revision(str(tiny_bert))[0] == "local/" + tiny_bert.name
-    assert ev.model_name_and_revision("all-MiniLM-L6-v2")[0] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert lb.model_name_and_revision(str(model))[1] != rev  # new weights, new revision
+    assert lb.model_name_and_revision(str(tiny_bert))[0] == "local/" + tiny_bert.name
+    assert lb.model_name_and_revision("all-MiniLM-L6-v2")[0] == "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def test_cls_pooled_model_scored_with_its_own_pooling(tmp_path, beir):

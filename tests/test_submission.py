@@ -23,6 +23,7 @@ from test_train import make_groups, run
 
 import evaluate as ev
 import finetune
+from plumbing import leaderboard as lb
 from plumbing.common import UserError
 from plumbing.readers import load_beir
 
@@ -80,7 +81,7 @@ def test_a_trained_models_submission_is_validated_and_read_by_mteb(trained, tmp_
                    "--public_training_data", "https://huggingface.co/datasets/me/groups", "--no_card_update",
                    "--batch_size", "16"])
     table = rep["summary"]["per_task"]
-    name, revision = "local/ft", ev.content_revision(str(trained))
+    name, revision = "local/ft", lb.content_revision(str(trained))
     folder = sub / "results" / "local__ft" / revision
     start = sub / "results" / "sentence-transformers__all-MiniLM-L6-v2" / mteb.get_model_meta(MINILM).revision
     assert sorted(p.relative_to(sub).as_posix() for p in sub.rglob("*") if p.is_file()) == sorted([
@@ -93,7 +94,7 @@ def test_a_trained_models_submission_is_validated_and_read_by_mteb(trained, tmp_
     entry = runpy.run_path(str(sub / "model_meta" / "local__ft.py"))["ft"]
     assert isinstance(entry, ModelMeta) and entry.to_dict() == meta.to_dict()
     assert meta.loader.__name__ == "SentenceTransformerEncoderWrapper"
-    # field by field, each from what the folder records (evaluate.model_meta_of)
+    # field by field, each from what the folder records (plumbing/leaderboard.py's model_meta_of)
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     assert (meta.name, meta.revision, meta.release_date, meta.languages) == (name, revision, today, ["eng-Latn"])
     assert (meta.license, meta.adapted_from, meta.training_datasets) == ("apache-2.0", MINILM, {"SciFact"})
@@ -188,15 +189,15 @@ def test_what_a_submission_lacks_without_public_code(trained, tmp_path, capsys):
 def test_training_data_named_as_mteb_tasks(tmp_path):
     """mteb_tasks_of over the family of sources a run records: a Hub dataset id (mteb's own, or another's with the same
     last part), a local BEIR folder or file named as the task or its dataset, web text that names none."""
-    assert ev.mteb_tasks_of("mteb/scifact") == ["SciFact"]
-    assert ev.mteb_tasks_of("BeIR/scifact") == ["SciFact"]
-    assert ev.mteb_tasks_of(str(ROOT / "data" / "eval" / "scifact")) == ["SciFact"]
+    assert lb.mteb_tasks_of("mteb/scifact") == ["SciFact"]
+    assert lb.mteb_tasks_of("BeIR/scifact") == ["SciFact"]
+    assert lb.mteb_tasks_of(str(ROOT / "data" / "eval" / "scifact")) == ["SciFact"]
     (tmp_path / "msmarco.jsonl").write_text("{}\n")  # FlagEmbedding's MS MARCO file, say
-    assert ev.mteb_tasks_of(str(tmp_path / "msmarco.jsonl")) == ["MSMARCO"]
-    assert ev.mteb_tasks_of("mteb/banking77") == ["Banking77Classification", "Banking77Classification.v2"]
-    assert ev.mteb_tasks_of("HuggingFaceFW/fineweb") == ev.mteb_tasks_of(str(ROOT / "data" / "docs.jsonl")) == []
+    assert lb.mteb_tasks_of(str(tmp_path / "msmarco.jsonl")) == ["MSMARCO"]
+    assert lb.mteb_tasks_of("mteb/banking77") == ["Banking77Classification", "Banking77Classification.v2"]
+    assert lb.mteb_tasks_of("HuggingFaceFW/fineweb") == lb.mteb_tasks_of(str(ROOT / "data" / "docs.jsonl")) == []
     (tmp_path / "pairs.jsonl").write_text("{}\n")
-    assert ev.mteb_tasks_of(str(tmp_path / "pairs.jsonl")) == []  # a name that keeps no origin: no task
+    assert lb.mteb_tasks_of(str(tmp_path / "pairs.jsonl")) == []  # a name that keeps no origin: no task
 
 
 def test_task_ids_are_told_apart():
@@ -228,13 +229,13 @@ def test_a_folder_without_its_run_records_says_its_training_data_is_unknown(tiny
     (folder / "xprt_config.json").write_text(json.dumps(cfg))
     st = SentenceTransformer(str(folder), device="cpu")
     prompts = {"query": "", "document": ""}
-    meta, said, missing = ev.model_meta_of(str(folder), str(folder), st, prompts, 512)
+    meta, said, missing = lb.model_meta_of(str(folder), str(folder), st, prompts, 512)
     assert meta.training_datasets is None
     assert (f"training data unknown (xprt pretrain (xprt), 2 steps (train.py): no run.json beside {folder}): pass "
             "--training_datasets TASK ... (the mteb tasks whose data trained it; none when none did)") in missing
     assert ("no adapted_from: the start model was a local folder with no Hub id, so mteb cannot count its own "
             "training data") in missing
-    meta, said, missing = ev.model_meta_of(str(folder), str(folder), st, prompts, 512, {"training_datasets": []})
+    meta, said, missing = lb.model_meta_of(str(folder), str(folder), st, prompts, 512, {"training_datasets": []})
     assert meta.training_datasets == set() and said["training_datasets"] == "--training_datasets (none)"
     shutil.rmtree(folder)
 
@@ -245,15 +246,15 @@ def test_the_submission_folder_is_checked_before_scoring(tmp_path):
     stranger = tmp_path / "mine"
     stranger.mkdir()
     with pytest.raises(UserError, match="exists and is no folder evaluate.py --submission wrote"):
-        ev.check_submission_folder(stranger, True, {})
+        lb.check_submission_folder(stranger, True, {})
     earlier = tmp_path / "earlier"
     earlier.mkdir()
-    (earlier / "submission.json").write_text(json.dumps({"written_by": ev.SUBMISSION_MARK}))
+    (earlier / "submission.json").write_text(json.dumps({"written_by": lb.SUBMISSION_MARK}))
     with pytest.raises(UserError, match="holds an earlier submission: pass --overwrite"):
-        ev.check_submission_folder(earlier, False, {})
-    ev.check_submission_folder(earlier, True, {})
+        lb.check_submission_folder(earlier, False, {})
+    lb.check_submission_folder(earlier, True, {})
     with pytest.raises(UserError, match="is inside --models"):
-        ev.check_submission_folder(tmp_path / "model" / "sub", False, {"--models": [tmp_path / "model"]})
+        lb.check_submission_folder(tmp_path / "model" / "sub", False, {"--models": [tmp_path / "model"]})
     with pytest.raises(UserError, match="--training_datasets SciFcat"):
         ev.parse_args(["--models", "m", "--training_datasets", "SciFcat"])
 
@@ -275,13 +276,13 @@ def test_labelled_pairs_whose_name_says_no_task_are_said(tiny_bert, tmp_path):
         main=finetune.main)
     folder = tmp_path / "ft" / "model"
     st = SentenceTransformer(str(folder), device="cpu")
-    meta, said, missing = ev.model_meta_of(str(folder), str(folder), st, {"query": "", "document": ""}, 512)
+    meta, said, missing = lb.model_meta_of(str(folder), str(folder), st, {"query": "", "document": ""}, 512)
     assert meta.training_datasets == set() and meta.adapted_from is None
     assert said["training_datasets"] == "--train_data pairs.jsonl (finetune.py) -> no mteb task"
     assert ("--train_data pairs.jsonl (finetune.py) names no mteb task: if it holds an mteb task's data (a train split "
             "counts), add the task with --training_datasets") in missing
     assert ("no adapted_from: the start model was a local folder with no Hub id, so mteb cannot count its own "
             "training data") in missing
-    meta, said, missing = ev.model_meta_of(str(folder), str(folder), st, {"query": "", "document": ""}, 512,
+    meta, said, missing = lb.model_meta_of(str(folder), str(folder), st, {"query": "", "document": ""}, 512,
                                            {"training_datasets": ["SciFact"]})
     assert meta.training_datasets == {"SciFact"} and not any("names no mteb task" in m for m in missing)
