@@ -43,6 +43,22 @@ def test_pins_and_blocks_what_the_device_has_and_lacks(env):
     assert "pyarrow" not in env["blocked"] and "datasets" in env["blocked"]
 
 
+def test_a_blocked_package_a_device_package_vendors_stays_importable(tmp_path):
+    """A package the device lacks as a distribution may still be there inside another: setuptools vendors jaraco
+    (setuptools/_vendor, put on sys.path by setuptools), and inductor's CPU build imports it. The hook hides a blocked
+    package from the project's site-packages only, not from a folder inside them on sys.path. Here jaraco is blocked
+    as if the project had it installed; after setuptools it imports, its vendored copy (the hook before this fix
+    looked nowhere under the project's site-packages, so inductor's CPU build failed in the simulation)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(device_env.HOOK.format(host=device_env.host_site_dirs(),
+                                                                  dists=["jaraco-functools"], modules=["jaraco"]))
+    probe = "import setuptools, jaraco.functools\nprint('setuptools/_vendor/jaraco' in jaraco.functools.__file__)"
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(hook)},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True"]
+
+
 @pytest.mark.slow
 def test_device_check_runs_in_the_device_environment(env, tmp_path):
     """bench/device_check.py --toy inside the simulation: train.py's own loop at both sizes with the device's
