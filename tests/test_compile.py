@@ -200,4 +200,5 @@ def test_deepspeed_compiled_run_logs_the_plain_runs_losses(tiny_bert, groups, tm
     for step in plain:
         assert compiled[step]["loss"] == pytest.approx(plain[step]["loss"], rel=1e-4), step
     if stage == "zero2":
-        assert compiled[steps]["compiled_graphs"] == 3 and compiled[steps]["batch_shapes"] == 1
+        assert compiled[steps]["compiled_graphs"] == plain[steps]["compiled_graphs"] == 3
+        assert compiled[steps]["batch_shapes"] == 1
