@@ -402,11 +402,11 @@ def prepare_run(accelerator, args, model, optimizer, dataloader):
     return model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch
 
 def compile_layers(model, mode: str) -> str:
-    """--compile: regional compilation (the form transformers and accelerate document): every list of repeated
-    Transformer layers in the model (the encoder's, the objective's decoder) and in the models an objective holds
-    outside it (Objective.held_modules: SimLM's generator, Revela's LM) compiled layer by layer in
-    place (nn.Module.compile, so parameter names, checkpoints and saved folders stay as they are). The layers of a
-    list share one class and so one compiled graph per input shape; the code around them (pooling, the losses, the
+    """--compile: regional compilation (the form transformers and accelerate document): every Transformer layer of a
+    class the model repeats in a list, in the model (the encoder's, the objective's decoder: RetroMAE's single layer
+    too) and in the models an objective holds outside it (Objective.held_modules: SimLM's generator, Revela's LM),
+    compiled in place (nn.Module.compile, so parameter names, checkpoints and saved folders stay as they are). The
+    layers of a class share one compiled graph per input shape; the code around them (pooling, the losses, the
     chunked vocabulary terms) stays eager. Shapes are static (dynamic=False): --pad_to_multiple_of keeps a run's
     batch widths few, and dynamo's recompile limit is raised to hold them all (a shape over the limit would run
     eagerly, silently). mode: torch.compile's ("default"; "reduce-overhead" adds CUDA graphs on a GPU, one per
@@ -942,7 +942,8 @@ def add_common_args(p, default_lr: float):
                         "forward of the encoder passes. Off by default; not under DeepSpeed"),
     g.add_argument("--compile", nargs="?", const="default", default=None,
                    choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
-                   help="torch.compile the encoder's and decoder's layers, each in place (regional compilation; "
+                   help="torch.compile the Transformer layers a step runs (the encoder's, the decoder's, those of "
+                        "SimLM's generator and Revela's LM), each in place (regional compilation; "
                         "training.compile_layers); a mode after the flag: reduce-overhead adds CUDA graphs on a GPU. "
                         "Off by default (eager)")
     g.add_argument("--pad_to_multiple_of", type=positive_int, default=None,
