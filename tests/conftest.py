@@ -17,6 +17,7 @@ _CACHE = Path(os.environ.get("XPRT_TEST_CACHE", Path(tempfile.gettempdir()) / "x
 os.environ.setdefault("HF_HOME", str(_CACHE / "hf"))
 os.environ.setdefault("MTEB_CACHE", str(_CACHE / "mteb"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_CACHE / "torch_extensions"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_CACHE / "inductor"))  # --compile's kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
