@@ -45,16 +45,14 @@ and where the models differ in any of it the report says so above the table (a d
 cosine-saved continuation compares two similarities, not two trainings). `--score_as MODEL` scores every model with
 MODEL's settings, so that the differences are the weights' alone (filed as an mteb experiment, kept off the cards).
 
-For the MTEB leaderboard every model gets a complete mteb ModelMeta from what its folder records (the registry's own
-entry for a registry model; else its card's licence, its lineage's start as adapted_from, the mteb tasks its runs'
-data are, ...), and `--submission DIR` writes the folder a results PR needs, saying what is still missing
-(plumbing/leaderboard.py; docs/steps.md, Step 4):
+Every model gets a complete mteb ModelMeta from what its folder records, and `--submission DIR` writes the folder an
+MTEB leaderboard PR needs, saying what is still missing (plumbing/leaderboard.py; docs/steps.md, Step 4):
 
     python evaluate.py --models me/xprt-minilm --tasks SciFact --submission runs/submission --public_training_code URL
 
 Plumbing comes from common.py (names, prefixes, files, devices), model_folder.py (the model card) and leaderboard.py
-(a model's name, revision and ModelMeta; the submission folder); modeling_xprt.py
-gives only the hand-written embedder of the scores during training (section 4b).
+(a model's name, revision, ModelMeta; the submission); modeling_xprt.py gives only the hand-written embedder of the
+scores during training (section 4b).
 """
 
 from __future__ import annotations
@@ -89,8 +87,7 @@ from plumbing.readers import load_beir
 from plumbing.run_log import EVAL_PREFIX
 from plumbing.training import code_revision, gathered_params
 
-# Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (docs/notes.md); keep it inside the repo.
-os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent / ".cache" / "mteb"))
+# mteb after plumbing.leaderboard, which keeps mteb's cache (MTEB_CACHE) inside the repo before mteb is first imported
 import mteb  # noqa: E402
 from mteb.models.abs_encoder import AbsEncoder, get_prompt  # noqa: E402
 from mteb.models.model_meta import ModelMeta  # noqa: E402

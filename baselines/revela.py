@@ -283,11 +283,11 @@ class Revela(Objective):
         if not self.adapters:
             raise ValueError(f"--lora_target_modules {','.join(self.lora_target_modules)}: no such module in "
                              f"{lm_name_or_path}")
-        self._lm = self.held_modules = (lm,)  # a tuple: nn.Module does not register what it holds
+        self.held_modules = (lm,)  # a tuple: nn.Module does not register what it holds
 
     @property
     def lm(self) -> nn.Module:
-        return self._lm[0]
+        return self.held_modules[0]
 
     def config(self) -> dict:
         return {"lm_name_or_path": self.lm_name_or_path, "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,

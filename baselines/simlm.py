@@ -128,11 +128,11 @@ class SimLM(Objective):
         # eval mode (no dropout) in the paper's (prepare)
         gen.eval().requires_grad_(False)
         probe_prepared_mask(gen)  # its masks made per call: no host sync (architectures.mask_for_layers)
-        self._generator = self.held_modules = (gen,)  # a tuple: nn.Module does not register what it holds
+        self.held_modules = (gen,)  # a tuple: nn.Module does not register what it holds
 
     @property
     def generator(self) -> nn.Module:
-        return self._generator[0]
+        return self.held_modules[0]
 
     def config(self) -> dict:
         return {"generator_name_or_path": self.generator_name_or_path, "decoder_layers": self.decoder_layers,

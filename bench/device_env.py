@@ -119,8 +119,7 @@ class DeviceFinder(_m.PathFinder):
     def find_spec(cls, name, path=None, target=None):
         if path is None and name in _MODULES:  # a top-level import: look everywhere but the project's site-packages
             # (a folder inside them that is on sys.path stays: setuptools/_vendor, whose jaraco the device has too)
-            hidden = {{_os.path.realpath(h) for h in _HOST}}
-            return _m.PathFinder.find_spec(name, [p for p in _sys.path if _os.path.realpath(p or ".") not in hidden],
+            return _m.PathFinder.find_spec(name, [p for p in _sys.path if _os.path.realpath(p or ".") not in _HOST],
                                            target)
         return _m.PathFinder.find_spec(name, path, target)
 
