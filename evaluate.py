@@ -190,7 +190,7 @@ class XPRTEncoder(AbsEncoder):
     module that excludes the prompt (include_prompt=False) still works. The attribute `prefixes` says which the rule
     gave: "e5", "none" or "model" (the folder's own prompts).
 
-    The length limit (model_folder.max_seq_length): `max_length` when given, else the one the model states, at most its
+    The length limit (modeling_xprt.max_seq_length): `max_length` when given, else the one the model states, at most its
     position table.
 
     `contract` holds what besides the weights decides the scores (CONTRACT_KEYS); `score_as`, another model's
@@ -1391,7 +1391,7 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=positive_int, default=64, help="texts per forward pass")
     p.add_argument("--max_length", type=positive_int, default=None,
                    help="token limit; default: the one the model states (sentence-transformers' "
-                        "max_seq_length), else 512, at most its position table (model_folder.max_seq_length)")
+                        "max_seq_length), else 512, at most its position table (modeling_xprt.max_seq_length)")
     p.add_argument("--score_as", default=None, metavar="MODEL",
                    help="score every model with MODEL's pooling, normalisation, similarity function, prefixes and "
                         "length limit (e.g. the trained model, so that its start is scored the same way and the Δ is "

@@ -473,11 +473,11 @@ class Objective(nn.Module):
 
     def scoring(self) -> dict:
         """The ModelInfo fields (pooling, normalize, similarity_fn_name) this objective's setting fixes, e.g. [CLS]
-        pooling for RetroMAE as its authors run it (baselines.py, --baseline_setting); {}: the start model's."""
+        pooling for RetroMAE as its authors run it (baselines/, --baseline_setting); {}: the start model's."""
         return {}
 
     def make_collator(self, tokenizer, **kw):
-        """The objective's collator (section 6, or baselines.py), with the settings of the objective it needs."""
+        """The objective's collator (section 8, or baselines/), with the settings of the objective it needs."""
         raise NotImplementedError
 
 TERMS = ("xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity_loss", "retention_loss")
@@ -739,7 +739,7 @@ class XPRTModel(nn.Module):
         retention_student: "clean" (our default: the student encodes the clean anchor and s1 in one extra pass
         without dropout, so the term measures the model's drift only and is exactly 0 at step 0) or "masked" (the
         paper's 5-pass cost: the objective's masked vectors, whose masking noise alone gives a non-zero start).
-        info: what the saved folder records beyond the weights (model_folder.ModelInfo). fused_vocab_loss=False computes
+        info: what the saved folder records beyond the weights (ModelInfo, section 5). fused_vocab_loss=False computes
         the vocabulary terms the plain way (the reference the tests compare with)."""
         super().__init__()
         if retention_student not in ("clean", "masked"):
@@ -779,7 +779,7 @@ class XPRTModel(nn.Module):
 
     @property
     def max_seq_length(self) -> int:
-        """The length limit the model is saved and scored with (model_folder.max_seq_length)."""
+        """The length limit the model is saved and scored with (max_seq_length, section 5)."""
         return self.info.max_seq_length
 
     def projection(self):

@@ -275,12 +275,7 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. Reading: readers.py (every input record gets a global index and a "file:line"; chunks never span files).
-# ----------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------
-# 2. Passages: paragraph-aware packing under a token budget (our rule; the paper gives none).
+# 1. Passages: paragraph-aware packing under a token budget (our rule; the paper gives none).
 # ----------------------------------------------------------------------------------------------
 
 def _wide_sentence_terminals() -> str:
@@ -408,7 +403,7 @@ def split_passages(texts, tokenizer, max_tokens=128, min_tokens=16, tokens=None)
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Centrality and RRF: one function per formula of the paper.
+# 2. Centrality and RRF: one function per formula of the paper.
 # ----------------------------------------------------------------------------------------------
 
 def centrality(vectors):
@@ -477,7 +472,7 @@ def derived_rng(seed, doc_id, salt):
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. Corpus-level TF-IDF: IDF from document frequencies over the whole corpus, streamed.
+# 3. Corpus-level TF-IDF: IDF from document frequencies over the whole corpus, streamed.
 # ----------------------------------------------------------------------------------------------
 
 # Scripts written without spaces between words: a run of them is one "word" to a space- or \w-based tokenizer, a
@@ -570,7 +565,7 @@ class CorpusTfidf:
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Selection of one batch of documents.
+# 4. Selection of one batch of documents.
 # ----------------------------------------------------------------------------------------------
 
 def group_schema():
@@ -690,7 +685,7 @@ class Encoder:
 
     tokenizer: object
     model: object
-    # model_folder.max_seq_length, the repository's one length rule: the limit the model's folder states, else 512.
+    # modeling_xprt.max_seq_length, the repository's one length rule: the limit the model's folder states, else 512.
     # Passages are packed to --passage_tokens (128) first, so at the defaults nothing reaches it.
     max_length: int
     batch_size: int  # passages per forward pass: speed only
@@ -987,7 +982,7 @@ def inspect_markdown(results, *, threshold, source, model_name, ranking, max_cha
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. The passes: output folder and resume, IDF pass, threshold, selection, stats, inspect report.
+# 5. The passes: output folder and resume, IDF pass, threshold, selection, stats, inspect report.
 #    Every file is written atomically (common.atomic_path: a '.tmp-' sibling renamed into
 #    place), so a reader or a resumed run sees a whole file or none.
 # ----------------------------------------------------------------------------------------------
@@ -1275,7 +1270,7 @@ def selection_batch_size(requested, device) -> int:
 
 
 def load_selection_encoder(args, sel: Selection, state) -> Encoder:
-    """The frozen selection encoder on this process's device, with its length limit (model_folder.max_seq_length)."""
+    """The frozen selection encoder on this process's device, with its length limit (modeling_xprt.max_seq_length)."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 

@@ -274,12 +274,6 @@ def load_groups(groups_dir: str, max_groups=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The FLOP count behind the logged MFU (docs/notes.md: BERT-base at 128 tokens is about 87M multiply-adds per token
-# in the encoder and 24M in the MLM head; 2 FLOPs per multiply-add; a backward costs twice its forward)
-# ----------------------------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # The model and the data
 # ----------------------------------------------------------------------------------------------------------------
 def load_pretraining_model(accelerator, args):

@@ -53,12 +53,13 @@ Departures from the official code (each named where it is made):
   - SimLM (paper setting): the frozen generator runs in eval mode (no dropout). In the official code it is a
     registered submodule of the trained model, so the Trainer's model.train() turns its dropout back on after
     `generator.eval()` (rlm.py line 40); the official setting does the same.
-  - Contriever: its negatives are --contrastive_mode's (section 5): moco in the official setting, the README's run
-    (options.py's default mode: a queue of 65,536 keys, as the README's flags parse (its --moco_queue is no flag of
-    options.py; example_scripts pass --queue_size 131072); momentum 0.9995 as example_scripts pass; no gradient
-    through the keys), in-batch (src/inbatch.py) in the paper setting, either by the flag in both. In the paper
-    setting its scores follow the start model's similarity (ours): cosines for a cosine start (E5, MiniLM: dot
-    products put MiniLM's logits in the hundreds and its loss climbed from 0.6 to 7 in 20 demo steps).
+  - Contriever: its negatives are --contrastive_mode's (contriever.py, section 1): moco in the official
+    setting, the README's run (options.py's default mode: a queue of 65,536 keys, as the README's flags parse
+    (its --moco_queue is no flag of options.py; example_scripts pass --queue_size 131072); momentum 0.9995 as
+    example_scripts pass; no gradient through the keys), in-batch (src/inbatch.py) in the paper setting,
+    either by the flag in both. In the paper setting its scores follow the start model's similarity (ours):
+    cosines for a cosine start (E5, MiniLM: dot products put MiniLM's logits in the hundreds and its loss
+    climbed from 0.6 to 7 in 20 demo steps).
     MoCo here: the key encoder is kept in fp32 (a bf16 copy would lose the 0.0005 steps), the queue's first random
     keys come from a generator of the run's seed (moco.py: the global one), and under gradient accumulation each
     micro-batch updates and enqueues (its train.py has no accumulation; Contriever's docstring).

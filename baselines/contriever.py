@@ -329,7 +329,7 @@ class Contriever(Objective):
 # 2. Random spans (contrastive_random_span): two random crops of one passage as a positive pair, cosine
 #    InfoNCE over in-batch negatives, no augmentation; Contriever's cropping without the rest of its recipe
 # How it differs from Contriever's code (src/data.py, inbatch.py, moco.py, options.py, the README's run), which
-# section 5 follows:
+# section 1 follows:
 #   - crop length max(1, round(r n)) here; int(r n) there (floor; 0 for a short text, leaving [CLS] [SEP] only)
 #   - no augmentation here; there each token of a crop is deleted with p 0.1 (--augmentation delete
 #     --prob_augmentation 0.1 in the README's run and example_scripts/contriever.sh; options.py's default is none)
@@ -337,7 +337,7 @@ class Contriever(Objective):
 #     --norm_doc off): all-MiniLM-L6-v2's vectors have norms 3.9-8.3, so its logits run in the hundreds
 #   - the longer crop is always the query here; there the first crop drawn (either length); with a one-direction
 #     loss this is a choice of which side the negatives come from, not only a labelling
-#   - in-batch negatives here; section 5 has both (in-batch, and the MoCo queue of a momentum encoder the README's
+#   - in-batch negatives here; section 1 has both (in-batch, and the MoCo queue of a momentum encoder the README's
 #     run uses: 65,536 keys as its flags parse, momentum 0.9995, no gradient through the keys)
 #   - the same: two independent crops of one text, ratio U[0.1, 0.5] (example_scripts: 0.05), one direction, tau 0.05,
 #     average pooling, [CLS] / [SEP] around each crop; crops there come from 256-token chunks of a token stream

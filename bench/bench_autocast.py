@@ -39,7 +39,7 @@ def inputs(h: int = 384, n: int = 32, seed: int = 0) -> dict:
 
 def terms(mx):
     """(name, function of the leaf tensors -> loss) for every similarity-based term of `mx` (a modeling_xprt) and of
-    this tree's baselines.py."""
+    this tree's baselines/."""
     from baselines import contriever
 
     return [

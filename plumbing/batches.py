@@ -1,10 +1,9 @@
 """
 Batches: which rows make a batch and how it is collated ahead of the step (how the gradient cache cuts one, the
 Layout, is the model's: modeling_xprt.py).
-  1. (the Layout: modeling_xprt.py)
-  2. the samplers: length-grouped batches as a function of (seed, epoch), one document's groups capped per batch,
+  1. the samplers: length-grouped batches as a function of (seed, epoch), one document's groups capped per batch,
      no repeated query (fine-tuning); the in-batch negatives the same-document mask leaves
-  3. the loader: batches collated in DataLoader workers, their random draws seeded by the batch's place in the run
+  2. the loader: batches collated in DataLoader workers, their random draws seeded by the batch's place in the run
      (SeededCollate), so a resumed run draws what the uninterrupted one drew; the batch to the device
 It imports plumbing/common.py, and modeling_xprt.py's document hash (the id L_xp masks by).
 """
@@ -22,10 +21,8 @@ import torch
 
 from plumbing.common import UserError
 
-# 1. How a batch is cut, the contract between the collators and the gradient cache (the Layout): modeling_xprt.py
-
 # ==============================================================================================================
-# 2. Which rows make a batch: the samplers
+# 1. Which rows make a batch: the samplers
 # ==============================================================================================================
 
 class LengthGroupedBatchSampler(torch.utils.data.Sampler):
@@ -362,7 +359,7 @@ def check_batch_fits(rows: int, batch_size: int, world: int, what: str, distinct
                         f"queries: lower {flag}")
 
 # ==============================================================================================================
-# 3. The loader: batches collated ahead of the step, seeded by their place in the run
+# 2. The loader: batches collated ahead of the step, seeded by their place in the run
 # ==============================================================================================================
 
 class RowsDataset(torch.utils.data.Dataset):

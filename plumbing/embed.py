@@ -18,7 +18,7 @@ def embed_texts(model, tokenizer, texts: Sequence[str], batch_size: int = 64, ma
                 prefix: str = "", show_progress: bool = False, desc: str = "embedding",
                 pooling: str = "mean", normalize: bool = True, post_pooling=None) -> torch.Tensor:
     """Sentence vectors of `texts` (mean-pooled, or [CLS] with pooling="cls"; then the model's modules after pooling,
-    post_pooling (model_folder.PostPooling: Dense, Normalize, truncate_dim, ...); L2-normalised unless normalize=False,
+    post_pooling (modeling_xprt.PostPooling: Dense, Normalize, truncate_dim, ...); L2-normalised unless normalize=False,
     as a dot-product model's folder makes them), in input order, as a CPU float32 (N, D) tensor.
 
     The one batch embedder of the repository: select_groups.py (centrality and the E5 ranking), finetune.py

@@ -154,7 +154,7 @@ class _Counted:
 def input_sources(args):
     """The input as one iterator of raw records per input file (one for a Hub dataset), in order, at most
     --max_docs records in all: chunks never span two files (iter_chunks), so a datatrove task that reads whole
-    files cuts the same chunks (selection_stages.py)."""
+    files cuts the same chunks (select_groups_datatrove.py)."""
     left = args.max_docs if args.max_docs > 0 else None
     if args.dataset:
         opens = [lambda: _iter_hf_dataset(args.dataset, args.dataset_config, args.dataset_split)]
@@ -276,7 +276,7 @@ def iter_records(args, raw=None, start=0, seen=None, dropped=frozenset()):
     are found with a set of 64-bit id hashes: the only state that grows with the corpus (~100 bytes
     per document).
 
-    A datatrove task (selection_stages.py) reads only its own files: raw, one file's records; start, the global
+    A datatrove task (select_groups_datatrove.py) reads only its own files: raw, one file's records; start, the global
     index of its first record; seen, the task's id hashes so far; dropped, the record numbers within raw that the
     merge found to repeat an id of an earlier file of another task (the first occurrence is kept, as here).
     """
@@ -303,7 +303,7 @@ def iter_chunks(args, rank=0, world=1):
     """Yield (chunk_id, records) for the chunks this process owns: chunk c -> process c % world. A chunk is up to
     --chunk_docs consecutive records of one input file, never of two: a chunk's passages are embedded together
     (their batches, and so the last bits of their vectors, depend on the chunk), and a datatrove task that reads
-    whole files (selection_stages.py) cuts the same chunks, so it writes the same rows."""
+    whole files (select_groups_datatrove.py) cuts the same chunks, so it writes the same rows."""
     seen, start, c = set(), 0, 0
     for source in input_sources(args):
         buf = []
