@@ -57,7 +57,6 @@ scores during training (section 4b).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import hashlib
@@ -1353,7 +1352,7 @@ def write_report(out: dict, output_dir: Path, overlap_tasks: Sequence[str] = (),
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--models", nargs="+", required=True,
                    help="model folders (train.py output), hub ids or 'all-MiniLM-L6-v2'; the first is the "
                         "baseline every other model's difference is taken to")

@@ -24,7 +24,6 @@ negatives where train.py has the retention teacher.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -56,8 +55,7 @@ PAIR_ALPHA_0 = 0.1  # PAIR's stage-1 alpha_0 (its official code's pre-training a
 # 1. Flags
 # ----------------------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("fine-tuning data")
     g.add_argument("--beir_dir", default=None,
                    help="BEIR-layout folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv): trained on its qrels; "
@@ -209,6 +207,7 @@ def pair_alpha_at(step: int, total_steps: int, alpha_0: float, schedule: str) ->
     constant: alpha_0 every step (the official code's pre-training uses 0.1);
     linear:   alpha_0 * (1 - step / total_steps), decaying to 0 (PAIR's "dynamic decay from alpha_0 > 0").
     Fine-tuning in PAIR's stage 2 is alpha = 0.
+    Worked example: linear from 0.1 over 10 steps: 0.1 at step 0, 0.05 at 5, 0.01 at 9 (the last).
     """
     if schedule == "constant":
         return alpha_0

@@ -48,7 +48,8 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     """Mean of the token vectors over the attention mask: the sentence vector of E5 and xPRT.
 
     hidden (B, L, H), attention_mask (B, L) -> (B, H). Not normalised: callers normalise when they need cosines, so
-    the same function serves losses that want raw vectors."""
+    the same function serves losses that want raw vectors.
+    Worked example: token vectors (1, 2), (3, 4) and a padded (9, 9), mask 1 1 0 -> (2, 3)."""
     mask = attention_mask.unsqueeze(-1).to(torch.float32)  # (B, L, 1)
     # fp32 sums: a bf16 encoder's vectors would otherwise carry bf16's 3 significant digits into every cosine;
     # clamp: an all-padding row (never produced by our collators) would otherwise divide by zero
@@ -94,7 +95,9 @@ def info_nce(queries: torch.Tensor, keys: torch.Tensor, labels: torch.Tensor, ta
     """-log softmax(cos(q, k) / tau)[label], averaged over queries.
 
     Also known as MultipleNegativesRankingLoss; temperature tau = 0.05 is sentence-transformers' scale = 20.
-    `exclude` (Q, K) bool marks candidates removed from the denominator (never the label)."""
+    `exclude` (Q, K) bool marks candidates removed from the denominator (never the label).
+    Worked example: q = e1, keys e1 (the label) and e2, tau = 1: -log(e / (e + 1)) = 0.3133;
+    K keys at one cosine: ln K."""
     logits = cosines(queries, keys) / tau  # (Q, K), fp32
     if exclude is not None:
         logits = logits.masked_fill(exclude, float("-inf"))
@@ -109,7 +112,7 @@ def xp_loss(anchors: torch.Tensor, s1: torch.Tensor, doc_ids: torch.Tensor, tau:
     (gather_with_grad) - and, in reverse, s1 picks its anchor among all anchors; the two directions are averaged.
     Groups of the same document are never negatives ("they are related too"): their logits are removed, except the
     group's own positive. Worked example (paper): 3 groups, cos 0.8 to the own s1 and 0.5 to the others ->
-    p = e^16 / (e^16 + 2 e^10) = 0.995.
+    p = e^16 / (e^16 + 2 e^10) = 0.995, L_xp = -ln p = ln(1 + 2 e^-6) = 0.0049.
 
     anchors, s1: (N, H) local rows; doc_ids: (N,) int64. Returns the mean over the local rows."""
     all_anchors, all_s1 = gather_with_grad(anchors), gather_with_grad(s1)  # (N * world, H)
@@ -132,7 +135,8 @@ def cross_fill_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch
     tokens are 60% masked; the decoder predicts the masked words through the encoder's own MLM head (transform, then
     the vocabulary projection W, b). Both directions: the anchor fills each of the 4 related passages, each related
     passage fills the anchor (8 of the 10 passes of decoder_pass_plan). hidden: (M, H) decoder states at the masked
-    positions of all cross passes of all groups, targets (M,) the original tokens."""
+    positions of all cross passes of all groups, targets (M,) the original tokens.
+    Worked example: uniform logits (W = 0, b = 0) over BERT's V = 30,522 words: ln V = 10.326."""
     # the (M, V) logits are never held: linear_cross_entropy projects and takes the cross-entropy chunk by chunk
     return linear_cross_entropy(model.transform(hidden), model.vocab_weight, model.vocab_bias, targets,
                                 fused=model.fused_vocab_loss)
@@ -145,7 +149,8 @@ def self_fill_loss(model, hidden: torch.Tensor, teacher_hidden: torch.Tensor) ->
         z = W transform(h) + b   (the logits over the vocabulary)
 
     Anchor and s1 only (the 2 self passes of decoder_pass_plan). hidden: (M, H) decoder states, teacher_hidden:
-    (M, H) encoder states at the same tokens."""
+    (M, H) encoder states at the same tokens.
+    Worked example: equal distributions (hidden = teacher_hidden) give L_self = 0."""
     with torch.no_grad():
         teacher = model.transform(teacher_hidden.detach())
     return linear_kl_div(model.transform(hidden), teacher, model.vocab_weight, model.vocab_bias,
@@ -157,7 +162,8 @@ def mlm_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
         L_MLM = mean over masked positions m of -log softmax(W transform(h_enc[m]) + b)[x_m]
 
-    hidden: (M, H) encoder states at the masked positions, targets (M,) the original tokens."""
+    hidden: (M, H) encoder states at the masked positions, targets (M,) the original tokens.
+    Worked example: V = 4, logits (ln 2, 0, 0, 0), target the first word: -log(2 / 5) = 0.916."""
     return linear_cross_entropy(model.transform(hidden), model.vocab_weight, model.vocab_bias, targets,
                                 fused=model.fused_vocab_loss)
 
@@ -166,7 +172,8 @@ def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
 
     Applied to the batch's anchors: the closer any two anchors, the larger the penalty, so the vectors do not collapse
     into one cluster. Local batch only (no gathering): with one group per device there is no pair, and the term is 0,
-    with a zero gradient."""
+    with a zero gradient.
+    Worked example: two orthogonal unit vectors, ||x - y||^2 = 2: log exp(-2 * 2) = -4; equal: 0."""
     n = vectors.shape[0]
     if n < 2:  # the mean over no pair: nothing to push apart (and log(n (n - 1)) is undefined)
         return vectors.float().sum() * 0.0
@@ -186,7 +193,9 @@ def retention_loss(student_anchors, student_related, teacher_anchors, teacher_re
     anchor) each get a softmax, and
         L_retain = 1/2 [ KL(softmax_row(T) || softmax_row(S)) + KL(softmax_col(T) || softmax_col(S)) ],
     each KL averaged over rows/columns. The paper's weight falls 40 -> 0 over training (retention_weight). The paper
-    gives no temperature for these softmaxes: tau = 0.05 (L_xp's) is our choice."""
+    gives no temperature for these softmaxes: tau = 0.05 (L_xp's) is our choice.
+    Worked example: a teacher that tells 2 pairs apart (cos 1 and 0), a student that does not (all
+    cos 1): KL(one-hot || uniform) = ln 2 = 0.693; a student equal to the teacher: 0."""
     s = cosines(student_anchors, student_related) / tau
     with torch.no_grad():
         t = cosines(teacher_anchors, teacher_related) / tau
@@ -201,7 +210,9 @@ def retention_weight(step: int, total: int, start: float = 40.0, end: float = 0.
 
     w(t) = w_0 + (w_T - w_0) s(t / T), s(x) = x (linear), (1 - cos(pi x)) / 2 (cosine) or 0 (constant).
     A function of the step alone: a resumed run continues the decay where it stopped. Weight 0 at both ends turns
-    the term (and the teacher pass) off."""
+    the term (and the teacher pass) off. Step t (0 .. T-1) trains with w(t), taken at its start as
+    the lr schedule is: the last step's weight is w(T-1), and w_T is where the run ends.
+    Worked example: 40 -> 0 over T = 6: w(0) = 40, w(3) = 20 (cosine too), w(5) = 6.67, w(6) = 0."""
     frac = min(step / max(1, total), 1.0)
     if shape == "constant":
         frac = 0.0
@@ -235,7 +246,8 @@ def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
     our encoders are mean-pooled cosine models, hence cos / tau (tau = 0.05). N_P leaves out the false negatives
     when the ids are given (pair_false_negatives): passage_ids (B, 1 + n) int64, gathered like the passages;
     relevant_ids (B, R) int64 (None: each row's own positive only). Without ids every other passage is a negative
-    (a duplicate of q's positive then caps p+ at 1/2)."""
+    (a duplicate of q's positive then caps p+ at 1/2).
+    Worked example: cos(q, p+) = 0.8, cos(q, p-) = 0.5, tau = 0.05: L_Q = ln(1 + e^-6) = 0.0025."""
     b, k, h = passages.shape
     all_p = gather_with_grad(passages.reshape(b * k, h))  # (world * B * k, H)
     rank = torch.distributed.get_rank() if len(all_p) > b * k else 0  # gathered from more than one process
@@ -255,7 +267,8 @@ def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
         L_P = -log exp(f(p+, q)) / (exp(f(p+, q)) + sum_{p- in N_P} exp(f(p+, p-))),
     i.e. it enforces s(p+, q) > s(p+, p-) (papers/pair.md's numerator differs: docs/notes.md). Needs >= 1 negative
     per query. With passage_ids / relevant_ids (as in pair_q_loss) N_P leaves out the negatives labelled relevant to
-    q (pair_false_negatives): a copy of p+ among them would otherwise score f(p+, p+) = 1 / tau, above any query."""
+    q (pair_false_negatives): a copy of p+ among them would otherwise score f(p+, p+) = 1 / tau, above any query.
+    Worked example: cos(p+, q) = 0.8, cos(p+, p-) = 0.4, tau 0.05: L_P = ln(1 + e^-8) = 0.00034."""
     b, k, h = passages.shape
     if k < 2:
         raise ValueError("pair_p_loss needs at least one negative passage per query (num_negatives >= 1)")
@@ -276,7 +289,8 @@ def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
 def pair_loss(l_q: torch.Tensor, l_p: torch.Tensor, alpha: float) -> torch.Tensor:
     """PAIR's combined objective (Eq. 3): L = (1 - alpha) L_Q + alpha L_P. alpha = 0 is plain fine-tuning (PAIR's
     second stage); the official code's pre-training stage uses alpha = 0.1 constant, the paper describes a decaying
-    alpha: both are schedules of finetune.py (pair_alpha_at)."""
+    alpha: both are schedules of finetune.py (pair_alpha_at).
+    Worked example: L_Q = 2, L_P = 4, alpha = 0.1: 0.9 * 2 + 0.1 * 4 = 2.2."""
     return (1.0 - alpha) * l_q + alpha * l_p
 
 @dataclass
@@ -494,7 +508,7 @@ class XPRTObjective(Objective):
     flags = {"--no_fill_in": dict(action="store_true", help="drop the cross fill-in loss L_cross (the paper's "
                                                             "'without the fill-in loss', Table 3); L_self stays"),
              "--xp_weight": dict(type=float, help="weight of L_xp (default 1)"),
-             "--cross_weight": dict(type=float, help="weight of L_cross (paper: 0.1)"),
+             "--cross_weight": dict(type=float, help="weight of L_cross (paper's default: 0.1)"),
              "--self_fill_weight": dict(type=float, help="weight of L_self (not given by the paper; default 0.1)"),
              "--mlm_weight": dict(type=float, help="weight of L_MLM (not given by the paper; default 0.1)"),
              "--unif_weight": dict(type=float, help="weight of L_unif (not given by the paper; default 0.1)")}

@@ -33,7 +33,6 @@ local|slurm|ray` runs the same passes as datatrove stages (every flag of this sc
 
 from __future__ import annotations
 
-import argparse
 import copy
 import hashlib
 import html
@@ -237,8 +236,7 @@ def _output_flags(g):
 def build_parser() -> ArgumentParser:
     """Every flag of the one-process command. select_groups_datatrove.py adds its executor flags to this parser; here
     their defaults are set, so code that reads args.executor, args.tasks, ... finds the one-process values."""
-    p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     _input_flags(p.add_argument_group("input"))
     _embedding_flags(p.add_argument_group("passages and embedding"))
     _selection_flags(p.add_argument_group("selection (paper: threshold 0.825, RRF k = 10 with weights 2 / 1, "
@@ -411,6 +409,7 @@ def centrality(vectors):
 
     Paper: body-text passages score high; off-topic blocks (music-video links, press contacts)
     0.46-0.51; anchors are those >= 0.825 (tuned for E5 on FineWeb). (P, H) -> (P,).
+    Worked example: two passages along e1, one along e2: 2/sqrt(5) = 0.894 and 1/sqrt(5) = 0.447.
     """
     v = np.asarray(vectors, dtype=np.float64)
     m = v.mean(axis=0)

@@ -3,7 +3,8 @@ xPRT step 2: continued pre-training of the encoder on the groups that select_gro
 
 Read it beside the xPRT paper ("The objective", "Experiments"). The objectives (--objective) share data, steps,
 batch, schedule and the retention term (40 -> 0), as the paper gives every method the same budget:
-  xprt                     L_xp + 0.1 L_cross + L_self + L_MLM + L_unif (modeling_xprt.XPRTObjective)
+  xprt                     L_xp + 0.1 L_cross + 0.1 L_self + 0.1 L_MLM + 0.1 L_unif + w(t) L_retain
+                           (modeling_xprt.XPRTObjective; the --*_weight defaults; w(t): 40 -> 0)
   the comparison arms      RetroMAE, SimLM, Contriever and random spans, Revela, the self-reconstruction ablation
                            (baselines/, one file each, imported only by the run that trains it); --baseline_setting
                            official runs the baselines as their authors do
@@ -22,7 +23,6 @@ plumbing/run_log.py.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -58,8 +58,7 @@ DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E
 def build_parser(objectives=None):
     """train.py's flags, with those of the objectives `objectives` (default: every one, as --help lists them;
     experiments/paper/run.py reads --objective's choices from here, so it never drifts)."""
-    p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("the method (the xPRT paper's \"The objective\"): the objective, its positive")
     g.add_argument("--objective", choices=pretraining_objectives(), default="xprt",
                    help="pre-training objective; the baselines share data, steps, batch, schedule and retention")
@@ -87,7 +86,9 @@ def build_parser(objectives=None):
                    help="retention weight at step 0 (paper: 40); 0 turns the term and the teacher off "
                         "(from-BERT setting)")
     g.add_argument("--retention_final_weight", type=float, default=0.0,
-                   help="retention weight at the last step (paper: 0)")
+                   help="w(T), the weight the decay reaches at the run's end (paper: 0; "
+                        "default 0). Step t (0 .. T-1) trains with w(t), as the lr schedule does, "
+                        "so the last step's weight is w(T-1)")
     g.add_argument("--retention_schedule", choices=["linear", "cosine", "constant"], default="linear",
                    help="shape of the 40 -> 0 decay (the paper says 'decaying' only)")
     g.add_argument("--retention_student", choices=["clean", "masked"], default="clean",

@@ -67,6 +67,17 @@ def run_script(main, argv=None):
         print(f"{start}{script}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         sys.exit(2)
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help with each flag's default said once: argparse's "(default: X)" where the help names no
+    default of its own and X is not None; a description's line breaks kept."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default in (None, argparse.SUPPRESS) or "%(default)" in text
+                or re.search(r"\bdefault\b", text, re.I)):
+            return text
+        return text + " (default: %(default)s)"
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose errors (a missing flag, an invalid choice, a value of the wrong type) are UserErrors:
     one line naming the flag, instead of the whole usage text followed by the error. No prefix matching
@@ -74,6 +85,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message):

@@ -905,7 +905,8 @@ def add_common_args(p, default_lr: float):
                         "'query: ' / 'passage: ' when it is an E5 model, else none: common.model_prompts); "
                         "e5 / none force them. Pre-training reads passages only (the 'passage: ' prefix). Saved "
                         "with the model"),
-    g.add_argument("--tau", type=positive_float, default=None, help="InfoNCE temperature (paper: 0.05)")
+    g.add_argument("--tau", type=positive_float, default=None,
+                   help="InfoNCE temperature (default 0.05, the paper's)")
     g.add_argument("--saved_similarity", choices=["start", "cosine"], default="start",
                    help="the scoring the saved folder states: start = the start model's (its Normalize module and "
                         "similarity function: a dot-product start stays dot-product, so it is scored as it was); "
