@@ -1,6 +1,7 @@
 """
 What every script needs and no paper step owns; it imports no file of the repository.
-  1. a user's mistake: UserError, one line at each script's entry (run_script), flags refused at parse time
+  1. a user's mistake: UserError, one line at each script's entry (run_script), flags refused at parse time;
+     --help with each flag's default said once (HelpFormatter)
   2. model names and prefixes: the offline MiniLM alias, a name that cannot load offline, the one prefix rule
   3. output folders and atomic writes: only a script's own outputs are replaced (claim_output_folder), every output
      whole or absent (atomic_path)

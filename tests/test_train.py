@@ -768,6 +768,8 @@ def test_saved_model_loads_in_sentence_transformers_with_our_embeddings(tiny_ber
     log = read_log(out)
     for key in ("lr", "retention_weight", "tokens_per_s", "padding_efficiency", "xp_loss", "retention_loss"):
         assert key in log[3]
+    # --retention_final_weight is w(T): step t (0 .. T-1) trains with w(t), so the last of 3 logs w(2)
+    assert [log[s]["retention_weight"] for s in (1, 2, 3)] == pytest.approx([40, 80 / 3, 40 / 3])
     assert 0 < log[3]["padding_efficiency"] <= 1
 
 
