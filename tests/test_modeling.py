@@ -299,6 +299,34 @@ def test_pair_collator_gives_text_ids_and_the_model_masks_with_them(tiny_bert, t
     assert torch.allclose(bare["pair_q_loss"], mx.pair_q_loss(qv, pv, 0.05), atol=1e-5)
     assert not torch.allclose(out["pair_q_loss"], bare["pair_q_loss"], atol=1e-4)
     assert not torch.allclose(out["pair_p_loss"], bare["pair_p_loss"], atol=1e-4)
+    with torch.no_grad():  # finetune.py --pair_p_form reaches the loss through the step's keywords
+        summary = model(batch, pair_alpha=0.1, pair_p_form="summary")["pair_p_loss"]
+    assert torch.allclose(summary, mx.pair_p_loss(qv, pv, 0.05, *ids, form="summary"), atol=1e-5)
+    assert not torch.allclose(summary, out["pair_p_loss"], atol=1e-3)
+
+
+def test_pair_p_loss_both_forms_against_hand_written_values():
+    """Issue 65: L_P as PAIR's code writes it (numerator exp(f(p+, q))) and as papers/pair.md prints it
+    (exp(-f(p+, p+))), on the same batch, against values written out by hand (tau 1, f = cosine / tau; not
+    normalised, f = dot / tau). p+ = (1, 0), q = (0.6, 0.8), N_P = {(0, 1), (-1, 0)}: f(p+, q) = 0.6,
+    f(p+, p+) = 1, f(p+, p-) = 0 and -1."""
+    q = torch.tensor([[0.6, 0.8]])
+    p = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]])
+    query = math.log(1 + math.exp(0.0 - 0.6) + math.exp(-1.0 - 0.6))  # -log e^0.6 / (e^0.6 + e^0 + e^-1)
+    summary = math.log(1 + math.exp(0.0 + 1.0) + math.exp(-1.0 + 1.0))  # -log e^-1 / (e^-1 + e^0 + e^-1)
+    assert mx.pair_p_loss(q, p, 1.0).item() == pytest.approx(query, abs=1e-6)
+    assert mx.pair_p_loss(q, p, 1.0, form="query").item() == pytest.approx(0.560020, abs=1e-6)
+    assert mx.pair_p_loss(q, p, 1.0, form="summary").item() == pytest.approx(summary, abs=1e-6)
+    assert summary == pytest.approx(1.551445, abs=1e-6)
+    # tau 0.5 and vectors of norm 2, not normalised: f(p+, p+) = 4 / 0.5 = 8, f(p+, q) = 2.4 / 0.5 = 4.8,
+    # f(p+, p-) = 0 and -8
+    big_q, big_p = 2 * q, 2 * p
+    assert mx.pair_p_loss(big_q, big_p, 0.5, normalize=False).item() == pytest.approx(
+        math.log(1 + math.exp(-4.8) + math.exp(-8 - 4.8)), abs=1e-6)
+    assert mx.pair_p_loss(big_q, big_p, 0.5, form="summary", normalize=False).item() == pytest.approx(
+        math.log(1 + math.exp(0 + 8) + math.exp(-8 + 8)), abs=1e-5)
+    with pytest.raises(ValueError, match="form"):
+        mx.pair_p_loss(q, p, 1.0, form="paper")
 
 
 def test_contrastive_random_span_is_one_direction_infonce():
