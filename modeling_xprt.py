@@ -250,19 +250,15 @@ def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
                 passage_ids: Optional[torch.Tensor] = None,
                 relevant_ids: Optional[torch.Tensor] = None, form: str = "query",
                 normalize: bool = True) -> torch.Tensor:
-    """PAIR's passage-centric L_P (Eq. 2): the positive passage is the anchor, the candidates are the negative
-    passages N_P (its hard negatives and every other query's, gathered across processes) and one more term, the
-    label. f(x, y) = cos(x, y) / tau (normalize=False: x . y / tau). Two forms (finetune.py --pair_p_form):
-      form="query" (the default; the PAIR paper's official code): the label is p+'s own query,
-        L_P = -log exp(f(p+, q)) / (exp(f(p+, q)) + sum_{p- in N_P} exp(f(p+, p-))),
-        which enforces s(p+, q) > s(p+, p-).
-      form="summary" (papers/pair.md as printed): the label is p+ against itself, negated,
-        L_P = -log exp(-f(p+, p+)) / (exp(-f(p+, p+)) + sum_{p- in N_P} exp(f(p+, p-)));
-        with unit vectors exp(-f(p+, p+)) = exp(-1 / tau) is a constant (docs/notes.md: pair_p_loss).
-    Example (tau 1, one row, p+ = (1, 0), q = (0.6, 0.8), N_P = {(0, 1), (-1, 0)}): "query" gives
-    log(1 + e^-0.6 + e^-1.6) = 0.5600, "summary" log(1 + e^1 + e^0) = 1.5514. Needs >= 1 negative per query. With
-    passage_ids / relevant_ids (as in pair_q_loss) N_P leaves out the negatives labelled relevant to q
-    (pair_false_negatives): a copy of p+ among them would otherwise score f(p+, p+) = 1 / tau, above any query."""
+    """PAIR's passage-centric L_P (Eq. 2): p+ is the anchor, the candidates are N_P (its hard negatives and every
+    other query's, gathered across processes) and the label; f(x, y) = cos(x, y) / tau (normalize=False: x.y / tau).
+      form="query" (default, PAIR's official code; it enforces s(p+, q) > s(p+, p-)):
+        L_P = -log exp(f(p+, q)) / (exp(f(p+, q)) + sum_{p- in N_P} exp(f(p+, p-)))
+      form="summary" (papers/pair.md as printed; with unit vectors exp(-f(p+, p+)) = exp(-1 / tau), a constant):
+        L_P = -log exp(-f(p+, p+)) / (exp(-f(p+, p+)) + sum_{p- in N_P} exp(f(p+, p-)))
+    Example (tau 1; p+ = (1, 0), q = (0.6, 0.8), N_P = {(0, 1), (-1, 0)}): query log(1 + e^-0.6 + e^-1.6) = 0.5600,
+    summary log(1 + e^1 + e^0) = 1.5514. Needs >= 1 negative per query. With passage_ids / relevant_ids (as in
+    pair_q_loss) N_P leaves out the negatives labelled relevant to q (pair_false_negatives)."""
     if form not in ("query", "summary"):
         raise ValueError(f"pair_p_loss: form {form!r} is not 'query' or 'summary'")
     b, k, h = passages.shape

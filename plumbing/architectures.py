@@ -652,19 +652,15 @@ def _softmax_(z):
     return (m + s.log()).squeeze(1)
 
 def _kl_rows_(zt, z, u, block: int = 2**22):
-    """Row-wise KL(p || q), p = softmax(zt), q = softmax(z), all (r, V) fp32: zt <- p and z <- q IN PLACE
-    (_softmax_), u a scratch buffer.
-
-    Not sum p z_t - lse_t - (sum p z - lse): two sums of about 10 whose difference cancels (6e-3 relative at
-    KL = 0.004). From u = z_t - z - (max z_t - max z), which is log p - log q up to a constant per row:
-        KL = E_p[u] + log E_p[exp(-u)] = E_p[u] + log1p(E_p[expm1(-u)])   (for any constant shift of u)
-    Both sums are of the size of u where p is large, so neither cancels (docs/notes.md: Numerics). KL(p || p) = 0."""
+    """Row-wise KL(p || q), p = softmax(zt), q = softmax(z), (r, V) fp32; zt <- p, z <- q IN PLACE; u scratch.
+    From u = z_t - z - (max z_t - max z) (log p - log q up to a row constant; small where p is large), not as a
+    difference of two sums of ~10 that cancels (docs/notes.md: Numerics):
+        KL = E_p[u] + log E_p[exp(-u)] = E_p[u] + log1p(E_p[expm1(-u)])."""
     torch.sub(zt, z, out=u)  # exact where z_t and z are close (where the KL is small)
     u.sub_(zt.amax(dim=-1, keepdim=True) - z.amax(dim=-1, keepdim=True))  # small where p is large
     _softmax_(zt)
     _softmax_(z)
-    # torch's row sums (cascaded: fp32 error of a few ulp of the sum of |terms|), not a batched matmul's dot
-    # products (one fp32 accumulator: 4e-5 relative at KL = 4e-4); rows in blocks: one small temporary for p u
+    # torch's cascaded row sums, not bmm's dot products (4e-5 off at KL = 4e-4); a small temporary for p u
     mean_u, tail = (torch.empty(zt.shape[0], dtype=torch.float32, device=zt.device) for _ in range(2))
     rows = max(1, block // max(zt.shape[1], 1))
     for s in range(0, zt.shape[0], rows):
