@@ -109,6 +109,9 @@ def parse_args(argv=None):
     g.add_argument("--pair_alpha_schedule", choices=["constant", "linear"], default=None,
                    help="constant alpha (official code) or linear decay from --pair_alpha to 0 (PAIR's stage-1 "
                         "'dynamic decay from alpha_0'). Default: linear for stage 1's default alpha, else constant")
+    g.add_argument("--pair_p_form", choices=["query", "summary"], default="query",
+                   help="L_P's numerator (modeling_xprt.pair_p_loss): query = exp(f(p+, q)), the PAIR paper's "
+                        "official code (default); summary = exp(-f(p+, p+)), as papers/pair.md prints it")
 
     g = p.add_argument_group("PAIR stage 1: pseudo-queries (needs real generator / cross-encoder weights)")
     g.add_argument("--generate_pseudo_queries", action="store_true",
@@ -121,6 +124,9 @@ def parse_args(argv=None):
     g.add_argument("--denoise_threshold", type=float, default=0.5,
                    help="keep a pseudo pair when the cross-encoder's relevance probability is at least this")
     g.add_argument("--pseudo_query_max_length", type=positive_int, default=32, help="max generated query tokens")
+    g.add_argument("--pseudo_queries_only", action="store_true",
+                   help="stage 1 on the pseudo-queries alone, as the PAIR summary schedules it; without it, "
+                        "--beir_dir's labelled qrels pairs are trained beside them, at the same alpha(t)")
     add_common_args(p, DEFAULT_LR)
     args = p.parse_args(argv)
     if args.export_checkpoint:  # its flags come from the checkpoint (training.export_checkpoint checks them)
@@ -136,6 +142,9 @@ def parse_args(argv=None):
         raise UserError("finetune.py needs --beir_dir, --train_data or --generate_pseudo_queries")
     if args.generate_pseudo_queries and not (args.generator_model and args.cross_encoder_model):
         raise UserError("--generate_pseudo_queries needs --generator_model and --cross_encoder_model")
+    if args.pseudo_queries_only and (args.train_data or not args.generate_pseudo_queries):
+        raise UserError("--pseudo_queries_only trains stage 1's pseudo-queries alone: it needs "
+                        "--generate_pseudo_queries and no --train_data")
     defaulted = args.pair_alpha is None
     args.pair_alpha, args.pair_alpha_schedule = pair_alpha_default(args.pair_alpha, args.pair_alpha_schedule,
                                                                    args.generate_pseudo_queries)
@@ -186,11 +195,16 @@ def pair_stage(args) -> str:
     alpha_0 > 0), else stage 2 on labelled queries (PAIR: alpha = 0, plain L_Q). An alpha that is not its stage's
     PAIR value (an explicit --pair_alpha) is said to be so."""
     a, first = args.pair_alpha, args.generate_pseudo_queries
-    stage = "stage 1 (pseudo-queries, with the labelled pairs)" if first else "stage 2 (labelled queries)"
+    only = getattr(args, "pseudo_queries_only", False)
+    stage = (f"stage 1 (pseudo-queries{' only' if only else ', with the labelled pairs'})" if first
+             else "stage 2 (labelled queries)")
+    form = getattr(args, "pair_p_form", "query")
+    l_p = ("L_P with exp(f(p+, q)) (--pair_p_form query, the default: PAIR's code)" if form == "query"
+           else "L_P with exp(-f(p+, p+)) (--pair_p_form summary: papers/pair.md's)")
     if a == 0:
         return (f"{stage}: L = L_Q (alpha 0: the passage-centric L_P off, "
-                + ("unlike PAIR's first stage, whose alpha starts at alpha_0 > 0)" if first
-                   else "as PAIR's second stage)"))
+                + ("unlike PAIR's first stage, whose alpha starts at alpha_0 > 0" if first
+                   else "as PAIR's second stage") + f"; logged: {l_p})")
     linear = args.pair_alpha_schedule == "linear"
     alpha = f"alpha {a:g} -> 0 (linear)" if linear else f"alpha {a:g} (constant)"
     if first:
@@ -198,7 +212,7 @@ def pair_stage(args) -> str:
                    else "the passage-centric L_P on, constant as in PAIR's official code")
     else:
         meaning = "the passage-centric L_P on, which PAIR's second stage leaves off (alpha 0)"
-    return f"{stage}: L = (1 - alpha) L_Q + alpha L_P, {alpha}: {meaning}"
+    return f"{stage}: L = (1 - alpha) L_Q + alpha L_P, {alpha}: {meaning}; {l_p}"
 
 
 def pair_alpha_at(step: int, total_steps: int, alpha_0: float, schedule: str) -> float:
@@ -838,7 +852,7 @@ def build_finetune_rows(args, accelerator, encoder, tokenizer, prompts, pooling=
         accelerator.print(f"--beir_dir {args.beir_dir}: the corpus the --train_data rows without enough negatives "
                           f"({len(needy)}) are mined from; its {qrels_name} is not trained on (one source: "
                           "--train_data)")
-    if beir and train_on_qrels:
+    if beir and train_on_qrels and not args.pseudo_queries_only:
         qrels = {q: {d for d, s in ds.items() if s > 0} for q, ds in beir["qrels"].items()}
         for qid in sorted(qrels):
             for did in sorted(qrels[qid]):
@@ -851,6 +865,11 @@ def build_finetune_rows(args, accelerator, encoder, tokenizer, prompts, pooling=
             raise UserError("--generate_pseudo_queries needs a corpus: pass --beir_dir")
         with unpartitioned_loading():  # the generator and cross-encoder are ours to run, never prepared
             kept = pseudo_query_pairs(args, accelerator, corpus)
+        accelerator.print(f"stage 1's rows: {len(kept)} pseudo-query pairs" + (
+            " alone (--pseudo_queries_only)" if args.pseudo_queries_only else
+            f" + {len(rows) + len(mined)} labelled pairs of {qrels_name if train_on_qrels else '--train_data'}, "
+            "trained together at alpha(t) "
+            f"(--pseudo_queries_only: the pseudo-queries alone, as the PAIR summary's stage 1)"))
         mined += [({"query": q, "positive": corpus[pid]}, q, {pid}) for pid, q in kept]
     if needy:
         corpus = corpus or data_corpus(rows + needy)
@@ -1072,9 +1091,9 @@ def main(argv=None):
                     with accelerator.accumulate(model):
                         if args.gradient_cache_chunk:  # forward and backward chunk by chunk (the gradient cache)
                             outputs = gradient_cache_step(accelerator, model, batch, args.gradient_cache_chunk,
-                                                          pair_alpha=alpha)
+                                                          pair_alpha=alpha, pair_p_form=args.pair_p_form)
                         else:
-                            outputs = model(batch, pair_alpha=alpha)
+                            outputs = model(batch, pair_alpha=alpha, pair_p_form=args.pair_p_form)
                         if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
                             if not args.gradient_cache_chunk:
                                 accelerator.backward(outputs["loss"])

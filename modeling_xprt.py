@@ -260,27 +260,34 @@ def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
 
 def pair_p_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05,
                 passage_ids: Optional[torch.Tensor] = None,
-                relevant_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """PAIR's passage-centric L_P (Eq. 2), as in the PAIR paper and its official code: the positive passage is the
-    anchor; the candidates are its own query and the negative passages (its hard negatives and every other query's,
-    gathered across processes); the label is its query:
-        L_P = -log exp(f(p+, q)) / (exp(f(p+, q)) + sum_{p- in N_P} exp(f(p+, p-))),
-    i.e. it enforces s(p+, q) > s(p+, p-) (papers/pair.md's numerator differs: docs/notes.md). Needs >= 1 negative
-    per query. With passage_ids / relevant_ids (as in pair_q_loss) N_P leaves out the negatives labelled relevant to
-    q (pair_false_negatives): a copy of p+ among them would otherwise score f(p+, p+) = 1 / tau, above any query.
-    Worked example: cos(p+, q) = 0.8, cos(p+, p-) = 0.4, tau 0.05: L_P = ln(1 + e^-8) = 0.00034."""
+                relevant_ids: Optional[torch.Tensor] = None, form: str = "query",
+                normalize: bool = True) -> torch.Tensor:
+    """PAIR's passage-centric L_P (Eq. 2): p+ is the anchor, the candidates are N_P (its hard negatives and every
+    other query's, gathered across processes) and the label; f(x, y) = cos(x, y) / tau (normalize=False: x.y / tau).
+      form="query" (default, PAIR's official code; it enforces s(p+, q) > s(p+, p-)):
+        L_P = -log exp(f(p+, q)) / (exp(f(p+, q)) + sum_{p- in N_P} exp(f(p+, p-)))
+      form="summary" (papers/pair.md as printed; with unit vectors exp(-f(p+, p+)) = exp(-1 / tau), a constant):
+        L_P = -log exp(-f(p+, p+)) / (exp(-f(p+, p+)) + sum_{p- in N_P} exp(f(p+, p-)))
+    Worked example: cos(p+, q) = 0.8, cos(p+, p-) = 0.4, tau 0.05: query form ln(1 + e^-8) = 0.00034.
+    Both forms (tau 1; p+ = (1, 0), q = (0.6, 0.8), N_P = {(0, 1), (-1, 0)}): query log(1 + e^-0.6 + e^-1.6)
+    = 0.5600, summary log(1 + e^1 + e^0) = 1.5514. Needs >= 1 negative per query. With passage_ids /
+    relevant_ids (as in pair_q_loss) N_P leaves out the negatives labelled relevant to q (pair_false_negatives)."""
+    if form not in ("query", "summary"):
+        raise ValueError(f"pair_p_loss: form {form!r} is not 'query' or 'summary'")
     b, k, h = passages.shape
     if k < 2:
         raise ValueError("pair_p_loss needs at least one negative passage per query (num_negatives >= 1)")
     pos = passages[:, 0]  # (B, H)
     all_neg = gather_with_grad(passages[:, 1:].reshape(b * (k - 1), h))  # (world * B * n, H)
     with torch.autocast(pos.device.type, enabled=False):  # fp32, as in cosines; p+ normalised once for both columns
-        pos_n, q_n, neg_n = (F.normalize(x.float(), dim=-1) for x in (pos, queries, all_neg))
-        logits = torch.cat([(pos_n * q_n).sum(-1, keepdim=True), pos_n @ neg_n.t()], dim=1) / tau  # (B, 1 + W*B*n)
+        pos_n, q_n, neg_n = (F.normalize(x.float(), dim=-1) if normalize else x.float()
+                             for x in (pos, queries, all_neg))
+        label = (pos_n * q_n).sum(-1, keepdim=True) if form == "query" else -(pos_n * pos_n).sum(-1, keepdim=True)
+        logits = torch.cat([label, pos_n @ neg_n.t()], dim=1) / tau  # (B, 1 + W*B*n)
     if passage_ids is not None:
         relevant_ids = passage_ids[:, :1] if relevant_ids is None else relevant_ids
         neg_ids = gather_with_grad(passage_ids[:, 1:].reshape(b * (k - 1)))
-        # column 0 is the query (the label): never excluded
+        # column 0 is the label: never excluded
         exclude = torch.cat([torch.zeros(b, 1, dtype=torch.bool, device=pos.device),
                              pair_false_negatives(neg_ids, relevant_ids)], dim=1)
         logits = logits.masked_fill(exclude, float("-inf"))
@@ -613,12 +620,12 @@ class PairObjective(Objective):
         _, pv = model.encode(pids.view(b * k, lp), pam.view(b * k, lp))
         return None, torch.cat([q.unsqueeze(1), pv.view(b, k, -1)], dim=1)
 
-    def batch_terms(self, model, vec, batch, pair_alpha: float = 0.0, **step):
+    def batch_terms(self, model, vec, batch, pair_alpha: float = 0.0, pair_p_form: str = "query", **step):
         q, pv = vec[:, 0], vec[:, 1:]  # (B, H), (B, 1 + n, H)
         ids = {"passage_ids": batch.get("passage_ids"), "relevant_ids": batch.get("relevant_ids")}  # None: no mask
         terms = {"pair_q_loss": pair_q_loss(q, pv, model.tau, **ids)}
         if pv.shape[1] > 1:
-            terms["pair_p_loss"] = pair_p_loss(q, pv, model.tau, **ids)
+            terms["pair_p_loss"] = pair_p_loss(q, pv, model.tau, **ids, form=pair_p_form)
         elif pair_alpha > 0:
             raise ValueError("pair_alpha > 0 needs hard negatives (PairCollator num_negatives >= 1)")
         return terms

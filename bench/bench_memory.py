@@ -29,6 +29,15 @@ From the repository root:
 
 Printed: each run's peaks and time, `train_rss_growth: <x>` and `mining_rss_growth: <x>` (growth of the peak
 private memory, the goal's measure; the VmHWM growth is printed beside it), and last `ratio: <the larger>`.
+
+3. `--only estimate`: train.py's memory estimate (run_log.memory_estimate) against the measured peak of the step it
+   estimates, over the family: two random BERTs (64 x 2 and 128 x 4, MiniLM's 30,522 words) at 32 tokens, fp32 and
+   bf16 autocast, batches of 8-32 groups, accumulation, the gradient cache, retention on and off. Each case runs in a
+   fresh process: the model, teacher, optimiser and batch made, the estimate taken (the point where train.py reads the
+   free memory), the peak reset (/proc/self/clear_refs), two optimiser steps run as train.py runs them; measured = the
+   peak RSS (VmHWM) less the RSS at the estimate. `--estimate_from OTHER/plumbing/run_log.py` prints that file's
+   estimate beside this tree's (1fbaae3's counts the resident weights and teacher again). Last line
+   `ratio: <the largest |estimate / measured - 1| of this tree's>`. About 10 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -59,7 +68,11 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=32, help="groups per batch in the train data runs")
     p.add_argument("--mining_batch_size", type=int, default=256, help="encoding batch size of mining")
     p.add_argument("--mining_chunk_size", type=int, default=16384, help="passages encoded and scored at a time")
-    p.add_argument("--only", choices=["train", "mining"], default=None, help="run one of the two parts only")
+    p.add_argument("--only", choices=["train", "mining", "estimate"], default=None,
+                   help="run one part only (estimate: the memory estimate against the measured peak, not run "
+                        "unless asked)")
+    p.add_argument("--estimate_from", default=None,
+                   help="a run_log.py of another checkout: its memory estimate printed beside this tree's")
     p.add_argument("--workdir", default=None, help="folder for the synthetic data (default: a temp dir, removed)")
     add_toy_flag(p, "20 -> 40 groups and passages, 4 queries, batches of 4")
     p.add_argument("--_child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -239,6 +252,101 @@ def child_mining(corpus_path, model, queries, batch_size, chunk_size):
     return {"rows": len(texts), "pool_sizes": sum(map(len, pools)), "before_mb": before}, peak
 
 
+# (name, hidden, layers, precision, groups, accumulation, gradient_cache_chunk, retention)
+ESTIMATE_CASES = [("S", 64, 2, "no", 8, 1, 0, 0), ("S", 64, 2, "no", 32, 1, 0, 0), ("S", 64, 2, "bf16", 32, 1, 0, 0),
+                  ("M", 128, 4, "no", 8, 1, 0, 0), ("M", 128, 4, "no", 24, 1, 0, 0), ("M", 128, 4, "bf16", 24, 1, 0, 0),
+                  ("M", 128, 4, "no", 16, 2, 0, 0), ("M", 128, 4, "no", 32, 1, 8, 0), ("M", 128, 4, "no", 16, 1, 0, 1),
+                  ("M", 128, 4, "bf16", 16, 1, 0, 1)]
+
+
+def build_bert(path, hidden, layers):
+    """A random BertForMaskedLM of this width and depth with MiniLM's tokenizer and vocabulary, saved to path."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    from plumbing.common import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("all-MiniLM-L6-v2"))
+    torch.manual_seed(0)
+    BertForMaskedLM(BertConfig(vocab_size=tok.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                               num_attention_heads=max(hidden // 32, 1), intermediate_size=4 * hidden)
+                    ).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def child_estimate(model_path, precision, groups, accumulation, chunk, retention, other, max_length=32):
+    """One case of the estimate's table: both estimates, then the measured step (module docstring, part 3)."""
+    import importlib.util
+    import types
+
+    import torch
+    from transformers import AutoTokenizer
+
+    import modeling_xprt as mx
+    from bench.bench_step import make_rows
+    from plumbing import model_folder, run_log
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = mx.XPRTModel(model_folder.load_mlm_encoder(model_path)[0]).train()
+    teacher = model_folder.load_teacher(model_path) if retention else None
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    batches = [mx.XPRTCollator(tok, max_length=max_length, seed=i)(make_rows(tok, groups, max_length, seed=i))
+               for i in range(2 * accumulation)]
+    acc = types.SimpleNamespace(device=torch.device("cpu"), mixed_precision=precision, state=types.SimpleNamespace(),
+                                print=lambda *a: None)
+    args = argparse.Namespace(per_device_train_batch_size=groups, gradient_cache_chunk=chunk or None,
+                              ignore_memory_estimate=True)
+    out = {}
+    for name, module in (("estimate", run_log), ("other", other)):
+        if module == "" or module is None:
+            continue
+        if isinstance(module, str):
+            spec = importlib.util.spec_from_file_location("other_run_log", module)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        note = module.memory_estimate(acc, args, model, batches[0], teacher, max_length)
+        out[name + "_mb"] = note["batch_gib"] * 1024  # what the step adds to the memory in use when it is read
+    rss = status_mb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # the peak from here on: the estimate's probes are done
+        f.write("5")
+    weight = 40.0 if retention else 0.0
+    for step in range(2):
+        for batch in batches[step * accumulation:(step + 1) * accumulation]:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                if chunk:
+                    model.cached_step(batch, chunk, lambda loss: loss.backward(), teacher=teacher,
+                                      retention_weight=weight)
+                else:
+                    model(batch, teacher=teacher, retention_weight=weight)["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out.update({"measured_mb": status_mb("VmHWM") - rss, "rss_at_estimate_mb": rss})
+    return out
+
+
+def estimate_table(args, work, env, cases=None):
+    """Part 3: the estimate against the measured peak, case by case; returns the largest |estimate / measured - 1|."""
+    models, worst = {}, 0.0
+    print(f"{'case':44s} {'estimate':>9s} {'measured':>9s} {'ratio':>6s}"
+          + (f" {'other':>9s} {'ratio':>6s}" if args.estimate_from else ""), flush=True)
+    for name, hidden, layers, precision, groups, accum, chunk, retention in cases or ESTIMATE_CASES:
+        if name not in models:
+            models[name] = build_bert(os.path.join(work, f"bert_{name}"), hidden, layers)
+        r = measure(["estimate", models[name], precision, groups, accum, chunk, retention,
+                     args.estimate_from or ""], env)
+        case = (f"{name} ({hidden} x {layers}) {'bf16' if precision == 'bf16' else 'fp32'} {groups} groups"
+                + (f" accum {accum}" if accum > 1 else "") + (f" cache {chunk}" if chunk else "")
+                + (" retention" if retention else ""))
+        ratio = r["estimate_mb"] / r["measured_mb"]
+        worst = max(worst, abs(ratio - 1))
+        print(f"{case:44s} {r['estimate_mb']:7.0f}MB {r['measured_mb']:7.0f}MB {ratio:6.2f}"
+              + (f" {r['other_mb']:7.0f}MB {r['other_mb'] / r['measured_mb']:6.2f}" if "other_mb" in r else ""),
+              flush=True)
+    return worst
+
+
 def child(argv):
     import torch
 
@@ -247,6 +355,10 @@ def child(argv):
     t = time.perf_counter()
     if kind == "convert":
         out, peak = child_convert(rest[0])
+    elif kind == "estimate":
+        m, prec, g, acc, ch, ret, other = rest
+        print(json.dumps(child_estimate(m, prec, int(g), int(acc), int(ch), int(ret), other)))
+        return
     elif kind == "train":
         out, peak = child_train(rest[0], rest[1], int(rest[2]), int(rest[3]))
     else:
@@ -276,6 +388,8 @@ def main(argv=None):
     words = vocabulary()
     growth = {}
     try:
+        if args.only == "estimate":  # --toy: the first case alone
+            return print(f"ratio: {estimate_table(args, work, env, ESTIMATE_CASES[:1] if args.toy else None):.3f}")
         for part in ("train", "mining"):
             if args.only and part != args.only:
                 continue

@@ -651,13 +651,31 @@ def _softmax_(z):
     z.div_(s)
     return (m + s.log()).squeeze(1)
 
+def _kl_rows_(zt, z, u, block: int = 2**22):
+    """Row-wise KL(p || q), p = softmax(zt), q = softmax(z), (r, V) fp32; zt <- p, z <- q IN PLACE; u scratch.
+    From u = z_t - z - (max z_t - max z) (log p - log q up to a row constant; small where p is large), not as a
+    difference of two sums of ~10 that cancels (docs/notes.md: Numerics):
+        KL = E_p[u] + log E_p[exp(-u)] = E_p[u] + log1p(E_p[expm1(-u)])."""
+    torch.sub(zt, z, out=u)  # exact where z_t and z are close (where the KL is small)
+    u.sub_(zt.amax(dim=-1, keepdim=True) - z.amax(dim=-1, keepdim=True))  # small where p is large
+    _softmax_(zt)
+    _softmax_(z)
+    # torch's cascaded row sums, not bmm's dot products (4e-5 off at KL = 4e-4); a small temporary for p u
+    mean_u, tail = (torch.empty(zt.shape[0], dtype=torch.float32, device=zt.device) for _ in range(2))
+    rows = max(1, block // max(zt.shape[1], 1))
+    for s in range(0, zt.shape[0], rows):
+        p, ub = zt[s : s + rows], u[s : s + rows]
+        mean_u[s : s + rows] = (p * ub).sum(dim=-1)
+        tail[s : s + rows] = ub.neg_().expm1_().mul_(p).sum(dim=-1)
+    return (mean_u.double() + torch.log1p(tail.double())).float()
+
 class _FusedLinearCE(torch.autograd.Function):
     """Vocabulary projection + cross-entropy (hard targets) and/or KL (soft targets), chunk by chunk.
 
     Never holds the (N, V) logits: each chunk's logits give its loss and, at once, its gradients w.r.t. hidden,
     weight and bias, summed over the rows; backward only scales them by the incoming scalar over N (the mean's 1/N
     goes on there, where every gradient is scaled anyway, not on the rows). Every chunk reuses one fp32 (chunk, V)
-    buffer (two for KL, kept across calls: _scratch) and the softmax runs in place in it.
+    buffer (three for KL, kept across calls: _scratch) and the softmax runs in place in it.
     Rows: hidden[:len(targets)] have hard targets, the rest soft ones (teacher_hidden). Returns (the mean over rows,
     per-row losses (N,), no gradient). Its origin, and why not torch's F.linear_cross_entropy: docs/plumbing.md:
     _FusedLinearCE."""
@@ -700,19 +718,11 @@ class _FusedLinearCE(torch.autograd.Function):
                 row_loss[s:e] = _softmax_(z) - z_tgt
                 g = z  # softmax - one_hot(target)
                 g[torch.arange(r, device=g.device), tgt] -= 1.0
-            else:  # soft targets p = softmax(teacher logits): KL(p || q) = sum p z_t - lse_t - (sum p z - lse)
+            else:  # soft targets: p = softmax(teacher logits), q = softmax(student logits)
                 zt = _logits_into(tbuf[:r], teacher_hidden[s - n_ce : e - n_ce], w, b)
-                p = buf[:r].copy_(zt)
-                lse_t = _softmax_(p)
-                # sum p log p, before tbuf is reused for the student (a padded word: p = 0 times -1e30, 0)
-                # row-wise dot products through a batched matmul: no (r, V) temporary; with autocast off, which would
-                # recast the fp32 rows to bf16, two (r, V) casts each (docs/notes.md: Numerics)
-                with torch.autocast(hidden.device.type, enabled=False):
-                    kl = torch.bmm(p.unsqueeze(1), zt.unsqueeze(2)).view(-1) - lse_t
-                    z = _logits_into(tbuf[:r], h, w, b)
-                    kl -= torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).view(-1) - _softmax_(z)  # - sum p log q
-                row_loss[s:e] = kl
-                g = z.sub_(p)  # softmax(student) - p
+                z = _logits_into(buf[:r], h, w, b)
+                row_loss[s:e] = _kl_rows_(zt, z, _scratch("log_ratio", r, vp, hidden.device))  # p, q in place
+                g = z.sub_(zt)  # softmax(student) - p
             if grad_b is not None:  # fp32, from the fp32 g
                 grad_b.addmv_(g.t(), ones[:r])
             if grad_h is None and grad_w is None:

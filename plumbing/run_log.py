@@ -402,12 +402,31 @@ def layer_tokens_per_group(model, batch, retention: bool) -> float:
         total += batch["retain_input_ids"].numel() * n_enc
     return total / max(groups or 1, 1)
 
+def vocab_kernel_bytes(model, batch, rows_share: float, lowp: bool) -> float:
+    """What the vocabulary terms (architectures._FusedLinearCE) add: fp32 (rows, V') buffers for the largest term's
+    rows (at most 1024) and two for L_self's, a (V', H) fp32 weight gradient per term from forward to backward, in low
+    precision W's copy and a chunk's logits and gradient. Rows: each *_targets (cross-entropies) and self_rows."""
+    weight = getattr(model, "vocab_weight", None)
+    if weight is None:
+        return 0.0
+    v, h = weight.shape
+    vp = -(-v // 64) * 64 if lowp else v  # architectures._PAD
+    rows = {k: min(1024, max(1, int(t.numel() * rows_share))) for k, t in batch.items()
+            if torch.is_tensor(t) and t.dim() == 1 and (k.endswith("_targets") or k == "self_rows")}
+    if not rows:
+        return 0.0
+    buffers = max(rows.values()) + 2 * rows.get("self_rows", 0)
+    return 4.0 * vp * buffers + len(rows) * 4.0 * vp * h + lowp * 2.0 * vp * (h + 2 * max(rows.values()))
+
+# Backward temporaries of the largest trained call, in its layers' saved bytes (bench_memory --only estimate)
+BACKWARD_LAYERS = {torch.float32: 2.0, torch.bfloat16: 3.0, torch.float16: 3.0}
+
 def memory_estimate(accelerator, args, model, batch, teacher, max_length: int) -> dict:
-    """Printed before the first step: the activation memory of a step of --per_device_train_batch_size groups at this
-    length (layer_tokens_per_group x the measured bytes per token per layer), the fixed memory (fp32 weights, their
-    gradients and AdamW's two moments: 16 bytes a parameter, 2 more for autocast's copy; the frozen teacher; the
-    vocabulary kernel's two fp32 (1024, V) buffers), and, where the device says its memory (CUDA: device_memory), the
-    groups that fit and the --gradient_cache_chunk that would (the cache holds one chunk's activations at a time)."""
+    """Printed before the first step, the weights and teacher in memory already (resident_gib, counted once): what
+    the step adds, batch_gib = held x gib_per_group (layer_tokens_per_group + BACKWARD_LAYERS x the largest call's
+    tokens, x the measured bytes per token per layer) + fixed_gib (12 bytes a trained parameter: gradient, AdamW; in
+    low precision autocast's 2-byte copies; vocab_kernel_bytes); against device_memory, the groups that fit and the
+    --gradient_cache_chunk that would. Calibrated: bench/bench_memory.py --only estimate (docs/notes.md)."""
     import math
 
     if is_zero3(accelerator):  # the measuring copies would be partitioned too; ZeRO-3 plans its memory itself
@@ -420,27 +439,37 @@ def memory_estimate(accelerator, args, model, batch, teacher, max_length: int) -
     except Exception as err:  # an encoder AutoModel cannot rebuild from its config: the run goes on without it
         accelerator.print(f"memory: no estimate ({type(err).__name__}: {str(err)[:120]})")
         return {}
-    per_group = per_tl * layer_tokens_per_group(model, batch, teacher is not None)
-    vocab = model.encoder.get_input_embeddings().weight.shape[0]
-    fixed = ((16 + (dtype != torch.float32) * 2) * sum(p.numel() for p in model.parameters() if p.requires_grad)
-             + 4 * sum(p.numel() for p in (teacher.parameters() if teacher is not None else []))
-             + 2 * 4 * 1024 * vocab)
+    groups = max(next((v.shape[0] for k, v in batch.items() if k.endswith("input_ids") and torch.is_tensor(v)), 1), 1)
+    widest = max((v.numel() for k, v in batch.items() if k.endswith("input_ids") and torch.is_tensor(v)
+                  and not k.startswith("retain_")), default=0) / groups  # tokens a group has in its largest call
+    per_group = per_tl * (layer_tokens_per_group(model, batch, teacher is not None) + BACKWARD_LAYERS[dtype] * widest)
     b = args.per_device_train_batch_size
     # the gradient cache holds one chunk's activations at a time; checkpointing keeps a fraction the estimate does
     # not measure (it is then an upper bound, never a reason to refuse)
     held = min(getattr(args, "gradient_cache_chunk", None) or b, b)
+    lowp = dtype != torch.float32
+    params = list(model.parameters())
+    held_weights = [*params, *(teacher.parameters() if teacher is not None else [])]
+    resident = sum(p.numel() * p.element_size() for p in held_weights)  # in memory already: counted once
+    # autocast keeps one low-precision copy of each trained weight a matmul reads (not the embeddings) to backward
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    fixed = (12 * sum(p.numel() for p in params if p.requires_grad)
+             + lowp * 2 * sum(p.numel() for p in params if p.requires_grad and id(p) not in embeddings))
+    full, fixed = fixed + vocab_kernel_bytes(model, batch, 1.0, lowp), fixed + vocab_kernel_bytes(
+        model, batch, held / groups, lowp)  # the groups that fit: the whole batch's vocabulary rows
     note = {"bytes_per_token_layer": per_tl, "gib_per_group": per_group / 2**30, "fixed_gib": fixed / 2**30,
-            "batch_gib": (fixed + held * per_group) / 2**30, "batch": b}
+            "batch_gib": (fixed + held * per_group) / 2**30, "resident_gib": resident / 2**30, "batch": b}
     line = (f"memory: ~{note['batch_gib']:.1f} GiB for {b} groups per device"
             + (f" ({held} at a time: --gradient_cache_chunk)" if held < b else "") + f" at {max_length} tokens "
             f"({note['gib_per_group'] * 1024:.0f} MiB of activations a group from {per_tl / 1024:.1f} KiB per token "
-            f"per layer, measured; {note['fixed_gib']:.1f} GiB of weights, gradients, AdamW and the teacher)")
+            f"per layer, measured; {note['fixed_gib']:.1f} GiB of gradients, AdamW and the vocabulary kernel), "
+            f"beside the {note['resident_gib']:.1f} GiB of weights and teacher in memory")
     free_total = device_memory(dev)
     if free_total is None:
         accelerator.print(line)
     else:
         free, total = free_total
-        fit = max(int((0.9 * free - fixed) // per_group), 0)
+        fit = max(int((0.9 * free - full) // per_group), 0)
         chunk = 2 ** int(math.log2(fit)) if fit >= 1 else 0
         note.update({"device_gib": total / 2**30, "groups_that_fit": fit, "cache_chunk": min(chunk, b)})
         cached = (fixed + chunk * per_group) / 2**30

@@ -159,10 +159,12 @@ def test_finetune_stage_runs_and_its_loss_falls(tiny_bert, beir, tmp_path, capsy
     if alpha is None:
         alpha, schedule = 0.0, "constant"
         assert stage == ("PAIR stage 2 (labelled queries): L = L_Q (alpha 0: the passage-centric L_P off, as PAIR's "
-                         "second stage)")
+                         "second stage; logged: L_P with exp(f(p+, q)) (--pair_p_form query, the default: PAIR's "
+                         "code))")
     else:  # explicit: kept, and said to differ from PAIR's stage 2
         assert stage.startswith(f"PAIR stage 2 (labelled queries): L = (1 - alpha) L_Q + alpha L_P, alpha {alpha:g} ")
-        assert stage.endswith("which PAIR's second stage leaves off (alpha 0)")
+        assert stage.endswith("which PAIR's second stage leaves off (alpha 0)"
+                              "; L_P with exp(f(p+, q)) (--pair_p_form query, the default: PAIR's code)")
     # the run's shape: L_Q's negatives are the step's 4 x (1 + 1) passages but the row's own positive; no
     # same-document mask (train.py's), the false-negative mask instead
     assert "in-batch negatives per query = 7 for L_Q" in shape and "same-document" not in shape, shape
@@ -209,10 +211,23 @@ def test_finetune_with_pseudo_queries_end_to_end(tiny_bert, beir, tmp_path, caps
                                                "--max_train_steps": 3, "--no_save_model": True}))
     assert res["completed_steps"] == 3
     assert len(json.loads((out / "mined_negatives.json").read_text())) == 17 + 20  # threshold 0 keeps every pseudo pair
+    printed = capsys.readouterr().out
     assert ("PAIR stage 1 (pseudo-queries, with the labelled pairs): L = (1 - alpha) L_Q + alpha L_P, alpha 0.1 -> 0 "
-            "(linear): the passage-centric L_P on, decaying as in PAIR's first stage") in capsys.readouterr().out
+            "(linear): the passage-centric L_P on, decaying as in PAIR's first stage") in printed
+    assert "stage 1's rows: 20 pseudo-query pairs + 17 labelled pairs of qrels/train.tsv, trained together" in printed
     log = read_log(out)
     assert [log[s]["pair_alpha"] for s in (1, 2, 3)] == pytest.approx([0.1, 0.1 * 2 / 3, 0.1 / 3])
+    # issue 65: the PAIR summary's stage 1, the pseudo-queries alone (its L_P form too)
+    only = tmp_path / "ft_only"
+    run(ft_args(tiny_bert, beir, only, **{"--generate_pseudo_queries": True, "--generator_model": gen_path,
+                                          "--cross_encoder_model": ce_path, "--max_pseudo_passages": 20,
+                                          "--denoise_threshold": 0.0, "--pseudo_query_max_length": 8,
+                                          "--max_train_steps": 2, "--no_save_model": True,
+                                          "--pseudo_queries_only": True, "--pair_p_form": "summary"}))
+    assert len(json.loads((only / "mined_negatives.json").read_text())) == 20
+    printed = capsys.readouterr().out
+    assert "stage 1's rows: 20 pseudo-query pairs alone (--pseudo_queries_only)" in printed
+    assert "PAIR stage 1 (pseudo-queries only)" in printed and "exp(-f(p+, p+))" in printed
 
 
 def test_finetune_trains_the_encoder_and_leaves_the_idle_heads_untouched(tiny_bert, beir, tmp_path):
@@ -398,18 +413,27 @@ def test_pair_stage_says_the_stage_and_what_alpha_means():
         return finetune.pair_stage(finetune.parse_args(["--output_dir", "x", "--beir_dir", "b", *argv]))
 
     pseudo = ["--generate_pseudo_queries", "--generator_model", "g", "--cross_encoder_model", "c"]
+    query = "L_P with exp(f(p+, q)) (--pair_p_form query, the default: PAIR's code)"
     assert said([]) == ("stage 2 (labelled queries): L = L_Q (alpha 0: the passage-centric L_P off, as PAIR's second "
-                        "stage)")
+                        f"stage; logged: {query})")
     assert said(pseudo) == ("stage 1 (pseudo-queries, with the labelled pairs): L = (1 - alpha) L_Q + alpha L_P, "
-                            "alpha 0.1 -> 0 (linear): the passage-centric L_P on, decaying as in PAIR's first stage")
+                            "alpha 0.1 -> 0 (linear): the passage-centric L_P on, decaying as in PAIR's first stage; "
+                            + query)
     assert said(["--pair_alpha", "0.1"]) == ("stage 2 (labelled queries): L = (1 - alpha) L_Q + alpha L_P, alpha 0.1 "
                                              "(constant): the passage-centric L_P on, which PAIR's second stage leaves "
-                                             "off (alpha 0)")
+                                             f"off (alpha 0); {query}")
     assert said([*pseudo, "--pair_alpha_schedule", "constant"]).endswith(
-        "alpha 0.1 (constant): the passage-centric L_P on, constant as in PAIR's official code")
+        f"alpha 0.1 (constant): the passage-centric L_P on, constant as in PAIR's official code; {query}")
     assert said([*pseudo, "--pair_alpha", "0"]) == (
         "stage 1 (pseudo-queries, with the labelled pairs): L = L_Q (alpha 0: the passage-centric L_P off, unlike "
-        "PAIR's first stage, whose alpha starts at alpha_0 > 0)")
+        f"PAIR's first stage, whose alpha starts at alpha_0 > 0; logged: {query})")
+    # issue 65: the summary's form and its stage 1 on pseudo-queries alone, said; the latter refused without stage 1
+    assert said([*pseudo, "--pseudo_queries_only", "--pair_p_form", "summary"]) == (
+        "stage 1 (pseudo-queries only): L = (1 - alpha) L_Q + alpha L_P, alpha 0.1 -> 0 (linear): the passage-centric "
+        "L_P on, decaying as in PAIR's first stage; L_P with exp(-f(p+, p+)) (--pair_p_form summary: papers/pair.md's)")
+    for bad in (["--pseudo_queries_only"], [*pseudo, "--pseudo_queries_only", "--train_data", "t.jsonl"]):
+        with pytest.raises(UserError, match="--pseudo_queries_only"):
+            finetune.parse_args(["--output_dir", "x", "--beir_dir", "b", *bad])
     # the run's shape: 2 processes x 4 rows x (1 positive + 3 negatives); the mask the losses have, no other
     args = finetune.parse_args(["--output_dir", "x", "--beir_dir", "b", "--per_device_train_batch_size", "4",
                                 "--num_negatives", "3", "--pair_alpha", "0.1"])
