@@ -457,24 +457,27 @@ def teacher_cosine(model, teacher, batch) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(s.float(), t.float(), dim=-1).mean()
 
 
-def keep_best(accelerator, args, model, tokenizer, rec: dict, best: dict) -> dict:
-    """--save_best: when a scoring record (TrainingScorer's) beats the best so far, the model goes to
-    <output_dir>/best_model (atomically, as model/) and best.json names its step and score -> the best record."""
+def keep_best(accelerator, args, model, tokenizer, rec: dict, state):
+    """--save_best: when a scoring record (TrainingScorer's) beats the best so far (state.best, which checkpoints
+    carry, with the start's score: a resumed run keeps the uninterrupted run's best), the model goes to
+    <output_dir>/best_model (atomically, as model/) and best.json names its step and score."""
+    if not args.save_best:
+        return
     scores = {k[len(EVAL_PREFIX):]: v for k, v in rec.items() if k.startswith(EVAL_PREFIX)}
     if args.save_best not in scores and args.save_best != "average":
         raise UserError(f"--save_best {args.save_best!r}: the scored tasks are {sorted(scores)} (or 'average')")
     score = sum(scores.values()) / len(scores) if args.save_best == "average" else scores[args.save_best]
+    best = state.best
     if best and score <= best["score"]:
-        return best
-    best = {"step": rec["step"], "by": args.save_best, "score": score, "scores": scores,
-            "start": best.get("start", score)}  # the start's score (step 0, scored first)
+        return
+    state.best = {"step": rec["step"], "by": args.save_best, "score": score, "scores": scores,
+                  "start": best.get("start", score)}  # the start's score (step 0, scored first)
     out = Path(args.output_dir)
     card = (f"# best model of {out.name}\n\nStep {rec['step']} of the run, the best {args.save_best} score during "
             f"training ({score:.2f}; train.py --save_best). The finished run's model and card are in model/.\n")
     save_model(accelerator, model, tokenizer, out / "best_model", card, args.trust_remote_code)
     if accelerator.is_main_process:
-        atomic_write(out / "best.json", json.dumps(best, indent=1))
-    return best
+        atomic_write(out / "best.json", json.dumps(state.best, indent=1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -556,11 +559,10 @@ def main(argv=None):
     window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops(accelerator, args), state)
     stop_at = min(max_steps, args.stop_after_steps or max_steps)
     stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1 / Ctrl-C: a checkpoint after the step, stop
-    best = {}  # --save_best: the best scoring so far
     skip_tokens = () if teacher is not None else ("retain_",)  # masks a step computes nothing of
     if scorer and state.completed_steps == 0:  # the start is scored too: every later score is read against it
         rec = log_score(accelerator, args, scorer, model, 0, state.epoch, window)
-        best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
+        keep_best(accelerator, args, model, tokenizer, rec, state)
     try:
         for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
             if stopped or state.completed_steps >= stop_at:
@@ -603,7 +605,7 @@ def main(argv=None):
                 window.step_done(state, epoch, scalars)
                 if scorer and args.eval_steps and step % args.eval_steps == 0:
                     rec = log_score(accelerator, args, scorer, model, step, epoch, window)
-                    best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
+                    keep_best(accelerator, args, model, tokenizer, rec, state)
                 stopped = stop.check()
                 if stopped or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
                     save_checkpoint(accelerator, model, Path(args.output_dir) / "checkpoints", step,
@@ -616,9 +618,12 @@ def main(argv=None):
         stop.restore()
     window.close()
     stopped_by = say_stopped(accelerator, args, stopped, state) if stopped else None
-    if scorer and not stopped and scorer.last_step != state.completed_steps:  # the final model (or where it stopped)
+    # the final model: a finished run's (a run stopped early is part of a run, as if preempted: its resumption
+    # scores where the uninterrupted run does)
+    if scorer and state.completed_steps >= max_steps and scorer.last_step != state.completed_steps:
         rec = log_score(accelerator, args, scorer, model, state.completed_steps, state.epoch)
-        best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
+        keep_best(accelerator, args, model, tokenizer, rec, state)
+    best = state.best
     if best:
         accelerator.print(f"best {best['by']} {best['score']:.2f} at step {best['step']}: "
                           f"{Path(args.output_dir) / 'best_model'}" + (
