@@ -11,7 +11,6 @@ It imports plumbing/common.py and plumbing/model_folder.py (the model card), and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from plumbing.common import (META_DIR, MINILM_ALIASES, UserError, atomic_path, check_inputs_apart, check_writable,
-                             read_json, resolve_model_path)
+                             output_files, output_key, read_json, resolve_model_path)
 
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (docs/notes.md); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "mteb"))
@@ -66,30 +65,17 @@ def model_name_and_revision(name_or_path: str) -> tuple[str, str]:
     return name, content_revision(path)
 
 
-# what decides a folder's vectors: weights, architecture, tokenizer, sentence-transformers modules (not the card)
-_IDENTITY_FILES = ("*.safetensors", "*.bin", "config.json", "modules.json", "sentence_bert_config.json",
-                   "config_sentence_transformers.json", "tokenizer.json", "vocab.txt", "*/config.json")
-
-
 def files_hash(root: Path, files) -> str:
-    """12 hex digits of a sha1 over `files` (under `root`) in sorted order: each file's path relative to root, its
-    size and the sha1 of its bytes. Content, not modification times: a fresh clone or copy of the same files hashes
-    alike, an edited file does not. The one hash of model folders (content_revision) and local task folders
-    (data_fingerprint); runs at disk speed (about 1 s per 400 MB)."""
-    h = hashlib.sha1()
-    for f in sorted(files):
-        h.update(f"{f.relative_to(root).as_posix()}:{f.stat().st_size}:".encode())
-        with open(f, "rb") as fh:
-            h.update(hashlib.file_digest(fh, "sha1").digest())
-    return h.hexdigest()[:12]
+    """12 hex digits of common.output_key over `files` (under `root`), named relative to it: the one hash of model
+    folders (content_revision) and local task folders (data_fingerprint); at disk speed (about 1 s per 400 MB)."""
+    return output_key({f.relative_to(root).as_posix(): f for f in files})[:12]
 
 
 def content_revision(path: str) -> str:
-    """A model folder's revision: files_hash of its identity files (xprt_heads.safetensors excluded: the decoder
-    never touches a sentence vector)."""
-    root = Path(path)
-    return files_hash(root, {f for pat in _IDENTITY_FILES for f in root.glob(pat)
-                             if f.is_file() and f.name != "xprt_heads.safetensors"})
+    """A model folder's revision: 12 hex digits of common.output_key over every file that changes a token or a
+    vector (common.output_files: the weights, every config, the tokenizer's whole saved state, the
+    sentence-transformers modules; not the card, the decoder heads or the lineage)."""
+    return output_key(output_files(path))[:12]
 
 
 def scoring_function(similarity_fn_name) -> ScoringFunction:

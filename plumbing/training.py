@@ -619,10 +619,9 @@ def checkpoint_interval(args, max_steps: int) -> int:
     return DEFAULT_CHECKPOINT_EVERY if max_steps > DEFAULT_CHECKPOINT_EVERY else 0
 
 class TrainState:
-    """Steps done, the epoch and the batches done in it, the run's length and what the loop carries from step to
-    step (train.py --save_best's best so far and the start's score: `best`), registered for checkpointing: the
-    schedules (lr, retention weight, PAIR's alpha) are functions of the step and the run's length, so a resumed run
-    must have the same length."""
+    """Steps done, the epoch and batches done in it, the run's length and what the loop carries (`best`: --save_best's
+    best and the start's score), registered for checkpointing: the schedules (lr, retention weight, PAIR's alpha)
+    are functions of the step and the run's length, so a resumed run must have the same length."""
 
     def __init__(self, max_steps: int = 0):
         self.completed_steps, self.epoch, self.batches_in_epoch, self.max_steps = 0, 0, 0, max_steps
