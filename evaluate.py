@@ -922,7 +922,7 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
     scored with (XPRTEncoder.score_as), so that the differences between them are their weights'. Without it, models
     whose contracts differ are compared as each is used, and the report says how they differ (contract_differences).
     model_meta_given: what each model's ModelMeta takes beyond its records (model_meta_of's `given`:
-    public_training_code, public_training_data, training_datasets).
+    public_training_code, public_training_data, training_datasets, adapted_from).
     """
     from tqdm.auto import tqdm
 
@@ -1414,6 +1414,9 @@ def parse_args(argv=None):
     p.add_argument("--training_datasets", nargs="*", default=None, metavar="TASK",
                    help="mteb tasks whose data trained the models beyond what their run records name (given with no "
                         "name: none); needed when a stage's records are gone (a folder copied without its run.json)")
+    p.add_argument("--adapted_from", default=None, metavar="ORG/NAME",
+                   help="the Hub model the models were trained from, for their ModelMeta, when their records cannot "
+                        "tell (a start given as a local folder whose files name none)")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="auto: bf16 (fp16 before Ampere) on GPU, fp32 on CPU")
@@ -1470,7 +1473,7 @@ def main(argv=None):
                          trust_remote_code=args.trust_remote_code, update_cards=update_cards,
                          score_as=args.score_as, model_meta_given={
                              k: getattr(args, k) for k in ("public_training_code", "public_training_data",
-                                                           "training_datasets")})
+                                                           "training_datasets", "adapted_from")})
     retrieval = [t["name"] for t in out["tasks"] if t["type"] == "Retrieval"]
     overlap = [] if args.overlap_analysis is None else (args.overlap_analysis or retrieval)
     bad = [t for t in overlap if t not in retrieval]

@@ -39,8 +39,8 @@ from plumbing.architectures import weight_grad_path
 from plumbing.batches import (LengthGroupedBatchSampler, batch_to_device, check_batch_fits, document_keys,
                               in_batch_negatives, sampler_negatives, training_loader)
 from plumbing.common import (ArgumentParser, META_DIR, UserError, atomic_write, check_model_name, is_zero3,
-                             local_inputs, non_negative_float, non_negative_int, positive_int, read_json,
-                             resolve_model_path, run_script, task_spec)
+                             local_inputs, non_negative_float, non_negative_int, output_key, positive_int,
+                             read_json, resolve_model_path, run_script, task_spec, tokenizer_files)
 from plumbing.model_folder import load_teacher
 from plumbing.run_log import EVAL_PREFIX, LogWindow, explain_oom, memory_estimate, peak_flops
 from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype,
@@ -351,11 +351,11 @@ def tokenized(accelerator, rows, collator, groups_per_process: int = 20_000):
     was 95% of xPRT's collation (bench/README.md, bench_step_ops). datasets.map caches them beside the groups' Arrow
     file (the main process first), keyed by all that makes them: the groups' fingerprint (their content), the source
     of tokenize_groups, special_template and the functions they name (passage_tokens) as a call finds them, the
-    transformers, tokenizers and datasets versions, the tokenizer's serialisation (tokenizer.json less the settings the
-    last call left; a slow one's class, vocabulary and special tokens only), the prefix, length, words and fields."""
+    transformers, tokenizers and datasets versions, the tokenizer's whole state (common.tokenizer_files: its saved
+    files and settings), the prefix, length, words and fields."""
     import inspect
     from importlib.metadata import version
-    from datasets import Sequence, Value, fingerprint
+    from datasets import Sequence, Value
 
     fields = [f for f in collator.passage_fields if f in rows.column_names]
     if not fields:  # a collator that reads texts only (Revela)
@@ -378,19 +378,13 @@ def tokenized(accelerator, rows, collator, groups_per_process: int = 20_000):
         if fn not in code and Path(inspect.getfile(fn)).resolve().parent in (ROOT, ROOT / "plumbing"):
             code.append(fn)
             todo += filter(inspect.isfunction, map(fn.__globals__.get, fn.__code__.co_names))
-    tok = collator.tokenizer  # all it is (a fast one: tokenizer.json, less the settings the last call left)
-    if tok.is_fast:
-        state = json.loads(tok.backend_tokenizer.to_str())
-        serial = {k: v for k, v in state.items() if k not in ("truncation", "padding")}
-    else:
-        serial = [type(tok).__name__, tok.get_vocab(), tok.special_tokens_map]
-    versions = [version(p) for p in ("transformers", "tokenizers", "datasets")]
-    key = "\0".join([rows._fingerprint, *sorted(map(inspect.getsource, code)), *versions,
-                     json.dumps([serial, {**kwargs, "tokenizer": 0}], sort_keys=True)])
+    versions = [version(p) for p in ("transformers", "tokenizers", "datasets")]  # common.output_key: every cache's
+    key = output_key(tokenizer_files(collator.tokenizer), [rows._fingerprint, sorted(map(inspect.getsource, code)),
+                                                           versions, {**kwargs, "tokenizer": 0}])
     with accelerator.main_process_first():
         return rows.map(tokenize_groups, batched=True, fn_kwargs=kwargs, features=features,
                         num_proc=procs if procs > 1 else None, desc="tokenising each passage once",
-                        new_fingerprint=fingerprint.Hasher.hash(key))
+                        new_fingerprint=key)
 
 
 def passages_cut(rows, tokenizer, args, sample: int = 4096) -> str:
@@ -452,24 +446,26 @@ def teacher_cosine(model, teacher, batch) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(s.float(), t.float(), dim=-1).mean()
 
 
-def keep_best(accelerator, args, model, tokenizer, rec: dict, best: dict) -> dict:
-    """--save_best: when a scoring record (TrainingScorer's) beats the best so far, the model goes to
-    <output_dir>/best_model (atomically, as model/) and best.json names its step and score -> the best record."""
+def keep_best(accelerator, args, model, tokenizer, rec: dict, state):
+    """--save_best: when a scoring record (TrainingScorer's) beats the best so far (state.best, which checkpoints
+    carry, with the start's score: a resumed run keeps the uninterrupted run's best), the model goes to
+    <output_dir>/best_model (atomically, as model/) and best.json names its step and score."""
+    if not args.save_best:
+        return
     scores = {k[len(EVAL_PREFIX):]: v for k, v in rec.items() if k.startswith(EVAL_PREFIX)}
     if args.save_best not in scores and args.save_best != "average":
         raise UserError(f"--save_best {args.save_best!r}: the scored tasks are {sorted(scores)} (or 'average')")
     score = sum(scores.values()) / len(scores) if args.save_best == "average" else scores[args.save_best]
-    if best and score <= best["score"]:
-        return best
-    best = {"step": rec["step"], "by": args.save_best, "score": score, "scores": scores,
-            "start": best.get("start", score)}  # the start's score (step 0, scored first)
+    if state.best and score <= state.best["score"]:
+        return
+    state.best = {"step": rec["step"], "by": args.save_best, "score": score, "scores": scores,
+                  "start": state.best.get("start", score)}  # the start's score (step 0, scored first)
     out = Path(args.output_dir)
     card = (f"# best model of {out.name}\n\nStep {rec['step']} of the run, the best {args.save_best} score during "
             f"training ({score:.2f}; train.py --save_best). The finished run's model and card are in model/.\n")
     save_model(accelerator, model, tokenizer, out / "best_model", card, args.trust_remote_code)
     if accelerator.is_main_process:
-        atomic_write(out / "best.json", json.dumps(best, indent=1))
-    return best
+        atomic_write(out / "best.json", json.dumps(state.best, indent=1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -551,11 +547,10 @@ def main(argv=None):
     window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops(accelerator, args), state)
     stop_at = min(max_steps, args.stop_after_steps or max_steps)
     stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1 / Ctrl-C: a checkpoint after the step, stop
-    best = {}  # --save_best: the best scoring so far
     skip_tokens = () if teacher is not None else ("retain_",)  # masks a step computes nothing of
     if scorer and state.completed_steps == 0:  # the start is scored too: every later score is read against it
         rec = log_score(accelerator, args, scorer, model, 0, state.epoch, window)
-        best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
+        keep_best(accelerator, args, model, tokenizer, rec, state)
     try:
         for epoch in range(state.epoch, math.ceil(max_steps / steps_per_epoch)):
             if stopped or state.completed_steps >= stop_at:
@@ -598,7 +593,7 @@ def main(argv=None):
                 window.step_done(state, epoch, scalars)
                 if scorer and args.eval_steps and step % args.eval_steps == 0:
                     rec = log_score(accelerator, args, scorer, model, step, epoch, window)
-                    best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
+                    keep_best(accelerator, args, model, tokenizer, rec, state)
                 stopped = stop.check()
                 if stopped or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
                     save_checkpoint(accelerator, model, Path(args.output_dir) / "checkpoints", step,
@@ -611,9 +606,11 @@ def main(argv=None):
         stop.restore()
     window.close()
     stopped_by = say_stopped(accelerator, args, stopped, state) if stopped else None
-    if scorer and not stopped and scorer.last_step != state.completed_steps:  # the final model (or where it stopped)
+    # a finished run's final model (one stopped early is part of a run, as if preempted: not scored as finished)
+    if scorer and state.completed_steps >= max_steps and scorer.last_step != state.completed_steps:
         rec = log_score(accelerator, args, scorer, model, state.completed_steps, state.epoch)
-        best = keep_best(accelerator, args, model, tokenizer, rec, best) if args.save_best else best
+        keep_best(accelerator, args, model, tokenizer, rec, state)
+    best = state.best
     if best:
         accelerator.print(f"best {best['by']} {best['score']:.2f} at step {best['step']}: "
                           f"{Path(args.output_dir) / 'best_model'}" + (

@@ -2,7 +2,8 @@
 What every script needs and no paper step owns; it imports no file of the repository.
   1. a user's mistake: UserError, one line at each script's entry (run_script), flags refused at parse time;
      --help with each flag's default said once (HelpFormatter)
-  2. model names and prefixes: the offline MiniLM alias, a name that cannot load offline, the one prefix rule
+  2. model names and prefixes: the offline MiniLM alias, a name that cannot load offline, the one prefix rule, the
+     one key of what changes a token or a vector (output_key: every cache and every revision)
   3. output folders and atomic writes: only a script's own outputs are replaced (claim_output_folder), every output
      whole or absent (atomic_path)
   4. readers: compressed streams, JSONL with line numbers, parquet in batches, the BEIR layout
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import hashlib
 import json
 import logging
 import math
@@ -300,6 +302,54 @@ def model_prompts(name_or_path: str, mode: str = "auto", _depth: int = 0) -> dic
 def describe_prompts(prompts: dict) -> str:
     """One log line: which prefixes a script uses."""
     return f"prefixes: query {prompts['query']!r}, passage {prompts['document']!r}"
+
+
+# The one key of what changes an output (docs/plumbing.md: output_key): what changes no token and no vector
+RECORD_FILES, RECORD_KEYS = ("README.md", "xprt_heads.safetensors"), ("lineage", "hub_model_id", "base_model")
+LOADING_KEYS = ("is_local", "local_files_only", "name_or_path", "truncation", "padding")  # how, not what, it loaded
+
+
+def output_files(folder) -> dict:
+    """A tokenizer or model folder's files that can change a token or a vector -> {name: path, or bytes where part
+    counts}: all but hidden ones and RECORD_FILES; xprt_config.json less its RECORD_KEYS."""
+    root = Path(folder)
+    out = {f.relative_to(root).as_posix(): f for f in root.rglob("*") if f.is_file() and f.name not in RECORD_FILES
+           and not any(p.startswith(".") for p in f.relative_to(root).parts)}
+    if "xprt_config.json" in out:
+        cfg = read_json(out["xprt_config.json"])
+        out["xprt_config.json"] = json.dumps({k: cfg[k] for k in sorted(cfg) if k not in RECORD_KEYS}).encode()
+    return out
+
+
+def tokenizer_files(tokenizer) -> dict:
+    """A tokenizer's whole state as output_files reads a folder: its save_pretrained files (JSON less LOADING_KEYS)
+    and its plain settings in memory but paths (tokenizer_settings.json)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = {n: f.read_bytes() for n, f in output_files(tmp).items()}
+    for n, data in files.items():
+        state = json.loads(data) if n.endswith(".json") else None
+        if isinstance(state, dict):
+            files[n] = json.dumps({k: state[k] for k in sorted(state) if k not in LOADING_KEYS}).encode()
+    settings = {k: v for k, v in vars(tokenizer).items() if not k.startswith("_") and k not in LOADING_KEYS
+                and not k.endswith("_file") and isinstance(v, (str, int, float, bool, type(None)))}
+    return {**files, "tokenizer_settings.json": json.dumps(settings, sort_keys=True).encode()}
+
+
+def output_key(files: dict, settings=None) -> str:
+    """The one key of every cache and revision: sha1 over `files` ({name: path or bytes}) in name order (each name,
+    size and sha1 of its bytes: content, not times), then `settings` (flags, code, versions) as JSON -> hex."""
+    h = hashlib.sha1()
+    for name in sorted(files, key=lambda n: n.split("/")):
+        data = files[name]
+        if not isinstance(data, bytes):
+            with open(data, "rb") as fh:
+                h.update(f"{name}:{os.fstat(fh.fileno()).st_size}:".encode() + hashlib.file_digest(fh, "sha1").digest())
+        else:
+            h.update(f"{name}:{len(data)}:".encode() + hashlib.sha1(data).digest())
+    if settings is not None:
+        h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    return h.hexdigest()
 
 # ==============================================================================================================
 # 3. Output folders and atomic writes

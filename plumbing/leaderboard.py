@@ -11,7 +11,6 @@ It imports plumbing/common.py and plumbing/model_folder.py (the model card), and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from plumbing.common import (META_DIR, MINILM_ALIASES, UserError, atomic_path, check_inputs_apart, check_writable,
-                             read_json, resolve_model_path)
+                             output_files, output_key, read_json, resolve_model_path)
 
 # Importing mteb creates ~/.cache/mteb unless MTEB_CACHE is set (docs/notes.md); keep it inside the repo.
 os.environ.setdefault("MTEB_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "mteb"))
@@ -66,30 +65,17 @@ def model_name_and_revision(name_or_path: str) -> tuple[str, str]:
     return name, content_revision(path)
 
 
-# what decides a folder's vectors: weights, architecture, tokenizer, sentence-transformers modules (not the card)
-_IDENTITY_FILES = ("*.safetensors", "*.bin", "config.json", "modules.json", "sentence_bert_config.json",
-                   "config_sentence_transformers.json", "tokenizer.json", "vocab.txt", "*/config.json")
-
-
 def files_hash(root: Path, files) -> str:
-    """12 hex digits of a sha1 over `files` (under `root`) in sorted order: each file's path relative to root, its
-    size and the sha1 of its bytes. Content, not modification times: a fresh clone or copy of the same files hashes
-    alike, an edited file does not. The one hash of model folders (content_revision) and local task folders
-    (data_fingerprint); runs at disk speed (about 1 s per 400 MB)."""
-    h = hashlib.sha1()
-    for f in sorted(files):
-        h.update(f"{f.relative_to(root).as_posix()}:{f.stat().st_size}:".encode())
-        with open(f, "rb") as fh:
-            h.update(hashlib.file_digest(fh, "sha1").digest())
-    return h.hexdigest()[:12]
+    """12 hex digits of common.output_key over `files` (under `root`), named relative to it: the one hash of model
+    folders (content_revision) and local task folders (data_fingerprint); at disk speed (about 1 s per 400 MB)."""
+    return output_key({f.relative_to(root).as_posix(): f for f in files})[:12]
 
 
 def content_revision(path: str) -> str:
-    """A model folder's revision: files_hash of its identity files (xprt_heads.safetensors excluded: the decoder
-    never touches a sentence vector)."""
-    root = Path(path)
-    return files_hash(root, {f for pat in _IDENTITY_FILES for f in root.glob(pat)
-                             if f.is_file() and f.name != "xprt_heads.safetensors"})
+    """A model folder's revision: 12 hex digits of common.output_key over every file that changes a token or a
+    vector (common.output_files: the weights, every config, the tokenizer's whole saved state, the
+    sentence-transformers modules; not the card, the decoder heads or the lineage)."""
+    return output_key(output_files(path))[:12]
 
 
 def scoring_function(similarity_fn_name) -> ScoringFunction:
@@ -129,15 +115,15 @@ def data_origins(flag: str, path: str) -> list:
     return [path]
 
 
-def training_sources(path: str) -> tuple[list, list]:
+def training_sources(path: str) -> tuple[list, list, Optional[str]]:
     """What trained a model folder, stage by stage, from the records train.py and finetune.py leave beside the folders
     they write (<run>/run.json beside <run>/model: the inputs, with their paths, and the flags), following each run's
     --model_name_or_path back through the lineage xprt_config.json records -> (sources: [{"stage", "flag",
-    "source"}], gaps: the stages whose data no record names, in words). Trusted: that run.json is the run that wrote
-    the folder beside it (a folder copied without it is a gap)."""
+    "source"}], gaps: the stages whose data no record names, in words, the first stage's local start folder or
+    None). Trusted: that run.json is the run that wrote the folder beside it (a folder copied without it is a gap)."""
     folder = Path(resolve_model_path(path))
     lineage = read_json(folder / "xprt_config.json").get("lineage") or []
-    sources, gaps = [], []
+    sources, gaps, first = [], [], None
     for stage in [s["stage"] for s in lineage[1:]][::-1]:  # the trained stages, the last first
         record = read_json(folder.parent / "run.json") if folder.name in ("model", "best_model") else {}
         if not record.get("inputs"):
@@ -153,7 +139,8 @@ def training_sources(path: str) -> tuple[list, list]:
         if not start:
             break
         folder = Path(start[0])
-    return sources, gaps
+        first = str(folder) if stage == lineage[1]["stage"] else None
+    return sources, gaps, first
 
 
 def _task_key(text: str) -> str:
@@ -164,11 +151,11 @@ _TASK_KEYS: dict = {}
 
 
 def mteb_tasks_of(source: str) -> list:
-    """The mteb tasks whose data a training source is, by the name they share: a Hub dataset id equal to a task's
-    dataset id or to its last part (mteb/scifact, BeIR/scifact -> SciFact), a local folder or file named as a task or
-    as the last part of its dataset id (a BEIR folder scifact/ -> SciFact; a FlagEmbedding msmarco.jsonl -> MSMARCO).
-    A local copy keeps its origin in its name and nowhere else; web text (HuggingFaceFW/fineweb, docs.jsonl) names no
-    task. Case and punctuation are ignored; every id mteb has (superseded ones too) counts."""
+    """The mteb tasks a training source is *named* like: a Hub dataset id equal to a task's dataset id or to its last
+    part (mteb/scifact, BeIR/scifact -> SciFact), a local folder or file named as a task or as the last part of its
+    dataset id (a folder scifact/ -> SciFact; msmarco.jsonl -> MSMARCO); web text (HuggingFaceFW/fineweb, docs.jsonl)
+    names none. Case and punctuation are ignored; every id mteb has (superseded ones too) counts. A name is a guess:
+    tasks_of says which tasks a record or the data itself shows."""
     if not _TASK_KEYS:
         for t in mteb.get_tasks(exclude_superseded=False):
             path = t.metadata.dataset.get("path") or ""
@@ -179,6 +166,45 @@ def mteb_tasks_of(source: str) -> list:
         if _task_key(key) in _TASK_KEYS:
             return sorted(_TASK_KEYS[_task_key(key)])
     return []
+
+
+def tasks_of(source: str) -> tuple[list, str]:
+    """The mteb tasks whose data a training source is, from evidence -> (tasks, how it is known): a Hub dataset id
+    that is a task's own dataset id (mteb/scifact -> SciFact: the id the reader recorded), or a local BEIR corpus
+    whose statistics are a task's (corpus_tasks: a folder holding corpus.jsonl, or the file itself, as groups
+    selected from it record). A name alone (a folder news/ or msmarco/, BeIR/scifact) is no evidence: ([], "")."""
+    if not os.path.exists(source):
+        tasks = sorted({t.metadata.name for t in mteb.get_tasks(exclude_superseded=False)
+                        if _task_key(t.metadata.dataset.get("path") or "-") == _task_key(source)})
+        return tasks, "its Hub dataset id" if tasks else ""
+    corpus = Path(source) / "corpus.jsonl" if os.path.isdir(source) else Path(source)
+    tasks = corpus_tasks(corpus) if corpus.name.startswith("corpus.jsonl") and corpus.is_file() else []
+    return tasks, f"its corpus's statistics are {', '.join(tasks)}'s" if tasks else ""
+
+
+def corpus_tasks(corpus: Path) -> list:
+    """The mteb retrieval tasks whose documents a BEIR corpus.jsonl is, by mteb's own descriptive statistics of
+    them: the same number of documents, the same shortest and longest (title and text, as mteb joins them) and a
+    total length within 1% (SciFact's 5,183 documents here total 7,785,930 characters, mteb's 7,771,451)."""
+    from plumbing.common import iter_jsonl
+
+    if not _CORPUS_STATS:  # (documents, shortest, longest, total) of every retrieval task's splits, read once
+        for t in mteb.get_tasks(task_types=["Retrieval"], exclude_superseded=False):
+            try:
+                stats = t.metadata.descriptive_stats or {}
+            except Exception:  # noqa: BLE001 - a task without its statistics file: nothing to compare
+                continue
+            for split in stats.values():
+                docs = (split or {}).get("documents_text_statistics") or {}
+                _CORPUS_STATS.append((t.metadata.name, split.get("num_documents"), docs.get("min_text_length"),
+                                      docs.get("max_text_length"), docs.get("total_text_length") or 0))
+    lengths = [len(f"{d.get('title') or ''} {d.get('text') or ''}".strip()) for _, d, _ in iter_jsonl(corpus)
+               if isinstance(d, dict)]
+    return sorted({name for name, n, low, high, total in _CORPUS_STATS if lengths and n == len(lengths)
+                   and (low, high) == (min(lengths), max(lengths)) and abs(sum(lengths) - total) <= 0.01 * total})
+
+
+_CORPUS_STATS: list = []
 
 
 # bytes per element of each safetensors dtype (the table mteb reads a Hub repository's weights by, completed)
@@ -211,7 +237,8 @@ def model_meta_of(name_or_path: str, path: str, st_model, prompts: dict, max_len
     licence and languages, xprt_config.json's lineage, whose first stage names the start: adapted_from), the run
     records beside it (training_sources, mapped to mteb task names by mteb_tasks_of: training_datasets) and the
     loaded model (parameters, dimension, similarity, length); `given` adds what no record holds:
-    public_training_code, public_training_data, training_datasets (evaluate.py's flags of those names)."""
+    public_training_code, public_training_data, training_datasets, adapted_from (evaluate.py's flags of those
+    names)."""
     from mteb.languages.iso_mappings import _hf_langs_to_iso_lang_scripts  # mteb's own reading of a card's languages
     from pydantic import ValidationError
 
@@ -249,7 +276,7 @@ def model_meta_of(name_or_path: str, path: str, st_model, prompts: dict, max_len
                           "config.json", open_weights="the weights are in the folder")
     license_ = card_license(name_or_path)
     said["license"] = "the model card's licence (train.py / finetune.py carry the start's on)"
-    start = adapted_from(name_or_path, folder, cfg, said, missing)
+    start = adapted_from(name_or_path, folder, cfg, said, missing, given)
     training_datasets = training_datasets_of(path, cfg, given, said, missing)
     for field, flag in (("public_training_code", "--public_training_code"),
                         ("public_training_data", "--public_training_data")):
@@ -315,49 +342,85 @@ def release_date_of(folder: Optional[Path], weights: Optional[Path], own: bool, 
     return None
 
 
-def adapted_from(name_or_path: str, folder: Optional[Path], cfg: dict, said: dict, missing: list) -> Optional[str]:
-    """The model a described model was trained from: the first stage of xprt_config.json's lineage, else the model
-    card's base_model; a start mteb cannot follow (a local folder, a model not in its registry) goes into `missing`,
-    since mteb counts the start's own training data in the zero-shot figure only through its registry entry."""
+def adapted_from(name_or_path: str, folder: Optional[Path], cfg: dict, said: dict, missing: list,
+                 given: Optional[dict] = None) -> Optional[str]:
+    """The model a described model was trained from: --adapted_from when given, else the first stage of
+    xprt_config.json's lineage, and for a start given as a local folder what that folder says it is (start_named);
+    with no lineage, the model card's base_model. A start mteb cannot follow (unnamed, or not in its registry) goes
+    into `missing`, since mteb counts the start's own training data in the zero-shot figure only through its
+    registry entry."""
     from plumbing.model_folder import card_data
 
     lineage = cfg.get("lineage") or []
     start = (lineage[0].get("model") if lineage else None) or cfg.get("base_model")
+    said["adapted_from"] = "xprt_config.json's lineage: its first stage, the start model"
     if not folder or not cfg:  # no lineage of ours: what the card says it derives from
         card = card_data(name_or_path)
         start = getattr(card, "base_model", None) if card is not None else None
         start = start[0] if isinstance(start, list) and start else start
-    said["adapted_from"] = "xprt_config.json's lineage: its first stage, the start model" if cfg else \
-        "the model card's base_model"
-    if start is None and lineage:
-        missing.append("no adapted_from: the start model was a local folder with no Hub id, so mteb cannot count its "
-                       "own training data")
+        said["adapted_from"] = "the model card's base_model"
+    elif start is None and lineage:  # a local start folder: what its own files say it is
+        start, said["adapted_from"] = start_named(training_sources(name_or_path)[2])
+    if (given or {}).get("adapted_from"):
+        start, said["adapted_from"] = given["adapted_from"], "--adapted_from"
+    if start is None and (lineage or folder):
+        missing.append("no adapted_from: the start model was a local folder whose files name no Hub model (its "
+                       "xprt_config.json hub_model_id, config.json _name_or_path, card base_model): pass "
+                       "--adapted_from ORG/NAME, or none if it was trained from scratch")
     elif start is not None and start not in mteb_registry_names():
         missing.append(f"adapted_from {start} is not in mteb's registry: its own training data counts in the "
                        "zero-shot figure only once its ModelMeta is added")
     return start
 
 
+def start_named(start: Optional[str]) -> tuple:
+    """What a local start folder says it is -> (a Hub id or None, where that came from): the Hub id its xprt records
+    name (model_folder.hub_base_model), config.json's _name_or_path when it is a Hub id that is no local path (what
+    transformers loaded it as), else its card's base_model (what it derives from)."""
+    from plumbing.model_folder import _HUB_ID, card_data, hub_base_model
+
+    if start is None or not os.path.isdir(start):
+        return None, "no local start folder recorded (run.json's --model_name_or_path)"
+    if hub_base_model(start):
+        return hub_base_model(start), f"the start folder {Path(start).name}'s xprt_config.json"
+    loaded = read_json(Path(start) / "config.json").get("_name_or_path")
+    if isinstance(loaded, str) and _HUB_ID.fullmatch(loaded) and not os.path.exists(loaded):
+        return loaded, f"the start folder {Path(start).name}'s config.json _name_or_path"
+    card = card_data(start)
+    base = getattr(card, "base_model", None) if card is not None else None
+    base = base[0] if isinstance(base, list) and base else base
+    return base, f"the start folder {Path(start).name}'s card base_model"
+
+
 def training_datasets_of(path: str, cfg: dict, given: dict, said: dict, missing: list) -> Optional[set]:
-    """The mteb tasks whose data trained a model: every stage's recorded data (training_sources) mapped to tasks
-    (mteb_tasks_of), with --training_datasets added -> the set, or None (unknown) while a stage's data is unknown
-    and --training_datasets is not given. A labelled input that names no task is said: such pairs are most often some
-    benchmark's train split, and a file's name may not say whose."""
+    """The mteb tasks whose data trained a model: every stage's recorded data (training_sources) that a record or the
+    data itself shows to be a task's (tasks_of), with --training_datasets added -> the set, or None (unknown) while a
+    stage's data is unknown and --training_datasets is not given. A local source nothing tells (a name alone is at
+    most a guess, said as one) is listed for the user to name with --training_datasets."""
     lineage = cfg.get("lineage") or []
-    sources, gaps = training_sources(path) if cfg else ([], [] if lineage else ["the model's training"])
-    tasks = sorted({t for s in sources for t in mteb_tasks_of(s["source"])} | set(given.get("training_datasets") or []))
+    sources, gaps = training_sources(path)[:2] if cfg else ([], [] if lineage else ["the model's training"])
+    told = [(s, *tasks_of(s["source"])) for s in sources]
+    tasks = sorted({t for _, found, _ in told for t in found} | set(given.get("training_datasets") or []))
     known = not gaps or given.get("training_datasets") is not None
     if not known:
         missing.append(f"training data unknown ({'; '.join(gaps)}): pass --training_datasets TASK ... (the mteb "
                        "tasks whose data trained it; none when none did)")
+
+    def named(s):
+        return Path(s["source"]).name if os.path.exists(s["source"]) else s["source"]
+
     if given.get("training_datasets") is None:
-        missing += [f"{s['flag']} {Path(s['source']).name} ({stage_script(s['stage'])}) names no mteb task: if it "
-                    "holds an mteb task's data (a train split counts), add the task with --training_datasets"
-                    for s in sources if s["flag"] != "--groups_dir" and not mteb_tasks_of(s["source"])]
+        for s, found, _ in told:
+            guess = mteb_tasks_of(s["source"])
+            if found or not os.path.exists(s["source"]) and not guess:
+                continue
+            what = (f"is named like {', '.join(guess)}, and a name is no evidence of its data" if guess else
+                    "names no mteb task")
+            missing.append(f"{s['flag']} {named(s)} ({stage_script(s['stage'])}) {what}: if it holds an mteb task's "
+                           "data (a train split counts), add the task with --training_datasets")
     said["training_datasets"] = "; ".join(
-        [f"{s['flag']} {Path(s['source']).name if os.path.exists(s['source']) else s['source']} "
-         f"({stage_script(s['stage'])}) -> {', '.join(mteb_tasks_of(s['source'])) or 'no mteb task'}"
-         for s in sources]
+        [f"{s['flag']} {named(s)} ({stage_script(s['stage'])}) -> "
+         + (f"{', '.join(found)} ({how})" if found else "no mteb task") for s, found, how in told]
         + ([f"--training_datasets {' '.join(given['training_datasets']) or '(none)'}"]
            if given.get("training_datasets") is not None else [])) or "no record"
     return set(tasks) if known else None

@@ -619,12 +619,13 @@ def checkpoint_interval(args, max_steps: int) -> int:
     return DEFAULT_CHECKPOINT_EVERY if max_steps > DEFAULT_CHECKPOINT_EVERY else 0
 
 class TrainState:
-    """Steps done, the epoch and the batches done in it, and the run's length, registered for checkpointing: the
-    schedules (lr, retention weight, PAIR's alpha) are functions of the step and the run's length, so a resumed run
-    must have the same length."""
+    """Steps done, the epoch and batches done in it, the run's length and what the loop carries (`best`: --save_best's
+    best and the start's score), registered for checkpointing: the schedules (lr, retention weight, PAIR's alpha)
+    are functions of the step and the run's length, so a resumed run must have the same length."""
 
     def __init__(self, max_steps: int = 0):
         self.completed_steps, self.epoch, self.batches_in_epoch, self.max_steps = 0, 0, 0, max_steps
+        self.best = {}
         # the open log window (run_log.LogWindow registers itself): its sums so far travel with a checkpoint, so a
         # resumed run's first record averages the steps the uninterrupted run's does
         self.log_window, self.resumed_window = None, None
@@ -640,7 +641,8 @@ class TrainState:
         if saved != self.max_steps:
             raise UserError(f"the checkpoint's run has {saved} steps, this one {self.max_steps}: resume with the "
                              "same --max_train_steps / --num_train_epochs and data")
-        self.__dict__.update({k: int(v) for k, v in state.items() if k != "log_window"})
+        self.__dict__.update({k: int(v) for k, v in state.items() if k not in ("log_window", "best")})
+        self.best = state.get("best") or {}
         self.resumed_window = state.get("log_window")
 
 class StopSignals:

@@ -79,7 +79,7 @@ def test_a_trained_models_submission_is_validated_and_read_by_mteb(trained, tmp_
                    "--output_dir", str(tmp_path / "out"), "--results_dir", str(tmp_path / "results"),
                    "--submission", str(sub), "--public_training_code", "https://github.com/me/xprt",
                    "--public_training_data", "https://huggingface.co/datasets/me/groups", "--no_card_update",
-                   "--batch_size", "16"])
+                   "--batch_size", "16", "--training_datasets", "SciFact"])
     table = rep["summary"]["per_task"]
     name, revision = "local/ft", lb.content_revision(str(trained))
     folder = sub / "results" / "local__ft" / revision
@@ -143,10 +143,11 @@ def test_a_trained_models_submission_is_validated_and_read_by_mteb(trained, tmp_
         "no Hub id: the leaderboard names a model by its Hub repository. Push it (train.py / finetune.py "
         "--push_to_hub --hub_model_id ORG/NAME) and evaluate the Hub id, whose revision is then the Hub commit"]
     assert record["models"]["all-MiniLM-L6-v2"]["missing"] == [] and record["models"]["all-MiniLM-L6-v2"]["registry"]
-    assert ft["said"]["training_datasets"] == ("--beir_dir scifact (finetune.py) -> SciFact; --groups_dir groups "
-                                               "(train.py) -> no mteb task")
+    # a folder named scifact is no evidence of SciFact's data: the user named it (--training_datasets)
+    assert ft["said"]["training_datasets"] == ("--beir_dir scifact (finetune.py) -> no mteb task; --groups_dir groups "
+                                               "(train.py) -> no mteb task; --training_datasets SciFact")
     readme = (sub / "README.md").read_text()
-    assert "| training_datasets | `[\"SciFact\"]` | --beir_dir scifact (finetune.py) -> SciFact;" in readme
+    assert "| training_datasets | `[\"SciFact\"]` | --beir_dir scifact (finetune.py) -> no mteb task;" in readme
     assert "| adapted_from | `\"sentence-transformers/all-MiniLM-L6-v2\"` | xprt_config.json's lineage" in readme
     assert f"mteb.ResultCache('{sub}').submit_results('local/ft', create_pr=True)" in readme
     printed = capsys.readouterr().out
@@ -170,6 +171,10 @@ def test_what_a_submission_lacks_without_public_code(trained, tmp_path, capsys):
     assert missing == [
         "no Hub id: the leaderboard names a model by its Hub repository. Push it (train.py / finetune.py "
         "--push_to_hub --hub_model_id ORG/NAME) and evaluate the Hub id, whose revision is then the Hub commit",
+        "--beir_dir scifact (finetune.py) is named like SciFact, and a name is no evidence of its data: if it holds "
+        "an mteb task's data (a train split counts), add the task with --training_datasets",
+        "--groups_dir groups (train.py) names no mteb task: if it holds an mteb task's data (a train split counts), "
+        "add the task with --training_datasets",
         "no public training code given: pass --public_training_code URL",
         "no public training data given: pass --public_training_data URL",
         f"no result the leaderboard takes: SciFact: scored on a local copy (data_{data}), which mteb cannot tell is "
@@ -233,8 +238,9 @@ def test_a_folder_without_its_run_records_says_its_training_data_is_unknown(tiny
     assert meta.training_datasets is None
     assert (f"training data unknown (xprt pretrain (xprt), 2 steps (train.py): no run.json beside {folder}): pass "
             "--training_datasets TASK ... (the mteb tasks whose data trained it; none when none did)") in missing
-    assert ("no adapted_from: the start model was a local folder with no Hub id, so mteb cannot count its own "
-            "training data") in missing
+    assert ("no adapted_from: the start model was a local folder whose files name no Hub model (its xprt_config.json "
+            "hub_model_id, config.json _name_or_path, card base_model): pass --adapted_from ORG/NAME, or none if it "
+            "was trained from scratch") in missing
     meta, said, missing = lb.model_meta_of(str(folder), str(folder), st, prompts, 512, {"training_datasets": []})
     assert meta.training_datasets == set() and said["training_datasets"] == "--training_datasets (none)"
     shutil.rmtree(folder)
@@ -281,8 +287,9 @@ def test_labelled_pairs_whose_name_says_no_task_are_said(tiny_bert, tmp_path):
     assert said["training_datasets"] == "--train_data pairs.jsonl (finetune.py) -> no mteb task"
     assert ("--train_data pairs.jsonl (finetune.py) names no mteb task: if it holds an mteb task's data (a train split "
             "counts), add the task with --training_datasets") in missing
-    assert ("no adapted_from: the start model was a local folder with no Hub id, so mteb cannot count its own "
-            "training data") in missing
+    assert ("no adapted_from: the start model was a local folder whose files name no Hub model (its xprt_config.json "
+            "hub_model_id, config.json _name_or_path, card base_model): pass --adapted_from ORG/NAME, or none if it "
+            "was trained from scratch") in missing
     meta, said, missing = lb.model_meta_of(str(folder), str(folder), st, {"query": "", "document": ""}, 512,
                                            {"training_datasets": ["SciFact"]})
     assert meta.training_datasets == {"SciFact"} and not any("names no mteb task" in m for m in missing)
