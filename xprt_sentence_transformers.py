@@ -77,8 +77,8 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from modeling_xprt import (ConditionedDecoder, LossWeights, XPRTModel, gather_with_grad, group_lengths,
-                           retention_weight)
+from modeling_xprt import (ConditionedDecoder, LossWeights, XPRTModel, gather_with_grad,
+                           group_lengths, retention_weight)
 from plumbing.architectures import encoder_pieces, head_params, layer_runner, vocab_matrix
 from plumbing.batches import LengthGroupedBatchSampler, SeededCollate, document_keys
 from plumbing.model_folder import heads_config, heads_state_dict, load_teacher, load_xprt_folder
@@ -88,14 +88,14 @@ PREFIX = "xprt_"  # on every key of a batch: the trainer hands the loss one feat
 
 def share_encoder(xprt: XPRTModel, auto_model: nn.Module) -> XPRTModel:
     """Make `xprt`'s encoder the SentenceTransformer's own (its Transformer module's model): the
-    base model inside the MLM model becomes `auto_model`, the vocabulary projection is re-tied to its
-    word embeddings when it was tied, and the pieces a step calls are found again
+    base model inside the MLM model becomes `auto_model`, the vocabulary projection is re-tied to
+    its word embeddings when it was tied, and the pieces a step calls are found again
     (architectures.encoder_pieces, the decoder's layer runner). One set of encoder weights: what the
     loss trains is what the SentenceTransformer encodes with."""
     mlm = xprt.encoder
     old = mlm.base_model
     if set(old.state_dict()) - set(auto_model.state_dict()):
-        raise ValueError(f"{type(auto_model).__name__} is not the start's encoder {type(old).__name__}")
+        raise ValueError(f"{type(auto_model).__name__} is not the start's {type(old).__name__}")
     tied = vocab_matrix(mlm) is mlm.get_input_embeddings().weight
     setattr(mlm, mlm.base_model_prefix, auto_model)
     if tied:
@@ -116,9 +116,9 @@ def distributed() -> bool:
 
 class _AverageGradients(torch.autograd.Function):
     """Identity on the loss; its backward queues, for the end of the backward pass, the average over
-    the processes of every gradient the loss's parameters hold (train.py: DDP's average). The trainer
-    wraps the SentenceTransformer in DDP, but the loss never calls that wrapper (it runs the encoder
-    through XPRTModel), so DDP syncs nothing, and the heads are outside it: this is the one sync.
+    the processes of every gradient the loss's parameters hold (train.py: DDP's average). The
+    trainer wraps the SentenceTransformer in DDP, but the loss never calls that wrapper (it runs the
+    encoder through XPRTModel), so DDP syncs nothing, and the heads are outside it: the one sync.
     gather_with_grad's backward sums every process's gradients into its rows; the average then gives
     the global mean loss's gradient, as DDP does. With accumulation each micro-batch averages what
     the parameters hold: the sum of the micro-batches' averages, the same sum DDP ends with."""
@@ -165,8 +165,8 @@ class XPRTLoss(nn.Module):
         auto_model = model[0].auto_model
         self.start = start or auto_model.name_or_path
         options = {"weights": LossWeights(**weights)} if weights else {}
-        # train.py's model loaded as train.py loads it (an xprt folder's heads, else a fresh MLM head
-        # and decoder), then run on the SentenceTransformer's encoder
+        # train.py's model loaded as train.py loads it (an xprt folder's heads, else a fresh MLM
+        # head and decoder), then run on the SentenceTransformer's encoder
         xprt = load_xprt_folder(XPRTModel, self.start, objective="xprt", fill_in=fill_in,
                                 retention_student=retention_student, **options)
         self.xprt = share_encoder(xprt, auto_model).to(model.device)
@@ -241,15 +241,16 @@ class XPRTLoss(nn.Module):
     def batch_key(self, rows: list) -> tuple:
         """(epoch, number) of the batch of these rows in the sampler's epoch: KeyedBatches' key."""
         if self.sampler is None:
-            raise ValueError("XPRTLoss needs its batch sampler: SentenceTransformerTrainingArguments"
-                             "(batch_sampler=loss.batch_sampler)")
+            raise ValueError("XPRTLoss needs its batch sampler: pass "
+                             "batch_sampler=loss.batch_sampler to the training arguments")
         epoch = self.sampler.epoch
         if self.numbers_epoch != epoch:
             self.numbers = {tuple(b): n for n, b in enumerate(self.sampler.batches())}
             self.numbers_epoch = epoch
         n = self.numbers.get(tuple(rows))
         if n is None:
-            raise ValueError("a batch XPRTLoss's sampler did not make: batch_sampler=loss.batch_sampler")
+            raise ValueError("a batch XPRTLoss's sampler did not make: pass "
+                             "batch_sampler=loss.batch_sampler")
         return epoch, n
 
     def collate(self, rows: list) -> dict:
@@ -286,18 +287,21 @@ class XPRTLoss(nn.Module):
         if self.chunk and torch.is_grad_enabled():
             # forward and backward chunk by chunk here, over the accumulation count (train.py's
             # gradient_cache_step); the trainer's backward then only reaches the gradient average
-            out = self.xprt.cached_step(batch, self.chunk, lambda s: (s / self.accumulation).backward(),
-                                        teacher=self.teacher, retention_weight=w)
+            def backward(surrogate):
+                (surrogate / self.accumulation).backward()
+
+            out = self.xprt.cached_step(batch, self.chunk, backward, teacher=self.teacher,
+                                        retention_weight=w)
             loss = out["loss"].detach().requires_grad_()
         else:
             out = self.xprt(batch, teacher=self.teacher, retention_weight=w)
             loss = out["loss"]
         # what L_xp's same-document mask left each row (train.py logs it too)
         docs = batch["doc_ids"]
-        out["in_batch_negatives"] = (docs.unsqueeze(1) != gather_with_grad(docs)).sum(1).double().mean()
-        for k, v in out.items():
-            if k != "loss":
-                self.logged.setdefault(k, []).append(float(v))
+        others = docs.unsqueeze(1) != gather_with_grad(docs).unsqueeze(0)  # (N, N * world)
+        out["in_batch_negatives"] = others.sum(1).double().mean()
+        for k, v in out.items():  # the total as xprt_loss: the trainer logs its own "loss"
+            self.logged.setdefault("xprt_loss" if k == "loss" else k, []).append(float(v))
         if distributed() and loss.requires_grad:
             return _AverageGradients.apply(loss, [p for p in self.parameters() if p.requires_grad])
         return loss
@@ -389,7 +393,7 @@ class XPRTCallback(TrainerCallback):
         if state.global_step > 0:
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             if not os.path.isfile(os.path.join(folder, "xprt_heads.safetensors")):
-                raise FileNotFoundError(f"{folder}: no xprt_heads.safetensors to resume the heads from")
+                raise FileNotFoundError(f"{folder}: no xprt_heads.safetensors to resume the heads")
             self.loss.load_heads(folder)
 
     def on_step_begin(self, args, state, control, **kwargs):
