@@ -57,6 +57,13 @@ Example:
         trainer.train()
         model.save_pretrained("runs/st/model")  # with xprt_heads.safetensors, as train.py saves
 
+Where the trainer's loop differs from train.py's (the step is the same): it clips the gradient norm
+of the SentenceTransformer's parameters alone (max_grad_norm; the heads unclipped; train.py clips
+all together); the schedule and optimiser groups are its arguments' (train.py's
+--head_learning_rate: learning_rate_mapping={r"^xprt\\.": 1e-4}, the heads being exactly the loss's
+parameters named xprt.*); under several processes its logged `loss` is process 0's, while XPRTLoss
+logs each term and the total (xprt_loss) as the processes' mean, as train.py does.
+
 Large batches: sentence-transformers' GradCache engine (base/losses/gradcache.py, CachedLossMixin)
 re-embeds each mini-batch as `model(features)["sentence_embedding"]` and back-propagates into those
 vectors only; xPRT's row terms (L_MLM, L_cross, L_self) read the encoder's token states, so that
@@ -301,7 +308,7 @@ class XPRTLoss(nn.Module):
         others = docs.unsqueeze(1) != gather_with_grad(docs).unsqueeze(0)  # (N, N * world)
         out["in_batch_negatives"] = others.sum(1).double().mean()
         for k, v in out.items():  # the total as xprt_loss: the trainer logs its own "loss"
-            self.logged.setdefault("xprt_loss" if k == "loss" else k, []).append(float(v))
+            self.logged.setdefault("xprt_loss" if k == "loss" else k, []).append(float(v.detach()))
         if distributed() and loss.requires_grad:
             return _AverageGradients.apply(loss, [p for p in self.parameters() if p.requires_grad])
         return loss
