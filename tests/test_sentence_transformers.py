@@ -200,8 +200,12 @@ def test_the_ablations_and_the_gradient_cache_are_options(tiny_bert, groups, oth
     plain, plain_terms, plain_grads, _ = step()
     _, terms, _, _ = step(fill_in=False)
     assert "cross_fill_loss" not in terms and terms["self_fill_loss"] > 0
-    _, _, _, features = step(positive="random")
-    assert features[0] is not None
+    _, random_terms, _, features = step(positive="random")
+    batch = next(f for f in features if "layout" in f)
+    # slot 1 (L_xp's positive, the second self pass) holds another passage than s1, which the
+    # retention pairs (anchor x s1) keep
+    assert not torch.equal(batch["input_ids"][:, 1, :4], batch["retain_input_ids"][:, 1, :4])
+    assert random_terms["xp_loss"] != pytest.approx(plain_terms["xp_loss"], rel=1e-3)
     cached, cached_terms, cached_grads, _ = step(gradient_cache_chunk=2)
     assert cached == pytest.approx(plain, rel=1e-5)
     for k, v in plain_terms.items():
