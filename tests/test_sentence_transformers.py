@@ -315,6 +315,15 @@ def test_the_trainer_runs_it_with_bf16_accumulation_evaluators_and_resumes(
     model.save_pretrained(str(folder))
     card = (folder / "README.md").read_text(encoding="utf-8")
     assert "XPRTLoss" in card
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["a cat sat on the mat", "stocks rose"]
+    back_st = SentenceTransformer(str(folder), device="cpu")
+    # the trained weights, loaded back by sentence-transformers (after training the in-memory
+    # model's forward runs under accelerate's bf16 autocast: its vectors are not the fp32 ones)
+    trained = model.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in back_st.state_dict().items())
+    assert back_st.encode(texts).shape == (2, 32)
     cfg = json.loads((folder / "xprt_config.json").read_text())
     assert cfg["objective"] == "xprt" and cfg["heads"]["objective"] == "xprt"
     back = load_xprt_folder(XPRTModel, str(folder))
