@@ -149,3 +149,33 @@ def test_the_demo_cuts_no_passage_it_selected(tmp_path):
             out = proc.stdout + proc.stderr
             assert "passages longer than --max_length 64 tokens of this tokenizer: 0 of" in out
             assert "raise --max_length" not in out
+
+
+def sentence_transformers_snippet() -> str:
+    """The python block of README.md's "In a sentence-transformers pipeline" section, as a reader copies it."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## In a sentence-transformers pipeline", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+
+
+@pytest.mark.slow
+def test_the_sentence_transformers_section_runs_as_pasted(tmp_path, capsys):
+    """The README's sentence-transformers snippet, pasted into a file and run as it is (toy size as written: 10
+    steps) on a fresh folder after the quick start's selection and pre-training (at toy size): it trains from
+    train.py's folder on its groups and saves a folder with the heads, whose card names the loss."""
+    cwd, env = fresh_clone(tmp_path / "clone"), offline_env(tmp_path)
+    for command in readme_commands():
+        argv = shlex.split(command)
+        if why_not_on_a_cpu(argv) is None and argv[1] in ("select_groups.py", "train.py") and "--inspect_only" \
+                not in argv:
+            run_as_pasted(command, cwd, env)
+    (cwd / "st_snippet.py").write_text(sentence_transformers_snippet(), encoding="utf-8")
+    proc = subprocess.run([sys.executable, "st_snippet.py"], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    with capsys.disabled():
+        print("\n$ python st_snippet.py\n" + "\n".join(
+            [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip() and "%|" not in line][-3:]))
+    saved = cwd / "runs/st/model"
+    assert (saved / "xprt_heads.safetensors").is_file() and (saved / "modules.json").is_file()
+    assert "XPRTLoss" in (saved / "README.md").read_text(encoding="utf-8")
