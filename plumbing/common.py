@@ -70,24 +70,24 @@ def run_script(main, argv=None):
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose errors (a missing flag, an invalid choice, a value of the wrong type) are UserErrors:
     one line naming the flag, instead of the whole usage text followed by the error. No prefix matching
-    (allow_abbrev=False): `--lr` is not silently read as `--lr_scheduler_type`."""
+    (allow_abbrev=False): `--lr` is not silently read as `--lr_scheduler_type`; an unknown flag's
+    hint names the one most likely meant (flag_hints.likely_flags: `--lr` -> `--learning_rate`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        if message.startswith("unrecognized arguments: "):  # name the nearest real flag of each unknown one
-            import difflib
+        if message.startswith("unrecognized arguments: "):  # each one's likeliest meaning
+            from plumbing.flag_hints import likely_flags
 
             hints = []
             for arg in message.split(": ", 1)[1].split():
-                flag, flags = arg.split("=")[0], [f for f in self._option_string_actions if f.startswith("--")]
-                # the flags it abbreviates (a prefix is never taken as one), else the closest spelling
-                near = sorted(f for f in flags if f.startswith(flag)) or difflib.get_close_matches(
-                    flag, [f for f in flags if f != "--help"], n=1, cutoff=0.6)
-                if flag.startswith("--") and near:
-                    hints.append(f"{flag}: did you mean {' or '.join(near[:3])}?")
+                flag = arg.split("=")[0]
+                is_flag = re.match(r"--?[a-zA-Z]", flag)  # not a value ("1e-5", "-1")
+                near = likely_flags(flag, self._option_string_actions) if is_flag else []
+                if near:
+                    hints.append(f"{flag}: did you mean {' or '.join(near)}?")
             message += f" ({'; '.join(hints)})" if hints else ""
         raise UserError(f"{message} (--help lists the flags)")
 
