@@ -68,6 +68,7 @@ import os
 import random
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -77,8 +78,8 @@ import numpy as np
 from modeling_xprt import max_seq_length
 from plumbing.common import (ArgumentParser, E5_PROMPTS, NO_PROMPTS, UserError, atomic_path, atomic_write,
                              check_model_name, check_writable, claim_output_folder, hub_cached, hub_offline,
-                             local_inputs, model_prompts, pick_device_and_dtype, positive_int, record_outputs,
-                             resolve_model_path, run_script, task_spec)
+                             local_inputs, model_prompts, on_stop, pick_device_and_dtype, positive_int,
+                             record_outputs, resolve_model_path, run_script, task_spec)
 from plumbing.embed import embed_texts
 from plumbing.leaderboard import (check_submission_folder, files_hash, model_meta_of, registry_entry, scoring_function,
                                   write_submission)
@@ -1440,6 +1441,15 @@ def public_task_flags(argv: Sequence[str]) -> list:
     return words
 
 
+def stop_account(results_dir: str, since: float, rerun: bool) -> str:
+    """What a stopped evaluation keeps, and the command that continues (common.on_stop): the task results mteb
+    wrote into --results_dir since `since` (each as its task finished), which a rerun reads instead of scoring."""
+    done = sorted({p.stem for p in Path(results_dir).rglob("*.json")
+                   if p.name != "model_meta.json" and p.stat().st_mtime >= since})
+    return (f"kept: {len(done)} task result(s) scored in this run ({', '.join(done) or 'none'}) in {results_dir}; "
+            f"the same command{' without --rerun' if rerun else ''} reads them back and scores the rest")
+
+
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -1462,6 +1472,8 @@ def main(argv=None):
     update_cards = not args.score_as and not args.no_card_update
     check_outputs_writable(args.models if update_cards else [], results_dir)
     record_outputs(out_dir, "evaluate.py", REPORT_FILES)
+    started = time.time()
+    on_stop(lambda: stop_account(results_dir, started, args.rerun))  # a stop signal's line: the scored tasks
     out = run_evaluation(args.models, tasks=args.tasks, local_tasks=args.local_tasks, benchmark=args.benchmark,
                          limit=args.limit, corpus_limit=args.corpus_limit, seed=args.seed,
                          prefixes=args.prefixes, batch_size=args.batch_size, max_length=args.max_length,

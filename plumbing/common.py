@@ -19,6 +19,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -49,19 +50,44 @@ def task_spec(spec: str) -> tuple:
     return name, path
 
 
+# What schedulers send to stop a job (Slurm: SIGTERM, or SIGUSR1 with --signal) and Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal where the script has no step to finish first: run_script's handler raises it (a
+    KeyboardInterrupt: no `except Exception` swallows it) and run_script ends the run with one line."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+def raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+_ON_STOP = []  # the running script's account of a stop (on_stop)
+
+def on_stop(account):
+    """Register `account`: () -> "what a stop now keeps; the command that continues", the end of
+    run_script's line when a signal stops the script (each script's, from its output folder)."""
+    _ON_STOP[:] = [account]
+
 def run_script(main, argv=None):
     """Each script's entry point: main(argv), a UserError printed as one line `script: message` on stderr and exit
-    status 2 (argparse's own status for a usage error)."""
+    status 2 (argparse's own status for a usage error). For the whole run, a stop signal (STOP_SIGNALS) raises
+    Stopped (a training loop notes it instead, between its steps: training.StopSignals), answered by one line
+    `script: SIGTERM: stopped; <what was kept; the command that continues>` and the shell's status 128 + N."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, raise_stopped)
+    module = sys.modules.get(main.__module__)
+    script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
     try:
         return main(argv)
-    except KeyboardInterrupt:  # Ctrl-C outside a training loop's steps (the loop answers it: StopSignals)
-        module = sys.modules.get(main.__module__)
-        script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
-        print(f"\n{script}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-        sys.exit(130)
+    except KeyboardInterrupt as err:  # Stopped, or a KeyboardInterrupt a library raised for Ctrl-C
+        signum = getattr(err, "signum", signal.SIGINT)
+        kept = _ON_STOP[0]() if _ON_STOP else "nothing written yet; the same command starts again"
+        print(f"\n{script}: {signal.Signals(signum).name}: stopped; {kept}", file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
     except UserError as err:
-        module = sys.modules.get(main.__module__)
-        script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
         # on a terminal, from column 0 over whatever a progress bar left on the line
         start = "\r\033[K" if sys.stderr.isatty() else ""
         print(f"{start}{script}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
