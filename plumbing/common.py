@@ -71,6 +71,20 @@ def on_stop(account):
     run_script's line when a signal stops the script (each script's, from its output folder)."""
     _ON_STOP[:] = [account]
 
+class LibraryNoise(logging.Filter):
+    """Two library lines of every run, dropped where they say nothing (docs/plumbing.md: LibraryNoise): DeepSpeed's
+    "Setting accelerator to CPU" (its import, from accelerate's unwrap_model, guesses the device; the run's first
+    line names it), and accelerate's "Removed shared tensor" at a checkpoint when every tensor it names is an MLM
+    decoder tied to the word embeddings (tied again at load; tests/test_run_endings.py resumes to the same losses)."""
+
+    def filter(self, record):
+        msg = record.getMessage()
+        if msg.startswith("Setting accelerator to CPU"):
+            return False
+        names = re.findall(r"'([^']+)'", msg.split(" while saving")[0])
+        return not ("Removed shared tensor" in msg and names
+                    and all(n.endswith(("decoder.weight", "decoder.bias")) for n in names))
+
 def run_script(main, argv=None):
     """Each script's entry point: main(argv), a UserError printed as one line `script: message` on stderr and exit
     status 2 (argparse's own status for a usage error). For the whole run, a stop signal (STOP_SIGNALS) raises
@@ -78,6 +92,8 @@ def run_script(main, argv=None):
     `script: SIGTERM: stopped; <what was kept; the command that continues>` and the shell's status 128 + N."""
     for s in STOP_SIGNALS:
         signal.signal(s, raise_stopped)
+    for name in ("DeepSpeed", "accelerate.utils.other"):
+        logging.getLogger(name).addFilter(LibraryNoise())
     module = sys.modules.get(main.__module__)
     script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
     try:
