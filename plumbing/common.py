@@ -54,12 +54,7 @@ def task_spec(spec: str) -> tuple:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 class Stopped(KeyboardInterrupt):
-    """A stop signal where the script has no step to finish first: run_script's handler raises it (a
-    KeyboardInterrupt: no `except Exception` swallows it) and run_script ends the run with one line."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+    """Stopped(signum): a stop signal with no step to finish first (no `except Exception` swallows it)."""
 
 def raise_stopped(signum, frame):
     raise Stopped(signum)
@@ -67,29 +62,23 @@ def raise_stopped(signum, frame):
 _ON_STOP = []  # the running script's account of a stop (on_stop)
 
 def on_stop(account):
-    """Register `account`: () -> "what a stop now keeps; the command that continues", the end of
-    run_script's line when a signal stops the script (each script's, from its output folder)."""
+    """account() -> "what a stop keeps; the command that continues": the end of run_script's line."""
     _ON_STOP[:] = [account]
 
 class LibraryNoise(logging.Filter):
-    """Two library lines of every run, dropped where they say nothing (docs/plumbing.md: LibraryNoise): DeepSpeed's
-    "Setting accelerator to CPU" (its import, from accelerate's unwrap_model, guesses the device; the run's first
-    line names it), and accelerate's "Removed shared tensor" at a checkpoint when every tensor it names is an MLM
-    decoder tied to the word embeddings (tied again at load; tests/test_run_endings.py resumes to the same losses)."""
+    """DeepSpeed's "Setting accelerator to CPU" and accelerate's "Removed shared tensor" of tied MLM decoders at
+    a checkpoint, dropped: they say nothing (docs/plumbing.md: LibraryNoise)."""
 
     def filter(self, record):
         msg = record.getMessage()
-        if msg.startswith("Setting accelerator to CPU"):
-            return False
-        names = re.findall(r"'([^']+)'", msg.split(" while saving")[0])
-        return not ("Removed shared tensor" in msg and names
-                    and all(n.endswith(("decoder.weight", "decoder.bias")) for n in names))
+        tied = re.findall(r"'([^']+)'", msg.split(" while saving")[0]) if "Removed shared tensor" in msg else []
+        return not (msg.startswith("Setting accelerator to CPU")
+                    or tied and all(n.endswith(("decoder.weight", "decoder.bias")) for n in tied))
 
 def run_script(main, argv=None):
     """Each script's entry point: main(argv), a UserError printed as one line `script: message` on stderr and exit
-    status 2 (argparse's own status for a usage error). For the whole run, a stop signal (STOP_SIGNALS) raises
-    Stopped (a training loop notes it instead, between its steps: training.StopSignals), answered by one line
-    `script: SIGTERM: stopped; <what was kept; the command that continues>` and the shell's status 128 + N."""
+    status 2 (argparse's own status for a usage error). A stop signal raises Stopped for the whole run (between a
+    loop's steps training.StopSignals notes it), answered by one line `script: SIGTERM: stopped; <on_stop's>`."""
     for s in STOP_SIGNALS:
         signal.signal(s, raise_stopped)
     for name in ("DeepSpeed", "accelerate.utils.other"):
@@ -99,7 +88,7 @@ def run_script(main, argv=None):
     try:
         return main(argv)
     except KeyboardInterrupt as err:  # Stopped, or a KeyboardInterrupt a library raised for Ctrl-C
-        signum = getattr(err, "signum", signal.SIGINT)
+        signum = err.args[0] if isinstance(err, Stopped) else signal.SIGINT
         kept = _ON_STOP[0]() if _ON_STOP else "nothing written yet; the same command starts again"
         print(f"\n{script}: {signal.Signals(signum).name}: stopped; {kept}", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
@@ -121,16 +110,9 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         if message.startswith("unrecognized arguments: "):  # each one's likeliest meaning
-            from plumbing.flag_hints import likely_flags
+            from plumbing.flag_hints import hinted
 
-            hints = []
-            for arg in message.split(": ", 1)[1].split():
-                flag = arg.split("=")[0]
-                is_flag = re.match(r"--?[a-zA-Z]", flag)  # not a value ("1e-5", "-1")
-                near = likely_flags(flag, self._option_string_actions) if is_flag else []
-                if near:
-                    hints.append(f"{flag}: did you mean {' or '.join(near)}?")
-            message += f" ({'; '.join(hints)})" if hints else ""
+            message = hinted(message, self._option_string_actions)
         raise UserError(f"{message} (--help lists the flags)")
 
 def _number(kind, low: float, inclusive: bool, what: str, below: float = math.inf):

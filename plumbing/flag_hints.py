@@ -106,3 +106,13 @@ def likely_flags(typed: str, flags) -> list:
         return difflib.get_close_matches(typed, flags, n=1, cutoff=0.75)
     top = max(s for s, _ in scored)
     return sorted(f for s, f in scored if s == top)[:3]
+
+
+def hinted(message: str, flags) -> str:
+    """argparse's "unrecognized arguments: ..." with each unknown flag's likeliest meaning."""
+    hints = []
+    for arg in message.split(": ", 1)[1].split():
+        flag = arg.split("=")[0]
+        near = likely_flags(flag, flags) if re.match(r"--?[a-zA-Z]", flag) else []  # not a value: "1e-5"
+        hints += [f"{flag}: did you mean {' or '.join(near)}?"] if near else []
+    return message + (f" ({'; '.join(hints)})" if hints else "")

@@ -650,10 +650,8 @@ class StopSignals:
     after each optimiser step. Every process must stop at the same step (save_state is collective), so with several
     processes the note is agreed (`agreed`: max) over a CPU (gloo) group: no wait on the GPU's stream. The loader's
     workers leave the signals to this process (batches.leave_stop_signals_to_the_main_process). restore() puts the
-    previous handlers back (common.run_script's, which raise common.Stopped).
-    One process stops at once where waiting would keep nothing: before its first step is done (the start's
-    scoring, the first compile) a signal raises Stopped (run_script's line names the last checkpoint), and in
-    scoring() it leaves the scoring for the checkpoint of the step just done."""
+    previous handlers back (run_script's). One process stops at once (common.Stopped) before its first step is done
+    (the start's scoring, the first compile), and leaves a later scoring for the step's checkpoint (scoring())."""
 
     def __init__(self, accelerator):
         self.signum, self.previous, self.group = 0, {}, None
@@ -692,28 +690,24 @@ class StopSignals:
 
     @contextlib.contextmanager
     def scoring(self):
-        """Around a scoring after a step (one process): a signal leaves it at once, noted for check()."""
+        """Around a later scoring (one process): a signal leaves it at once, noted for check()."""
         self.at_once = self.group is None
         try:
             yield
         except Stopped as stop:
-            self.signum = stop.signum
-        finally:
-            self.at_once = False
+            self.signum = stop.args[0]
+        self.at_once = False
 
     def restore(self):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
 def stop_account(args, mined=None) -> str:
-    """What a stop between the steps keeps, and the command that continues (common.on_stop): the last complete
-    checkpoint of --output_dir, or none; finetune.py's mined negatives (`mined`) where they were written."""
+    """What a stop outside the steps keeps, and the command that continues (common.on_stop)."""
     last = list_checkpoints(Path(args.output_dir) / "checkpoints")
-    said = (f"kept: checkpoint {last[-1]}; the same command with --resume_from_checkpoint latest continues from it"
-            if last else "no checkpoint was written yet; the same command starts the run again")
-    if mined is not None and mined.is_file():
-        said += f" (--mined_negatives {mined} reuses the negatives mined)"
-    return said
+    reuse = f" (--mined_negatives {mined} reuses the negatives mined)" if mined and mined.is_file() else ""
+    return (f"kept: checkpoint {last[-1]}; the same command with --resume_from_checkpoint latest continues from it"
+            if last else "no checkpoint was written yet; the same command starts the run again") + reuse
 
 def list_checkpoints(ckpt_dir: Path):
     """Complete checkpoints (a DONE marker is written last) sorted by step."""
