@@ -30,7 +30,8 @@ it; a run that differs from the model's standard use (a local folder, --limit, f
 filed as an mteb experiment under .../experiments/<settings>/. A rerun skips finished tasks. The tables are built
 from what is read back from that folder: results.md, results.json and results.png in --output_dir. Models are
 encoded by sentence-transformers with their own modules (pooling, normalisation, max length); a local xprt
-folder scored on full tasks gets the scores in its model card.
+folder gets the scores in its model card: full tasks' in its Evaluation section and model-index, a local copy's
+or a --limit sample's in a section of their own, each row saying what was scored (never in model-index).
 
 Prefixes: E5 models were trained with "query: " / "passage: " and lose a lot without them (docs/notes.md);
 models trained without them (all-MiniLM-L6-v2) lose with them. `--prefixes auto` (default; the flag train.py and
@@ -67,6 +68,7 @@ import os
 import random
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -76,8 +78,8 @@ import numpy as np
 from modeling_xprt import max_seq_length
 from plumbing.common import (ArgumentParser, E5_PROMPTS, NO_PROMPTS, UserError, atomic_path, atomic_write,
                              check_model_name, check_writable, claim_output_folder, hub_cached, hub_offline,
-                             local_inputs, model_prompts, pick_device_and_dtype, positive_int, record_outputs,
-                             resolve_model_path, run_script, task_spec)
+                             local_inputs, model_prompts, on_stop, pick_device_and_dtype, positive_int,
+                             record_outputs, resolve_model_path, run_script, task_spec)
 from plumbing.embed import embed_texts
 from plumbing.leaderboard import (check_submission_folder, files_hash, model_meta_of, registry_entry, scoring_function,
                                   write_submission)
@@ -908,8 +910,10 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
                    passage_prefix: Optional[str] = None, results_dir: Optional[str] = None, rerun: bool = False,
                    trust_remote_code: bool = False, show_progress: bool = True, encoder_factory=None,
                    update_cards: bool = False, score_as: Optional[str] = None,
-                   model_meta_given: Optional[dict] = None) -> dict:
+                   model_meta_given: Optional[dict] = None, mock_run: bool = False) -> dict:
     """Evaluate every model on every task; the function the CLI wraps (and the demo, through the CLI).
+    mock_run (--submission): each model also through mteb.mock_run, mteb's check of a model implementation on its
+    built-in mock tasks (offline), which its model PR asks for: out["mock_runs"][model] = its markdown report.
 
     results_dir: mteb's results folder (mteb.ResultCache(results_dir)); every task result is written there by mteb
     and the returned scores are read back from it; finished tasks are skipped unless `rerun`. None: nothing written.
@@ -973,6 +977,10 @@ def run_evaluation(models: Sequence[str], tasks: Sequence[str] = (), local_tasks
         if update_cards and update_model_card(model_name, out["results"][model_name],
                                               f"xprt's evaluate.py (mteb {mteb.__version__}, main scores)"):
             print(f"model {model_name}: evaluation written into its model card", flush=True)
+        if mock_run:
+            checked = mteb.mock_run(encoder)
+            out.setdefault("mock_runs", {})[model_name] = {"markdown": checked.to_markdown(),
+                                                           "all_passed": checked.all_passed}
         del encoder
     return out
 
@@ -1383,7 +1391,8 @@ def parse_args(argv=None):
                    help="the paper's overlap analysis (nDCG@10 per third of queries by word overlap); no "
                         "names = every retrieval task")
     p.add_argument("--limit", type=positive_int, default=None,
-                   help="quick check: at most this many queries / pairs / test texts per task (seeded sample)")
+                   help="quick check: at most this many queries / pairs / test texts per task (seeded sample); a "
+                        "model card gets these scores labelled as the sample they are, apart from full tasks'")
     p.add_argument("--corpus_limit", type=positive_int, default=None,
                    help="with --limit: corpus size (relevant documents always kept); default 10 x --limit")
     p.add_argument("--seed", type=int, default=0, help="seed of the --limit sample")
@@ -1398,7 +1407,8 @@ def parse_args(argv=None):
                         "used, and the report says where their scoring differs")
     p.add_argument("--no_card_update", action="store_true",
                    help="leave the model card (README.md) of a scored xprt folder as it is (a folder you may not "
-                        "write); by default the scores are written into it")
+                        "write); by default the scores are written into it: full tasks' into its Evaluation section "
+                        "and model-index, local copies' and --limit samples' labelled, in 'Scores on local data'")
     p.add_argument("--submission", default=None, metavar="DIR",
                    help="also write the folder an mteb leaderboard submission needs: each model's task results in "
                         "mteb's ResultCache layout (results/<org__name>/<revision>/<Task>.json, model_meta.json, "
@@ -1442,6 +1452,15 @@ def public_task_flags(argv: Sequence[str]) -> list:
     return words
 
 
+def stop_account(results_dir: str, since: float, rerun: bool) -> str:
+    """What a stopped evaluation keeps, and the command that continues (common.on_stop): the task results mteb
+    wrote into --results_dir since `since` (each as its task finished), which a rerun reads instead of scoring."""
+    done = sorted({p.stem for p in Path(results_dir).rglob("*.json")
+                   if p.name != "model_meta.json" and p.stat().st_mtime >= since})
+    return (f"kept: {len(done)} task result(s) scored in this run ({', '.join(done) or 'none'}) in {results_dir}; "
+            f"the same command{' without --rerun' if rerun else ''} reads them back and scores the rest")
+
+
 def main(argv=None):
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -1464,6 +1483,8 @@ def main(argv=None):
     update_cards = not args.score_as and not args.no_card_update
     check_outputs_writable(args.models if update_cards else [], results_dir)
     record_outputs(out_dir, "evaluate.py", REPORT_FILES)
+    started = time.time()
+    on_stop(lambda: stop_account(results_dir, started, args.rerun))  # a stop signal's line: the scored tasks
     out = run_evaluation(args.models, tasks=args.tasks, local_tasks=args.local_tasks, benchmark=args.benchmark,
                          limit=args.limit, corpus_limit=args.corpus_limit, seed=args.seed,
                          prefixes=args.prefixes, batch_size=args.batch_size, max_length=args.max_length,
@@ -1473,7 +1494,8 @@ def main(argv=None):
                          trust_remote_code=args.trust_remote_code, update_cards=update_cards,
                          score_as=args.score_as, model_meta_given={
                              k: getattr(args, k) for k in ("public_training_code", "public_training_data",
-                                                           "training_datasets", "adapted_from")})
+                                                           "training_datasets", "adapted_from")},
+                          mock_run=bool(args.submission))
     retrieval = [t["name"] for t in out["tasks"] if t["type"] == "Retrieval"]
     overlap = [] if args.overlap_analysis is None else (args.overlap_analysis or retrieval)
     bad = [t for t in overlap if t not in retrieval]

@@ -37,14 +37,15 @@ import torch
 from modeling_xprt import PairCollator, pair_false_negatives, pair_text_ids
 from plumbing.batches import NoDuplicatesBatchSampler, batch_to_device, check_batch_fits, training_loader
 from plumbing.common import (ArgumentParser, UserError, atomic_write, check_model_name, iter_jsonl, iter_parquet,
-                             local_inputs, non_negative_int, positive_int, rank_and_world, run_script, task_spec)
+                             local_inputs, non_negative_int, on_stop, positive_int, rank_and_world, run_script,
+                             task_spec)
 from plumbing.embed import embed_texts
 from plumbing.readers import load_beir
 from plumbing.run_log import LogWindow
 from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, epoch_batches,
                                export_checkpoint, gradient_cache_step, load_model, log_score, make_accelerator,
                                prepare_output_dir, prepare_run, save_checkpoint, save_run, say_stopped,
-                               StopSignals, unpartitioned_loading)
+                               stop_account, StopSignals, unpartitioned_loading)
 from plumbing.training import run_line as training_run_line
 
 DEFAULT_LR = 3e-5  # PAIR's official fine-tuning learning rate
@@ -782,11 +783,15 @@ def negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, queri
         if len(pools) != len(queries):
             raise UserError(f"{args.mined_negatives}: {len(pools)} pools for {len(queries)} queries: "
                             "mined for other data; drop --mined_negatives to mine again")
+        accelerator.print(f"hard negatives: {len(pools):,} pools read from --mined_negatives {args.mined_negatives}")
         if accelerator.is_main_process and Path(args.mined_negatives).resolve() != cache.resolve():
             atomic_write(cache, json.dumps(pools))
     else:
         cids = sorted(corpus)
         qp, pp = prompts["query"], prompts["document"]
+        accelerator.print(f"mining hard negatives with the start model: ranks {args.negatives_rank_min}-"
+                          f"{args.negatives_rank_max} of {len(cids):,} passages for {len(queries):,} queries, "
+                          f"into {cache}")
         with accelerator.autocast():  # the encoder in the run's --mixed_precision (bf16 on GPUs); scores in fp32
             pools = mine_hard_negatives(encoder, tokenizer, queries, positives, cids, [corpus[d] for d in cids],
                                         args.negatives_rank_min, args.negatives_rank_max, args.query_max_length,
@@ -795,6 +800,8 @@ def negative_pools(args, accelerator, encoder, tokenizer, prompts, corpus, queri
                                         post_pooling=post_pooling)
         if accelerator.is_main_process:
             atomic_write(cache, json.dumps(pools))
+        accelerator.print(f"mined {len(pools):,} pools of hard negatives ({sum(map(len, pools)):,} passages) into "
+                          f"{cache}: --mined_negatives {cache} reuses them")
     accelerator.wait_for_everyone()
     short = sum(len(p) < args.num_negatives for p in pools)
     if short:
@@ -1014,6 +1021,7 @@ def main(argv=None):
         mined_negatives=args.mined_negatives, generator_model=args.generator_model,
         cross_encoder_model=args.cross_encoder_model, eval_tasks=[task_spec(t)[1] for t in args.eval_tasks],
         resume_from_checkpoint=resumed), extra_outputs=("mined_negatives.json",), reuse=[mined_file] if reused else [])
+    on_stop(lambda: stop_account(args, mined_file))  # a signal outside the steps (mining): what it keeps, in one line
     set_seed(args.seed)
 
     # ---- model: loaded whole, even under ZeRO-3 (the start model mines negatives before prepare)
@@ -1110,7 +1118,8 @@ def main(argv=None):
                 step = state.completed_steps
                 window.step_done(state, epoch, {"pair_alpha": alpha})
                 if scorer and args.eval_steps and step % args.eval_steps == 0:
-                    log_score(accelerator, args, scorer, model, step, epoch, window)
+                    with stop.scoring():  # a signal leaves the scoring: the step's checkpoint below
+                        log_score(accelerator, args, scorer, model, step, epoch, window)
                 stopped = stop.check()
                 if stopped or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
                     save_checkpoint(accelerator, model, Path(args.output_dir) / "checkpoints", step,

@@ -49,8 +49,9 @@ import regex  # Unicode properties (scripts, sentence terminals), which re lacks
 
 from modeling_xprt import max_seq_length
 from plumbing.common import (META_DIR, ArgumentParser, UserError, atomic_path, atomic_write, check_model_name,
-                             claim_output_folder, local_inputs, model_prompts, non_negative_int, pick_device_and_dtype,
-                             positive_int, record_outputs, remove_outputs, resolve_model_path, run_script)
+                             claim_output_folder, local_inputs, model_prompts, non_negative_int, on_stop,
+                             pick_device_and_dtype, positive_int, record_outputs, remove_outputs, resolve_model_path,
+                             run_script)
 from plumbing.model_folder import (check_tokenizer_fits, load_post_pooling, read_max_seq_length,
                                    read_pooling)
 from plumbing.readers import (INPUT_SUFFIXES, SKIP_REASONS, Doc, doc_id_source, first_valid_records, input_files,
@@ -1057,6 +1058,14 @@ def prepare_selection_dir(args, sel: Selection, state):
     state.wait_for_everyone()
 
 
+def stop_account(args) -> str:
+    """What a stopped selection keeps, and the command that continues (common.on_stop): its finished chunks."""
+    meta = os.path.join(args.output_dir, META_DIR)
+    done = len([f for f in os.listdir(meta) if f.startswith("chunk-")]) if os.path.isdir(meta) else 0
+    return (f"kept: {done} finished chunk(s) of groups in {args.output_dir}; the same command"
+            + (" without --overwrite (which starts over)" if args.overwrite else "") + " continues from them")
+
+
 def document_frequency_pass(args, state, tfidf):
     """Pass 1: document frequencies of this process's chunks, saved, then summed over processes."""
     from tqdm.auto import tqdm
@@ -1082,14 +1091,28 @@ def document_frequency_pass(args, state, tfidf):
     return tfidf.finalize()
 
 
-def calibrate_threshold(args, sel: Selection, state, encoder, tfidf):
-    """--anchor_share s: threshold = the (1 - s) quantile of centrality over the first documents."""
+def calibrate_threshold(args, sel: Selection, state, encoder, tfidf, embedded=None):
+    """--anchor_share s: threshold = the (1 - s) quantile of centrality over the first documents. Their chunks are
+    embedded as the selection pass embeds them (embed_documents, one call per chunk: the same batches, so the same
+    vectors); `embedded` ({chunk name: embed_documents' output}) keeps those of this process's chunks, which the
+    selection pass then takes instead of embedding them again."""
     if sel.anchor_share is None:
         return sel.centrality_threshold, "flag --centrality_threshold"
     path = os.path.join(args.output_dir, META_DIR, "calibration.json")
     if state.is_main_process and not os.path.exists(path):
-        docs = first_valid_records(args, sel.calibration_docs)
-        res = select_documents(docs, encoder, tfidf, 1.0, sel, desc="calibration", show_progress=True)
+        docs, res = [], []
+        for c, recs in iter_chunks(args):  # every chunk, in order, until the first calibration_docs valid ones
+            valid = [d for d in recs if not d.skip]
+            passages, tokens, vecs = chunk = embed_documents(valid, encoder, sel, desc="calibration",
+                                                             show_progress=True)
+            n = min(len(valid), sel.calibration_docs - len(docs))
+            first = (passages[:n], tokens[:n], vecs[: sum(map(len, passages[:n]))])
+            res += group_documents(valid[:n], *first, tfidf, 1.0, sel)
+            docs += valid[:n]
+            if embedded is not None and c % state.num_processes == state.process_index:
+                embedded[f"{c:06d}"] = chunk
+            if len(docs) == sel.calibration_docs:
+                break
         # no valid record in the whole input: no passage to calibrate on; the selection then finds no group and
         # says why (the records skipped), as it does without --anchor_share
         c = np.concatenate([r.centrality for r in res]) if res else np.zeros(0)
@@ -1129,12 +1152,13 @@ def finish_chunk(args, sel: Selection, name: str, recs, embedded, tfidf, thresho
     return counts["groups"]
 
 
-def select_chunks(args, sel: Selection, chunks, encoder, tfidf, threshold, on_done=None):
+def select_chunks(args, sel: Selection, chunks, encoder, tfidf, threshold, on_done=None, embedded=None):
     """Pass 2 over `chunks`, (name, records) pairs: each chunk's groups parquet file and counters. Three chunks at a
     time: while the encoder embeds chunk k here, one thread splits chunk k+1 into passages (split_documents, the
     tokenising) and another does the CPU's half of chunk k-1 (finish_chunk: centrality, TF-IDF, ranks, writing), so
     on a GPU the encoder waits neither for the tokenising nor for the ranking. The rows are those of one chunk after
-    another. on_done(records, groups): called for each finished chunk (a progress bar). -> groups written."""
+    another. on_done(records, groups): called for each finished chunk (a progress bar). embedded: chunks the
+    calibration embedded (calibrate_threshold), taken from there, not embedded again. -> groups written."""
     from concurrent.futures import ThreadPoolExecutor
 
     total, pending = 0, None
@@ -1158,17 +1182,19 @@ def select_chunks(args, sel: Selection, chunks, encoder, tfidf, threshold, on_do
             (name, recs), passages = nxt, split.result()
             nxt = next(items, None)  # the next chunk's records read, and its splitting started, before the encoder
             split = nxt and ahead.submit(split_documents, valid(nxt[1]), splitter, sel)
-            embedded = embed_documents(valid(recs), encoder, sel, desc=f"embedding chunk {name}", split=passages)
+            vectors = (embedded or {}).pop(name, None) or embed_documents(
+                valid(recs), encoder, sel, desc=f"embedding chunk {name}", split=passages)
             if pending:
                 settle()
-            pending = recs, behind.submit(finish_chunk, args, sel, name, recs, embedded, tfidf, threshold)
+            pending = recs, behind.submit(finish_chunk, args, sel, name, recs, vectors, tfidf, threshold)
         if pending:
             settle()
     return total
 
 
-def selection_pass(args, sel: Selection, state, encoder, tfidf, threshold):
-    """Pass 2: every chunk this process owns, skipping those finished before a crash."""
+def selection_pass(args, sel: Selection, state, encoder, tfidf, threshold, embedded=None):
+    """Pass 2: every chunk this process owns, skipping those finished before a crash; embedded: the chunks the
+    calibration embedded (select_chunks)."""
     from tqdm.auto import tqdm
 
     rank, world = state.process_index, state.num_processes
@@ -1185,7 +1211,7 @@ def selection_pass(args, sel: Selection, state, encoder, tfidf, threshold):
         bar.set_postfix(groups=groups, refresh=False)
         bar.update(len(recs))
 
-    select_chunks(args, sel, todo(), encoder, tfidf, threshold, on_done=done)
+    select_chunks(args, sel, todo(), encoder, tfidf, threshold, on_done=done, embedded=embedded)
     bar.close()
 
 
@@ -1325,6 +1351,7 @@ def main(argv=None):
     # cpu=True is what makes accelerate see several CPU processes instead of one process each.
     state = PartialState(cpu=not torch.cuda.is_available() or (args.device or "").startswith("cpu"))
     prepare_selection_dir(args, sel, state)
+    on_stop(lambda: stop_account(args))  # a stop signal's line: the chunks kept, the command that continues
     skipped = []
     for line in unread_splits(input_files(args.input, skipped), args.dataset_split):
         state.print(line)
@@ -1344,11 +1371,12 @@ def main(argv=None):
     for line in first_documents_unknown_tokens(args, encoder, sel.model_name_or_path):  # before the long passes
         state.print(line)
     tfidf = document_frequency_pass(args, state, CorpusTfidf(sel.tfidf_features, analyzer))
-    threshold, source = calibrate_threshold(args, sel, state, encoder, tfidf)
+    embedded = {}  # each passage embedded once: the chunks the calibration embedded serve the selection
+    threshold, source = calibrate_threshold(args, sel, state, encoder, tfidf, embedded)
     state.print(f"IDF over {tfidf.n_docs:,} documents; centrality threshold {threshold_text(threshold)} ({source})")
 
     if not args.inspect_only:
-        selection_pass(args, sel, state, encoder, tfidf, threshold)
+        selection_pass(args, sel, state, encoder, tfidf, threshold, embedded)
     state.wait_for_everyone()
     if state.is_main_process:
         if not args.inspect_only:

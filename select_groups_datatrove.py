@@ -49,8 +49,8 @@ import numpy as np
 
 import select_groups as sg
 from modeling_xprt import stable_doc_hash
-from plumbing.common import (UserError, atomic_path, atomic_write, check_model_name, non_negative_int, positive_int,
-                             run_script)
+from plumbing.common import (UserError, atomic_path, atomic_write, check_model_name, non_negative_int, on_stop,
+                             positive_int, run_script)
 from plumbing.readers import (INPUT_SUFFIXES, BadInput, file_records, input_files, iter_records, row_number_ids,
                               unread_splits)
 
@@ -410,6 +410,16 @@ def describe(executors) -> str:
     return "\n".join(lines)
 
 
+def stop_account(args) -> str:
+    """What a stop keeps, and the command that continues (common.on_stop): each stage's tasks that datatrove marked
+    completed (a rerun skips them), and the selection's finished chunks (a rerun reuses them)."""
+    done = []
+    for name in STAGES:
+        marks = stage_path(args, "logs", name, "completions")
+        done.append(f"{name} {len(os.listdir(marks)) if os.path.isdir(marks) else 0}")
+    return f"kept: the stages' finished tasks ({', '.join(done)}) and {sg.stop_account(args)[len('kept: '):]}"
+
+
 def run(args, sel: sg.Selection):
     """The command's work (main): check and claim the output folder (as the one-process command does), fix the
     input file list, build the stages and run (local) or submit (slurm, ray) the last, which runs its dependencies
@@ -440,6 +450,7 @@ def run(args, sel: sg.Selection):
         raise UserError("--executor slurm: no sbatch on this machine's PATH: run it where jobs are submitted (a Slurm "
                         "login node), or --dry_run to see the stages")
     sg.prepare_selection_dir(args, sel, TaskState(None))
+    on_stop(lambda: stop_account(args))  # a stop signal's line: the finished tasks, the command that continues
     listed = stage_path(args, "files.json")
     if os.path.exists(listed) and json.load(open(listed)) != files:  # a resumed run over changed input files
         raise UserError(f"{args.output_dir} holds an unfinished selection over other input files ({listed}): rerun "

@@ -39,14 +39,15 @@ from plumbing.architectures import weight_grad_path
 from plumbing.batches import (LengthGroupedBatchSampler, batch_to_device, check_batch_fits, document_keys,
                               in_batch_negatives, sampler_negatives, training_loader)
 from plumbing.common import (ArgumentParser, META_DIR, UserError, atomic_write, check_model_name, is_zero3,
-                             local_inputs, non_negative_float, non_negative_int, output_key, positive_int,
-                             read_json, resolve_model_path, run_script, task_spec, tokenizer_files)
+                             local_inputs, non_negative_float, non_negative_int, on_stop, output_key,
+                             positive_int, read_json, resolve_model_path, run_script, task_spec, tokenizer_files)
 from plumbing.model_folder import load_teacher
 from plumbing.run_log import EVAL_PREFIX, LogWindow, explain_oom, memory_estimate, peak_flops
 from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype,
                                epoch_batches, export_checkpoint, gradient_cache_step, load_model, log_score,
                                make_accelerator, prepare_output_dir, prepare_run, run_line, save_checkpoint,
-                               save_model, save_run, say_stopped, StopSignals, uncompiled, unpartitioned_loading)
+                               save_model, save_run, say_stopped, stop_account, StopSignals, uncompiled,
+                               unpartitioned_loading)
 
 ROOT = Path(__file__).resolve().parent  # the repository
 DEFAULT_LR = 1e-6  # the paper's learning rate for continued pre-training from E5
@@ -489,6 +490,7 @@ def main(argv=None):
         teacher_name_or_path=args.teacher_name_or_path, mlm_head_from=args.mlm_head_from,
         **{f[2:]: getattr(args, f[2:]) for f in objective_class(args.objective).model_flags},
         eval_tasks=[task_spec(t)[1] for t in args.eval_tasks], resume_from_checkpoint=resumed))
+    on_stop(lambda: stop_account(args))  # a signal outside the steps: the line names the last checkpoint
     set_seed(args.seed)
 
     # ---- model
@@ -592,8 +594,9 @@ def main(argv=None):
                     scalars["teacher_cosine"] = teacher_cosine(accelerator.unwrap_model(model), teacher, batch)
                 window.step_done(state, epoch, scalars)
                 if scorer and args.eval_steps and step % args.eval_steps == 0:
-                    rec = log_score(accelerator, args, scorer, model, step, epoch, window)
-                    keep_best(accelerator, args, model, tokenizer, rec, state)
+                    with stop.scoring():  # a signal leaves the scoring: the step's checkpoint below
+                        rec = log_score(accelerator, args, scorer, model, step, epoch, window)
+                        keep_best(accelerator, args, model, tokenizer, rec, state)
                 stopped = stop.check()
                 if stopped or (args.checkpointing_steps and step % args.checkpointing_steps == 0):
                     save_checkpoint(accelerator, model, Path(args.output_dir) / "checkpoints", step,

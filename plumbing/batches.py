@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from plumbing.common import UserError
+from plumbing.common import STOP_SIGNALS, UserError
 
 # ==============================================================================================================
 # 1. Which rows make a batch: the samplers
@@ -425,9 +425,8 @@ class SeededCollate:
             self.collator.generator.manual_seed(int(key.generate_state(1, np.uint64)[0] >> 1))
         return self.collator(rows)
 
-# What a scheduler sends before it ends a job, and Ctrl-C (docs/plumbing.md: STOP_SIGNALS). The main process answers
-# them (training.StopSignals); the loader's workers leave them to it.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# STOP_SIGNALS (common.py): what a scheduler sends before it ends a job, and Ctrl-C (docs/plumbing.md: STOP_SIGNALS).
+# The main process answers them (training.StopSignals, common.run_script); the loader's workers leave them to it.
 
 def leave_stop_signals_to_the_main_process(worker_id: int):
     """A loader worker's start (worker_init_fn): ignore STOP_SIGNALS (docs/plumbing.md: STOP_SIGNALS). The workers

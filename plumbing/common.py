@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -52,19 +53,49 @@ def task_spec(spec: str) -> tuple:
     return name, path
 
 
+# What schedulers send to stop a job (Slurm: SIGTERM, or SIGUSR1 with --signal) and Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+class Stopped(KeyboardInterrupt):
+    """Stopped(signum): a stop signal with no step to finish first (no `except Exception` swallows it)."""
+
+def raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+_ON_STOP = []  # the running script's account of a stop (on_stop)
+
+def on_stop(account):
+    """account() -> "what a stop keeps; the command that continues": the end of run_script's line."""
+    _ON_STOP[:] = [account]
+
+class LibraryNoise(logging.Filter):
+    """DeepSpeed's "Setting accelerator to CPU" and accelerate's "Removed shared tensor" of tied MLM decoders at
+    a checkpoint, dropped: they say nothing (docs/plumbing.md: LibraryNoise)."""
+
+    def filter(self, record):
+        msg = record.getMessage()
+        tied = re.findall(r"'([^']+)'", msg.split(" while saving")[0]) if "Removed shared tensor" in msg else []
+        return not (msg.startswith("Setting accelerator to CPU")
+                    or tied and all(n.endswith(("decoder.weight", "decoder.bias")) for n in tied))
+
 def run_script(main, argv=None):
     """Each script's entry point: main(argv), a UserError printed as one line `script: message` on stderr and exit
-    status 2 (argparse's own status for a usage error)."""
+    status 2 (argparse's own status for a usage error). A stop signal raises Stopped for the whole run (between a
+    loop's steps training.StopSignals notes it), answered by one line `script: SIGTERM: stopped; <on_stop's>`."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, raise_stopped)
+    for name in ("DeepSpeed", "accelerate.utils.other"):
+        logging.getLogger(name).addFilter(LibraryNoise())
+    module = sys.modules.get(main.__module__)
+    script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
     try:
         return main(argv)
-    except KeyboardInterrupt:  # Ctrl-C outside a training loop's steps (the loop answers it: StopSignals)
-        module = sys.modules.get(main.__module__)
-        script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
-        print(f"\n{script}: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-        sys.exit(130)
+    except KeyboardInterrupt as err:  # Stopped, or a KeyboardInterrupt a library raised for Ctrl-C
+        signum = err.args[0] if isinstance(err, Stopped) else signal.SIGINT
+        kept = _ON_STOP[0]() if _ON_STOP else "nothing written yet; the same command starts again"
+        print(f"\n{script}: {signal.Signals(signum).name}: stopped; {kept}", file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
     except UserError as err:
-        module = sys.modules.get(main.__module__)
-        script = os.path.basename(getattr(module, "__file__", None) or sys.argv[0])
         # on a terminal, from column 0 over whatever a progress bar left on the line
         start = "\r\033[K" if sys.stderr.isatty() else ""
         print(f"{start}{script}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
@@ -84,7 +115,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose errors (a missing flag, an invalid choice, a value of the wrong type) are UserErrors:
     one line naming the flag, instead of the whole usage text followed by the error. No prefix matching
-    (allow_abbrev=False): `--lr` is not silently read as `--lr_scheduler_type`."""
+    (allow_abbrev=False): `--lr` is not silently read as `--lr_scheduler_type`; an unknown flag's
+    hint names the one most likely meant (flag_hints.likely_flags: `--lr` -> `--learning_rate`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
@@ -92,18 +124,10 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message):
-        if message.startswith("unrecognized arguments: "):  # name the nearest real flag of each unknown one
-            import difflib
+        if message.startswith("unrecognized arguments: "):  # each one's likeliest meaning
+            from plumbing.flag_hints import hinted
 
-            hints = []
-            for arg in message.split(": ", 1)[1].split():
-                flag, flags = arg.split("=")[0], [f for f in self._option_string_actions if f.startswith("--")]
-                # the flags it abbreviates (a prefix is never taken as one), else the closest spelling
-                near = sorted(f for f in flags if f.startswith(flag)) or difflib.get_close_matches(
-                    flag, [f for f in flags if f != "--help"], n=1, cutoff=0.6)
-                if flag.startswith("--") and near:
-                    hints.append(f"{flag}: did you mean {' or '.join(near[:3])}?")
-            message += f" ({'; '.join(hints)})" if hints else ""
+            message = hinted(message, self._option_string_actions)
         raise UserError(f"{message} (--help lists the flags)")
 
 def _number(kind, low: float, inclusive: bool, what: str, below: float = math.inf):

@@ -514,7 +514,8 @@ def write_submission(out: dict, folder: Path, run: dict) -> dict:
     writes it, the loader by name) and run_settings.jsonl (mteb's own lines for the task, merged by mteb's own
     writer, with "xprt": the code, the command and flags, the prompts, dtype, device, batch size, length limit, and
     the task's dataset revision, mteb id and the mteb version its result names); model_meta/<org__name>.py, the
-    ModelMeta PR's entry (none for a model mteb's registry holds); README.md, what it holds and what is still
+    ModelMeta PR's entry (none for a model mteb's registry holds); mock_run/<org__name>.md, mteb.mock_run's report
+    (out["mock_runs"], the output the model PR asks for); README.md, what it holds and what is still
     missing. The PRs themselves are not made (they need the network and a GitHub token): README.md says how."""
     from mteb.results.task_result import _read_run_settings_from_file, _write_and_merge_keyed_json
 
@@ -549,6 +550,12 @@ def write_submission(out: dict, folder: Path, run: dict) -> dict:
             missing = list(info["missing"]) + ([] if submitted else [
                 "no result the leaderboard takes: " + ("; ".join(f"{k}: {v}" for k, v in left_out.items())
                                                        or "no task was scored")])
+            checked = out.get("mock_runs", {}).get(m)
+            mock = tmp / "mock_run" / f"{meta.model_name_as_path()}.md" if checked else None
+            if checked:  # mteb's own report (MockRunResults.to_markdown), as its `mteb mock-run` writes it
+                mock.parent.mkdir(exist_ok=True)
+                mock.write_text(checked["markdown"] + "\n", encoding="utf-8")
+                missing += [] if checked["all_passed"] else [f"mteb's mock run failed tasks: {mock.name}"]
             entry = None
             if not info["registry"]:
                 entry = tmp / "model_meta" / f"{meta.model_name_as_path()}.py"
@@ -558,6 +565,8 @@ def write_submission(out: dict, folder: Path, run: dict) -> dict:
                 "name": meta.name, "revision": meta.revision, "registry": info["registry"],
                 "results": str(dest.relative_to(tmp)), "tasks": submitted, "left_out": left_out,
                 "python_entry": str(entry.relative_to(tmp)) if entry else None, "missing": missing,
+                "mock_run": {"report": str(mock.relative_to(tmp)), "all_passed": checked["all_passed"]}
+                if checked else None,
                 "said": info["said"], "model_meta": json.loads(json.dumps(meta.to_dict(), default=str))}
         (tmp / "submission.json").write_text(json.dumps(record, indent=1))
         (tmp / "README.md").write_text(submission_readme(record, folder))
@@ -578,6 +587,9 @@ def submission_readme(record: dict, folder: Path) -> str:
                   f"- `{m['python_entry']}`: the ModelMeta PR's entry" if m["python_entry"] else
                   f"- its ModelMeta is mteb's registry entry (`mteb.get_model_meta({m['name']!r})`), used as it is: "
                   "no ModelMeta PR"]
+        if m.get("mock_run"):
+            lines.append(f"- `{m['mock_run']['report']}`: mteb.mock_run's report (all passed: "
+                         f"{m['mock_run']['all_passed']}), the mock-run output the model PR asks for")
         lines += [f"- left out: {task}: {why}" for task, why in m["left_out"].items()]
         if not m["registry"]:
             lines += ["", "| field | value | from |", "|---|---|---|"]
@@ -587,7 +599,8 @@ def submission_readme(record: dict, folder: Path) -> str:
         lines += [f"- {x}" for x in m["missing"]] or ["- nothing"]
         lines.append("")
     lines += ["## The steps that need the network (not taken here)", "",
-              "1. The ModelMeta PR: add each `model_meta/*.py` entry to mteb's `mteb/models/model_implementations/`.",
+              "1. The ModelMeta PR: add each `model_meta/*.py` entry to mteb's `mteb/models/model_implementations/`, "
+              "with its `mock_run/*.md` report as the PR asks.",
               "2. The results PR, by mteb's own code (it clones embeddings-benchmark/results and commits on a branch):",
               "", "```bash", *([f"python -c \"import mteb; mteb.ResultCache('{folder}').submit_results('{m['name']}', "
                                  "create_pr=True)\"" for m in record["models"].values() if m["tasks"]]

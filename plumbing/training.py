@@ -37,6 +37,7 @@ from plumbing.batches import STOP_SIGNALS
 from plumbing.common import (PAPER_MODEL, UserError, atomic_write, claim_output_folder, describe_prompts, disk_full,
                              is_zero3, non_negative_float, non_negative_int, positive_float, positive_int, read_json,
                              read_jsonl, real_path, record_outputs, remove_outputs, resolve_model_path, scheduler_names)
+from plumbing.common import Stopped  # run_script's exception for a stop signal
 from plumbing.model_folder import (check_tokenizer_fits, describe_scoring, load_xprt_folder, model_card,
                                     push_to_hub, save_xprt_folder)
 from plumbing.run_log import plot_loss_curves, write_log_record
@@ -646,15 +647,17 @@ class TrainState:
         self.resumed_window = state.get("log_window")
 
 class StopSignals:
-    """train_loop's handler of STOP_SIGNALS (batches.py: what schedulers send) while it runs: the handler only notes
+    """train_loop's handler of STOP_SIGNALS (common.py: what schedulers send) while it runs: the handler only notes
     the signal (a checkpoint written from inside a handler could interrupt the step half-way); the loop reads it
     after each optimiser step. Every process must stop at the same step (save_state is collective), so with several
     processes the note is agreed (`agreed`: max) over a CPU (gloo) group: no wait on the GPU's stream. The loader's
     workers leave the signals to this process (batches.leave_stop_signals_to_the_main_process). restore() puts the
-    previous handlers back."""
+    previous handlers back (run_script's). One process stops at once (common.Stopped) before its first step is done
+    (the start's scoring, the first compile), and leaves a later scoring for the step's checkpoint (scoring())."""
 
     def __init__(self, accelerator):
         self.signum, self.previous, self.group = 0, {}, None
+        self.at_once = accelerator.num_processes == 1  # until the first step is checked
         if accelerator.num_processes > 1:
             import torch.distributed as dist
 
@@ -666,8 +669,8 @@ class StopSignals:
                 break
 
     def note(self, signum, frame):
-        if signum == signal.SIGINT and self.signum == signal.SIGINT:  # Ctrl-C twice: stop now, without the checkpoint
-            raise KeyboardInterrupt
+        if self.at_once or (signum == signal.SIGINT and self.signum == signal.SIGINT):  # (Ctrl-C twice: now)
+            raise Stopped(signum)
         self.signum = signum
         if signum == signal.SIGINT:
             print("\nCtrl-C: the run stops after this step, with a checkpoint (Ctrl-C again: at once, without one)",
@@ -676,6 +679,7 @@ class StopSignals:
     def check(self) -> int:
         """After an optimiser step: the stop signal's number, 0 for none (one process: the handler's note itself;
         several: agreed, so that all stop at this step)."""
+        self.at_once = False
         return self.signum if self.group is None else self.agreed()
 
     def agreed(self) -> int:
@@ -686,9 +690,26 @@ class StopSignals:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return int(flag)
 
+    @contextlib.contextmanager
+    def scoring(self):
+        """Around a later scoring (one process): a signal leaves it at once, noted for check()."""
+        self.at_once = self.group is None
+        try:
+            yield
+        except Stopped as stop:
+            self.signum = stop.args[0]
+        self.at_once = False
+
     def restore(self):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+
+def stop_account(args, mined=None) -> str:
+    """What a stop outside the steps keeps, and the command that continues (common.on_stop)."""
+    last = list_checkpoints(Path(args.output_dir) / "checkpoints")
+    reuse = f" (--mined_negatives {mined} reuses the negatives mined)" if mined and mined.is_file() else ""
+    return (f"kept: checkpoint {last[-1]}; the same command with --resume_from_checkpoint latest continues from it"
+            if last else "no checkpoint was written yet; the same command starts the run again") + reuse
 
 def list_checkpoints(ckpt_dir: Path):
     """Complete checkpoints (a DONE marker is written last) sorted by step."""

@@ -293,3 +293,23 @@ def test_labelled_pairs_whose_name_says_no_task_are_said(tiny_bert, tmp_path):
     meta, said, missing = lb.model_meta_of(str(folder), str(folder), st, {"query": "", "document": ""}, 512,
                                            {"training_datasets": ["SciFact"]})
     assert meta.training_datasets == {"SciFact"} and not any("names no mteb task" in m for m in missing)
+
+
+def test_the_submission_carries_mtebs_mock_run(tiny_bert, tmp_path, capsys):
+    """mteb's model PR asks for its mock-run output (mteb.mock_run, mteb's built-in mock tasks, offline): the
+    --submission folder carries mock_run/<org__name>.md, the report mteb's own MockRunResults.to_markdown writes,
+    with every compatible mock task passed, named in submission.json and README.md (before: absent)."""
+    from test_evaluate import _xprt_run_folder
+
+    model = _xprt_run_folder(tiny_bert, tmp_path / "runs" / "mine")
+    rep = ev.main(["--models", str(model), "--local_tasks", f"SciFact={ROOT / 'data' / 'eval' / 'scifact'}",
+                   "--limit", "3", "--corpus_limit", "20", "--output_dir", str(tmp_path / "out"), "--results_dir",
+                   str(tmp_path / "results"), "--submission", str(tmp_path / "sub"), "--no_card_update"])
+    entry = rep["submission"]["models"][str(model)]
+    assert entry["mock_run"] == {"report": "mock_run/local__mine.md", "all_passed": True}
+    report = (tmp_path / "sub" / "mock_run" / "local__mine.md").read_text()
+    assert report.startswith("# MTEB Mock-Run Results for `local/mine`\n\n| Task | Modality | Pass | Reason |")
+    assert "| MockRetrievalTask | text | ✓ | - |" in report and "| MockSTSTask | text | ✓ | - |" in report
+    assert "✗" not in report and "## Summary by Modality" in report
+    assert "`mock_run/local__mine.md`: mteb.mock_run's report (all passed: True)" in (
+        tmp_path / "sub" / "README.md").read_text()

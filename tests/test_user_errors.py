@@ -381,7 +381,11 @@ def test_every_parser_refuses_a_prefix_of_a_flag():
 
 
 @pytest.mark.parametrize("script, argv, wanted", [
-    ("train", ["--groups_dir", "g", "--output_dir", "o", "--lr", "1e-5"], "--lr: did you mean --lr_scheduler_type?"),
+    ("train", ["--groups_dir", "g", "--output_dir", "o", "--lr", "1e-5"],
+     "--lr: did you mean --learning_rate?"),
+    ("finetune", ["--output_dir", "o", "--epochs", "2"], "--epochs: did you mean --num_train_epochs?"),
+    ("select_groups_datatrove", ["--input", "x", "--output_dir", "o", "--executor", "local", "--num_tasks", "4"],
+     "did you mean --tasks?"),
     ("train", ["--groups_dir", "g", "--output_dir", "o", "--per", "4"], "did you mean --per_device_train_batch_size"),
     ("finetune", ["--output_dir", "o", "--per", "4"], "did you mean --per_device_train_batch_size"),
     ("select_groups", ["--input", "x", "--output_dir", "o", "--passage", "32"], "did you mean --passage_tokens"),
@@ -394,3 +398,87 @@ def test_an_abbreviated_flag_is_refused_naming_the_real_one(script, argv, wanted
 
     with pytest.raises(UserError, match=re.escape(wanted)):
         importlib.import_module(script).parse_args(argv)
+
+
+def script_flags(script: str, monkeypatch) -> list:
+    """The --flags of the parser a script's parse_args builds (train.py's: with xPRT's flags)."""
+    import importlib
+
+    seen = {}
+
+    def grab(parser, args=None, namespace=None):
+        flags = parser._option_string_actions
+        seen["flags"] = sorted(f for f in flags if f.startswith("--") and f != "--help")
+        raise SystemExit(0)
+
+    monkeypatch.setattr(common.ArgumentParser, "parse_known_args", grab)
+    with pytest.raises(SystemExit):
+        importlib.import_module(script).parse_args(["--output_dir", "o"])
+    monkeypatch.undo()
+    return seen["flags"]
+
+
+HINT_SCRIPTS = ["select_groups", "select_groups_datatrove", "train", "finetune", "evaluate"]
+
+# what users of other trainers type (HF Trainer, sentence-transformers), and slips -> the flag meant
+# (None: any hint is fine, the meaning is open)
+COMMON_MISTAKES = {
+    "train": {
+        "--lr": "--learning_rate", "--bs": "--per_device_train_batch_size",
+        "--batch_size": "--per_device_train_batch_size", "--epochs": "--num_train_epochs",
+        "--num_epochs": "--num_train_epochs", "--max_steps": "--max_train_steps",
+        "--model": "--model_name_or_path", "--out": "--output_dir", "--outdir": "--output_dir",
+        "--output_path": "--output_dir", "--groups": "--groups_dir", "--temperature": "--tau",
+        "--warmup": "--warmup_ratio", "--grad_accum": "--gradient_accumulation_steps",
+        "--wd": "--weight_decay", "--max_seq_length": "--max_length", "--seq_len": "--max_length",
+        "--fp16": "--mixed_precision", "--resume": "--resume_from_checkpoint",
+        "--num_workers": "--dataloader_num_workers", "--log_steps": "--logging_steps",
+        "--learnig_rate": "--learning_rate", "--teacher": "--teacher_name_or_path",
+        "--ckpt_steps": "--checkpointing_steps", "--grad_ckpt": "--gradient_checkpointing",
+        "--scheduler": "--lr_scheduler_type"},
+    "finetune": {
+        "--lr": "--learning_rate", "--bs": "--per_device_train_batch_size",
+        "--epochs": "--num_train_epochs", "--beir": "--beir_dir", "--model": "--model_name_or_path",
+        "--mined": "--mined_negatives", "--alpha": "--pair_alpha",
+        "--query_len": "--query_max_length", "--negatives": None},
+    "select_groups": {
+        "--model": "--model_name_or_path", "--out": "--output_dir", "--input_file": "--input",
+        "--related": "--num_related", "--threshold": "--centrality_threshold",
+        "--tokens": "--passage_tokens", "--bs": "--batch_size", "--max_documents": "--max_docs",
+        "--data": "--dataset", "--seeds": "--seed"},
+    "select_groups_datatrove": {
+        "--executors": "--executor", "--num_tasks": "--tasks", "--num_workers": "--workers",
+        "--model": "--model_name_or_path"},
+    "evaluate": {
+        "--model": "--models", "--task": "--tasks", "--local": "--local_tasks",
+        "--bench": "--benchmark", "--bs": "--batch_size", "--max_len": "--max_length",
+        "--results": "--results_dir", "--prefix": None},
+}
+
+
+@pytest.mark.parametrize("script", HINT_SCRIPTS)
+def test_every_flag_is_found_from_the_spellings_users_type(script, monkeypatch):
+    """Over every flag of every script (before: `--lr` hinted --lr_scheduler_type): its spelling
+    without underscores, with dashes, in capitals, with a letter dropped from its longest word, and
+    its initials (where no other flag of the script has the same) are each answered with that flag
+    alone; and every common mistake of the table gets the flag meant as its first hint."""
+    from plumbing.flag_hints import likely_flags
+
+    flags = script_flags(script, monkeypatch)
+    words = {f: f[2:].split("_") for f in flags}
+    initials = {f: "--" + "".join(w[0] for w in ws) for f, ws in words.items()}
+    wrong = []
+    for f, ws in words.items():
+        longest = max(ws, key=len)
+        typed = ["--" + "".join(ws), "--" + "-".join(ws), f.upper()]
+        typed += [f.replace(longest, longest[:-2] + longest[-1])] if len(longest) >= 5 else []
+        unique = list(initials.values()).count(initials[f]) == 1
+        typed += [initials[f]] if len(ws) > 1 and unique else []
+        wrong += [(t, likely_flags(t, flags), f) for t in typed
+                  if t not in flags and likely_flags(t, flags) != [f]]
+    for typed, meant in COMMON_MISTAKES[script].items():
+        hint = likely_flags(typed, flags)
+        if not hint or (meant and hint[0] != meant):
+            wrong.append((typed, hint, meant))
+    assert wrong == [], wrong
+    assert len(flags) > 25
