@@ -27,6 +27,7 @@ import inspect
 import itertools
 import logging
 import math
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -74,8 +75,6 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return t
-    import warnings
-
     import torch.distributed.nn.functional as dist_fn
 
     with warnings.catch_warnings():
@@ -463,6 +462,11 @@ class Objective(nn.Module):
     def masked_student(self, vec):
         return None
 
+    def negatives(self, model, batch: dict):
+        """(N,) each row's in-batch negatives: its batch-wide term's candidates, gathered from every process, that
+        are neither its positive nor masked out; None: no such term (XPRTModel.with_negatives)."""
+        return None
+
     def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
         """(trained, forward-only) multiply-adds of a collated batch, for the FLOP count (run_log.step_flops): here
         the encoder on each text tensor the batch holds (groups' passages, random spans' crops, PAIR's queries and
@@ -580,6 +584,9 @@ class XPRTObjective(Objective):
     def masked_student(self, vec):
         return vec[:, :2]  # the 15%-masked anchor and s1 (--retention_student masked)
 
+    def negatives(self, model, batch):  # what L_xp's same-document mask leaves each row
+        return (batch["doc_ids"].unsqueeze(1) != gather_with_grad(batch["doc_ids"]).unsqueeze(0)).sum(1)
+
 @register_objective
 class PairObjective(Objective):
     """PAIR (finetune.py): (1 - alpha) L_Q + alpha L_P on the queries and their positive-first passages. Only batch
@@ -611,6 +618,10 @@ class PairObjective(Objective):
 
     def total(self, terms: dict, retention_weight: float = 0.0, pair_alpha: float = 0.0, **step):
         return pair_loss(terms.get("pair_q_loss", 0.0), terms.get("pair_p_loss", 0.0), pair_alpha)
+
+    def negatives(self, model, batch):  # L_Q's: every gathered passage but those relevant to the row (its positive)
+        ids = gather_with_grad(batch["passage_ids"].reshape(-1))
+        return (~(batch["relevant_ids"].unsqueeze(-1) == ids).any(1)).sum(1)
 
 # ==============================================================================================================
 # 5. What the model is beyond its weights: its length limit, its vector's pooling and scoring, the modules after
@@ -725,12 +736,22 @@ def _rng_state(device, state=None):
     if state[1] is not None:
         accel.set_rng_state(state[1], device)
 
+_NO_NEGATIVE = {"calls": 0, "warned": False}  # XPRTModel.with_negatives: one warning a process
+
 class XPRTModel(nn.Module):
     """The encoder (AutoModelForMaskedLM; the start model's pooling) + one objective (section 4) with its heads.
 
     forward(batch) and cached_step(batch, ...) are the training step, written once over the objective's methods:
     its encoder passes, its batch-wide terms on the vectors, its row terms, and the retention term every
-    pre-training objective gets the same way (the paper gives every method the same term)."""
+    pre-training objective gets the same way (the paper gives every method the same term).
+
+    What a loop of one's own owes it, the one-document rule: L_xp masks a document's groups out of each other's
+    negatives, so a batch must hold groups of several documents. A groups file read in its order gives batches of
+    one document (select_groups.py writes a document's groups together), where xp_loss is exactly 0. The output's
+    "negatives" counts each row's, and the model warns once when a row has none. train.py's batches, in one line:
+        from plumbing.batches import document_batches
+        for rows in document_batches(groups, collator, batch_size=8):  # groups: train.load_groups(folder)
+            model(collator(rows))["loss"].backward()"""
 
     def __init__(self, mlm_model, objective: str = "xprt", tau: float = 0.05, retention_student: str = "clean",
                  fused_vocab_loss: bool = True, info: Optional[ModelInfo] = None, **options):
@@ -809,7 +830,25 @@ class XPRTModel(nn.Module):
             s, t = self.post_pooling(student), self.teacher_vectors(batch, teacher)  # (G, 2, D): anchor, s1
             terms["retention_loss"] = retention_loss(s[:, 0], s[:, 1], t[:, 0], t[:, 1], self.tau)
         loss = obj.total(terms, retention_weight, **step)
-        return {"loss": loss, **{k: v.detach() for k, v in terms.items()}}
+        return self.with_negatives({"loss": loss, **{k: v.detach() for k, v in terms.items()}}, batch)
+
+    def with_negatives(self, out: dict, batch: dict) -> dict:
+        """out with "negatives" (N,), each row's in-batch negatives (Objective.negatives), and their mean,
+        "in_batch_negatives" (logged); a warning, once a process, when a row has none: its contrastive term is
+        exactly 0 (the one-document rule, class docstring). The check reads a CPU batch every call, a device's at
+        calls 1, 2, 4, 8, ... (a host sync; a flag kept on the device remembers the calls between)."""
+        n = self.objective.negatives(self, batch)
+        if n is None:
+            return out
+        seen = _NO_NEGATIVE["seen"] = (n == 0).any() | _NO_NEGATIVE.get("seen", False)
+        calls = _NO_NEGATIVE["calls"] = _NO_NEGATIVE["calls"] + 1
+        if not _NO_NEGATIVE["warned"] and (n.device.type == "cpu" or not calls & (calls - 1)) and bool(seen):
+            _NO_NEGATIVE["warned"] = True
+            warnings.warn(f"{self.objective_name}: {int((n == 0).sum())} of {len(n)} rows of a batch have no in-batch "
+                          "negative (all its rows are their own document's), so their contrastive term is exactly 0; "
+                          "batch groups of several documents (plumbing.batches.document_batches, as train.py does)",
+                          RuntimeWarning, stacklevel=2)
+        return {**out, "negatives": n, "in_batch_negatives": n.double().mean()}
 
     def clean_student(self, batch, checkpointed: Optional[bool] = None):
         """The retention term's student: the clean anchor and s1 encoded WITHOUT dropout (the teacher runs without
@@ -896,7 +935,8 @@ class XPRTModel(nn.Module):
             total = total + local.detach()
             for k, v in local_terms.items():  # each already its chunk's share of the batch's mean
                 terms[k] = terms.get(k, 0.0) + v
-        return {"loss": total, **{k: v.detach() if torch.is_tensor(v) else v for k, v in terms.items()}}
+        return self.with_negatives({"loss": total, **{k: v.detach() if torch.is_tensor(v) else v
+                                                      for k, v in terms.items()}}, batch)
 
     # -- saving and loading ----------------------------------------------------------------------
     def head_parameters(self) -> list:
@@ -980,6 +1020,19 @@ def pad_to_multiple(ids: torch.Tensor, mask: torch.Tensor, multiple: int, pad_id
         return ids, mask
     pad = (extra, 0) if left else (0, extra)
     return F.pad(ids, pad, value=pad_id), F.pad(mask, pad, value=0)
+
+def unpadded_rand(where: torch.Tensor, generator=None, left: bool = False, high: Optional[int] = None,
+                  width: Optional[int] = None) -> torch.Tensor:
+    """torch.rand (torch.randint(high) with `high`) of where's shape (..., L), its numbers where `where` is True the
+    same whatever L, the padded width: drawn over the batch's real width (`width`, else its True columns' extent, from
+    the left, or from the right on a left-padding tokenizer), then padded with 1.0 (0) that no mask takes. So
+    --pad_to_multiple_of and --compile (which pads to 8) draw the same masks (test_masks_ignore_the_padded_width)."""
+    if width is None:  # a host read: the collators run on the CPU; a device caller passes width
+        cols = where.reshape(-1, where.shape[-1]).any(0).nonzero()
+        width = 0 if not len(cols) else where.shape[-1] - int(cols[0]) if left else int(cols[-1]) + 1
+    shape, kw = (*where.shape[:-1], width), dict(generator=generator, device=where.device)
+    u = torch.randint(high, shape, **kw) if high is not None else torch.rand(shape, **kw)
+    return F.pad(u, (where.shape[-1] - width, 0) if left else (0, where.shape[-1] - width), value=float(high is None))
 
 def stable_doc_hash(doc_id: str) -> int:
     """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label of
@@ -1148,21 +1201,22 @@ class GroupCollator:
         """Mask Bernoulli(rate) of the candidate positions (..., L), at least one in each row that has any, or the
         positions `pick` -> (masked ids, labels: the ids there, -100 elsewhere). bert: BERT's 80% [MASK] / 10% random
         / 10% unchanged; else every picked token becomes [MASK] (the decoders' inputs)."""
+        g, left = self.generator, self.tokenizer.padding_side == "left"  # draws over the real width: unpadded_rand
         if pick is None:
-            pick = (torch.rand(candidates.shape, generator=self.generator) < rate) & candidates
+            pick = (unpadded_rand(candidates, g, left) < rate) & candidates
             empty = ~pick.any(-1) & candidates.any(-1)
             if empty.any():  # a short passage drew no mask: mask one random candidate so every row has a target
-                scores = torch.rand(candidates.shape, generator=self.generator).masked_fill(~candidates, -1.0)
+                scores = unpadded_rand(candidates, g, left).masked_fill(~candidates, -1.0)
                 one = torch.zeros_like(pick).scatter_(-1, scores.argmax(-1, keepdim=True), True)
                 pick = pick | (one & empty.unsqueeze(-1))
         labels = torch.where(pick, ids, torch.full_like(ids, -100))
         if not bert:
             return ids.masked_fill(pick, self.tokenizer.mask_token_id), labels
-        u = torch.rand(ids.shape, generator=self.generator)
+        u = unpadded_rand(candidates, g, left)
         masked = ids.clone()
         masked[pick & (u < 0.8)] = self.tokenizer.mask_token_id
         rnd = pick & (u >= 0.8) & (u < 0.9)
-        masked[rnd] = torch.randint(len(self.tokenizer), ids.shape, generator=self.generator)[rnd]
+        masked[rnd] = unpadded_rand(candidates, g, left, high=len(self.tokenizer))[rnd]
         return masked, labels
 
     def retention_fields(self, rows: list) -> dict:
