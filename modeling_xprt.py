@@ -462,9 +462,7 @@ class Objective(nn.Module):
     def masked_student(self, vec):
         return None
 
-    def negatives(self, model, batch: dict):
-        """(N,) each row's in-batch negatives: its batch-wide term's candidates, gathered from every process, that
-        are neither its positive nor masked out; None: no such term (XPRTModel.with_negatives)."""
+    def negatives(self, model, batch: dict):  # (N,) each row's in-batch negatives, gathered; None: no such term
         return None
 
     def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
@@ -745,13 +743,11 @@ class XPRTModel(nn.Module):
     its encoder passes, its batch-wide terms on the vectors, its row terms, and the retention term every
     pre-training objective gets the same way (the paper gives every method the same term).
 
-    What a loop of one's own owes it, the one-document rule: L_xp masks a document's groups out of each other's
-    negatives, so a batch must hold groups of several documents. A groups file read in its order gives batches of
-    one document (select_groups.py writes a document's groups together), where xp_loss is exactly 0. The output's
-    "negatives" counts each row's, and the model warns once when a row has none. train.py's batches, in one line:
-        from plumbing.batches import document_batches
-        for rows in document_batches(groups, collator, batch_size=8):  # groups: train.load_groups(folder)
-            model(collator(rows))["loss"].backward()"""
+    A loop owes it batches of several documents: L_xp masks a document's groups out of each other's negatives, and a
+    groups file read in order gives batches of one document, where xp_loss is exactly 0 (the output's "negatives"
+    counts each row's; it warns once at none). train.py's batches, for a loop of one's own:
+        from plumbing.batches import document_batches  # groups: train.load_groups(folder)
+        for rows in document_batches(groups, collator, batch_size=8): model(collator(rows))["loss"].backward()"""
 
     def __init__(self, mlm_model, objective: str = "xprt", tau: float = 0.05, retention_student: str = "clean",
                  fused_vocab_loss: bool = True, info: Optional[ModelInfo] = None, **options):
@@ -833,21 +829,16 @@ class XPRTModel(nn.Module):
         return self.with_negatives({"loss": loss, **{k: v.detach() for k, v in terms.items()}}, batch)
 
     def with_negatives(self, out: dict, batch: dict) -> dict:
-        """out with "negatives" (N,), each row's in-batch negatives (Objective.negatives), and their mean,
-        "in_batch_negatives" (logged); a warning, once a process, when a row has none: its contrastive term is
-        exactly 0 (the one-document rule, class docstring). The check reads a CPU batch every call, a device's at
-        calls 1, 2, 4, 8, ... (a host sync; a flag kept on the device remembers the calls between)."""
-        n = self.objective.negatives(self, batch)
+        """out with each row's in-batch negatives (N,) and their mean (logged); warns once a process when a row has
+        none, read at calls 1, 2, 4, ... on a device (a host sync; a flag on the device keeps the calls between)."""
+        n, seen = self.objective.negatives(self, batch), _NO_NEGATIVE
         if n is None:
             return out
-        seen = _NO_NEGATIVE["seen"] = (n == 0).any() | _NO_NEGATIVE.get("seen", False)
-        calls = _NO_NEGATIVE["calls"] = _NO_NEGATIVE["calls"] + 1
-        if not _NO_NEGATIVE["warned"] and (n.device.type == "cpu" or not calls & (calls - 1)) and bool(seen):
-            _NO_NEGATIVE["warned"] = True
-            warnings.warn(f"{self.objective_name}: {int((n == 0).sum())} of {len(n)} rows of a batch have no in-batch "
-                          "negative (all its rows are their own document's), so their contrastive term is exactly 0; "
-                          "batch groups of several documents (plumbing.batches.document_batches, as train.py does)",
-                          RuntimeWarning, stacklevel=2)
+        seen["any"], seen["calls"] = (n == 0).any() | seen.get("any", False), seen["calls"] + 1
+        if not seen["warned"] and (n.device.type == "cpu" or not seen["calls"] & (seen["calls"] - 1)) and seen["any"]:
+            seen["warned"] = True
+            warnings.warn(f"{self.objective_name}: rows of a batch have no in-batch negative (one document's groups), "
+                          "so their contrastive term is 0: plumbing.batches.document_batches", RuntimeWarning)
         return {**out, "negatives": n, "in_batch_negatives": n.double().mean()}
 
     def clean_student(self, batch, checkpointed: Optional[bool] = None):
@@ -1023,10 +1014,9 @@ def pad_to_multiple(ids: torch.Tensor, mask: torch.Tensor, multiple: int, pad_id
 
 def unpadded_rand(where: torch.Tensor, generator=None, left: bool = False, high: Optional[int] = None,
                   width: Optional[int] = None) -> torch.Tensor:
-    """torch.rand (torch.randint(high) with `high`) of where's shape (..., L), its numbers where `where` is True the
-    same whatever L, the padded width: drawn over the batch's real width (`width`, else its True columns' extent, from
-    the left, or from the right on a left-padding tokenizer), then padded with 1.0 (0) that no mask takes. So
-    --pad_to_multiple_of and --compile (which pads to 8) draw the same masks (test_masks_ignore_the_padded_width)."""
+    """torch.rand (torch.randint(high)) of where's shape (..., L), the same numbers where `where` is True whatever
+    the padded width L: drawn over the real width (`width`, else where's extent, from the right on a left-padding
+    tokenizer), padded with 1.0 (0), so --pad_to_multiple_of and --compile (8) change no mask."""
     if width is None:  # a host read: the collators run on the CPU; a device caller passes width
         cols = where.reshape(-1, where.shape[-1]).any(0).nonzero()
         width = 0 if not len(cols) else where.shape[-1] - int(cols[0]) if left else int(cols[-1]) + 1

@@ -343,10 +343,8 @@ def sampler_negatives(sampler: "LengthGroupedBatchSampler", keys) -> dict:
             "rows_without": int((left == 0).sum()), "rows": int(left.size), "batch_size": sampler.batch_size}
 
 def document_batches(groups, collator, batch_size: int, seed: int = 0, epoch: int = 0, spread: int = 16):
-    """train.py's batches, for a loop of one's own: the groups (a datasets.Dataset: train.load_groups) length-grouped,
-    at most half a batch of one document's groups in a batch and a document's groups dealt apart
-    (LengthGroupedBatchSampler over document_keys), so that L_xp keeps negatives -> one epoch of lists of rows, as the
-    collator takes them (with_extras). The order is a function of (seed, epoch)."""
+    """train.py's batches of the groups (a datasets.Dataset: train.load_groups) for a loop of one's own: lists of rows
+    the collator takes, at most half a batch of one document's (document_keys), so L_xp keeps negatives."""
     lengths, extras = collator.sort_lengths(groups, seed)
     keys, merged = document_keys(groups, positive=getattr(collator, "positive", "s1"))
     sampler = LengthGroupedBatchSampler(lengths, batch_size, seed, spread=spread if collator.spread_documents else 1,

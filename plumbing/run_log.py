@@ -42,8 +42,7 @@ class LogWindow:
     def __init__(self, accelerator=None, args=None, lr_scheduler=None, optimizer=None, max_steps: int = 0,
                  peak_flops: Optional[float] = None, state=None, hand_count=None):
         """state: the run's TrainState, which carries the window's sums in a checkpoint (state_dict): a resumed run's
-        window continues the one its checkpoint interrupted. hand_count: batch -> its FLOPs from its shapes
-        (step_flops), the count under --compile (measured)."""
+        window continues the one its checkpoint interrupted. hand_count: batch -> FLOPs (step_flops): --compile's."""
         self.accelerator, self.args, self.lr_scheduler, self.optimizer = accelerator, args, lr_scheduler, optimizer
         self.hand_count = hand_count
         self.max_steps, self.peak_flops = max_steps, peak_flops  # peak FLOP/s of one device (None: not known)
@@ -79,10 +78,9 @@ class LogWindow:
         """Around one micro-batch's step: its real and processed tokens, from the CPU batch's masks (no device sync;
         skip_tokens: masks left out), and its FLOPs, counted by torch on the window's first micro-batch (flop_counter:
         a recomputed forward, the gradient cache's or checkpointing's, is work and counts) and scaled by each later
-        one's processed tokens. The run's first counted micro-batch prints the tokens and TFLOP of a step.
-        Under --compile the count is hand_count's, from the batch's shapes: torch's counter would run the step
-        eagerly (a layer first met under it is never compiled), drawing dropout from torch's generator where the
-        compiled graphs draw inductor's, so a resumed run would not be the uninterrupted one."""
+        one's processed tokens. The run's first counted micro-batch prints the tokens and TFLOP of a step. Under
+        --compile, hand_count's: torch's counter would run the step eagerly (a layer first met under it is never
+        compiled), with torch's dropout, not the compiled graphs' (a resumed run would differ)."""
         real, proc = padding_efficiency(batch, skip_tokens)
         self.shapes.add(tuple((k, tuple(v.shape)) for k, v in batch.items() if k.endswith("input_ids")
                               and torch.is_tensor(v)))
