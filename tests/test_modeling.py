@@ -917,3 +917,27 @@ def test_the_model_counts_each_rows_in_batch_negatives_and_warns_once_at_none(ti
         assert len(said) == 1 and said[0].startswith("xprt: rows of a batch have no in-batch negative"), said
     else:
         assert not said, said
+
+
+def test_a_fork_that_reads_the_groups_in_order_gets_one_document_batches_and_document_batches_fixes_it(
+        tiny_bert, tok, monkeypatch):
+    """Issue 62 item 1's fork, small: 6 documents of 4 groups each, in file order, batches of 4 -> every batch one
+    document, every row without a negative, xp_loss exactly 0. The one-line import the model's docstring shows,
+    plumbing.batches.document_batches (train.py's sampler), gives every row of every batch negatives."""
+    import datasets
+
+    from plumbing.batches import document_batches
+
+    monkeypatch.setattr(mx, "_NO_NEGATIVE", {"calls": 0, "warned": False}, raising=False)  # this process's first
+    groups = datasets.Dataset.from_list(toy_rows(24, docs=[d for d in range(6) for _ in range(4)]))
+    model = make_model(tiny_bert).eval()
+    collator = model.objective.make_collator(tok, max_length=24)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="no in-batch negative"):
+        in_order = [model(collator([groups[j] for j in range(i, i + 4)])) for i in range(0, 24, 4)]
+    assert all(o["negatives"].tolist() == [0] * 4 and o["xp_loss"].item() == 0.0 for o in in_order)
+    batches = list(document_batches(groups, collator, batch_size=4))
+    assert len(batches) == 6 and sorted(r["anchor"] for b in batches for r in b) == sorted(groups["anchor"])
+    with torch.no_grad():
+        spread = [model(collator(rows)) for rows in batches]
+    assert all(o["negatives"].min() >= 2 and o["xp_loss"].item() > 0.0 for o in spread), [
+        o["negatives"].tolist() for o in spread]
