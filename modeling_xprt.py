@@ -743,9 +743,8 @@ class XPRTModel(nn.Module):
     its encoder passes, its batch-wide terms on the vectors, its row terms, and the retention term every
     pre-training objective gets the same way (the paper gives every method the same term).
 
-    A loop owes it batches of several documents: L_xp masks a document's groups out of each other's negatives, and a
-    groups file read in order gives batches of one document, where xp_loss is exactly 0 (the output's "negatives"
-    counts each row's; it warns once at none). train.py's batches, for a loop of one's own:
+    A loop owes it batches of several documents: a groups file read in order gives batches of one document, whose
+    rows L_xp leaves no negative, xp_loss 0 (forward's "negatives" counts them, and warns). train.py's batches:
         from plumbing.batches import document_batches  # groups: train.load_groups(folder)
         for rows in document_batches(groups, collator, batch_size=8): model(collator(rows))["loss"].backward()"""
 
@@ -1014,9 +1013,8 @@ def pad_to_multiple(ids: torch.Tensor, mask: torch.Tensor, multiple: int, pad_id
 
 def unpadded_rand(where: torch.Tensor, generator=None, left: bool = False, high: Optional[int] = None,
                   width: Optional[int] = None) -> torch.Tensor:
-    """torch.rand (torch.randint(high)) of where's shape (..., L), the same numbers where `where` is True whatever
-    the padded width L: drawn over the real width (`width`, else where's extent, from the right on a left-padding
-    tokenizer), padded with 1.0 (0), so --pad_to_multiple_of and --compile (8) change no mask."""
+    """torch.rand (randint(high)) of where's shape (..., L), drawn over the real width (`width`, else where's extent;
+    from the right if `left`), padded with 1.0 (0): --pad_to_multiple_of and --compile (8) change no mask."""
     if width is None:  # a host read: the collators run on the CPU; a device caller passes width
         cols = where.reshape(-1, where.shape[-1]).any(0).nonzero()
         width = 0 if not len(cols) else where.shape[-1] - int(cols[0]) if left else int(cols[-1]) + 1

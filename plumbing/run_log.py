@@ -78,9 +78,8 @@ class LogWindow:
         """Around one micro-batch's step: its real and processed tokens, from the CPU batch's masks (no device sync;
         skip_tokens: masks left out), and its FLOPs, counted by torch on the window's first micro-batch (flop_counter:
         a recomputed forward, the gradient cache's or checkpointing's, is work and counts) and scaled by each later
-        one's processed tokens. The run's first counted micro-batch prints the tokens and TFLOP of a step. Under
-        --compile, hand_count's: torch's counter would run the step eagerly (a layer first met under it is never
-        compiled), with torch's dropout, not the compiled graphs' (a resumed run would differ)."""
+        one's processed tokens. The run's first counted micro-batch prints the tokens and TFLOP of a step. --compile:
+        hand_count's (the counter would run the step eagerly, with other dropout: a resume would differ)."""
         real, proc = padding_efficiency(batch, skip_tokens)
         self.shapes.add(tuple((k, tuple(v.shape)) for k, v in batch.items() if k.endswith("input_ids")
                               and torch.is_tensor(v)))

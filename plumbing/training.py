@@ -410,9 +410,8 @@ def compile_layers(model, mode: str) -> str:
     chunked vocabulary terms) stays eager. Shapes are static (dynamic=False): --pad_to_multiple_of keeps a run's
     batch widths few, and dynamo's recompile limit is raised to hold them all (a shape over the limit would run
     eagerly, silently). mode: torch.compile's ("default"; "reduce-overhead" adds CUDA graphs on a GPU, one per
-    shape; "max-autotune-no-cudagraphs"), or "exact": default's, with dropout drawn from torch's generator as eager
-    draws it (inductor's fallback_random), so the compiled run logs the eager run's losses (tests/test_compile.py).
-    -> the line the run prints."""
+    shape; "max-autotune-no-cudagraphs"), or "exact": default's with eager's dropout (inductor's fallback_random,
+    torch's generator: the eager run's losses, tests/test_compile.py). -> the line the run prints."""
     import torch._dynamo
 
     roots = [model] + [held for m in model.modules() for held in getattr(m, "held_modules", ())]
