@@ -122,13 +122,14 @@ def main(argv=None):
         from bench.device_check import loop_groups
 
         args.groups_dir = str(loop_groups(Path(tempfile.mkdtemp(prefix="xprt_compile_")), args.max_length, 64))
-    rows = [bench_size(size, args) for size in args.sizes]
     print(f"{'size':10} {'eager ms':>9} {'compiled ms':>11} {'speed-up':>8} {'compile s':>9} {'(CPU s)':>8} "
           f"{'break-even steps':>16}")
-    for r in rows:
+    rows = []
+    for size in args.sizes:  # each row as it is measured
+        rows.append(r := bench_size(size, args))
         even = f"{r['break_even_steps']:.0f}" if r["break_even_steps"] is not None else "never"
         print(f"{r['size']:10} {r['eager_ms']:9.0f} {r['compiled_ms']:11.0f} {r['eager_ms'] / r['compiled_ms']:8.2f} "
-              f"{r['compile_s']:9.1f} {r['compile_cpu_s']:8.1f} {even:>16}")
+              f"{r['compile_s']:9.1f} {r['compile_cpu_s']:8.1f} {even:>16}", flush=True)
     print(f"ratio: {rows[-1]['eager_ms'] / rows[-1]['compiled_ms']:.3f}")  # the last size's speed-up
     return rows
 
