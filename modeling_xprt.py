@@ -618,6 +618,9 @@ class PairObjective(Objective):
         return pair_loss(terms.get("pair_q_loss", 0.0), terms.get("pair_p_loss", 0.0), pair_alpha)
 
     def negatives(self, model, batch):  # L_Q's: every gathered passage but those relevant to the row (its positive)
+        if "passage_ids" not in batch:  # no ids, no false-negative mask: every gathered passage but the positive
+            p = gather_with_grad(batch["passage_input_ids"])
+            return torch.full_like(batch["query_input_ids"][:, 0], p.shape[0] * p.shape[1] - 1)
         ids = gather_with_grad(batch["passage_ids"].reshape(-1))
         return (~(batch["relevant_ids"].unsqueeze(-1) == ids).any(1)).sum(1)
 
@@ -1011,8 +1014,7 @@ def pad_to_multiple(ids: torch.Tensor, mask: torch.Tensor, multiple: int, pad_id
     pad = (extra, 0) if left else (0, extra)
     return F.pad(ids, pad, value=pad_id), F.pad(mask, pad, value=0)
 
-def unpadded_rand(where: torch.Tensor, generator=None, left: bool = False, high: Optional[int] = None,
-                  width: Optional[int] = None) -> torch.Tensor:
+def unpadded_rand(where: torch.Tensor, generator=None, left=False, high=None, width=None) -> torch.Tensor:
     """torch.rand (randint(high)) of where's shape (..., L), drawn over the real width (`width`, else where's extent;
     from the right if `left`), padded with 1.0 (0): --pad_to_multiple_of and --compile (8) change no mask."""
     if width is None:  # a host read: the collators run on the CPU; a device caller passes width
