@@ -41,7 +41,7 @@ from plumbing.common import (ArgumentParser, UserError, atomic_write, check_mode
                              task_spec)
 from plumbing.embed import embed_texts
 from plumbing.readers import load_beir
-from plumbing.run_log import LogWindow
+from plumbing.run_log import LogWindow, step_flops
 from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, epoch_batches,
                                export_checkpoint, gradient_cache_step, load_model, log_score, make_accelerator,
                                prepare_output_dir, prepare_run, save_checkpoint, save_run, say_stopped,
@@ -1080,7 +1080,8 @@ def main(argv=None):
     # ---- the loop, train.py's with PAIR's alpha(t) where train.py has w(t): accumulate, the step, backward, clip,
     # optimiser and lr steps; per optimiser step, log, score and checkpoint on their steps
     model.train()
-    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, state=state)
+    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, state=state,
+                       hand_count=lambda batch: step_flops(accelerator.unwrap_model(model), batch, retention=False))
     stop_at = min(max_steps, args.stop_after_steps or max_steps)
     stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1 / Ctrl-C: a checkpoint after the step, stop
     if scorer and state.completed_steps == 0:  # the start is scored too: every later score is read against it

@@ -27,6 +27,7 @@ import inspect
 import itertools
 import logging
 import math
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -75,8 +76,6 @@ def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return t
-    import warnings
-
     import torch.distributed.nn.functional as dist_fn
 
     with warnings.catch_warnings():
@@ -484,6 +483,9 @@ class Objective(nn.Module):
     def masked_student(self, vec):
         return None
 
+    def negatives(self, model, batch: dict):  # (N,) each row's in-batch negatives, gathered; None: no such term
+        return None
+
     def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
         """(trained, forward-only) multiply-adds of a collated batch, for the FLOP count (run_log.step_flops): here
         the encoder on each text tensor the batch holds (groups' passages, random spans' crops, PAIR's queries and
@@ -601,6 +603,9 @@ class XPRTObjective(Objective):
     def masked_student(self, vec):
         return vec[:, :2]  # the 15%-masked anchor and s1 (--retention_student masked)
 
+    def negatives(self, model, batch):  # what L_xp's same-document mask leaves each row
+        return (batch["doc_ids"].unsqueeze(1) != gather_with_grad(batch["doc_ids"]).unsqueeze(0)).sum(1)
+
 @register_objective
 class PairObjective(Objective):
     """PAIR (finetune.py): (1 - alpha) L_Q + alpha L_P on the queries and their positive-first passages. Only batch
@@ -632,6 +637,13 @@ class PairObjective(Objective):
 
     def total(self, terms: dict, retention_weight: float = 0.0, pair_alpha: float = 0.0, **step):
         return pair_loss(terms.get("pair_q_loss", 0.0), terms.get("pair_p_loss", 0.0), pair_alpha)
+
+    def negatives(self, model, batch):  # L_Q's: every gathered passage but those relevant to the row (its positive)
+        if "passage_ids" not in batch:  # no ids, no false-negative mask: every gathered passage but the positive
+            p = gather_with_grad(batch["passage_input_ids"])
+            return torch.full_like(batch["query_input_ids"][:, 0], p.shape[0] * p.shape[1] - 1)
+        ids = gather_with_grad(batch["passage_ids"].reshape(-1))
+        return (~(batch["relevant_ids"].unsqueeze(-1) == ids).any(1)).sum(1)
 
 # ==============================================================================================================
 # 5. What the model is beyond its weights: its length limit, its vector's pooling and scoring, the modules after
@@ -746,12 +758,19 @@ def _rng_state(device, state=None):
     if state[1] is not None:
         accel.set_rng_state(state[1], device)
 
+_NO_NEGATIVE = {"calls": 0, "warned": False}  # XPRTModel.with_negatives: one warning a process
+
 class XPRTModel(nn.Module):
     """The encoder (AutoModelForMaskedLM; the start model's pooling) + one objective (section 4) with its heads.
 
     forward(batch) and cached_step(batch, ...) are the training step, written once over the objective's methods:
     its encoder passes, its batch-wide terms on the vectors, its row terms, and the retention term every
-    pre-training objective gets the same way (the paper gives every method the same term)."""
+    pre-training objective gets the same way (the paper gives every method the same term).
+
+    A loop owes it batches of several documents: a groups file read in order gives batches of one document, whose
+    rows L_xp leaves no negative, xp_loss 0 (forward's "negatives" counts them, and warns). train.py's batches:
+        from plumbing.batches import document_batches  # groups: train.load_groups(folder)
+        for rows in document_batches(groups, collator, batch_size=8): model(collator(rows))["loss"].backward()"""
 
     def __init__(self, mlm_model, objective: str = "xprt", tau: float = 0.05, retention_student: str = "clean",
                  fused_vocab_loss: bool = True, info: Optional[ModelInfo] = None, **options):
@@ -830,7 +849,20 @@ class XPRTModel(nn.Module):
             s, t = self.post_pooling(student), self.teacher_vectors(batch, teacher)  # (G, 2, D): anchor, s1
             terms["retention_loss"] = retention_loss(s[:, 0], s[:, 1], t[:, 0], t[:, 1], self.tau)
         loss = obj.total(terms, retention_weight, **step)
-        return {"loss": loss, **{k: v.detach() for k, v in terms.items()}}
+        return self.with_negatives({"loss": loss, **{k: v.detach() for k, v in terms.items()}}, batch)
+
+    def with_negatives(self, out: dict, batch: dict) -> dict:
+        """out with each row's in-batch negatives (N,) and their mean (logged); warns once a process when a row has
+        none, read at calls 1, 2, 4, ... on a device (a host sync; a flag on the device keeps the calls between)."""
+        n, seen = self.objective.negatives(self, batch), _NO_NEGATIVE
+        if n is None:
+            return out
+        seen["any"], seen["calls"] = (n == 0).any() | seen.get("any", False), seen["calls"] + 1
+        if not seen["warned"] and (n.device.type == "cpu" or not seen["calls"] & (seen["calls"] - 1)) and seen["any"]:
+            seen["warned"] = True
+            warnings.warn(f"{self.objective_name}: rows of a batch have no in-batch negative (one document's groups), "
+                          "so their contrastive term is 0: plumbing.batches.document_batches", RuntimeWarning)
+        return {**out, "negatives": n, "in_batch_negatives": n.double().mean()}
 
     def clean_student(self, batch, checkpointed: Optional[bool] = None):
         """The retention term's student: the clean anchor and s1 encoded WITHOUT dropout (the teacher runs without
@@ -917,7 +949,8 @@ class XPRTModel(nn.Module):
             total = total + local.detach()
             for k, v in local_terms.items():  # each already its chunk's share of the batch's mean
                 terms[k] = terms.get(k, 0.0) + v
-        return {"loss": total, **{k: v.detach() if torch.is_tensor(v) else v for k, v in terms.items()}}
+        return self.with_negatives({"loss": total, **{k: v.detach() if torch.is_tensor(v) else v
+                                                      for k, v in terms.items()}}, batch)
 
     # -- saving and loading ----------------------------------------------------------------------
     def head_parameters(self) -> list:
@@ -1001,6 +1034,16 @@ def pad_to_multiple(ids: torch.Tensor, mask: torch.Tensor, multiple: int, pad_id
         return ids, mask
     pad = (extra, 0) if left else (0, extra)
     return F.pad(ids, pad, value=pad_id), F.pad(mask, pad, value=0)
+
+def unpadded_rand(where: torch.Tensor, generator=None, left=False, high=None, width=None) -> torch.Tensor:
+    """torch.rand (randint(high)) of where's shape (..., L), drawn over the real width (`width`, else where's extent;
+    from the right if `left`), padded with 1.0 (0): --pad_to_multiple_of and --compile (8) change no mask."""
+    if width is None:  # a host read: the collators run on the CPU; a device caller passes width
+        cols = where.reshape(-1, where.shape[-1]).any(0).nonzero()
+        width = 0 if not len(cols) else where.shape[-1] - int(cols[0]) if left else int(cols[-1]) + 1
+    shape, kw = (*where.shape[:-1], width), dict(generator=generator, device=where.device)
+    u = torch.randint(high, shape, **kw) if high is not None else torch.rand(shape, **kw)
+    return F.pad(u, (where.shape[-1] - width, 0) if left else (0, where.shape[-1] - width), value=float(high is None))
 
 def stable_doc_hash(doc_id: str) -> int:
     """Deterministic int64 id of a document (Python's hash() is salted per process): the in-batch document label of
@@ -1169,21 +1212,22 @@ class GroupCollator:
         """Mask Bernoulli(rate) of the candidate positions (..., L), at least one in each row that has any, or the
         positions `pick` -> (masked ids, labels: the ids there, -100 elsewhere). bert: BERT's 80% [MASK] / 10% random
         / 10% unchanged; else every picked token becomes [MASK] (the decoders' inputs)."""
+        g, left = self.generator, self.tokenizer.padding_side == "left"  # draws over the real width: unpadded_rand
         if pick is None:
-            pick = (torch.rand(candidates.shape, generator=self.generator) < rate) & candidates
+            pick = (unpadded_rand(candidates, g, left) < rate) & candidates
             empty = ~pick.any(-1) & candidates.any(-1)
             if empty.any():  # a short passage drew no mask: mask one random candidate so every row has a target
-                scores = torch.rand(candidates.shape, generator=self.generator).masked_fill(~candidates, -1.0)
+                scores = unpadded_rand(candidates, g, left).masked_fill(~candidates, -1.0)
                 one = torch.zeros_like(pick).scatter_(-1, scores.argmax(-1, keepdim=True), True)
                 pick = pick | (one & empty.unsqueeze(-1))
         labels = torch.where(pick, ids, torch.full_like(ids, -100))
         if not bert:
             return ids.masked_fill(pick, self.tokenizer.mask_token_id), labels
-        u = torch.rand(ids.shape, generator=self.generator)
+        u = unpadded_rand(candidates, g, left)
         masked = ids.clone()
         masked[pick & (u < 0.8)] = self.tokenizer.mask_token_id
         rnd = pick & (u >= 0.8) & (u < 0.9)
-        masked[rnd] = torch.randint(len(self.tokenizer), ids.shape, generator=self.generator)[rnd]
+        masked[rnd] = unpadded_rand(candidates, g, left, high=len(self.tokenizer))[rnd]
         return masked, labels
 
     def retention_fields(self, rows: list) -> dict:

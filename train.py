@@ -37,12 +37,12 @@ from modeling_xprt import (objective_class, objective_flags, pretraining_objecti
                            tokenize_groups)
 from plumbing.architectures import weight_grad_path
 from plumbing.batches import (LengthGroupedBatchSampler, batch_to_device, check_batch_fits, document_keys,
-                              in_batch_negatives, sampler_negatives, training_loader)
+                              sampler_negatives, training_loader, with_extras)
 from plumbing.common import (ArgumentParser, META_DIR, UserError, atomic_write, check_model_name, is_zero3,
                              local_inputs, non_negative_float, non_negative_int, on_stop, output_key,
                              positive_int, read_json, resolve_model_path, run_script, task_spec, tokenizer_files)
 from plumbing.model_folder import load_teacher
-from plumbing.run_log import EVAL_PREFIX, LogWindow, explain_oom, memory_estimate, peak_flops
+from plumbing.run_log import EVAL_PREFIX, LogWindow, explain_oom, memory_estimate, peak_flops, step_flops
 from plumbing.training import (adamw, add_common_args, check_common_args, check_input_length, engine_dtype,
                                epoch_batches, export_checkpoint, gradient_cache_step, load_model, log_score,
                                make_accelerator, prepare_output_dir, prepare_run, run_line, save_checkpoint,
@@ -410,14 +410,6 @@ def passages_cut(rows, tokenizer, args, sample: int = 4096) -> str:
                                        "tokenizer (select_groups.py --model_name_or_path)")
 
 
-def with_extras(merged: dict, row_extras, epoch: int, i: int, row: dict) -> dict:
-    """Row i as the collator reads it: under the doc_id its text copies share (merged: batches.document_keys), with
-    the objective's per-epoch extras (row_extras(epoch, i): the random-span baseline's crops)."""
-    if i in merged:
-        row = {**row, "doc_id": merged[i]}
-    return {**row, **row_extras(epoch, i)} if row_extras is not None else row
-
-
 def load_teacher_model(accelerator, args):
     """The retention term's frozen start model (never prepared: it never trains), or None when the weight is 0 at
     both ends."""
@@ -546,7 +538,8 @@ def main(argv=None):
     # ---- the loop, as run_mlm_no_trainer.py writes it: accumulate, the step with the retention weight w(t), backward,
     # clip, optimiser and lr steps; per optimiser step, log, score and checkpoint on their steps
     model.train()
-    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops(accelerator, args), state)
+    window = LogWindow(accelerator, args, lr_scheduler, optimizer, max_steps, peak_flops(accelerator, args), state,
+                       functools.partial(step_flops, accelerator.unwrap_model(model), retention=teacher is not None))
     stop_at = min(max_steps, args.stop_after_steps or max_steps)
     stop, stopped = StopSignals(accelerator), 0  # SIGTERM / SIGUSR1 / Ctrl-C: a checkpoint after the step, stop
     skip_tokens = () if teacher is not None else ("retain_",)  # masks a step computes nothing of
@@ -573,8 +566,6 @@ def main(argv=None):
                                                           teacher=teacher, retention_weight=w)
                         else:
                             outputs = model(batch, teacher=teacher, retention_weight=w)
-                        if "doc_ids" in batch:  # what the same-document mask left: logged, warned on below a floor
-                            outputs["in_batch_negatives"] = in_batch_negatives(accelerator, batch["doc_ids"])
                         if window.keep(accelerator, args.on_nonfinite, outputs, state.completed_steps + 1, epoch):
                             if not args.gradient_cache_chunk:
                                 accelerator.backward(outputs["loss"])

@@ -324,6 +324,11 @@ class Contriever(Objective):
         self.moco.push(keys)
         return {"contrastive_loss": loss}
 
+    def negatives(self, model, batch):  # inbatch: every other row's second crop (gathered); moco: the queue's keys
+        docs = batch["doc_ids"]
+        n = self.moco.queue.shape[1] if self.moco is not None else len(gather_with_grad(docs)) - 1
+        return torch.full_like(docs, n)
+
 
 # ==============================================================================================================
 # 2. Random spans (contrastive_random_span): two random crops of one passage as a positive pair, cosine
@@ -375,6 +380,9 @@ class RandomSpanObjective(Objective):
 
     def batch_terms(self, model, vec, batch, **step):
         return {"contrastive_loss": contrastive_random_span(vec[:, 0], vec[:, 1], model.tau)}  # the longer crop: query
+
+    def negatives(self, model, batch):  # every other row's shorter crop, gathered: no document mask
+        return torch.full_like(batch["doc_ids"], len(gather_with_grad(batch["doc_ids"])) - 1)
 
 
 class RandomSpanCollator(CropsBeforeBatching, GroupCollator):

@@ -4,13 +4,15 @@ with enhanced decoding at 50%. --objective retromae."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from baselines.shared import (SETTING_FLAG, AnchorCollator, bert_corruption, never_unk, scoring_of, setting_of,
                               whole_word_mask)
-from modeling_xprt import Objective, mlm_loss, register_objective
+from modeling_xprt import Objective, mlm_loss, register_objective, unpadded_rand
 from plumbing.architectures import decoder_layers, layer_multiply_adds, linear_cross_entropy
 
 # ==============================================================================================================
@@ -19,7 +21,7 @@ from plumbing.architectures import decoder_layers, layer_multiply_adds, linear_c
 
 
 def enhanced_decoding_masks(word_ids: torch.Tensor, num_tokens: torch.Tensor, attention_mask: torch.Tensor,
-                            rate: float = 0.5, pool: int = 256) -> torch.Tensor:
+                            rate: float = 0.5, pool: int = 256, width: Optional[int] = None) -> torch.Tensor:
     """Which positions each row of RetroMAE's decoder may attend to: (G, L, L) bool, visible[g, i, j].
 
     The official collator (RetroMAECollator) draws, per passage, min(n, 256) whole-word masks at the decoder rate
@@ -31,14 +33,17 @@ def enhanced_decoding_masks(word_ids: torch.Tensor, num_tokens: torch.Tensor, at
     so a row never sees its own token (the issue's "plus position i itself" is the reverse of the code: i is added to
     the MASK), and [CLS] (where the sentence vector sits) and [SEP] are visible to every other row (never
     candidates). Drawn here on the device with tensor operations, from the global random state (the training step's
-    prepare), instead of in the data loader with Python lists."""
+    prepare), instead of in the data loader with Python lists. width: the batch's real (unpadded) width, over which
+    every draw is made (unpadded_rand), so that --pad_to_multiple_of changes none; default L."""
     g, l = word_ids.shape
     device = word_ids.device
-    p = min(l, pool)
-    samples = whole_word_mask(word_ids.repeat_interleave(p, 0), num_tokens.repeat_interleave(p, 0), rate)
+    width = l if width is None else width
+    p = min(width, pool)
+    samples = whole_word_mask(word_ids.repeat_interleave(p, 0), num_tokens.repeat_interleave(p, 0), rate,
+                              width=width)
     samples = samples.view(g, p, l)  # (G, P, L) the passage's pool of masks
     size = num_tokens.to(device).clamp(min=1, max=pool)  # min(n, 256) with n counting [CLS] and [SEP]
-    pick = (torch.rand(g, l, device=device) * size.unsqueeze(1)).long()  # (G, L): each row's mask in the pool
+    pick = (unpadded_rand(attention_mask.bool(), width=width) * size.unsqueeze(1)).long().clamp(max=p - 1)  # (G, L)
     masked = samples.gather(1, pick.unsqueeze(-1).expand(g, l, l))  # (G, L, L): row i's sample
     masked = masked | torch.eye(l, dtype=torch.bool, device=device)
     return ~masked & attention_mask.to(device).bool().unsqueeze(1)
@@ -99,7 +104,7 @@ class RetroMAECollator(AnchorCollator):
         masked = never_unk(masked, ids, self.tokenizer.unk_token_id)
         batch["clean_ids"] = ids
         batch["input_ids"] = bert_corruption(ids, masked, self.tokenizer.mask_token_id, len(self.tokenizer),
-                                             self.generator)
+                                             self.generator, left=self.tokenizer.padding_side == "left")
         batch["decoder_mask_rate"] = self.decoder_mask_rate
         batch["layout"] = self.token_rows(batch, mlm=ids.masked_fill(~masked, -100), dec=batch.pop("targets"))
         return batch
@@ -147,7 +152,7 @@ class RetroMAE(Objective):
         """The decoder's per-row masks, drawn on the batch's device (no gradient): visible (G, L, L)."""
         with torch.no_grad():
             visible = enhanced_decoding_masks(batch["word_ids"], batch["num_tokens"], batch["attention_mask"],
-                                              batch["decoder_mask_rate"])
+                                              batch["decoder_mask_rate"], width=batch.get("real_width"))
         return {**batch, "visible": visible}
 
     def encode(self, model, batch: dict):

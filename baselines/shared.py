@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from modeling_xprt import GroupCollator, Layout, group_bounds, group_lengths
+from modeling_xprt import GroupCollator, Layout, group_bounds, group_lengths, unpadded_rand
 
 SETTINGS = ("paper", "official")
 # What --baseline_setting official changes, per objective (the paper setting changes nothing: the start's pooling
@@ -52,7 +52,8 @@ def scoring_of(choices: dict) -> dict:
 
 
 def whole_word_mask(word_ids: torch.Tensor, num_tokens: torch.Tensor, rate: float,
-                    generator: Optional[torch.Generator] = None, max_predictions: int = 512) -> torch.Tensor:
+                    generator: Optional[torch.Generator] = None, max_predictions: int = 512,
+                    width: Optional[int] = None) -> torch.Tensor:
     """The whole-word mask of RetroMAE and SimLM (transformers' DataCollatorForWholeWordMask._whole_word_mask, copied
     into SimLM's collator_utils.whole_word_mask): the words are taken in a random order, each whole, until
 
@@ -62,7 +63,8 @@ def whole_word_mask(word_ids: torch.Tensor, num_tokens: torch.Tensor, rate: floa
     rate is a count, not a Bernoulli draw: exactly round(0.3 n) tokens when the words fit (RetroMAE's and SimLM's
     encoder 0.3, decoder 0.5, tests: test_whole_word_mask_*).
 
-    word_ids (N, L) int64 (-1: not a candidate; GroupCollator._tokenize), num_tokens (N,) -> (N, L) bool. Tensor
+    word_ids (N, L) int64 (-1: not a candidate; GroupCollator._tokenize), num_tokens (N,) -> (N, L) bool; the
+    shuffle's keys are drawn over the real width (unpadded_rand; `width`: the batch's, given on a device). Tensor
     operations on word_ids' device; the one Python loop runs over the L word slots, each step over all N rows at once
     (the greedy skip makes each word's fate depend on the words before it)."""
     n, l = word_ids.shape
@@ -71,7 +73,7 @@ def whole_word_mask(word_ids: torch.Tensor, num_tokens: torch.Tensor, rate: floa
     word = word_ids.clamp(min=0)  # (N, L); word ids are below L (one word per token at most)
     length = torch.zeros(n, l, dtype=torch.long, device=device).scatter_add_(1, word, valid.long())  # tokens per word
     # random.shuffle of the candidate words: a uniform random order; missing words sort last
-    keys = torch.rand(n, l, generator=generator, device=device).masked_fill(length == 0, 2.0)
+    keys = unpadded_rand(length > 0, generator, width=width).masked_fill(length == 0, 2.0)
     order = keys.argsort(dim=1)  # (N, W) word slots in shuffled order
     sorted_len = length.gather(1, order)
     budget = (num_tokens.to(device, torch.float64) * rate).round().long().clamp(min=1, max=max_predictions)
@@ -94,16 +96,18 @@ def never_unk(masked: torch.Tensor, ids: torch.Tensor, unk_token_id: Optional[in
 
 
 def bert_corruption(ids: torch.Tensor, masked: torch.Tensor, mask_token_id: int, vocab_size: int,
-                    generator: Optional[torch.Generator] = None, all_mask_token: bool = False) -> torch.Tensor:
+                    generator: Optional[torch.Generator] = None, all_mask_token: bool = False,
+                    left: bool = False) -> torch.Tensor:
     """What the encoder reads at the masked positions: BERT's 80% [MASK] / 10% a random token / 10% unchanged
     (transformers' torch_mask_tokens: RetroMAE's encoder), or [MASK] everywhere (all_mask_token: SimLM's
-    --all_use_mask_token True in scripts/train_rlm.sh)."""
+    --all_use_mask_token True in scripts/train_rlm.sh). Drawn over the masked positions' real width
+    (unpadded_rand; left: a left-padding tokenizer's)."""
     if all_mask_token:
         return ids.masked_fill(masked, mask_token_id)
-    u = torch.rand(ids.shape, generator=generator)
+    u = unpadded_rand(masked, generator, left)
     out = ids.masked_fill(masked & (u < 0.8), mask_token_id)
     rnd = masked & (u >= 0.8) & (u < 0.9)
-    return torch.where(rnd, torch.randint(vocab_size, ids.shape, generator=generator), out)
+    return torch.where(rnd, unpadded_rand(masked, generator, left, high=vocab_size), out)
 
 
 # ==============================================================================================================
@@ -130,13 +134,14 @@ class AnchorCollator(GroupCollator):
     def anchors(self, rows: list) -> dict:
         """-> the retention fields, and input_ids, attention_mask (G, L) the clean anchors, word_ids (G, L),
         num_tokens (G,) the tokens the official masking budget counts ([CLS] + passage + [SEP]), targets (G, L) the
-        original token at every maskable position (-100 elsewhere)."""
+        original token at every maskable position (-100 elsewhere), real_width the unpadded width (a Python int: the
+        step's draws on the device are made over it, unpadded_rand)."""
         batch = self.retention_fields(rows)
         enc = self._tokenize([self.passage(r, "anchor") for r in rows])
         word_ids, am = enc["word_ids"], enc["attention_mask"]
         batch.update(input_ids=enc["input_ids"], attention_mask=am, word_ids=word_ids,
                      num_tokens=am.sum(1) - len(self.prefix_ids),
-                     targets=enc["input_ids"].masked_fill(word_ids < 0, -100))
+                     targets=enc["input_ids"].masked_fill(word_ids < 0, -100), real_width=int(am.any(0).sum()))
         return batch
 
     @staticmethod

@@ -36,13 +36,15 @@ def simlm_masks(word_ids: torch.Tensor, num_tokens: torch.Tensor, encoder_rate: 
 
 
 def replace_tokens(generator: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   masked: torch.Tensor, max_logits: int = 2 ** 27) -> torch.Tensor:
+                   masked: torch.Tensor, max_logits: int = 2 ** 27, width: Optional[int] = None) -> torch.Tensor:
     """SimLM's replacement (rlm.py _replace_tokens): the frozen generator reads the masked text, and at each masked
     position a token is SAMPLED from its distribution (Categorical(logits), temperature 1; it may be the original);
     other positions keep their token:  x~_i = sample(softmax(G(x_masked))_i) if i masked else x_masked_i.
-    No gradient. Rows go through the generator in chunks of at most max_logits (rows x L x V) logits."""
+    No gradient. Rows go through the generator in chunks of at most max_logits (rows x L x V) logits. Sampled at the
+    first `width` positions only (the batch's real width; default L), so --pad_to_multiple_of changes no sample."""
     g, l = input_ids.shape
-    rows = max(1, max_logits // max(1, l * generator.config.vocab_size))
+    width = l if width is None else width
+    rows = max(1, max_logits // max(1, width * generator.config.vocab_size))
     out = input_ids.clone()
     with torch.no_grad():
         for a in range(0, g, rows):
@@ -50,8 +52,8 @@ def replace_tokens(generator: nn.Module, input_ids: torch.Tensor, attention_mask
             logits = generator(input_ids=input_ids[a:a + rows], attention_mask=mask).logits
             # validate_args=False: the check that the logits are finite reads a device value (a host sync each
             # call; bench/bench_step_ops.py); it draws nothing, so the samples are the same
-            sampled = torch.distributions.Categorical(logits=logits.float(), validate_args=False).sample()
-            out[a:a + rows] = torch.where(masked[a:a + rows], sampled, input_ids[a:a + rows])
+            sampled = torch.distributions.Categorical(logits=logits[:, :width].float(), validate_args=False).sample()
+            out[a:a + rows, :width] = torch.where(masked[a:a + rows, :width], sampled, input_ids[a:a + rows, :width])
     return out
 
 
@@ -87,8 +89,8 @@ class SimLMCollator(AnchorCollator):
                                self.decoder_mask_rate, self.generator)
         tok = self.tokenizer
         enc, dec = never_unk(enc, ids, tok.unk_token_id), never_unk(dec, ids, tok.unk_token_id)
-        corrupt = [bert_corruption(ids, m, tok.mask_token_id, len(tok), self.generator, self.all_mask_token)
-                   for m in (enc, dec)]
+        corrupt = [bert_corruption(ids, m, tok.mask_token_id, len(tok), self.generator, self.all_mask_token,
+                                   tok.padding_side == "left") for m in (enc, dec)]
         # every special token is no target, [UNK] included (rlm_collator.py: labels[labels == special_id] = -100)
         targets = batch.pop("targets").masked_fill(torch.isin(ids, torch.tensor(tok.all_special_ids)), -100)
         batch.update(enc_input_ids=corrupt[0], dec_input_ids=corrupt[1], enc_masked=enc, dec_masked=dec)
@@ -152,8 +154,9 @@ class SimLM(Objective):
             gen.to(ids.device)
         gen.train(self.training and self.choices.get("generator_train_mode", False))
         am = batch["attention_mask"]
-        return {**batch, "enc_input_ids": replace_tokens(gen, ids, am, batch["enc_masked"]),
-                "dec_input_ids": replace_tokens(gen, batch["dec_input_ids"], am, batch["dec_masked"])}
+        w = batch.get("real_width")
+        return {**batch, "enc_input_ids": replace_tokens(gen, ids, am, batch["enc_masked"], width=w),
+                "dec_input_ids": replace_tokens(gen, batch["dec_input_ids"], am, batch["dec_masked"], width=w)}
 
     def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
         """(trained, forward-only) multiply-adds of a batch, for train.py's FLOP count: the encoder and the decoder on

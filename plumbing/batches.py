@@ -2,7 +2,8 @@
 Batches: which rows make a batch and how it is collated ahead of the step (how the gradient cache cuts one, the
 Layout, is the model's: modeling_xprt.py).
   1. the samplers: length-grouped batches as a function of (seed, epoch), one document's groups capped per batch,
-     no repeated query (fine-tuning); the in-batch negatives the same-document mask leaves
+     no repeated query (fine-tuning); the in-batch negatives the same-document mask leaves; train.py's batches
+     for a loop of one's own (document_batches)
   2. the loader: batches collated in DataLoader workers, their random draws seeded by the batch's place in the run
      (SeededCollate), so a resumed run draws what the uninterrupted one drew; the batch to the device
 It imports plumbing/common.py, and modeling_xprt.py's document hash (the id L_xp masks by).
@@ -338,13 +339,23 @@ def sampler_negatives(sampler: "LengthGroupedBatchSampler", keys) -> dict:
     return {"mean": float(left.mean()) if left.size else 0.0, "min": int(left.min()) if left.size else 0,
             "rows_without": int((left == 0).sum()), "rows": int(left.size), "batch_size": sampler.batch_size}
 
-def in_batch_negatives(accelerator, doc_ids: torch.Tensor) -> torch.Tensor:
-    """The in-batch negatives a row keeps after the same-document mask of modeling_xprt.xp_loss, averaged over this
-    process's rows: the rows of the step's batch, gathered from every process, that come from another document.
-    0-dim, on the device (LogWindow averages it over the window and the processes). 0 means L_xp is 0 for the batch:
-    every candidate of every row was masked."""
-    everyone = accelerator.gather(doc_ids)  # (N * world,): ids carry no gradient
-    return (doc_ids.unsqueeze(1) != everyone.unsqueeze(0)).sum(1).double().mean()
+def document_batches(groups, collator, batch_size: int, seed: int = 0, epoch: int = 0, spread: int = 16):
+    """train.py's batches of the groups (a datasets.Dataset: train.load_groups) for a loop of one's own: lists of rows
+    the collator takes, at most half a batch of one document's (document_keys), so L_xp keeps negatives."""
+    lengths, extras = collator.sort_lengths(groups, seed)
+    keys, merged = document_keys(groups, positive=getattr(collator, "positive", "s1"))
+    sampler = LengthGroupedBatchSampler(lengths, batch_size, seed, spread=spread if collator.spread_documents else 1,
+                                        keys=keys, max_per_key=max(batch_size // 2, 1))
+    sampler.set_epoch(epoch)
+    for batch in sampler:
+        yield [with_extras(merged, extras, epoch, int(i), groups[int(i)]) for i in batch]
+
+def with_extras(merged: dict, row_extras, epoch: int, i: int, row: dict) -> dict:
+    """Row i as the collator reads it: under the doc_id its text copies share (merged: document_keys), with the
+    objective's per-epoch extras (row_extras(epoch, i): the random-span baseline's crops)."""
+    if i in merged:
+        row = {**row, "doc_id": merged[i]}
+    return {**row, **row_extras(epoch, i)} if row_extras is not None else row
 
 def check_batch_fits(rows: int, batch_size: int, world: int, what: str, distinct: Optional[int] = None):
     """Refuse, before the work that builds them (fine-tuning mines its negatives first), data too small for one

@@ -40,10 +40,11 @@ class LogWindow:
     step). `check_finite` and `record` read them once per logging step (and before a checkpoint)."""
 
     def __init__(self, accelerator=None, args=None, lr_scheduler=None, optimizer=None, max_steps: int = 0,
-                 peak_flops: Optional[float] = None, state=None):
+                 peak_flops: Optional[float] = None, state=None, hand_count=None):
         """state: the run's TrainState, which carries the window's sums in a checkpoint (state_dict): a resumed run's
-        window continues the one its checkpoint interrupted."""
+        window continues the one its checkpoint interrupted. hand_count: batch -> FLOPs (step_flops): --compile's."""
         self.accelerator, self.args, self.lr_scheduler, self.optimizer = accelerator, args, lr_scheduler, optimizer
+        self.hand_count = hand_count
         self.max_steps, self.peak_flops = max_steps, peak_flops  # peak FLOP/s of one device (None: not known)
         self.progress = None
         self.flops_per_token = None  # measured on the run's first counted micro-batch (measured)
@@ -77,27 +78,28 @@ class LogWindow:
         """Around one micro-batch's step: its real and processed tokens, from the CPU batch's masks (no device sync;
         skip_tokens: masks left out), and its FLOPs, counted by torch on the window's first micro-batch (flop_counter:
         a recomputed forward, the gradient cache's or checkpointing's, is work and counts) and scaled by each later
-        one's processed tokens. The run's first counted micro-batch prints the tokens and TFLOP of a step."""
+        one's processed tokens. The run's first counted micro-batch prints the tokens and TFLOP of a step. --compile:
+        hand_count's (the counter would run the step eagerly, with other dropout: a resume would differ)."""
         real, proc = padding_efficiency(batch, skip_tokens)
         self.shapes.add(tuple((k, tuple(v.shape)) for k, v in batch.items() if k.endswith("input_ids")
                               and torch.is_tensor(v)))
         self.real_tokens += real
         self.processed_tokens += proc
-        # (a resumed window: not yet in this process). Under --compile the run's first micro-batch only, run eagerly:
-        # a compiled layer first met under the counter (a dispatch mode) is never compiled (dynamo skips its code)
-        compiled = bool(getattr(self.args, "compile", None))
+        # (a resumed window: not yet in this process). Under --compile once, by hand (no step runs eagerly)
+        compiled = bool(getattr(self.args, "compile", None)) and self.hand_count is not None
         counting = self.flops_per_token is None or (self.n_micro == 0 and not compiled)
-        counter = flop_counter() if counting else contextlib.nullcontext()
-        with counter, (torch.compiler.set_stance("force_eager") if counting and compiled
-                       else contextlib.nullcontext()):
+        counter = flop_counter() if counting and not compiled else contextlib.nullcontext()
+        with counter:
             yield
         if counting:
-            first, self.flops_per_token = self.flops_per_token is None, counter.get_total_flops() / max(proc, 1)
+            total = self.hand_count(batch) if compiled else counter.get_total_flops()
+            first, self.flops_per_token = self.flops_per_token is None, total / max(proc, 1)
             if first:
                 acc = self.accelerator
                 accum = self.args.gradient_accumulation_steps * acc.num_processes
                 acc.print(f"tokens per step: ~{real * accum} real, {proc * accum} processed (first batch); "
-                          f"{self.flops_per_token * proc * accum / 1e12:.3f} TFLOP per step")
+                          f"{self.flops_per_token * proc * accum / 1e12:.3f} TFLOP per step" + (
+                              " (counted from the shapes: under --compile no step runs eagerly)" if compiled else ""))
         self.flops += self.flops_per_token * proc
 
     def step_done(self, state, epoch: int, scalars: dict):

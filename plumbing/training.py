@@ -411,7 +411,8 @@ def compile_layers(model, mode: str) -> str:
     chunked vocabulary terms) stays eager. Shapes are static (dynamic=False): --pad_to_multiple_of keeps a run's
     batch widths few, and dynamo's recompile limit is raised to hold them all (a shape over the limit would run
     eagerly, silently). mode: torch.compile's ("default"; "reduce-overhead" adds CUDA graphs on a GPU, one per
-    shape; "max-autotune-no-cudagraphs"). -> the line the run prints."""
+    shape; "max-autotune-no-cudagraphs"), or "exact": default's with eager's dropout (inductor's fallback_random,
+    torch's generator: the eager run's losses, tests/test_compile.py). -> the line the run prints."""
     import torch._dynamo
 
     roots = [model] + [held for m in model.modules() for held in getattr(m, "held_modules", ())]
@@ -421,8 +422,9 @@ def compile_layers(model, mode: str) -> str:
     classes = {type(m[0]) for m in modules if isinstance(m, torch.nn.ModuleList) and len(m) > 0
                and len({type(x) for x in m}) == 1 and any(True for _ in m.parameters())}
     layers = [m for m in modules if type(m) in classes]
+    how = {"options": {"fallback_random": True}} if mode == "exact" else {"mode": mode}  # "default": options {}
     for layer in layers:
-        layer.compile(mode=mode, dynamic=False)
+        layer.compile(dynamic=False, **how)
     # each width a batch can have, encoder and decoder inputs alike (up to 512 / 8 = 64 of them), compiled once
     cfg = torch._dynamo.config
     limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # (its name before 2.7)
@@ -965,15 +967,16 @@ def add_common_args(p, default_lr: float):
                         "with it the in-batch negatives, is no longer bound by the activations' memory; one more "
                         "forward of the encoder passes. Off by default; not under DeepSpeed"),
     g.add_argument("--compile", nargs="?", const="default", default=None,
-                   choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                   choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs", "exact"],
                    help="torch.compile the Transformer layers a step runs (the encoder's, the decoder's, those of "
                         "SimLM's generator and Revela's LM), each in place (regional compilation; "
-                        "training.compile_layers); a mode after the flag: reduce-overhead adds CUDA graphs on a GPU. "
-                        "Off by default (eager)")
+                        "training.compile_layers); a mode after the flag: reduce-overhead adds CUDA graphs on a GPU; "
+                        "exact draws dropout from torch's generator as eager does (an exact A/B: the eager run's "
+                        "losses), where the others draw inductor's own. Off by default (eager)")
     g.add_argument("--pad_to_multiple_of", type=positive_int, default=None,
                    help="pad every batch's width to a multiple of this, so a compiled step meets few shapes (the "
-                        "padding is masked; the masks drawn change with the width). Default: 8 with --compile, "
-                        "else 1 (each batch as long as its longest passage)")
+                        "padding is masked, and the masks are drawn over the real width: the same at any multiple). "
+                        "Default: 8 with --compile, else 1 (each batch as long as its longest passage)")
     g.add_argument("--seed", type=int, default=42, help="seed of everything (data order, masks, init, dropout)")
     g.add_argument("--dataloader_num_workers", type=non_negative_int, default=None,
                    help="processes that collate (tokenise, mask) the next batches while the device runs the step; "

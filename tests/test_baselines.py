@@ -125,7 +125,8 @@ def test_whole_word_mask_equals_the_official_greedy_rule():
     for rate in (0.15, 0.3, 0.5):
         seed = int(rate * 100)
         got = shared.whole_word_mask(word_ids, num_tokens, rate, torch.Generator().manual_seed(seed))
-        keys = torch.rand(n, l, generator=torch.Generator().manual_seed(seed))  # the draws whole_word_mask makes
+        # the draws whole_word_mask makes: over the word slots in use, whatever the padding (unpadded_rand)
+        keys = torch.rand(n, int(word_ids.max()) + 1, generator=torch.Generator().manual_seed(seed))
         for r in range(n):
             ids = word_ids[r].tolist()
             words = [[j for j, x in enumerate(ids) if x == w] for w in range(max(ids) + 1)]

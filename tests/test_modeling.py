@@ -574,7 +574,8 @@ def test_each_objective_loss_falls_on_a_repeated_batch(tiny_bert, tok, objective
                 "contrastive_random_span": {"contrastive_loss", "retention_loss"},
                 "self_reconstruction": {"recon_loss", "mlm_loss", "retention_loss"},
                 "pair": {"pair_q_loss", "pair_p_loss"}}[objective]
-    assert set(out) == expected | {"loss"}
+    counts = {"negatives", "in_batch_negatives"} if objective != "self_reconstruction" else set()
+    assert set(out) == expected | {"loss"} | counts
     assert all(not v.requires_grad for k, v in out.items() if k != "loss")
     assert losses[-1] < losses[0] * 0.95 and losses[-1] == min(losses), losses
 
@@ -862,3 +863,129 @@ def test_the_logged_kl_is_float64_exact_at_small_values():
         seen.append(ref)
         assert abs(got - ref) <= 1e-5 * ref, (ref, got)
     assert seen[0] > 3e-3 and 5e-5 < seen[-1] < 2e-4, seen
+
+
+def _padded_pair(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """Two batches' tensors, b's padded width cut back to a's (right padding: the real tokens come first)."""
+    if a.shape == b.shape or a.dim() == 0 or a.shape[:-1] != b.shape[:-1]:
+        return a, b
+    return a, b[..., :a.shape[-1]]
+
+
+def test_masks_ignore_the_padded_width(tiny_bert, tok, tmp_path):
+    """Issue 62 item 2, over every collator (every train.py --objective, and PAIR's): the same rows collated at
+    --pad_to_multiple_of 1 and 8 (what --compile pads to) draw the same masks, crops and corruptions on the real
+    tokens; the flat indices are the same positions (as many, with the same targets); the step's own draws (RetroMAE's
+    decoder masks, SimLM's generator samples: Objective.prepare) are the same; and the loss of step 1 is the same
+    (dropout off: dropout draws over the padded tensor, as torch's nn.Dropout does). At 1fbaae3 the masks were drawn
+    over the padded width, and every objective's masks differed here."""
+    import datasets
+
+    from plumbing.model_folder import load_teacher
+    from test_baselines import build_tiny_generator
+    from test_revela import build_tiny_lm
+
+    import train
+
+    teacher = load_teacher(str(tiny_bert))
+    options = {"simlm": {"generator_name_or_path": str(build_tiny_generator(tmp_path / "gen"))},
+               "revela": {"lm_name_or_path": build_tiny_lm(tmp_path / "lm", tiny_bert), "extra_anchors": 2}}
+    differ = {}
+    for objective in train.pretraining_objectives() + ["pair"]:
+        model = make_model(tiny_bert, objective, **options.get(objective, {})).eval()
+        rows = toy_rows(6, docs=[0, 0, 1, 2, 3, 4])
+        if objective == "pair":
+            rows = [{"query": r["anchor"][:20], "positive": r["anchor"], "negatives": [r["random_passage"]]}
+                    for r in rows]
+        batches = []
+        for multiple in (1, 8):
+            kw = {"max_length": 20, "seed": 3} if objective != "pair" else {"passage_max_length": 20}
+            collator = model.objective.make_collator(tok, pad_to_multiple_of=multiple, **kw)
+            extras = collator.sort_lengths(datasets.Dataset.from_list(rows), 0)[1] if hasattr(
+                collator, "sort_lengths") else None
+            batch = collator([{**r, **extras(0, i)} if extras else r for i, r in enumerate(rows)])
+            torch.manual_seed(5)  # the step's own draws
+            batch = model.objective.prepare(model, batch) if model.objective.prepare else batch
+            torch.manual_seed(6)
+            loss = model(batch, teacher=teacher, retention_weight=1.0, pair_alpha=0.1)["loss"].item()
+            batches.append((batch, loss))
+        (a, loss_a), (b, loss_b) = batches
+        widths = {k: (v.shape[-1], b[k].shape[-1]) for k, v in a.items() if torch.is_tensor(v) and v.dim() > 1}
+        assert any(x != y for x, y in widths.values()), (objective, widths)  # padding took place
+        flat = a["layout"].flat_index
+        for k, v in a.items():
+            if not torch.is_tensor(v):
+                continue
+            if k in flat and flat[k][1]:  # positions in the flat states: as many, where their targets are
+                same = v.numel() == b[k].numel()
+            elif k == "visible":  # (G, L, L): the rows and columns of the real tokens
+                same = torch.equal(v, b[k][:, :v.shape[1], :v.shape[2]])
+            else:
+                same = torch.equal(*_padded_pair(v, b[k]))
+            if not same:
+                differ.setdefault(objective, []).append(k)
+        if loss_a != pytest.approx(loss_b, rel=1e-5):
+            differ.setdefault(objective, []).append(f"loss {loss_a:.6f} != {loss_b:.6f}")
+    print("differ at pad 1 and 8:", differ)
+    assert not differ, differ
+
+
+@pytest.mark.parametrize("objective", ["xprt", "contriever", "contrastive_random_span", "pair"])
+def test_the_model_counts_each_rows_in_batch_negatives_and_warns_once_at_none(tiny_bert, tok, objective,
+                                                                             monkeypatch):
+    """Issue 62 item 1, over every objective with in-batch negatives: the output's "negatives" is each row's count
+    (xPRT: the rows of other documents, L_xp's same-document mask; Contriever and random spans: every other row, no
+    mask; PAIR's L_Q: every passage of the batch not labelled relevant to the row), "in_batch_negatives" their mean.
+    A batch of one document's groups leaves xPRT's rows none: xp_loss is exactly 0, and the model warns, once a
+    process. At 1fbaae3 the output had no count and nothing warned."""
+    monkeypatch.setattr(mx, "_NO_NEGATIVE", {"calls": 0, "warned": False}, raising=False)
+    model = make_model(tiny_bert, objective).eval()
+    one_doc, four_docs = toy_rows(4, docs=[0, 0, 0, 0]), toy_rows(4, docs=[0, 1, 2, 3])
+    if objective == "pair":  # two rows share a positive: each is the other's false negative
+        one_doc = [{"query": r["anchor"][:20], "positive": one_doc[0]["anchor"], "negatives": [r["random_passage"]]}
+                   for r in one_doc[:2]]
+        four_docs = [{"query": r["anchor"][:20], "positive": r["anchor"], "negatives": [r["random_passage"]]}
+                     for r in four_docs]
+    collator = model.objective.make_collator(tok)
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        out_one = model(collator(one_doc), pair_alpha=0.1)
+        out_one_again = model(collator(one_doc), pair_alpha=0.1)
+        out_four = model(collator(four_docs), pair_alpha=0.1)
+    said = [str(w.message) for w in said if "in-batch negative" in str(w.message)]
+    want_one = {"xprt": [0, 0, 0, 0], "contriever": [3] * 4, "contrastive_random_span": [3] * 4,
+                "pair": [2, 2]}[objective]  # PAIR: each row's hard negative and the other row's
+    want_four = {"pair": [7] * 4}.get(objective, [3] * 4)  # PAIR: 8 passages less the own positive
+    assert out_one["negatives"].tolist() == out_one_again["negatives"].tolist() == want_one, out_one["negatives"]
+    assert out_four["negatives"].tolist() == want_four and out_four["in_batch_negatives"] == sum(want_four) / 4
+    if objective == "xprt":
+        assert out_one["xp_loss"].item() == 0.0 and out_four["xp_loss"].item() > 0.0
+        assert len(said) == 1 and said[0].startswith("xprt: rows of a batch have no in-batch negative"), said
+    else:
+        assert not said, said
+
+
+def test_a_fork_that_reads_the_groups_in_order_gets_one_document_batches_and_document_batches_fixes_it(
+        tiny_bert, tok, monkeypatch):
+    """Issue 62 item 1's fork, small: 6 documents of 4 groups each, in file order, batches of 4 -> every batch one
+    document, every row without a negative, xp_loss exactly 0. The one-line import the model's docstring shows,
+    plumbing.batches.document_batches (train.py's sampler), gives every row of every batch negatives."""
+    import datasets
+
+    from plumbing.batches import document_batches
+
+    monkeypatch.setattr(mx, "_NO_NEGATIVE", {"calls": 0, "warned": False}, raising=False)  # this process's first
+    groups = datasets.Dataset.from_list(toy_rows(24, docs=[d for d in range(6) for _ in range(4)]))
+    model = make_model(tiny_bert).eval()
+    collator = model.objective.make_collator(tok, max_length=24)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="no in-batch negative"):
+        in_order = [model(collator([groups[j] for j in range(i, i + 4)])) for i in range(0, 24, 4)]
+    assert all(o["negatives"].tolist() == [0] * 4 and o["xp_loss"].item() == 0.0 for o in in_order)
+    batches = list(document_batches(groups, collator, batch_size=4))
+    assert len(batches) == 6 and sorted(r["anchor"] for b in batches for r in b) == sorted(groups["anchor"])
+    with torch.no_grad():
+        spread = [model(collator(rows)) for rows in batches]
+    assert all(o["negatives"].min() >= 2 and o["xp_loss"].item() > 0.0 for o in spread), [
+        o["negatives"].tolist() for o in spread]

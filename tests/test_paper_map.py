@@ -205,10 +205,12 @@ def traced_step(argv, step: int = 1, end: str = "XPRTModel.forward") -> dict:
 # step, now 6). The first step adds what runs once: the memory estimate and the FLOP count (run_log.py), the epoch's
 # batches. The function counts grew by two with the loop moved into the script: LogWindow.measured (the token and
 # FLOP count around a micro-batch) and StopSignals.check. Issue 65 added one to each first step (the estimate's
-# vocabulary share, run_log.vocab_kernel_bytes) and one to xPRT's steps (L_self's value, architectures._kl_rows_).
+# vocabulary share, run_log.vocab_kernel_bytes) and one to xPRT's steps (L_self's value, architectures._kl_rows_);
+# issue 62 three (the masks over the real width, unpadded_rand; the model's count of each row's negatives,
+# with_negatives, Objective.negatives).
 STEP_BOUNDS = {
-    "xprt": {1: {"sampler": (75, 6), "model": (36, 3)}, 2: {"sampler": (53, 5), "model": (34, 3)}},
-    "retromae": {1: {"sampler": (69, 8), "model": (30, 5)}, 2: {"sampler": (47, 7), "model": (28, 4)}},
+    "xprt": {1: {"sampler": (78, 6), "model": (39, 3)}, 2: {"sampler": (56, 5), "model": (37, 3)}},
+    "retromae": {1: {"sampler": (72, 8), "model": (33, 5)}, 2: {"sampler": (50, 7), "model": (31, 4)}},
 }
 
 
