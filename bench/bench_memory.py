@@ -255,7 +255,8 @@ def child_mining(corpus_path, model, queries, batch_size, chunk_size):
 # (name, hidden, layers, precision, groups, accumulation, gradient_cache_chunk, retention)
 ESTIMATE_CASES = [("S", 64, 2, "no", 8, 1, 0, 0), ("S", 64, 2, "no", 32, 1, 0, 0), ("S", 64, 2, "bf16", 32, 1, 0, 0),
                   ("M", 128, 4, "no", 8, 1, 0, 0), ("M", 128, 4, "no", 24, 1, 0, 0), ("M", 128, 4, "bf16", 24, 1, 0, 0),
-                  ("M", 128, 4, "no", 16, 2, 0, 0), ("M", 128, 4, "no", 32, 1, 8, 0), ("M", 128, 4, "no", 16, 1, 0, 1),
+                  ("M", 128, 4, "no", 16, 2, 0, 0), ("M", 128, 4, "no", 32, 1, 8, 0), ("M", 128, 4, "no", 32, 1, 4, 0),
+                  ("M", 128, 4, "no", 16, 1, 0, 1),
                   ("M", 128, 4, "bf16", 16, 1, 0, 1)]
 
 

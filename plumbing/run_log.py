@@ -404,16 +404,17 @@ def layer_tokens_per_group(model, batch, retention: bool) -> float:
         total += batch["retain_input_ids"].numel() * n_enc
     return total / max(groups or 1, 1)
 
-def vocab_kernel_bytes(model, batch, rows_share: float, lowp: bool) -> float:
+def vocab_kernel_bytes(model, batch, lowp: bool) -> float:
     """What the vocabulary terms (architectures._FusedLinearCE) add: fp32 (rows, V') buffers for the largest term's
     rows (at most 1024) and two for L_self's, a (V', H) fp32 weight gradient per term from forward to backward, in low
-    precision W's copy and a chunk's logits and gradient. Rows: each *_targets (cross-entropies) and self_rows."""
+    precision W's copy and a chunk's logits and gradient. Rows: each *_targets (cross-entropies) and self_rows, the
+    whole batch's under the gradient cache too (its peak, measured at chunks 4-16: docs/notes.md)."""
     weight = getattr(model, "vocab_weight", None)
     if weight is None:
         return 0.0
     v, h = weight.shape
     vp = -(-v // 64) * 64 if lowp else v  # architectures._PAD
-    rows = {k: min(1024, max(1, int(t.numel() * rows_share))) for k, t in batch.items()
+    rows = {k: min(1024, t.numel()) for k, t in batch.items()
             if torch.is_tensor(t) and t.dim() == 1 and (k.endswith("_targets") or k == "self_rows")}
     if not rows:
         return 0.0
@@ -457,8 +458,7 @@ def memory_estimate(accelerator, args, model, batch, teacher, max_length: int) -
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     fixed = (12 * sum(p.numel() for p in params if p.requires_grad)
              + lowp * 2 * sum(p.numel() for p in params if p.requires_grad and id(p) not in embeddings))
-    full, fixed = fixed + vocab_kernel_bytes(model, batch, 1.0, lowp), fixed + vocab_kernel_bytes(
-        model, batch, held / groups, lowp)  # the groups that fit: the whole batch's vocabulary rows
+    full = fixed = fixed + vocab_kernel_bytes(model, batch, lowp)
     note = {"bytes_per_token_layer": per_tl, "gib_per_group": per_group / 2**30, "fixed_gib": fixed / 2**30,
             "batch_gib": (fixed + held * per_group) / 2**30, "resident_gib": resident / 2**30, "batch": b}
     line = (f"memory: ~{note['batch_gib']:.1f} GiB for {b} groups per device"
