@@ -12,11 +12,9 @@ and the ablations --positive random and --no_fill_in.
 
     accelerate launch train.py --groups_dir groups/ --output_dir runs/xprt      # paper defaults (E5, lr 1e-6)
 
-The file reads top to bottom: flags in the paper's order (the method, its objective's own flags: Objective.flags,
-w(t), masking; then data, run, output); the groups; the model, the data and the retention teacher; the stopping
-signal; main, which reads accelerator, model, data, optimiser and scheduler, prepare, the loop (here, as
-run_mlm_no_trainer.py writes it: w(t) of modeling_xprt.retention_weight on the line that calls the model,
-accelerator.backward, the optimiser step), save. The losses live in modeling_xprt.py, one function per equation;
+The file reads top to bottom: flags in the paper's order; the groups; the model, the data and the retention
+teacher; main: accelerator, model, data, optimiser and scheduler, prepare, the loop (as run_mlm_no_trainer.py
+writes it, w(t) of modeling_xprt.retention_weight beside the model call), save. The losses: modeling_xprt.py;
 checkpoints, resume and stop signals in plumbing/training.py; the log, the FLOP count and the memory estimate in
 plumbing/run_log.py.
 """

@@ -287,16 +287,12 @@ def read_json(path) -> dict:
         return {}
 
 def model_prompts(name_or_path: str, mode: str = "auto", _depth: int = 0) -> dict:
-    """The one prefix rule of the repository: {"query": prefix, "document": prefix, ...} for a model: the query and
-    document prefixes training uses, and, in mode "auto", every other prompt the model's folder names (task names
-    such as "STSBenchmark", task types, "<task>-query": the keys mteb picks from, kept so the saved folder keeps them
-    and evaluate.py picks as mteb does).
+    """The one prefix rule of the repository: {"query": prefix, "document": prefix, ...} for a model, and in mode
+    "auto" every other prompt the model's folder names (the keys mteb picks from, kept in the saved folder).
 
     mode "e5" / "none" force E5's "query: " / "passage: " or no prefix. mode "auto", in order:
-      1. the folder's config_sentence_transformers.json "prompts" (where sentence-transformers keeps them, and
-         where train.py / finetune.py write them), when it names a query or document prompt;
-      2. the folder's xprt_config.json "start_model" (written by save_pretrained): that model's prompts, so a model
-         continued from E5 keeps E5's prefixes;
+      1. the folder's config_sentence_transformers.json "prompts", when it names a query or document prompt;
+      2. the folder's xprt_config.json "start_model": that model's prompts (a model continued from E5 keeps E5's);
       3. the name: an E5 model ("e5" a word of the name as given, of the resolved path, or of config.json's
          _name_or_path) gets E5's prefixes (docs/notes.md: wrong prefixes cost E5 a lot);
       4. otherwise none (all-MiniLM-L6-v2 was trained without prefixes).
