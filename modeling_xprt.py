@@ -2,20 +2,16 @@
 xPRT's model and its equations (the xPRT paper, "The objective"; the PAIR paper for the fine-tuning stage).
 
 Read it top to bottom beside the paper:
-  1. pooling and gathers: the sentence vector, and vectors gathered across processes (in-batch negatives)
-  2. the equations, one function each, in the paper's order: L_xp, L_cross, L_self, L_MLM, L_unif, the retention KL
-     and its weight's schedule; PAIR's L_Q, L_P and their mix
+  1. pooling and gathers (in-batch negatives)
+  2. the equations, in the paper's order: L_xp, L_cross, L_self, L_MLM, L_unif, L_retain and w(t); PAIR's L_Q, L_P
   3. the decoder: the 10 passes of a group, the one-layer conditioned decoder
-  4. the objectives: one class each (xPRT, PAIR), the few methods the step and the gradient cache need
-  5. what the model is beyond its weights: its length limit, pooling, scoring, the start's modules after pooling
-  6. the model: the encoder with its MLM head, XPRTModel (the step and the gradient cache, written once), the batch
-     embedder
+  4. the objectives: one class each (xPRT, PAIR)
+  5. what the model is beyond its weights: its length limit, pooling, scoring, the modules after pooling
+  6. the model: the encoder with its MLM head, XPRTModel (the step and the gradient cache), the batch embedder
   7. the batch's Layout, which the gradient cache cuts by
-  8. the collators: rows -> one batch of tensors (all masking and index building) and its Layout
-It imports one file of the repository, plumbing/architectures.py (any encoder taken apart, the vocabulary terms chunk
-by chunk): the two, copied into another project, build and train the model (tests/test_lifting.py). The comparison
-objectives are in baselines/, one file each; saving and loading a model folder is plumbing/model_folder.py's; the
-loops that call XPRTModel.forward are train.py's and finetune.py's.
+  8. the collators: rows -> one batch of tensors and its Layout
+It imports one file of the repository, plumbing/architectures.py: the two, copied into another project, build and
+train the model (tests/test_lifting.py). Comparison objectives: baselines/; model folders: plumbing/model_folder.py.
 """
 
 from __future__ import annotations
@@ -64,15 +60,11 @@ def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return F.normalize(a.float(), dim=-1) @ F.normalize(b.float(), dim=-1).t()
 
 def gather_with_grad(t: torch.Tensor) -> torch.Tensor:
-    """Concatenate `t` from every process along dim 0, keeping gradients (identity when not distributed). Also for
-    what carries none (document ids, labels).
+    """Concatenate `t` from every process along dim 0, keeping gradients (identity when not distributed).
 
-    `accelerator.gather` has no backward, so in-batch negatives gathered with it would not push the other processes'
-    vectors. torch.distributed.nn's all_gather has one: its backward SUMS, into each process's local slice, the
-    gradients that every process's loss sends to it. Each process must therefore compute its loss on its LOCAL rows
-    only (against the gathered candidates); DDP's gradient averaging then yields exactly the gradient of the global
-    mean loss (tests/test_modeling.py::test_two_process_gather_equals_single_process). Every process must hold the
-    same number of rows (drop_last)."""
+    torch.distributed.nn's all_gather backward SUMS each loss's gradients into the local slice, so each process
+    takes its loss on its LOCAL rows; DDP's averaging then gives the global mean's gradient
+    (tests/test_modeling.py::test_two_process_gather_equals_single_process). Equal rows per process (drop_last)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return t
@@ -169,9 +161,7 @@ def mlm_loss(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 def uniformity_loss(vectors: torch.Tensor, t: float = 2.0) -> torch.Tensor:
     """L_unif (Wang & Isola 2020): log mean_{i != j} exp(-t ||x_i - x_j||^2), x L2-normalised, t = 2.
 
-    Applied to the batch's anchors: the closer any two anchors, the larger the penalty, so the vectors do not collapse
-    into one cluster. Local batch only (no gathering): with one group per device there is no pair, and the term is 0,
-    with a zero gradient.
+    On the batch's anchors, so they do not collapse into one cluster. Local batch only: one group gives 0.
     Worked example: two orthogonal unit vectors, ||x - y||^2 = 2: log exp(-2 * 2) = -4; equal: 0."""
     n = vectors.shape[0]
     if n < 2:  # the mean over no pair: nothing to push apart (and log(n (n - 1)) is undefined)
@@ -188,11 +178,9 @@ def retention_loss(student_anchors, student_related, teacher_anchors, teacher_re
     """L_retain: keep the frozen starting model's (E5's) view of which passages resemble which.
 
     S = cos(anchors, related) / tau for the current model and T for the frozen teacher (unmasked text, no gradient),
-    both (N, N) over the batch's anchors x top related passages. Rows (anchor -> related) and columns (related ->
-    anchor) each get a softmax, and
+    both (N, N) over the batch's anchors x top related passages:
         L_retain = 1/2 [ KL(softmax_row(T) || softmax_row(S)) + KL(softmax_col(T) || softmax_col(S)) ],
-    each KL averaged over rows/columns. The paper's weight falls 40 -> 0 over training (retention_weight). The paper
-    gives no temperature for these softmaxes: tau = 0.05 (L_xp's) is our choice.
+    each KL averaged over rows/columns. tau = 0.05 (L_xp's) is ours: the paper gives none.
     Worked example: a teacher that tells 2 pairs apart (cos 1 and 0), a student that does not (all
     cos 1): KL(one-hot || uniform) = ln 2 = 0.693; a student equal to the teacher: 0."""
     s = cosines(student_anchors, student_related) / tau
@@ -208,9 +196,8 @@ def retention_weight(step: int, total: int, start: float = 40.0, end: float = 0.
     """Weight of the retention term at optimiser step t = `step` of T = `total`: the paper's 40 -> 0 decay.
 
     w(t) = w_0 + (w_T - w_0) s(t / T), s(x) = x (linear), (1 - cos(pi x)) / 2 (cosine) or 0 (constant).
-    A function of the step alone: a resumed run continues the decay where it stopped. Weight 0 at both ends turns
-    the term (and the teacher pass) off. Step t (0 .. T-1) trains with w(t), taken at its start as
-    the lr schedule is: the last step's weight is w(T-1), and w_T is where the run ends.
+    A function of the step alone (a resume continues the decay). 0 at both ends turns the term off. Step t
+    (0 .. T-1) trains with w(t), as the lr schedule: the last step's weight is w(T-1).
     Worked example: 40 -> 0 over T = 6: w(0) = 40, w(3) = 20 (cosine too), w(5) = 6.67, w(6) = 0."""
     frac = min(step / max(1, total), 1.0)
     if shape == "constant":
@@ -225,11 +212,9 @@ def pair_false_negatives(candidate_ids: torch.Tensor, relevant_ids: torch.Tensor
 
         exclude[i, c] = (id(c) in R_i) and (c != label_i),   R_i = ids of every passage labelled relevant to q_i
 
-    A candidate whose text is row i's positive (a duplicate in another slot) or another passage labelled relevant to
-    row i's query is not a negative of row i; it leaves row i's denominator. Ids are stable_doc_hash of the passage
-    text (PairCollator). candidate_ids: (C,) int64, the gathered candidates; relevant_ids: (B, R) int64, the local
-    rows' relevant passages, padded by repeating an id the row already holds (PairCollator), so padding never matches
-    anything its real ids do not; labels: (B,) each row's own column, which always stays. Returns (B, C) bool."""
+    Ids are stable_doc_hash of the passage text. candidate_ids: (C,) int64, gathered; relevant_ids: (B, R) int64,
+    padded by repeating a row's own id (PairCollator); labels: (B,) each row's own column, which stays.
+    Returns (B, C) bool."""
     exclude = (relevant_ids.unsqueeze(-1) == candidate_ids.view(1, 1, -1)).any(dim=1)  # (B, R, C) -> (B, C)
     if labels is not None:
         exclude[torch.arange(exclude.shape[0], device=exclude.device), labels] = False
@@ -241,11 +226,8 @@ def pair_q_loss(queries: torch.Tensor, passages: torch.Tensor, tau: float = 0.05
     """PAIR's query-centric L_Q (Eq. 1): the query picks its positive among its positive, its hard negatives and
     every other passage of the batch gathered from all processes (cross-batch negatives):
         L_Q = -log exp(f(q, p+)) / (exp(f(q, p+)) + sum_{p- in N_P} exp(f(q, p-))),  f = cos / tau.
-    queries: (B, H); passages: (B, 1 + n, H), positive first. PAIR's official code uses raw inner products of [CLS];
-    our encoders are mean-pooled cosine models, hence cos / tau (tau = 0.05). N_P leaves out the false negatives
-    when the ids are given (pair_false_negatives): passage_ids (B, 1 + n) int64, gathered like the passages;
-    relevant_ids (B, R) int64 (None: each row's own positive only). Without ids every other passage is a negative
-    (a duplicate of q's positive then caps p+ at 1/2).
+    queries: (B, H); passages: (B, 1 + n, H), positive first. N_P leaves out the false negatives when the ids are
+    given (pair_false_negatives): passage_ids (B, 1 + n) int64; relevant_ids (B, R) int64 (None: own positive).
     Worked example: cos(q, p+) = 0.8, cos(q, p-) = 0.5, tau = 0.05: L_Q = ln(1 + e^-6) = 0.0025."""
     b, k, h = passages.shape
     all_p = gather_with_grad(passages.reshape(b * k, h))  # (world * B * k, H)
@@ -302,11 +284,7 @@ def pair_loss(l_q: torch.Tensor, l_p: torch.Tensor, alpha: float) -> torch.Tenso
 @dataclass
 class LossWeights:
     """Weights of the xPRT terms. L = xp * L_xp + cross * L_cross + self_fill * L_self + mlm * L_MLM + unif * L_unif
-    (+ the retention term, whose weight 40 -> 0 is scheduled by train.py).
-
-    xp = 1.0 and cross = 0.1 are the paper's. self_fill, mlm and unif are NOT given by our source: these defaults are
-    OURS - we give each auxiliary term the same weight, 0.1, as the paper's one auxiliary weight (L_cross), so that
-    L_xp stays the dominant signal."""
+    (+ w(t) L_retain, train.py). xp and cross are the paper's; the rest are OURS, at L_cross's 0.1."""
 
     xp: float = 1.0
     cross: float = 0.1
@@ -323,10 +301,8 @@ class LossWeights:
 def decoder_pass_plan(num_related: int, fill_in: bool = True):
     """The decoder passes of one group, in batch order: (condition_source, target, kind) lists.
 
-    Passage indices: 0 = anchor, 1 = s1, ..., num_related. With 4 related passages: passes 0-3 anchor -> related_k
-    (cross), 4-7 related_k -> anchor (cross), 8 anchor -> anchor and 9 s1 -> s1 (self): 8 cross + 2 self = the
-    paper's 10 decoder passes per group. fill_in=False (the "without the fill-in loss" ablation) keeps the 2 self
-    passes only."""
+    0 = anchor, 1 = s1, ..., num_related. With 4: passes 0-3 anchor -> related_k, 4-7 related_k -> anchor (cross),
+    8 anchor -> anchor, 9 s1 -> s1 (self): the paper's 10. fill_in=False (the ablation) keeps the 2 self passes."""
     r = list(range(1, num_related + 1))
     source = [0] * num_related + r + [0, 1]
     target = r + [0] * num_related + [0, 1]
@@ -350,10 +326,8 @@ class ConditionedDecoder(nn.Module):
         self.layers = decoder_layers(encoder, num_layers)
         # the encoder runs the layers (its masks and positions); outside the module tree: not the decoder's weights
         object.__setattr__(self, "run_layers", layer_runner(encoder))
-        # The encoder's init (BERT: N(0, 0.02) linear weights, LayerNorm 1/0) for the fresh decoder, as RetroMAE does.
-        self.apply(encoder._init_weights)
-        # Our choice: start the linear map as C stacked identities (+ the N(0, 0.02) noise above, so the C vectors
-        # differ), so that the decoder does not start out ignoring the vector (docs/notes.md)
+        self.apply(encoder._init_weights)  # the encoder's init for the fresh decoder, as RetroMAE does
+        # ours: C stacked identities (+ the init's noise), so the decoder does not start out ignoring the vector
         with torch.no_grad():
             self.condition.weight += torch.eye(config.hidden_size).repeat(num_condition_vectors, 1)
 
@@ -382,14 +356,12 @@ class ConditionedDecoder(nn.Module):
 
 # ==============================================================================================================
 # 4. The objectives
-# One class per objective (train.py / finetune.py --objective), each with the same few methods; XPRTModel.forward and
-# the gradient cache (XPRTModel.cached_step) are written once over them, so an objective added here (or in
-# baselines/) is cached and tested without code of its own. The batch layout is the collator's (sections 7, 8).
+# One class per --objective, each with the same few methods; XPRTModel.forward and the gradient cache
+# (XPRTModel.cached_step) are written once over them.
 # ==============================================================================================================
 
 OBJECTIVES: dict = {}  # --objective name -> Objective class, as its module registers it (register_objective)
-# Where each train.py --objective is defined, in the order --help lists them. objective_class imports an objective's
-# module on first use, so a run imports the one objective it trains: an xPRT run imports no baseline.
+# Where each train.py --objective is defined, imported on first use (objective_class): an xPRT run imports no baseline
 PRETRAINING_OBJECTIVES = {"xprt": "modeling_xprt", "retromae": "baselines.retromae", "simlm": "baselines.simlm",
                           "contriever": "baselines.contriever", "contrastive_random_span": "baselines.contriever",
                           "self_reconstruction": "baselines.self_reconstruction", "revela": "baselines.revela"}
@@ -413,9 +385,8 @@ def pretraining_objectives() -> list:
     return list(PRETRAINING_OBJECTIVES)
 
 def objective_flags(names=None) -> dict:
-    """{"--flag": (argparse keywords, [the objectives that take it])} over the objectives `names` (default: every
-    train.py --objective; each imported), in their order (train.py adds its objective's, and hands it only its own:
-    Objective.options_from_flags)."""
+    """{"--flag": (argparse keywords, [the objectives that take it])} over `names` (default: every train.py
+    --objective; each imported), in their order."""
     found: dict = {}
     for name in pretraining_objectives() if names is None else names:
         for flag, spec in objective_class(name).flags.items():
@@ -437,20 +408,16 @@ class Objective(nn.Module):
                                          gradient cache sums it over the batch terms and over each chunk's row terms)
       masked_student(vec)                the anchor and s1 vectors the retention term may reuse (G, 2, H), or None
 
-    batch_terms and row_terms return {term name: value}. The objective owns the trainable heads it adds (submodules:
-    saved in xprt_heads.safetensors); the encoder and its MLM head are the model's. `config()` is what
-    xprt_config.json records to rebuild it."""
+    batch_terms and row_terms return {term name: value}. Its heads are submodules (xprt_heads.safetensors);
+    `config()` is what xprt_config.json records to rebuild it."""
 
     name = ""
     pretraining = True  # trains on select_groups.py's groups (train.py) and gets the retention term
     trains_every_head = False  # every head parameter (its own, the MLM head's) gets a gradient: DDP needs no search
     forward_only_inputs: tuple = ()  # batch inputs encoded without gradient (MoCo's keys): no saved activations
     prepare = None  # or a method prepare(model, batch) -> batch (SimLM's generator, Revela's language model)
-    # the models it runs but keeps out of the module tree (not saved, not wrapped by DDP): SimLM's generator, Revela's
-    # language model. A walk over the model's modules that must reach them too (--compile) adds these.
-    held_modules: tuple = ()
-    # The train.py flags of this objective: {"--flag": argparse keywords}, each the constructor's option of the flag's
-    # name. Left unset (None), the option keeps the constructor's default; set for another objective, it is refused.
+    held_modules: tuple = ()  # models it runs outside the module tree (not saved, not DDP's): SimLM's generator
+    # {"--flag": argparse keywords}, each the constructor's option of its name; unset keeps the default
     flags: dict = {}
     model_flags: tuple = ()  # its flags that name a model it loads: checked before the run, recorded among its inputs
 
@@ -487,16 +454,14 @@ class Objective(nn.Module):
         return None
 
     def multiply_adds(self, model, batch: dict, layers, head: int) -> tuple:
-        """(trained, forward-only) multiply-adds of a collated batch, for the FLOP count (run_log.step_flops): here
-        the encoder on each text tensor the batch holds (groups' passages, random spans' crops, PAIR's queries and
-        passages), trained. layers(ids, n, extra=0): n layers over an (..., L) tensor; head: the MLM head per row."""
+        """(trained, forward-only) multiply-adds of a collated batch (run_log.step_flops): here the encoder on each
+        text tensor. layers(ids, n, extra=0): n layers over an (..., L) tensor; head: the MLM head per row."""
         n = layer_multiply_adds(model.encoder)[0]
         keys = ("input_ids", "short_input_ids", "query_input_ids", "passage_input_ids")
         return sum(layers(batch[k], n) for k in keys if k in batch), 0
 
     def scoring(self) -> dict:
-        """The ModelInfo fields (pooling, normalize, similarity_fn_name) this objective's setting fixes, e.g. [CLS]
-        pooling for RetroMAE as its authors run it (baselines/, --baseline_setting); {}: the start model's."""
+        """The ModelInfo fields this objective's setting fixes (RetroMAE's [CLS]); {}: the start model's."""
         return {}
 
     def make_collator(self, tokenizer, **kw):
@@ -507,10 +472,8 @@ TERMS = ("xp_loss", "cross_fill_loss", "self_fill_loss", "mlm_loss", "uniformity
 
 @register_objective
 class XPRTObjective(Objective):
-    """xPRT (the paper's "The objective"), its total loss in `total`: the batch terms L_xp and L_unif (the groups meet
-    only through their vectors) and the row terms L_MLM, L_cross, L_self. One encoder call on all G x (1 +
-    num_related) passages, one ConditionedDecoder call on all G x D passes.
-    fill_in=False is the paper's "without the fill-in loss" ablation (L_cross off, L_self stays)."""
+    """xPRT (the paper's "The objective"), its loss in `total`: batch terms L_xp, L_unif; row terms L_MLM, L_cross,
+    L_self. fill_in=False is the paper's "without the fill-in loss" ablation (L_cross off, L_self stays)."""
 
     name = "xprt"
     trains_every_head = True  # the decoder (its self passes at least) and the MLM head (L_MLM)
@@ -566,8 +529,7 @@ class XPRTObjective(Objective):
                 "uniformity_loss": uniformity_loss(anchors)}
 
     def row_terms(self, model, batch, states, vec):
-        """L_MLM, L_cross, L_self at the rows the collator picked (index tensors: no data-dependent shapes, so no
-        device-to-host sync), each times its rows' share of the batch's (1 for a whole batch; Layout.row_share)."""
+        """L_MLM, L_cross, L_self at the collator's index rows, each times its rows' share (Layout.row_share)."""
         share = batch["layout"].row_share
         dec = self.decode(model, vec, batch, batch["attention_mask"])  # every pass: one decoder call
         terms = {"mlm_loss": share["mlm"] * mlm_loss(model, states.index_select(0, batch["mlm_index"]),
@@ -580,8 +542,7 @@ class XPRTObjective(Objective):
         return terms
 
     def total(self, terms: dict, retention_weight: float = 0.0, **step):
-        """L = L_xp + 0.1 L_cross + w_self L_self + w_mlm L_MLM + w_unif L_unif + w(t) L_retain (LossWeights; w(t) the
-        retention weight's schedule, train.py); a term not in `terms` counts 0."""
+        """L = L_xp + 0.1 L_cross + w_self L_self + w_mlm L_MLM + w_unif L_unif + w(t) L_retain; a missing term is 0."""
         w, t = self.weights, {k: terms.get(k, 0.0) for k in TERMS}
         return (w.xp * t["xp_loss"] + w.cross * t["cross_fill_loss"] + w.self_fill * t["self_fill_loss"]
                 + w.mlm * t["mlm_loss"] + w.unif * t["uniformity_loss"] + retention_weight * t["retention_loss"])
@@ -608,8 +569,7 @@ class XPRTObjective(Objective):
 
 @register_objective
 class PairObjective(Objective):
-    """PAIR (finetune.py): (1 - alpha) L_Q + alpha L_P on the queries and their positive-first passages. Only batch
-    terms: every term reads the pooled vectors, so the gradient cache covers all of it."""
+    """PAIR (finetune.py): (1 - alpha) L_Q + alpha L_P on the queries and their positive-first passages."""
 
     name = "pair"
     pretraining = False
@@ -652,11 +612,9 @@ class PairObjective(Objective):
 
 @dataclass
 class ModelInfo:
-    """What a model folder records beyond the weights (plumbing/model_folder.py): the checkpoint training started
-    from, the {"query", "document"} prefixes it is trained and used with, the length limit it is saved and scored at
-    (max_seq_length), the Hub id of the checkpoint it was loaded from (the card's base_model), the Hub repository the
-    folder is pushed to, and its lineage: every stage from the first checkpoint on, [{"stage", "model"}] ("model": a
-    Hub id, or None for a local one)."""
+    """What a model folder records beyond the weights (plumbing/model_folder.py): the start checkpoint, the
+    {"query", "document"} prefixes, the length limit, the card's base_model, the Hub repository, and the lineage:
+    every stage from the first checkpoint on, [{"stage", "model"}] ("model": a Hub id, or None for a local one)."""
 
     start_model: str = ""
     prompts: dict = field(default_factory=lambda: dict(query="", document=""))
@@ -665,28 +623,22 @@ class ModelInfo:
     hub_model_id: Optional[str] = None
     lineage: list = field(default_factory=list)
     pooling: str = "mean"  # the sentence vector: the mean of the token vectors (E5's, the paper's), or [CLS]'s
-    # how the saved folder compares vectors (read_scoring: the start's; the losses always train cosines)
-    normalize: bool = True
+    normalize: bool = True  # how the saved folder compares vectors (the start's; the losses train cosines)
     similarity_fn_name: str = "cosine"
-    # the start's modules after pooling (PostPooling.describe) and the sentence vector's dimension they make
-    modules: list = field(default_factory=list)
+    modules: list = field(default_factory=list)  # the start's modules after pooling (PostPooling.describe)
     dim: Optional[int] = None
 
 def max_seq_length(config, stated: Optional[int] = None, model: Optional[nn.Module] = None) -> int:
-    """The one length rule: the limit a model is used at is the one its folder states (read_max_seq_length), else
-    BERT's 512, never more than its position table holds. model: the loaded encoder, whose embeddings then measure
-    what the table holds (architectures.longest_input: a RoBERTa-family table of 66 positions takes 64 tokens)."""
+    """The one length rule: the folder's stated limit, else 512, never more than the position table holds
+    (model given: measured by architectures.longest_input; RoBERTa's 66 positions take 64 tokens)."""
     limit = int(min(stated or 512, getattr(config, "max_position_embeddings", 512)))
     return limit if model is None or runs_at_length(model, limit) else longest_input(model, limit)
 
 class PostPooling(torch.nn.Module):
-    """The sentence-transformers modules a model applies after its Pooling module (Dense, LayerNorm, Dropout,
-    Normalize, any module that reads and writes the features' "sentence_embedding"), then its truncate_dim: the
-    rest of the pipeline that makes the model's sentence vector from the pooled one (model_folder.load_post_pooling);
-    empty (the identity) for a model that has none.
+    """The sentence-transformers modules a model applies after its Pooling module (Dense, Normalize, ...), then its
+    truncate_dim (model_folder.load_post_pooling); the identity for a model that has none.
 
-    forward: pooled vectors (..., H) -> the model's sentence vectors (..., D). Frozen (our choice: the encoder is
-    trained under the start's modules, the losses' gradients flowing through them) and saved back unchanged."""
+    forward: pooled vectors (..., H) -> sentence vectors (..., D). Frozen (ours) and saved back unchanged."""
 
     def __init__(self, modules=(), truncate_dim: Optional[int] = None, names: Sequence[str] = ()):
         super().__init__()
@@ -716,8 +668,7 @@ class PostPooling(torch.nn.Module):
             return self.forward(torch.zeros(2, hidden_size, device=p.device if p is not None else "cpu")).shape[-1]
 
     def describe(self) -> list:
-        """["Dense(384 -> 128, Tanh)", "truncate_dim 64"]: one phrase per module, for the log and card; a Normalize
-        module is said by describe_scoring's "L2-normalised" (read_scoring finds it)."""
+        """["Dense(384 -> 128, Tanh)", "truncate_dim 64"]: one phrase per module but Normalize, for the log and card."""
         out = []
         for m in self.modules_:
             name = type(m).__name__
@@ -733,14 +684,12 @@ class PostPooling(torch.nn.Module):
 
 # ==============================================================================================================
 # 6. The model
-# The encoder (an AutoModelForMaskedLM: its base model gives the token states, its MLM head the vocabulary terms), the
-# objective (section 4) with its heads, and the step written once over it: forward and cached_step (gradient cache).
+# The encoder with its MLM head, the objective with its heads, and the step: forward and cached_step.
 # ==============================================================================================================
 
 @contextlib.contextmanager
 def dropout_off(module: nn.Module):
-    """Run `module` in eval mode (no dropout) inside the block, then restore its mode. In eval mode transformers
-    also skips gradient checkpointing for the pass, so no recomputation can run with a different dropout."""
+    """Run `module` in eval mode (no dropout, no gradient checkpointing) inside the block, then restore its mode."""
     was_training = module.training
     module.eval()
     try:
@@ -749,8 +698,7 @@ def dropout_off(module: nn.Module):
         module.train(was_training)
 
 def _rng_state(device, state=None):
-    """The random state dropout draws from (CPU, and the device's own generator on an accelerator), kept for a
-    chunk's replay: returned, or set to `state` when given."""
+    """The random state dropout draws from (CPU and device), for a chunk's replay: returned, or set to `state`."""
     accel = None if device.type == "cpu" else torch.get_device_module(device.type)
     if state is None:
         return torch.get_rng_state(), (accel.get_rng_state(device) if accel is not None else None)
@@ -763,31 +711,25 @@ _NO_NEGATIVE = {"calls": 0, "warned": False}  # XPRTModel.with_negatives: one wa
 class XPRTModel(nn.Module):
     """The encoder (AutoModelForMaskedLM; the start model's pooling) + one objective (section 4) with its heads.
 
-    forward(batch) and cached_step(batch, ...) are the training step, written once over the objective's methods:
-    its encoder passes, its batch-wide terms on the vectors, its row terms, and the retention term every
-    pre-training objective gets the same way (the paper gives every method the same term).
+    forward(batch) and cached_step(batch, ...) are the training step, written once over the objective's methods,
+    plus the retention term every pre-training objective gets.
 
-    A loop owes it batches of several documents: a groups file read in order gives batches of one document, whose
-    rows L_xp leaves no negative, xp_loss 0 (forward's "negatives" counts them, and warns). train.py's batches:
+    A loop owes it batches of several documents (one document's rows have no negative; forward warns):
         from plumbing.batches import document_batches  # groups: train.load_groups(folder)
         for rows in document_batches(groups, collator, batch_size=8): model(collator(rows))["loss"].backward()"""
 
     def __init__(self, mlm_model, objective: str = "xprt", tau: float = 0.05, retention_student: str = "clean",
                  fused_vocab_loss: bool = True, info: Optional[ModelInfo] = None, **options):
-        """objective: an --objective name (objective_class); options go to its class (xPRT: weights, fill_in,
-        num_condition_vectors, decoder_layers). tau: the temperature of every cosine softmax (paper: 0.05).
-        retention_student: "clean" (our default: the student encodes the clean anchor and s1 in one extra pass
-        without dropout, so the term measures the model's drift only and is exactly 0 at step 0) or "masked" (the
-        paper's 5-pass cost: the objective's masked vectors, whose masking noise alone gives a non-zero start).
-        info: what the saved folder records beyond the weights (ModelInfo, section 5). fused_vocab_loss=False computes
-        the vocabulary terms the plain way (the reference the tests compare with)."""
+        """objective: an --objective name (objective_class); options go to its class. tau: the temperature of every
+        cosine softmax (paper: 0.05). retention_student: "clean" (ours: the clean anchor and s1 in one extra pass
+        without dropout, 0 at step 0) or "masked" (the paper's 5-pass cost). info: ModelInfo (section 5).
+        fused_vocab_loss=False: the vocabulary terms the plain way (the tests' reference)."""
         super().__init__()
         if retention_student not in ("clean", "masked"):
             raise ValueError(f"retention_student must be 'clean' or 'masked', got {retention_student!r}")
         self.encoder = mlm_model
         object.__setattr__(self, "base", mlm_model.base_model)  # the encoder without its MLM head (its own module)
-        # embed, run_layers, transform, vocab_weight, vocab_bias: found once, here (architectures.encoder_pieces);
-        # held outside the module tree, since their parameters are the encoder's
+        # embed, run_layers, transform, vocab_*: architectures.encoder_pieces, outside the module tree (the encoder's)
         for k, v in encoder_pieces(mlm_model)._asdict().items():
             object.__setattr__(self, k, v)
         self.objective_name, self.tau, self.retention_student = objective, tau, retention_student
@@ -804,9 +746,7 @@ class XPRTModel(nn.Module):
         self.info = info or ModelInfo(max_seq_length=max_seq_length(mlm_model.config, model=mlm_model.base_model))
         # the objective's setting may fix how vectors are pooled and scored: training and the saved folder follow it
         self.info = replace(self.info, **self.objective.scoring())
-        # the start's modules after pooling (PostPooling), frozen. The similarity terms (batch terms, retention) read
-        # their output; the decoders read the pooled vector, which lives in the encoder's token space they put it in.
-        self.post_pooling = PostPooling()
+        self.post_pooling = PostPooling()  # the similarity terms read its output; the decoders the pooled vector
         self.carried_heads: dict = {}  # a folder's heads of another objective, written back unchanged (from_pretrained)
         self.carried_config: dict = {}
         self.load_message = ""  # how the weights came to be: from_pretrained says
@@ -827,10 +767,8 @@ class XPRTModel(nn.Module):
         return self.vocab_weight, self.vocab_bias
 
     def encode(self, input_ids, attention_mask, encoder=None):
-        """(N, L) -> hidden (N, L, H), sentence vectors (N, H). The vector is the one the saved folder makes: mean
-        pooling (E5's, the paper's), or [CLS] for a CLS-pooled start (model_folder.read_pooling), so fine-tuning a
-        BGE-style folder trains and saves the vector it is used by. encoder: another encoder pooled the same way (the
-        retention teacher, MoCo's key encoder); default the model's own."""
+        """(N, L) -> hidden (N, L, H), sentence vectors (N, H): mean pooling, or [CLS] for a CLS-pooled start
+        (model_folder.read_pooling). encoder: another encoder pooled the same way (default the model's own)."""
         encoder = self.base if encoder is None else encoder
         hidden = encoder(input_ids=input_ids, attention_mask=mask_for_layers(encoder, attention_mask)).last_hidden_state
         return hidden, hidden[:, 0].float() if self.info.pooling == "cls" else mean_pool(hidden, attention_mask)
@@ -865,14 +803,12 @@ class XPRTModel(nn.Module):
         return {**out, "negatives": n, "in_batch_negatives": n.double().mean()}
 
     def clean_student(self, batch, checkpointed: Optional[bool] = None):
-        """The retention term's student: the clean anchor and s1 encoded WITHOUT dropout (the teacher runs without
-        it, so the term is the model's drift only, 0 at step 0: docs/notes.md) -> (G, 2, H)."""
+        """The retention term's student: the clean anchor and s1 WITHOUT dropout (docs/notes.md) -> (G, 2, H)."""
         if checkpointed is None:  # the layers' own flag (transformers' property is named differently across versions)
             checkpointed = torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False)
                                                            for m in self.encoder.modules())
         if checkpointed:
-            # eval mode (no dropout) makes transformers skip its per-layer checkpointing, so under
-            # --gradient_checkpointing the pass is checkpointed whole; its recomputation runs in eval mode too
+            # eval mode skips transformers' per-layer checkpointing: the pass is checkpointed whole
             from torch.utils.checkpoint import checkpoint
 
             return checkpoint(self.clean_student, batch, False, use_reentrant=False)
@@ -883,8 +819,7 @@ class XPRTModel(nn.Module):
 
     @torch.no_grad()
     def teacher_vectors(self, batch, teacher):
-        """The frozen start model's clean anchor and s1 sentence vectors, pooled as the student pools, through the
-        start's modules after pooling (frozen: the student's are the start's) -> (G, 2, D)."""
+        """The frozen start model's clean anchor and s1 vectors, pooled as the student's -> (G, 2, D)."""
         ids, mask = batch["retain_input_ids"], batch["retain_attention_mask"]
         g, _, lr = ids.shape
         vec = self.encode(ids.reshape(g * 2, lr), mask.reshape(g * 2, lr), teacher)[1]
@@ -893,20 +828,13 @@ class XPRTModel(nn.Module):
 
     # -- the gradient cache (train.py / finetune.py --gradient_cache_chunk) ----------------------------
     def cached_step(self, batch, chunk: int, backward, teacher=None, retention_weight: float = 0.0, **step) -> dict:
-        """forward + backward of one step, `chunk` groups (PAIR: rows) at a time, so that the activations of one chunk
-        only are held: the gradient cache of GradCache / sentence-transformers' CachedMultipleNegativesRankingLoss,
-        extended to row terms (decoders, vocabulary terms) and to the retention term. The batch-wide terms couple the
-        rows only through their vectors, so:
+        """forward + backward of one step, `chunk` groups (PAIR: rows) at a time: GradCache's gradient cache,
+        extended to row terms and the retention term.
           1. every chunk is encoded without gradient, its random state kept: its vectors;
-          2. the batch-wide terms (and the retention term) run on those vectors, gathered across processes as usual,
-             and their gradient with respect to the vectors is taken with torch.autograd.grad: UNscaled (neither
-             divided by the accumulation count nor multiplied by a loss scale);
-          3. every chunk is encoded again with its kept random state (the same dropout), its row terms computed
-             (each a mean over the batch's rows: Layout.row_share) with the decoders drawing dropout from a stream of
-             their own, and `backward` (accelerator.backward: the one place the accumulation count and the fp16
-             loss scale apply) runs on them plus <vectors, their kept gradient>.
-        The gradients are those of the plain step on the same dropout; the cost is the encoder's forward once more.
-        Returns what forward returns, every value detached."""
+          2. the batch-wide terms (and retention) run on those vectors; their UNscaled gradient wrt the vectors;
+          3. every chunk is encoded again with its kept random state, its row terms computed (Layout.row_share),
+             and `backward` (accelerator.backward) runs on them plus <vectors, their kept gradient>.
+        The gradients are the plain step's on the same dropout. Returns what forward returns, detached."""
         obj, device = self.objective, next(self.parameters()).device
         batch = obj.prepare(self, batch) if obj.prepare else batch
         parts = batch["layout"].chunks(batch, chunk)
@@ -954,9 +882,8 @@ class XPRTModel(nn.Module):
 
     # -- saving and loading ----------------------------------------------------------------------
     def head_parameters(self) -> list:
-        """The "heads": the parameters the start model never trained - the objective's own (xPRT's decoder) and the
-        MLM head's transform and output bias. The tied vocabulary projection IS the word-embedding matrix, so it
-        counts as the encoder's. The one definition of heads (docs/notes.md)."""
+        """The "heads": the parameters the start model never trained - the objective's own and the MLM head's
+        transform and output bias (the tied projection is the encoder's; docs/notes.md)."""
         return list(self.objective.parameters()) + list(head_params(self.encoder).values())
 
 # ==============================================================================================================
@@ -966,12 +893,9 @@ class XPRTModel(nn.Module):
 class Layout:
     """How a collated batch is cut into chunks of groups (rows) for the gradient cache; the collator builds it.
 
-    Every tensor of the batch whose key is not in `unsliced` or `flat_index` has the groups as its first dimension
-    and is sliced. `flat_index` holds the flat index tensors (sorted, row-major: XPRTCollator._loss_positions): key ->
-    (row set, width), where width is the flat size of one group (a chunk's indices are shifted by it to become its
-    own; 0 for targets). bounds: row set -> G + 1 ints, where each group's rows start. totals: row set -> the WHOLE
-    batch's row count, which a chunk keeps, so that each chunk's mean term times its row_share adds up to the batch's
-    mean. Python ints only: cutting a batch that sits on a GPU needs no host sync."""
+    Tensors not in `unsliced` or `flat_index` are sliced on dim 0 (groups). `flat_index`: sorted flat index key ->
+    (row set, width: one group's flat size, 0 for targets). bounds: row set -> G + 1 group starts. totals: row set
+    -> the WHOLE batch's row count (row_share). Python ints only: no host sync."""
 
     def __init__(self, groups: int, flat_index: Optional[dict] = None, bounds: Optional[dict] = None,
                  unsliced: Sequence[str] = (), totals: Optional[dict] = None):
@@ -1070,9 +994,8 @@ def stable_doc_hash(doc_id: str) -> int:
 # ==============================================================================================================
 
 def special_template(tokenizer) -> tuple[list, list]:
-    """The special tokens the tokenizer puts around one passage -> (head, tail) token ids: [CLS] / [SEP] for BERT,
-    <s> / </s> for RoBERTa, none / </s> for T5, measured by tokenising a probe with and without them, so it holds for
-    any tokenizer whose single-sequence template is head + passage + tail (every encoder's); another is refused."""
+    """The special tokens around one passage -> (head, tail) ids: [CLS] / [SEP] for BERT, none / </s> for T5,
+    found by tokenising a probe with and without them; a template other than head + passage + tail is refused."""
     probe = "probe, 12 words: the template holds around any text."
     full = tokenizer(probe)["input_ids"]
     plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
@@ -1082,9 +1005,8 @@ def special_template(tokenizer) -> tuple[list, list]:
     raise ValueError(f"{type(tokenizer).__name__}: its special tokens are not a head and a tail around the passage")
 
 def passage_tokens(tokenizer, texts, prefix: str, length: int, words: bool = False) -> dict:
-    """Passages as the encoder reads them, without special tokens: the prefix and the text tokenised together (as the
-    prefix meets the text: a BPE merges across the space), cut to `length` tokens (the prefix's and the passage's
-    max_length) -> {"ids": [[int]], "words": [[int]] each token's word, with words}. The collators' one tokenisation."""
+    """Passages without special tokens: prefix + text tokenised together (a BPE merges across the space), cut to
+    `length` -> {"ids": [[int]], "words": [[int]] each token's word, with words}. The collators' one tokenisation."""
     enc = tokenizer([prefix + t for t in texts], add_special_tokens=False, truncation=True, max_length=length)
     out = {"ids": enc["input_ids"]}
     if words:
@@ -1110,12 +1032,9 @@ def tokenize_groups(batch: dict, tokenizer, prefix: str, length: int, words: boo
 
 class GroupCollator:
     """What every pre-training collator shares: tokenising with the passage prefix, BERT-style masking drawn from
-    self.generator, the retention fields (every objective gets the same term), and the batch sampler's lengths.
-    max_length counts the passage's own tokens (select_groups.py's --passage_tokens, 128): the sequences are
-    max_length + specials + prefix long, so a selected passage reaches the encoder whole. The prefix ("passage: " for
-    E5) is never a masking candidate: it is the same in every passage, and a masked prefix would both corrupt the
-    input E5 was trained on and make "passage" and ":" fill-in targets. Mask rates left at None take the class's
-    DEFAULT_RATES (encoder, decoder)."""
+    self.generator, the retention fields, and the batch sampler's lengths. max_length counts the passage's own
+    tokens (select_groups.py's --passage_tokens), specials and prefix come on top. The prefix ("passage: " for E5) is
+    never masked. Mask rates left at None take DEFAULT_RATES (encoder, decoder)."""
 
     DEFAULT_RATES = (0.15, 0.0)
     spread_documents = True  # the sampler may deal one document's groups into different batches (train.py)
@@ -1151,8 +1070,7 @@ class GroupCollator:
 
     # -- helpers -------------------------------------------------------------------------------
     def passage(self, row: dict, field: str, j: Optional[int] = None):
-        """A row's passage (`field`, and its j-th entry for "related") as _tokenize takes it: the tokens the row
-        carries (train.py tokenises every passage once at load: tokenized_groups), else its text."""
+        """A row's passage (`field`, j-th for "related") as _tokenize takes it: its tokens (train.py), else its text."""
         if field + "_ids" not in row:
             return row[field] if j is None else row[field][j]
         ids, words = row[field + "_ids"], row.get(field + "_words")
@@ -1249,11 +1167,9 @@ class GroupCollator:
 
 class XPRTCollator(GroupCollator):
     """Rows of the groups dataset (select_groups.py) -> the batch XPRTObjective reads: anchor + num_related related
-    passages per group (with positive="random", slot 1 - the L_xp positive and the second self fill-in - holds
-    `random_passage` instead of s1, the paper's ablation); 15% encoder masking (BERT's 80/10/10), and one
-    independently 60%-masked copy (all [MASK]) of the target passage for each of the 2R + 2 decoder passes.
-    num_condition_vectors and fill_in are the objective's: the collator lays out the decoder passes
-    (decoder_pass_plan) and the decoder output rows each loss reads (ConditionedDecoder.output_rows)."""
+    passages per group (positive="random": slot 1 holds `random_passage`, the paper's ablation); 15% encoder masking
+    (BERT's 80/10/10), and one 60%-masked copy (all [MASK]) of the target passage for each decoder pass
+    (decoder_pass_plan; rows: ConditionedDecoder.output_rows)."""
 
     DEFAULT_RATES = (0.15, 0.60)
 
@@ -1290,10 +1206,8 @@ class XPRTCollator(GroupCollator):
         return batch
 
     def _loss_positions(self, mlm_labels, dec_labels, target, kind) -> dict:
-        """The rows each vocabulary term reads, as flat index tensors (and their targets), built here on the CPU once
-        per batch: the model gathers with index_select, never with a boolean mask, whose data-dependent result size
-        would make a GPU wait for the host every step. Row-major order, the order a boolean mask gives; the Layout
-        records where each group's rows start.
+        """The rows each vocabulary term reads, as flat row-major index tensors (and their targets), built on the CPU
+        once per batch, so the model gathers with index_select, never a boolean mask (a host sync).
 
         mlm_index, mlm_targets: masked encoder positions in the flat (G * P * L) encoder states. Decoder rows are rows
         of the flat (G * D * (L + C)) decoder output (ConditionedDecoder.output_rows): cross_rows, cross_targets at
@@ -1328,11 +1242,8 @@ def pair_text_ids(rows: list, num_negatives: int) -> tuple:
     """The ids of PAIR's false-negative mask (pair_false_negatives) for rows {"query", "positive", "negatives",
     optional "relevant"}: stable_doc_hash of the passage *text*, so a duplicated corpus entry gets its copy's id.
 
-    passage_ids (B, 1 + num_negatives) int64: every passage slot, the positive first, as PairCollator lays them out.
-    relevant_ids (B, R) int64: the row's positive, then every other passage labelled relevant to its query (the
-    row's "relevant" texts; finetune.py fills in all positives of the query), R = the longest list of the batch.
-    Shorter rows are padded by repeating their positive's id: a value the row already holds, so padding never
-    matches a candidate that the real ids do not."""
+    passage_ids (B, 1 + num_negatives) int64: every passage slot, the positive first.
+    relevant_ids (B, R) int64: the row's positive, then its "relevant" texts, padded by repeating the positive's id."""
     slots = [[r["positive"]] + list(r.get("negatives") or [])[:num_negatives] for r in rows]
     passage_ids = torch.tensor([[stable_doc_hash(t) for t in texts] for texts in slots], dtype=torch.long)
     relevant = [list(dict.fromkeys([stable_doc_hash(r["positive"])] +
@@ -1344,9 +1255,7 @@ def pair_text_ids(rows: list, num_negatives: int) -> tuple:
 class PairCollator:
     """Fine-tuning rows {"query", "positive", "negatives"} -> batch for PairObjective: query_input_ids /
     query_attention_mask (B, Lq); passage_input_ids / passage_attention_mask (B, 1 + num_negatives, Lp), the positive
-    first. PAIR's max lengths: 32 / 128. Also passage_ids (B, 1 + num_negatives) and relevant_ids (B, R), the text ids
-    the losses mask false negatives with (pair_text_ids; a row's optional "relevant" holds the texts of every passage
-    labelled relevant to its query)."""
+    first (PAIR's max lengths: 32 / 128); passage_ids and relevant_ids (pair_text_ids)."""
 
     def __init__(self, tokenizer, query_max_length: int = 32, passage_max_length: int = 128, query_prefix: str = "",
                  passage_prefix: str = "", num_negatives: int = 1, pad_to_multiple_of: int = 1):

@@ -12,11 +12,9 @@ and the ablations --positive random and --no_fill_in.
 
     accelerate launch train.py --groups_dir groups/ --output_dir runs/xprt      # paper defaults (E5, lr 1e-6)
 
-The file reads top to bottom: flags in the paper's order (the method, its objective's own flags: Objective.flags,
-w(t), masking; then data, run, output); the groups; the model, the data and the retention teacher; the stopping
-signal; main, which reads accelerator, model, data, optimiser and scheduler, prepare, the loop (here, as
-run_mlm_no_trainer.py writes it: w(t) of modeling_xprt.retention_weight on the line that calls the model,
-accelerator.backward, the optimiser step), save. The losses live in modeling_xprt.py, one function per equation;
+The file reads top to bottom: flags in the paper's order; the groups; the model, the data and the retention
+teacher; main: accelerator, model, data, optimiser and scheduler, prepare, the loop (as run_mlm_no_trainer.py
+writes it, w(t) of modeling_xprt.retention_weight beside the model call), save. The losses: modeling_xprt.py;
 checkpoints, resume and stop signals in plumbing/training.py; the log, the FLOP count and the memory estimate in
 plumbing/run_log.py.
 """
@@ -231,11 +229,8 @@ def count_groups(groups_dir: str) -> int:
 def load_groups(groups_dir: str, max_groups=None):
     """The groups folder (schema: select_groups.group_schema()) as a datasets.Dataset, in file then row order.
 
-    It stays memory-mapped: datasets converts the shards to an Arrow cache file once, which every process maps. The
-    cache sits in HF_DATASETS_CACHE/xprt/groups-<the shards' sha256> (content_digest; groups_digests.json there spares
-    unchanged files a reread), so a shard rewritten with its mtime kept, which datasets' own key misses, gets a new
-    one; the fingerprint (tokenized's key) holds the sha256 too. Rows become Python dicts only in RowsDataset: the
-    paper's 0.7-7M groups as dicts (six passages of up to 128 tokens) would take GBs in every process."""
+    Memory-mapped: one Arrow cache file in HF_DATASETS_CACHE/xprt/groups-<the shards' sha256> (content_digest),
+    which every process maps; rows become Python dicts only in RowsDataset."""
     from datasets import config, load_dataset
     from plumbing.training import content_digest
 
@@ -287,11 +282,9 @@ def load_pretraining_model(accelerator, args):
 
 
 def check_positions(args, model, tokenizer):
-    """--max_length against the positions the model takes, before any work: a step feeds the encoder a passage of
-    --max_length tokens, its special tokens and the passage prefix, and a decoder with conditioning vectors (xPRT's C)
-    takes that many more. Measured on the encoder (architectures.runs_at_length); refused with the --max_length that
-    fits. -> a line to print when the start model is used (and its saved folder will be) at fewer tokens than it
-    is trained on, else None."""
+    """--max_length (+ specials, prefix and the decoder's C) against the positions the model takes, before any work
+    (architectures.runs_at_length); refused with the --max_length that fits. -> a line to print when the model is
+    used at fewer tokens than it is trained on, else None."""
     prefix = len(tokenizer(model.prompts["document"], add_special_tokens=False)["input_ids"]) \
         if model.prompts["document"] else 0
     extra = tokenizer.num_special_tokens_to_add() + prefix
@@ -347,13 +340,10 @@ def load_data(accelerator, args, model, tokenizer):
 
 
 def tokenized(accelerator, rows, collator, groups_per_process: int = 20_000):
-    """The groups with every passage tokenised once (modeling_xprt.tokenize_groups: <field>_ids beside each text
-    column, int32, and <field>_words for whole-word masking), so the loader's workers only mask and pad: tokenising
-    was 95% of xPRT's collation (bench/README.md, bench_step_ops). datasets.map caches them beside the groups' Arrow
-    file (the main process first), keyed by all that makes them: the groups' fingerprint (their content), the source
-    of tokenize_groups, special_template and the functions they name (passage_tokens) as a call finds them, the
-    transformers, tokenizers and datasets versions, the tokenizer's whole state (common.tokenizer_files: its saved
-    files and settings), the prefix, length, words and fields."""
+    """The groups with every passage tokenised once (modeling_xprt.tokenize_groups), so the loader's workers only
+    mask and pad (bench/README.md). datasets.map caches them, keyed by the groups' fingerprint, the code of
+    tokenize_groups and what it calls, the library versions, the tokenizer's state (common.tokenizer_files), the
+    prefix, length, words and fields."""
     import inspect
     from importlib.metadata import version
     from datasets import Sequence, Value
@@ -389,11 +379,8 @@ def tokenized(accelerator, rows, collator, groups_per_process: int = 20_000):
 
 
 def passages_cut(rows, tokenizer, args, sample: int = 4096) -> str:
-    """How much of the groups' text --max_length cuts with this run's tokenizer, measured on `sample` groups spread
-    evenly over the folder (all of them in a smaller one): select_groups.py packed the passages to --passage_tokens
-    of *its* encoder's tokenizer, so another tokenizer, or a --max_length below --passage_tokens, cuts passages the
-    collator then truncates. -> the line the run prints: the share of passages (anchor and the num_related it
-    trains on) and of their tokens cut, and what the folder was selected with."""
+    """How much of the groups' text --max_length cuts with this run's tokenizer, on `sample` groups spread over the
+    folder (select_groups.py packed to *its* tokenizer's --passage_tokens) -> the line the run prints."""
     picked = np.unique(np.linspace(0, len(rows) - 1, min(sample, len(rows))).astype(np.int64))
     part = rows.select(picked)
     texts = [t for a, rel in zip(part["anchor"], part["related"]) for t in (a, *rel[:args.num_related])]

@@ -8,18 +8,12 @@ the encoder's own), the Transformer layer (the one-layer decoder is one more lay
 MLM head (split into its transform and the vocabulary projection, which the vocabulary terms compute chunk by chunk).
 Each architecture arranges these differently (ELECTRA projects its embeddings up to the hidden size, ModernBERT and
 DeBERTa-v2 hand their layers rotary or relative positions, DistilBERT keeps its MLM head in four loose modules,
-DeBERTa-v2 projects with a bare matmul), so each part is found by one general rule, measured against the encoder's
-own forward when the model loads, and a model the rule does not fit is refused there, naming what failed. The rules
-run once, at load (encoder_pieces): a training step calls the modules and callables they return, never the rules.
-  - token_embeddings: what the encoder hands its first layer (a forward stopped at that layer); embedding_module:
-    the encoder's own modules that compute it;
-  - layer_stack: where the encoder keeps its layer list, so that architectures.run_layers runs a stack of layers the way
-    the encoder runs its own (the encoder's forward with its layer list swapped for them and the first layer's input
-    replaced: masks, rotary and relative positions, final norms are the encoder's), checked here (check_layers);
-    decoder_layers (fresh copies of the encoder's first layer) and copy_last_layers (SimLM's decoder) build such stacks;
-  - mlm_head: the transform, a module of the head's own modules that gives what the MLM model feeds into its
-    vocabulary matrix (its own forward, started from given hidden states, stopped at the first operation that reads
-    that matrix), the matrix and its bias;
+DeBERTa-v2 projects with a bare matmul), so each part is found by one general rule, checked against the encoder's
+own forward at load (encoder_pieces), and a model the rule does not fit is refused there, naming what failed.
+  - token_embeddings: what the encoder hands its first layer; embedding_module: the modules that compute it;
+  - layer_stack: the encoder's layer list, so that architectures.run_layers runs a stack of layers the way the
+    encoder runs its own (check_layers); decoder_layers and copy_last_layers (SimLM's decoder) build such stacks;
+  - mlm_head: the transform (what the MLM model feeds into its vocabulary matrix), the matrix and its bias;
   - the vocabulary terms (last section): linear_cross_entropy and linear_kl_div, chunk by chunk in one fused pass.
 The loaders (load_mlm_encoder, load_teacher) and the model folder are plumbing/model_folder.py's.
 """
@@ -73,11 +67,8 @@ def run_layers(base: torch.nn.Module, layers: torch.nn.ModuleList, hidden: torch
     stack: (owner, attribute name) of the encoder's layer list (architectures.layer_stack finds it once, at load).
 
     The encoder's forward runs with its layer list swapped for `layers` and the first layer's input replaced by
-    `hidden` (the embedding layer runs on zeros of the right shape and its output is dropped), so everything the
-    encoder hands its layers besides the hidden states (the attention mask in its prepared form, rotary position
-    embeddings for ModernBERT, relative positions for DeBERTa-v2 and MPNet) and everything after them (ModernBERT's
-    final norm) is the encoder's own. architectures.check_layers measures, at load, that this reproduces the
-    encoder."""
+    `hidden`, so masks, rotary or relative positions and final norms are the encoder's own (checked at load:
+    architectures.check_layers)."""
     owner, name = stack
 
     def replace(_module, args, kwargs):
@@ -162,11 +153,9 @@ def token_embeddings(base: nn.Module, input_ids: torch.Tensor, attention_mask: O
     raise RuntimeError(f"{type(base).__name__} never called its first layer")
 
 def embedding_module(base: nn.Module) -> nn.Module:
-    """token_embeddings as a module of the encoder's own: the chain of its direct children, each fed the previous
-    one's output, from the one fed the ids to the one whose output the first layer reads (BERT's embeddings;
-    ELECTRA's embeddings, then embeddings_project; not ModernBERT's rotary embedding, which feeds the layers' other
-    arguments). Found on a probe batch and refused unless it gives what the encoder hands its first layer at the real
-    tokens (DeBERTa-v2's embeddings also zero the padded ones when given the mask; the attention mask hides those)."""
+    """token_embeddings as a module of the encoder's own: the chain of its direct children from the one fed the ids
+    to the one the first layer reads (ELECTRA: embeddings, then embeddings_project). Found on a probe batch, refused
+    unless it gives what the encoder hands its first layer at the real tokens."""
     _, _, stack = layer_stack(base)
     ran = {}  # id(output) -> (module, its first tensor input)
 
@@ -401,11 +390,9 @@ def _without(module: nn.Module, path: str) -> nn.Module:
     return out
 
 def _transform_module(mlm, weight) -> nn.Module:
-    """The head's modules (outside the base model) that run before the vocabulary matrix is read, as one module, found
-    on a probe: a module that finishes first is kept whole; the one inside which the matrix is read is kept with the
-    submodule holding the matrix replaced by an identity (its functional activations stay: RoBERTa's gelu), or, when
-    the matrix is read by a bare matmul (DeBERTa-v2), opened into its own submodules by the same rule. Refused unless
-    it gives what the forward feeds into the matrix."""
+    """The head's modules that run before the vocabulary matrix is read, as one module, found on a probe (the matrix's
+    submodule replaced by an identity; a bare matmul's module opened by the same rule). Refused unless it gives what
+    the forward feeds into the matrix."""
     base = mlm.base_model
     inside = {id(m) for m in base.modules()}
     started, finished = [], set()
@@ -672,13 +659,10 @@ def _kl_rows_(zt, z, u, block: int = 2**22):
 class _FusedLinearCE(torch.autograd.Function):
     """Vocabulary projection + cross-entropy (hard targets) and/or KL (soft targets), chunk by chunk.
 
-    Never holds the (N, V) logits: each chunk's logits give its loss and, at once, its gradients w.r.t. hidden,
-    weight and bias, summed over the rows; backward only scales them by the incoming scalar over N (the mean's 1/N
-    goes on there, where every gradient is scaled anyway, not on the rows). Every chunk reuses one fp32 (chunk, V)
-    buffer (three for KL, kept across calls: _scratch) and the softmax runs in place in it.
+    Never holds the (N, V) logits: each chunk's logits give its loss and its gradients at once; backward scales them
+    by the incoming scalar over N. One fp32 (chunk, V) buffer reused (three for KL: _scratch), softmax in place.
     Rows: hidden[:len(targets)] have hard targets, the rest soft ones (teacher_hidden). Returns (the mean over rows,
-    per-row losses (N,), no gradient). Its origin, and why not torch's F.linear_cross_entropy: docs/plumbing.md:
-    _FusedLinearCE."""
+    per-row losses (N,), no gradient). docs/plumbing.md: _FusedLinearCE."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, teacher_hidden, chunk_size, compute_grad):

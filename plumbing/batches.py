@@ -29,17 +29,12 @@ from plumbing.common import STOP_SIGNALS, UserError
 class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     """Batches of similar length, in a random order that depends only on (seed, epoch).
 
-    Shuffle, cut into mega-batches of 50 batches, sort each mega-batch by length, cut into batches, shuffle the
-    batches. Incomplete last batches are dropped so every step has the same number of negatives. Being a function of
-    (seed, epoch) is what makes skip_first_batches land on the same data after a resume.
-    `to_batches` turns the epoch's order into batches (NoDuplicatesBatchSampler overrides it).
-    spread > 1 deals each run of `spread` length-sorted batches round-robin (row k of the run to batch k mod spread):
-    rows of nearly equal length, such as the groups of one document, then land in different batches.
-    keys and max_per_key cap the rows of one key (train.py: one document's groups, which xp_loss masks out of each
-    other's negatives) in any batch (why, and the costs: docs/plumbing.md: LengthGroupedBatchSampler). The cap keeps
-    len(self) = the most batches the keys allow (capped_batch_count); a key's rows beyond max_per_key per batch wait
-    out the epoch (a different subset each epoch), counted in rows_left_out. Where the cap binds in no batch, the
-    batches are those without it."""
+    Shuffle, cut into mega-batches of 50 batches, sort each by length, cut into batches, shuffle the batches;
+    incomplete last batches dropped. A function of (seed, epoch), so a resume's skip_first_batches lands right.
+    `to_batches` turns the epoch's order into batches (NoDuplicatesBatchSampler overrides it). spread > 1 deals each
+    run of `spread` length-sorted batches round-robin, so one document's groups land in different batches.
+    keys and max_per_key cap the rows of one key in any batch (docs/plumbing.md: LengthGroupedBatchSampler); rows
+    beyond the cap wait out the epoch, counted in rows_left_out."""
 
     def __init__(self, lengths, batch_size: int, seed: int, group_by_length: bool = True, mega: int = 50,
                  spread: int = 1, keys=None, max_per_key: int = 0):
@@ -103,11 +98,9 @@ class LengthGroupedBatchSampler(torch.utils.data.Sampler):
     def _capped_batches(self) -> np.ndarray:
         """num_batches batches with at most max_per_key rows of a key each, drawn from (seed, epoch).
 
-        A key keeps max_per_key * num_batches of its rows (a random subset), and the kept rows are trimmed to exactly
-        num_batches * batch_size; they are length-grouped as usual, then cut in that order, a row whose key is full in
-        the batch waiting for the next one. Before each batch, a key with r rows left and R batches to go gives the
-        batch the max(0, r - max_per_key * (R - 1)) rows it must (its next ones): the rest could not fit later. So
-        every batch is filled (docs/plumbing.md: _capped_batches)."""
+        A key keeps a random max_per_key * num_batches of its rows, trimmed to num_batches * batch_size, length-grouped
+        and cut in order; before each batch a key with r rows left and R batches to go gives the
+        max(0, r - max_per_key * (R - 1)) it must, so every batch fills (docs/plumbing.md: _capped_batches)."""
         from collections import deque
 
         rng = np.random.default_rng([self.seed, self.epoch, 1])
@@ -218,11 +211,8 @@ class NoDuplicatesBatchSampler(LengthGroupedBatchSampler):
 
     def to_batches(self, order):
         """Cut `order` into len(self) full batches in which no key repeats, keeping close to the order (so to the
-        length grouping). Rows are taken in order. A row whose key the batch already holds trades places with the
-        last row of the previous batch that the batch can take (its neighbour in length) when that batch lacks its
-        key; otherwise it waits at the head of the queue for the next batch. When only waiting rows are left to fill
-        the last batches, they trade with earlier batches (the nearest first). Deterministic in `order`
-        (docs/plumbing.md: NoDuplicatesBatchSampler.to_batches)."""
+        length grouping): a repeated key trades places with a neighbour of the previous batch, else waits for the
+        next batch. Deterministic in `order` (docs/plumbing.md: NoDuplicatesBatchSampler.to_batches)."""
         from collections import deque
 
         keys, bs = self.query_keys, self.batch_size
@@ -283,17 +273,10 @@ def capped_batch_count(counts, batch_size: int, max_per_key: int) -> int:
     return lo
 
 def document_keys(rows, chunk: int = 65536, positive: str = "s1") -> tuple:
-    """Each group's document, for L_xp's same-document mask, the spread and the per-document cap: the groups of one
-    doc_id, and the groups that share a text L_xp reads (docs/plumbing.md: document_keys): the connected components
-    of groups linked by a shared doc_id or a shared text in either of L_xp's roles, one text space over both: the
-    anchor and the positive slot (s1, or the random passage under --positive random), so group A's anchor copied as
-    group B's s1 links them too.
-    -> (keys, merged): keys (groups,) int64, the code of the component's first doc_id in sorted order (so with no
-    shared text, np.unique's codes of doc_id); merged {row: that doc_id} for the rows whose doc_id it replaces, which
-    the collator then reads (train.load_data). Read `chunk` rows at a time from the Arrow table (texts hashed, never
-    held). Memory at its peak: about 0.9 KB a group, measured with tracemalloc on 200,000 groups with FineWeb's
-    47-character ids (180 MB; the ids as Python strings and as a fixed-width array dominate): some 6 GB a process at
-    the paper's 7M groups."""
+    """Each group's document, for L_xp's same-document mask, the spread and the per-document cap: the connected
+    components of groups linked by a shared doc_id or a shared anchor / positive-slot text (docs/plumbing.md:
+    document_keys) -> (keys, merged): keys (groups,) int64, the code of the component's first doc_id in sorted
+    order; merged {row: that doc_id} for the rows whose doc_id it replaces. Read `chunk` rows at a time."""
     import pyarrow.compute as pc
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
@@ -418,9 +401,8 @@ class KeyedBatches(torch.utils.data.Sampler):
 class SeededCollate:
     """collate_fn of the training DataLoader: [((epoch, batch, row index), row)] -> the collator's batch.
 
-    The collator's random draws (masks, crops) come from its generator re-seeded from (seed, epoch, batch, process),
-    so a batch is a pure function of its rows and those numbers: DataLoader workers can build it ahead of
-    the step, in any order, and a resumed run draws what the uninterrupted one drew with nothing saved.
+    The collator's generator is re-seeded from (seed, epoch, batch, process): workers build batches in any order,
+    and a resumed run draws what the uninterrupted one drew.
     make_row(epoch, row index, row) -> the row the collator reads (train.py: the random-span crops; finetune.py: the
     epoch's negatives); None: the row as stored."""
 
@@ -459,11 +441,8 @@ def training_loader(accelerator, args, rows, sampler, collator, make_row=None):
                                        generator=torch.Generator().manual_seed(args.seed))
 
 def loader_options(device_type: str, workers=None, local_processes: int = 1, cpus=None) -> tuple[int, bool]:
-    """(collating worker processes, pin memory) for a loader feeding a `device_type` device. On CUDA the step must
-    not wait on collation in its own process: --dataloader_num_workers, else this machine's cores shared among its
-    processes (one left to each process's main thread, at most 8 a process), and the batches pinned in the loader's
-    pin-memory thread (a copy from pageable memory makes the host wait for it). On a CPU the workers would take the
-    step's own cores (0), and there is nothing to pin."""
+    """(collating worker processes, pin memory) for a `device_type` loader. CUDA: --dataloader_num_workers, else the
+    cores shared among processes (one left each, at most 8), pinned. CPU: 0 workers, nothing to pin."""
     on_gpu = device_type != "cpu"
     if workers is None:
         cpus = cpus if cpus is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")

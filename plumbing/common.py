@@ -287,16 +287,12 @@ def read_json(path) -> dict:
         return {}
 
 def model_prompts(name_or_path: str, mode: str = "auto", _depth: int = 0) -> dict:
-    """The one prefix rule of the repository: {"query": prefix, "document": prefix, ...} for a model: the query and
-    document prefixes training uses, and, in mode "auto", every other prompt the model's folder names (task names
-    such as "STSBenchmark", task types, "<task>-query": the keys mteb picks from, kept so the saved folder keeps them
-    and evaluate.py picks as mteb does).
+    """The one prefix rule of the repository: {"query": prefix, "document": prefix, ...} for a model, and in mode
+    "auto" every other prompt the model's folder names (the keys mteb picks from, kept in the saved folder).
 
     mode "e5" / "none" force E5's "query: " / "passage: " or no prefix. mode "auto", in order:
-      1. the folder's config_sentence_transformers.json "prompts" (where sentence-transformers keeps them, and
-         where train.py / finetune.py write them), when it names a query or document prompt;
-      2. the folder's xprt_config.json "start_model" (written by save_pretrained): that model's prompts, so a model
-         continued from E5 keeps E5's prefixes;
+      1. the folder's config_sentence_transformers.json "prompts", when it names a query or document prompt;
+      2. the folder's xprt_config.json "start_model": that model's prompts (a model continued from E5 keeps E5's);
       3. the name: an E5 model ("e5" a word of the name as given, of the resolved path, or of config.json's
          _name_or_path) gets E5's prefixes (docs/notes.md: wrong prefixes cost E5 a lot);
       4. otherwise none (all-MiniLM-L6-v2 was trained without prefixes).
@@ -443,10 +439,9 @@ def claim_output_folder(out, script: str, outputs: Sequence[str], inputs: dict, 
     """Check an output folder before any work and record what `script` will write there -> the previous outputs of
     `script` present in it (paths; the caller refuses them without --overwrite, or replaces them).
 
-    Refused, in one line: an input inside the folder (or the folder inside an input; check_inputs_apart), a file
-    named like one of the outputs that `script` has no record of writing (a stranger's file, or a run from before
-    the record existed: never replaced), a folder that cannot be written (check_writable). `reuse`: outputs of an
-    earlier run read back as inputs (finetune.py's mined_negatives.json): allowed, and never removed."""
+    Refused, in one line: an input inside the folder or around it (check_inputs_apart), a file named like an output
+    `script` has no record of writing, a folder that cannot be written (check_writable). `reuse`: outputs read back
+    as inputs (finetune.py's mined_negatives.json), never removed."""
     out = Path(out)
     check_inputs_apart(out, {k: [p for p in v if p not in {real_path(r) for r in reuse}] for k, v in inputs.items()},
                        flag)
@@ -571,11 +566,9 @@ def open_bytes(path):
     return open(path, "rb")
 
 def iter_jsonl(path):
-    """The one JSONL reader: yield (where, record, problem) for each non-blank line of a .jsonl / .jsonl.gz /
-    .jsonl.zst file, read as it goes. where is "file:line"; problem is None, or (reason, detail) with reason
-    "invalid_utf8" or "malformed_json" (record None): the caller raises or counts the skip. Lines are decoded here,
-    one at a time, so invalid UTF-8 is found per line; a UTF-8 byte-order mark on the first line (Windows exports)
-    is dropped."""
+    """The one JSONL reader: yield ("file:line", record, problem) for each non-blank line of a .jsonl / .gz / .zst
+    file; problem None, or (reason, detail) with reason "invalid_utf8" or "malformed_json" (record None). A first
+    line's UTF-8 byte-order mark is dropped."""
     with open_bytes(path) as fh:
         for line_no, raw in enumerate(fh, 1):
             if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):

@@ -70,10 +70,8 @@ def read_pooling(path: str) -> str:
 
 def read_scoring(path: str) -> dict:
     """How a start model's vectors are made and compared, as its folder or Hub repository states it (model_file), for
-    ModelInfo: {"pooling" (read_pooling), "normalize" (a sentence-transformers Normalize module in modules.json),
-    "similarity_fn_name" (config_sentence_transformers.json's; cosine when it names none)}. A model without
-    modules.json gets mean pooling, Normalize and cosine. A dot-product model keeps its scoring in the saved folder
-    (docs/plumbing.md: read_scoring)."""
+    ModelInfo: {"pooling" (read_pooling), "normalize" (a Normalize module), "similarity_fn_name" (default cosine)}.
+    Without modules.json: mean, Normalize, cosine (docs/plumbing.md: read_scoring)."""
     f = model_file(path, "modules.json")
     modules = read_json(f) if f else None
     if not isinstance(modules, list):
@@ -116,13 +114,9 @@ def _module_folder(name_or_path: str, subfolders: Sequence[str]) -> Optional[Pat
         return None
 
 def load_post_pooling(name_or_path: str, hidden_size: int, trust_remote_code: bool = False) -> PostPooling:
-    """The PostPooling of a model: the modules its modules.json lists after its Pooling module, loaded by
-    sentence-transformers itself (a SentenceTransformer over those modules alone, so the transformer is not loaded
-    twice), and config_sentence_transformers.json's truncate_dim. Refused here, by the module's name, before any
-    work: a module between the transformer and the pooling (xprt pools the encoder's token states itself), a module
-    after pooling whose output depends on the input's kind (Router / Asym: `forward_kwargs` such as task, or
-    modules.json "kwargs"; the losses do not tell queries from documents), and a module that does not map
-    (N, hidden_size) sentence vectors to sentence vectors."""
+    """The PostPooling of a model: the modules its modules.json lists after Pooling, loaded by sentence-transformers,
+    and its truncate_dim. Refused by the module's name, before any work: a module before pooling, one whose output
+    depends on the input's kind (Router / Asym), one that does not map (N, hidden_size) vectors to vectors."""
     f = model_file(name_or_path, "modules.json")
     modules = read_json(f) if f else None
     if not isinstance(modules, list) or not modules:
@@ -181,16 +175,11 @@ def load_post_pooling(name_or_path: str, hidden_size: int, trust_remote_code: bo
 def save_model_folder(out_dir, base, state_dict: dict, tokenizer, heads: dict, xprt_config: dict, info: ModelInfo,
                       model_card: Optional[str] = None, post_pooling: Optional[PostPooling] = None,
                       code_files: Optional[dict] = None, check=None):
-    """A complete sentence-transformers model folder, written to a temporary sibling and renamed into place (an
-    existing out_dir is replaced; refusing it unless --overwrite is the script's job): the encoder `base` with
-    `state_dict` as safetensors (loadable by transformers.AutoModel), the tokenizer, modules.json (Transformer,
-    Pooling, the start's modules after pooling (post_pooling, each saved by its own sentence-transformers `save`, with
-    its truncate_dim), and Normalize when info.normalize and none of those is one), config_sentence_transformers.json
-    (the prompts, which encode_query / encode_document apply and evaluate.py reads, and info.similarity_fn_name),
-    sentence_bert_config.json (the length limit), xprt_heads.safetensors (heads: the decoder and MLM head, so training
-    can continue), xprt_config.json (xprt_config plus `info`), the card README.md, and the start's own code
-    (code_files: model_folder.remote_code_files), which config.json's auto_map names. check(folder): called on the
-    written temporary before the rename (training.check_saved_folder loads it back the way users do); its error leaves
+    """A complete sentence-transformers model folder, written to a temporary sibling and renamed into place: the
+    encoder `base` with `state_dict` as safetensors, the tokenizer, modules.json (Transformer, Pooling, post_pooling,
+    Normalize when info.normalize), config_sentence_transformers.json (prompts, similarity), sentence_bert_config.json
+    (the length limit), xprt_heads.safetensors, xprt_config.json (xprt_config plus `info`), the card README.md, and
+    the start's code (code_files). check(folder): called on the temporary before the rename; its error leaves
     out_dir as it was."""
     from safetensors.torch import save_file
     from sentence_transformers.sentence_transformer.modules import Normalize
@@ -251,10 +240,8 @@ def heads_config(model) -> dict:
     return {"objective": model.objective_name, **model.objective.config()}
 
 def complete_base_state_dict(model) -> dict:
-    """The encoder's weights as the architecture's AutoModel class holds them, with the pooler the MLM model's base
-    lacks (docs/plumbing.md: complete_base_state_dict): the start checkpoint's, unchanged (load_mlm_encoder keeps it;
-    mean pooling never reads it), or, when the start had none, the architecture's own initialisation (seeded, without
-    touching the global RNG)."""
+    """The encoder's weights as AutoModel holds them, with the pooler the MLM base lacks: the start's, else a
+    seeded init (docs/plumbing.md: complete_base_state_dict)."""
     sd = dict(model.base.state_dict())
     sd.update({k: v for k, v in getattr(model.encoder, "xprt_base_extras", {}).items() if k not in sd})
     with torch.device("meta"):
@@ -282,13 +269,10 @@ def load_xprt_folder(cls, path: str, objective: Optional[str] = None, mlm_head_f
     """cls (modeling_xprt.XPRTModel) from any checkpoint (hub id, folder, the MiniLM alias) or a folder written by
     save_xprt_folder.
 
-    A save_pretrained folder gets its MLM head back and, when `objective` is the one its heads were trained
-    with, the objective's heads and settings (xprt_config.json "heads"); the heads of another objective are
-    carried through unchanged (a PAIR fine-tuning of an xPRT folder keeps its decoder for later pre-training).
-    Any other checkpoint gets a fresh head tied to the word embeddings, or `mlm_head_from`'s (load_mlm_encoder).
-    kw go to XPRTModel.__init__ (and the objective) and override the folder's settings. The model's
-    load_message says which happened. prefixes: "auto" (common.model_prompts' rule), "e5" or "none".
-    hub_model_id: the Hub repository the trained model will be pushed to (recorded in its folder)."""
+    A save_pretrained folder gets its MLM head back and, for the same `objective`, its heads and settings; another
+    objective's heads are carried through unchanged. Any other checkpoint gets a fresh tied head, or
+    `mlm_head_from`'s. kw go to XPRTModel.__init__ and override the folder's settings. prefixes: "auto"
+    (common.model_prompts), "e5" or "none". hub_model_id: where the trained model will be pushed."""
     from safetensors.torch import load_file
 
     name, path = path, resolve_model_path(path)
@@ -391,10 +375,8 @@ def checkpoint_tensors(path: str, keys: Sequence[str], prefix: str) -> dict:
     return out
 
 def attention_kwargs(path: str, loader=None, trust_remote_code: bool = False) -> tuple:
-    """({"attn_implementation": ...}, note) for loading `path` with `loader` (an Auto class; AutoModel by default):
-    SDPA where the architecture has it, else the architecture's own default, said in the note (docs/plumbing.md:
-    attention_kwargs). A config transformers does not map (remote code) gets sdpa, and transformers says whether it
-    has it."""
+    """({"attn_implementation": ...}, note) for loading `path` with `loader` (default AutoModel): SDPA where the
+    architecture has it, else its default, said in the note (docs/plumbing.md: attention_kwargs)."""
     from transformers import AutoConfig, AutoModel
 
     loader = loader or AutoModel
@@ -406,12 +388,9 @@ def attention_kwargs(path: str, loader=None, trust_remote_code: bool = False) ->
 
 def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, trust_remote_code: bool = False,
                      pooling: str = "mean"):
-    """Any checkpoint AutoModelForMaskedLM loads, with SDPA attention where its architecture has it -> (model,
-    message); refused here, before any work starts, when xprt cannot take it apart (check_layers, check_mlm_head).
-    A checkpoint without an MLM head (E5, MiniLM) gets a fresh one (docs/plumbing.md: load_mlm_encoder);
-    `mlm_head_from` copies another checkpoint's trained head instead (the projection stays tied to OUR word
-    embeddings). The message says which happened, and which attention runs. pooling: the sentence vector the model is
-    used with ("mean" or "cls"), for the message."""
+    """Any checkpoint AutoModelForMaskedLM loads, SDPA where it has it -> (model, message); refused before any work
+    when xprt cannot take it apart. Without an MLM head it gets a fresh one, or `mlm_head_from`'s
+    (docs/plumbing.md: load_mlm_encoder). pooling ("mean" or "cls"): for the message."""
     from transformers import AutoModelForMaskedLM
 
     path = resolve_model_path(name_or_path)
@@ -470,11 +449,9 @@ def load_mlm_encoder(name_or_path: str, mlm_head_from: Optional[str] = None, tru
     return model, message
 
 def remote_code_files(name_or_path: str, config, trust_remote_code: bool) -> dict:
-    """The code a model's config.json `auto_map` names, and the files those import relatively (from .x import y),
-    read from the model's folder or Hub repository -> {file name: text}. save_model_folder writes them beside the
-    saved config.json, whose auto_map still names them (docs/plumbing.md: remote_code_files). An entry naming another
-    repository ("owner/repo--module.Class") is left to the Hub. With --trust_remote_code a named file that cannot be
-    read is refused here, before any work; without it the code never runs, and what exists is carried."""
+    """The code a model's config.json `auto_map` names, and the files those import relatively -> {file name: text}
+    (docs/plumbing.md: remote_code_files). Another repository's entry is left to the Hub; with --trust_remote_code
+    a named file that cannot be read is refused before any work."""
     from transformers.dynamic_module_utils import get_relative_imports
     from transformers.utils import cached_file
 
@@ -539,10 +516,8 @@ LOCAL_SECTION_START, LOCAL_SECTION_END = "<!-- xprt:local-evaluation -->", "<!--
 def hub_base_model(name_or_path: str) -> Optional[str]:
     """The Hub id a model card's base_model can name for a start model, or None when there is none to name.
 
-    The offline MiniLM alias is sentence-transformers/all-MiniLM-L6-v2; a folder this repository saved names the Hub
-    repository it was pushed to (xprt_config.json hub_model_id), else the base_model it recorded itself, i.e. its own
-    start's; any other local folder names none (its Hub origin is unknown: a local path on a card means nothing to a
-    reader); a name that is not a local path is a Hub id (from_pretrained loaded it as one)."""
+    The MiniLM alias names sentence-transformers/all-MiniLM-L6-v2; our folder its hub_model_id, else its recorded
+    base_model; another local folder none; any other name is a Hub id."""
     if name_or_path in MINILM_ALIASES:
         return ALL_MINILM_HUB_ID
     if os.path.isdir(name_or_path):
@@ -645,11 +620,9 @@ def transformers_usage(info: ModelInfo, model_id: str) -> tuple:
 
 def model_card(args, info: ModelInfo, title: str, script: str, argv: Sequence[str], summary: dict,
                datasets: Optional[list] = None) -> str:
-    """The saved folder's README.md: Hub metadata (card_metadata), usage code for sentence-transformers (with the
-    saved prompts) and for plain transformers (prefix + pooling + L2: transformers_usage), the training command
-    without local paths, and a loss summary. evaluate.py adds the evaluation table (add_eval_results_to_card).
-    args: the script's flags; info: the model's ModelInfo; script, argv: the command that trained it; summary:
-    {"steps", "processes", "rows", "unit", "last_logged_step"}; datasets: the Hub datasets it was trained on."""
+    """The saved folder's README.md: Hub metadata, usage code (sentence-transformers, transformers_usage), the
+    training command without local paths, a loss summary. args: the flags; info: ModelInfo; script, argv: the
+    command; summary: {"steps", "processes", "rows", "unit", "last_logged_step"}; datasets: the Hub datasets."""
     from huggingface_hub import ModelCard
 
     prompts, base_model, hub_id = info.prompts, info.base_model, args.hub_model_id
@@ -761,11 +734,9 @@ def add_eval_results_to_card(model_dir, results: dict, source: str, local: bool 
 
     results: {task: {"metric": mteb's main metric (e.g. "ndcg_at_10"), "score": percent, optional "dataset_id",
     "split", "revision" (the task's Hub dataset), "data" (what was scored, for local runs)}}; source: how they were
-    obtained (evaluate.py and mteb's version; never a local path). Full standard tasks (local=False) go into the
-    "Evaluation" section and the Hub's `model-index` (a dataset id, split and revision where the task names them).
-    Local folders and --limit samples (local=True) are not the tasks the Hub's leaderboards mean: they go into a
-    section of their own, "Scores on local data", with what was scored, and never into `model-index`. A task scored
-    again replaces its row, and the replaced score is printed; the rest of the card stays as it was."""
+    obtained (never a local path). Full standard tasks (local=False) go into "Evaluation" and the Hub's
+    `model-index`; local data and --limit samples (local=True) into "Scores on local data" only. A task scored
+    again replaces its row (the replaced score printed)."""
     from huggingface_hub import EvalResult, ModelCard
 
     path = Path(model_dir) / "README.md"

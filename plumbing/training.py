@@ -7,9 +7,7 @@ What the two training loops (train.py's and finetune.py's, each written in its s
   4. a run's identity: the folder's lock, the run record a resume or a rerun is checked against
   5. checkpoints, resume, stop signals, the saved model and its card
   6. the flags both stages share
-A step walks down the floors once: the script's loop -> XPRTModel (modeling_xprt.py) -> the encoder's layers
-(architectures.py). It imports modeling_xprt.py and the plumbing beside it (batches.py, run_log.py, model_folder.py,
-common.py, architectures.py).
+It imports modeling_xprt.py and the plumbing beside it.
 """
 
 from __future__ import annotations
@@ -57,9 +55,8 @@ def log_score(accelerator, args, scorer, model, step: int, epoch: int, window=No
     return rec
 
 def uncompiled():
-    """Inside, --compile's layers run eagerly (torch.compiler.set_stance "force_eager"): passes beside the training
-    step (scoring during training, the drift's forward) would otherwise compile graphs of their own, one per shape
-    and grad mode, for a few calls each. A no-op without --compile."""
+    """Inside, --compile's layers run eagerly (set_stance "force_eager"), so passes beside the step (scoring, the
+    drift) compile no graphs of their own. A no-op without --compile."""
     return torch.compiler.set_stance("force_eager")
 
 def say_stopped(accelerator, args, signum: int, state: "TrainState") -> str:
@@ -80,10 +77,8 @@ def epoch_batches(accelerator, dataloader, sampler, state: "TrainState", epoch: 
     return accelerator.skip_first_batches(dataloader, skip) if skip else dataloader
 
 def gradient_cache_step(accelerator, model, batch, chunk: int, **kw) -> dict:
-    """--gradient_cache_chunk: XPRTModel.cached_step under Accelerate (it runs its own backward passes, chunk by
-    chunk). They run without DDP's reduction per backward (no_sync), and the step's gradients are all-reduced once,
-    on its last micro-batch, as DDP averages them; mixed precision through accelerator.autocast, as prepared
-    forwards get it."""
+    """--gradient_cache_chunk: XPRTModel.cached_step under Accelerate: its backward passes under no_sync, the
+    gradients all-reduced once on the last micro-batch; mixed precision through accelerator.autocast."""
     unwrapped = accelerator.unwrap_model(model)
     with accelerator.no_sync(model), accelerator.autocast():
         outputs = unwrapped.cached_step(batch, chunk, accelerator.backward, **kw)
@@ -116,10 +111,8 @@ def all_reduce_mean(grads: list, world: int, bucket_bytes: int = 25 * 2**20):
 # ==============================================================================================================
 
 def load_model(accelerator, args, **kw):
-    """load_xprt_folder(XPRTModel, --model_name_or_path, **kw) and its tokenizer, for train.py and finetune.py: loaded
-    whole even under ZeRO-3 (DeepSpeed partitions the model at prepare; fine-tuning mines with it before), the
-    tokenizer checked against the embedding matrix, the prefixes printed, the tied projection registered for ZeRO-3,
-    gradient checkpointing on when asked."""
+    """load_xprt_folder(XPRTModel, --model_name_or_path, **kw) and its tokenizer, for train.py and finetune.py:
+    loaded whole even under ZeRO-3, the tokenizer checked against the embeddings, the prefixes printed."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model_name_or_path),
@@ -160,17 +153,14 @@ def check_input_length(model, name: str, flag: str, value: int, extra: int = 0, 
                         + (f" ({why})" if why else "") + f": pass {flag} {max(most - extra, 0)} or less")
 
 def engine_dtype(accelerator) -> torch.dtype:
-    """The dtype a prepared model's weights compute in: bf16 / fp16 under DeepSpeed's bf16 / fp16, which casts the
-    model itself; otherwise fp32 (autocast, where --mixed_precision asks for it, recasts inside each op). A model
-    that runs beside the prepared one and must compute as it does (the frozen retention teacher) takes this dtype."""
+    """The dtype a prepared model's weights compute in: bf16 / fp16 under DeepSpeed's, else fp32 (autocast recasts
+    inside each op). The frozen retention teacher takes this dtype."""
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     return torch.float32
 
 def register_tied_projection(accelerator, model):
-    """Under ZeRO-3: the tied vocabulary projection (= the word embeddings) and its bias are read by the vocabulary
-    terms outside the modules that own them, so ZeRO-3 must keep them gathered for the whole forward and backward
-    (a no-op otherwise)."""
+    """Under ZeRO-3, keep the tied vocabulary projection and its bias (read outside their modules) gathered."""
     if is_zero3(accelerator):
         import deepspeed
 
@@ -179,9 +169,8 @@ def register_tied_projection(accelerator, model):
 
 def optimizer_groups(model, learning_rate: float, head_learning_rate=None, weight_decay: float = 0.01):
     """AdamW parameter groups: no decay on biases and LayerNorm weights (BERT recipe); the heads
-    (XPRTModel.head_parameters: the decoder, the MLM head's transform and bias) at head_learning_rate (None: the
-    encoder's). The tied vocabulary projection IS the word-embedding matrix: named_parameters lists it once,
-    under the encoder, so it keeps the encoder's lr. Frozen parameters and empty groups are left out."""
+    (XPRTModel.head_parameters) at head_learning_rate (None: the encoder's); the tied projection at the encoder's.
+    Frozen parameters and empty groups are left out."""
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight")
     head_ids = {id(p) for p in model.head_parameters()}
     head_lr = learning_rate if head_learning_rate is None else head_learning_rate
@@ -267,10 +256,8 @@ def make_accelerator(args, find_unused_parameters: bool):
     return accelerator
 
 def launcher_processes(pid: int | None = None):
-    """The processes `accelerate launch` was asked for (`--num_processes N` on its command line), read from the
-    launching process (this process's parent; /proc, so Linux) -- None when the parent is no accelerate launch or
-    names no count. accelerate passes the count to no environment variable of a single process it starts, so this
-    is where a launch of N processes that became one can be seen."""
+    """The `--num_processes N` of the parent `accelerate launch` (/proc, so Linux), or None: how a launch of N
+    processes that became one is seen (accelerate sets no variable for a single process)."""
     try:
         raw = Path(f"/proc/{os.getppid() if pid is None else pid}/cmdline").read_bytes()
     except OSError:
@@ -302,9 +289,8 @@ def matmul_precision_policy():
 
 @contextlib.contextmanager
 def unpartitioned_loading():
-    """Load models whole inside this block, even under DeepSpeed ZeRO-3: a model we use ourselves, unprepared (the
-    frozen retention teacher; the fine-tuning start model while it mines negatives before prepare), would otherwise
-    run on empty shards (docs/plumbing.md: unpartitioned_loading)."""
+    """Load models whole inside this block, even under ZeRO-3: an unprepared model (the retention teacher) would
+    otherwise run on empty shards (docs/plumbing.md: unpartitioned_loading)."""
     from transformers.integrations import deepspeed as hf_ds
 
     registered = hf_ds._hf_deepspeed_config_weak_ref
@@ -332,12 +318,9 @@ def prepare_output_dir(accelerator, args, script: str, inputs: dict, extra_outpu
     Then the run's identity (section 4): the folder locked for this run (take_run_lock), --resume_from_checkpoint
     resolved ('latest': the newest complete checkpoint, none: a fresh run) and checked against the run that wrote
     it, a fresh run against a killed one's record (check_same_run); run.json written.
-    A finished run (model/) or its checkpoints are refused unless --overwrite (or resuming). A fresh run starts
-    fresh outputs: --overwrite, or a killed run's that logged no step or was this same run, removes the recorded
-    outputs this run rewrites from its start (checkpoints, logs, train_log.jsonl, ...); model/ stays until the new
-    one replaces it in one rename (common.atomic_path), so a run that fails leaves the previous model. A resume cuts
-    train_log.jsonl back to its checkpoint's step. Every process checks; the main one changes the folder after a
-    barrier (docs/plumbing.md: prepare_output_dir)."""
+    A finished run (model/) or its checkpoints are refused unless --overwrite (or resuming); a fresh run removes the
+    recorded outputs it rewrites, model/ stays until replaced in one rename. A resume cuts train_log.jsonl back to
+    its checkpoint's step (docs/plumbing.md: prepare_output_dir)."""
     out = Path(args.output_dir)
     outputs = (*RUN_OUTPUTS, *extra_outputs)
     if args.resume_from_checkpoint not in (None, "latest"):  # a checkpoint of this very run is no outside input
@@ -370,10 +353,8 @@ def prepare_output_dir(accelerator, args, script: str, inputs: dict, extra_outpu
     accelerator.wait_for_everyone()
 
 def prepare_run(accelerator, args, model, optimizer, dataloader):
-    """accelerator.prepare, then what follows from the prepared (sharded: per process) loader's length: the run's
-    steps (--max_train_steps, else epochs) and its checkpoint interval (checkpoint_interval), the lr scheduler
-    (--warmup_ratio, then --lr_scheduler_type), the TrainState registered for checkpoints and, with
-    --resume_from_checkpoint, resumed; the trackers started
+    """accelerator.prepare, then from the prepared loader's length the run's steps, its checkpoint interval, the lr
+    scheduler, the TrainState (resumed with --resume_from_checkpoint); the trackers started
     -> (model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch)."""
     from transformers import get_scheduler
 
@@ -403,16 +384,10 @@ def prepare_run(accelerator, args, model, optimizer, dataloader):
     return model, optimizer, dataloader, lr_scheduler, state, steps_per_epoch
 
 def compile_layers(model, mode: str) -> str:
-    """--compile: regional compilation (the form transformers and accelerate document): every Transformer layer of a
-    class the model repeats in a list, in the model (the encoder's, the objective's decoder: RetroMAE's single layer
-    too) and in the models an objective holds outside it (Objective.held_modules: SimLM's generator, Revela's LM),
-    compiled in place (nn.Module.compile, so parameter names, checkpoints and saved folders stay as they are). The
-    layers of a class share one compiled graph per input shape; the code around them (pooling, the losses, the
-    chunked vocabulary terms) stays eager. Shapes are static (dynamic=False): --pad_to_multiple_of keeps a run's
-    batch widths few, and dynamo's recompile limit is raised to hold them all (a shape over the limit would run
-    eagerly, silently). mode: torch.compile's ("default"; "reduce-overhead" adds CUDA graphs on a GPU, one per
-    shape; "max-autotune-no-cudagraphs"), or "exact": default's with eager's dropout (inductor's fallback_random,
-    torch's generator: the eager run's losses, tests/test_compile.py). -> the line the run prints."""
+    """--compile: regional compilation: every Transformer layer of a class the model repeats in a list, in the model
+    and in Objective.held_modules, compiled in place (nn.Module.compile: names and checkpoints unchanged); the code
+    around them stays eager. Static shapes, dynamo's recompile limit raised to hold a run's batch widths.
+    mode: torch.compile's, or "exact": default's with eager's dropout (tests/test_compile.py). -> the line printed."""
     import torch._dynamo
 
     roots = [model] + [held for m in model.modules() for held in getattr(m, "held_modules", ())]
@@ -461,9 +436,8 @@ WATCH_FLAGS = frozenset({
     "min_in_batch_negatives", "ignore_memory_estimate"})
 
 def take_run_lock(accelerator, lock: Path):
-    """Lock the run folder for this run (the main process): run.lock holds the owner's pid, its start time and the
-    host. A live owner refuses the run; a dead one's lock (a killed run) is taken over, and said. A lock of another
-    host cannot be checked from here: refused, naming it. Released at exit (release_run_lock)."""
+    """Lock the run folder (main process): run.lock holds the owner's pid, start time and host. A live owner or
+    another host refuses the run; a dead one's lock is taken over, and said. Released at exit (release_run_lock)."""
     import psutil
 
     me = psutil.Process()
@@ -519,9 +493,8 @@ def checkpoint_to_resume(accelerator, args):
     return path
 
 def check_same_run(accelerator, args, inputs: dict, out: Path, checkpoint) -> dict:
-    """This run's identity (run_identity), checked against the run it continues: a resume against the record its
-    checkpoint carries, a fresh run against a killed run's run.json when that run logged a step (one that did not
-    has nothing to keep). A difference is refused naming each one; --overwrite starts afresh -> the identity."""
+    """This run's identity (run_identity), checked against its checkpoint's record (a resume) or a killed run's
+    run.json that logged a step; a difference is refused naming each one -> the identity."""
     recorded = out / RUN_RECORD if checkpoint is None else checkpoint / RUN_RECORD
     then = read_json(recorded)
     now = run_identity(accelerator, args, inputs, known=then)
@@ -552,12 +525,9 @@ def run_identity(accelerator, args, inputs: dict, known=None) -> dict:
             "inputs": {f: content_digest(paths, cache) for f, paths in local.items()}, "code": code_revision()}
 
 def content_digest(paths, cache: dict) -> dict:
-    """sha256 over the files under `paths` (their names relative to each path, and their bytes; hidden files and
-    the '.tmp-' leftovers of atomic writes skipped) -> {"sha256", "paths", "files": {file: [size, mtime_ns, sha256,
-    ctime_ns, inode]}}. Trusted unread: a file whose size, mtime, ctime and inode equal `cache`'s entry (an older
-    [size, mtime, sha256] never does): a write or rename moves the ctime, which cp -p, touch -r or rsync -t cannot
-    set. Not caught: a rewrite in the last hash's clock tick, a file system without ctimes (docs/plumbing.md:
-    content_digest)."""
+    """sha256 over the files under `paths` (relative names and bytes; hidden and '.tmp-' files skipped) ->
+    {"sha256", "paths", "files": {file: [size, mtime_ns, sha256, ctime_ns, inode]}}. A file whose stat equals
+    `cache`'s entry is trusted unread (docs/plumbing.md: content_digest)."""
     total, files = hashlib.sha256(), {}
     for root in map(Path, paths):
         found = [root] if root.is_file() else sorted(
@@ -649,13 +619,9 @@ class TrainState:
         self.resumed_window = state.get("log_window")
 
 class StopSignals:
-    """train_loop's handler of STOP_SIGNALS (common.py: what schedulers send) while it runs: the handler only notes
-    the signal (a checkpoint written from inside a handler could interrupt the step half-way); the loop reads it
-    after each optimiser step. Every process must stop at the same step (save_state is collective), so with several
-    processes the note is agreed (`agreed`: max) over a CPU (gloo) group: no wait on the GPU's stream. The loader's
-    workers leave the signals to this process (batches.leave_stop_signals_to_the_main_process). restore() puts the
-    previous handlers back (run_script's). One process stops at once (common.Stopped) before its first step is done
-    (the start's scoring, the first compile), and leaves a later scoring for the step's checkpoint (scoring())."""
+    """train_loop's handler of STOP_SIGNALS (common.py): the handler only notes the signal; the loop reads it after
+    each optimiser step, agreed over processes (`agreed`: max, a gloo group). restore() puts the previous handlers
+    back. Before the first step one process stops at once (common.Stopped)."""
 
     def __init__(self, accelerator):
         self.signum, self.previous, self.group = 0, {}, None
@@ -759,9 +725,8 @@ def resume(accelerator, args, state):
     accelerator.print(f"resumed from {args.resume_from_checkpoint} at step {state.completed_steps}")
 
 def save_model(accelerator, model, tokenizer, dest: Path, card: str, trust_remote_code: bool = False):
-    """model_folder.save_xprt_folder (atomic: a reader never sees half a model), said "saved" only once the written
-    folder loads back the way users load it and gives this model's vectors (check_saved_folder); a model with
-    non-finite weights is never written."""
+    """model_folder.save_xprt_folder (atomic), said "saved" once it loads back with this model's vectors
+    (check_saved_folder); non-finite weights are never written."""
     unwrapped = accelerator.unwrap_model(model)
     # every process: under ZeRO-3 a forward gathers each layer's shards from all of them (and inside
     # gathered_params below it would release them again)
@@ -792,12 +757,9 @@ def save_model_with_card(accelerator, args, model, tokenizer, card: dict, log_pa
     save_model(accelerator, model, tokenizer, dest, text, args.trust_remote_code)
 
 def export_checkpoint(request, parse_args, build_model, script: str) -> dict:
-    """--export_checkpoint (request: the script's parsed flags, which parse_args returns unchecked when it is given):
-    a checkpoint's model as a model folder, <--output_dir>/model, as a finished run writes it, by the code that
-    trained it: the run's flags and inputs read from the checkpoint's run.json, the model built as the run built
-    it (build_model: train.py's load_pretraining_model, finetune.py's load_model), every tensor of the checkpoint's
-    model.safetensors loaded into it (strict), then save_model_with_card (loaded back and checked before "saved").
-    The start model must still be the bytes the run started from -> {"exported": the model folder, "step"}."""
+    """--export_checkpoint (request: the parsed flags): a checkpoint's model as <--output_dir>/model, as a finished
+    run writes it: the run's flags from its run.json, the model built as the run built it (build_model), the
+    checkpoint's tensors loaded (strict), then save_model_with_card -> {"exported": the model folder, "step"}."""
     from accelerate import Accelerator
     from safetensors.torch import load_model as load_safetensors_into
 
@@ -872,11 +834,8 @@ def probe_vectors(model, tokenizer) -> torch.Tensor:
         model.train(was_training)
 
 def check_saved_folder(folder: Path, ours: torch.Tensor, device, trust_remote_code: bool) -> dict:
-    """Load a just-written model folder as its users will, sentence_transformers.SentenceTransformer (which loads
-    the encoder with transformers' AutoModel, its custom code with the run's --trust_remote_code) on `device`, and
-    check its vectors of PROBE_TEXTS equal the run's own (`ours`: probe_vectors; allclose, atol 1e-4) ->
-    {"texts", "max_abs_diff"}. A folder that fails to load, or loads as another model, is refused here, before it
-    replaces anything."""
+    """Load a just-written model folder as its users will (SentenceTransformer) and check its vectors of PROBE_TEXTS
+    equal the run's own (`ours`; atol 1e-4) -> {"texts", "max_abs_diff"}; else refused before it replaces anything."""
     from sentence_transformers import SentenceTransformer
 
     try:
@@ -894,10 +853,8 @@ def check_saved_folder(folder: Path, ours: torch.Tensor, device, trust_remote_co
     return {"texts": len(PROBE_TEXTS), "max_abs_diff": diff}
 
 def save_run(accelerator, args, model, tokenizer, finished: bool, card: dict, stopped_by=None):
-    """End of a run: the loss-curve picture, and for a finished run the model folder with its card (model_card(args,
-    info, **card), with the losses of the last logged step), then the Hub upload (--push_to_hub). A run a signal
-    stopped before its end (stopped_by, train_loop's answer) exits with the shell's status for it, 128 + its
-    number (143 for SIGTERM), so a scheduler sees it stopped rather than finished."""
+    """End of a run: the loss-curve picture, for a finished run the model folder with its card, then the Hub upload
+    (--push_to_hub). A run a signal stopped exits 128 + its number (143 for SIGTERM)."""
     out = Path(args.output_dir)
     log_path = out / "train_log.jsonl"
     accelerator.wait_for_everyone()
