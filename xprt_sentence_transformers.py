@@ -84,7 +84,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from modeling_xprt import (ConditionedDecoder, LossWeights, XPRTModel, gather_with_grad,
+from modeling_xprt import (ConditionedDecoder, LossWeights, XPRTModel,
                            group_lengths, retention_weight)
 from plumbing.architectures import encoder_pieces, head_params, layer_runner, vocab_matrix
 from plumbing.batches import LengthGroupedBatchSampler, SeededCollate, document_keys
@@ -123,7 +123,7 @@ def distributed() -> bool:
 
 class _AverageGradients(torch.autograd.Function):
     """Identity on the loss; its backward queues, for the end of the backward pass, the average over
-    the processes of every gradient the loss's parameters hold (train.py: DDP's average). The
+    the processes of every gradient the loss's parameters hold (train.py's DDP average). The
     trainer wraps the SentenceTransformer in DDP, but the loss never calls that wrapper (it runs the
     encoder through XPRTModel), so DDP syncs nothing, and the heads are outside it: the one sync.
     gather_with_grad's backward sums every process's gradients into its rows; the average then gives
@@ -303,12 +303,11 @@ class XPRTLoss(nn.Module):
         else:
             out = self.xprt(batch, teacher=self.teacher, retention_weight=w)
             loss = out["loss"]
-        # what L_xp's same-document mask left each row (train.py logs it too)
-        docs = batch["doc_ids"]
-        others = docs.unsqueeze(1) != gather_with_grad(docs).unsqueeze(0)  # (N, N * world)
-        out["in_batch_negatives"] = others.sum(1).double().mean()
-        for k, v in out.items():  # the total as xprt_loss: the trainer logs its own "loss"
-            self.logged.setdefault("xprt_loss" if k == "loss" else k, []).append(float(v.detach()))
+        # the scalars (in_batch_negatives too; not the per-row counts) as train.py logs them;
+        # the total as xprt_loss: the trainer logs its own "loss"
+        for k, v in out.items():
+            if torch.is_tensor(v) and v.dim() == 0:
+                self.logged.setdefault("xprt_loss" if k == "loss" else k, []).append(float(v.detach()))
         if distributed() and loss.requires_grad:
             return _AverageGradients.apply(loss, [p for p in self.parameters() if p.requires_grad])
         return loss

@@ -38,9 +38,13 @@ def same_random_numbers():
 
 
 # the losses each objective logs, and a tolerance per precision: fp32's differ by reduction order (a few ulps of
-# each term, compounded by 3 optimiser steps at lr 1e-3); bf16 autocast rounds each matmul input to 8 bits of
-# mantissa (eps 2^-8 = 3.9e-3), and a fused kernel rounds at other points than eager's
+# each term); bf16 autocast rounds each matmul input to 8 bits of mantissa (eps 2^-8 = 3.9e-3), and a fused kernel
+# rounds at other points than eager's. Step 1 is compiled too (no step runs eagerly), so its backward's rounding
+# reaches AdamW's first update, g / (|g| + eps) per element, which turns it into up to whole-lr steps: measured at
+# step 2 on contriever, 2.6e-3 relative at lr 1e-3, 6e-5 at lr 1e-5. Step 1 (the forward alone) keeps 2e-5; later
+# steps, at lr 1e-5, 1e-4.
 TOLERANCE = {"no": 2e-5, "bf16": 2e-2}
+LATER_STEPS = {"no": 1e-4, "bf16": 2e-2}
 
 
 def _objective_args(name, tiny_generator, tiny_bert, tmp_path):
@@ -63,7 +67,7 @@ def test_compiled_run_logs_the_eager_runs_losses(objective, precision, tiny_bert
     def train(name, *compile_flag):
         out = tmp_path / name
         run(base_args(tiny_bert, groups, out, **{"--max_train_steps": 3, "--num_related": 2, "--max_length": 24,
-                                                 "--learning_rate": 1e-3, "--pad_to_multiple_of": 32,
+                                                 "--learning_rate": 1e-5, "--pad_to_multiple_of": 32,
                                                  "--mixed_precision": precision, "--no_save_model": True,
                                                  **objective_args}) + list(compile_flag))
         return read_log(out)
@@ -80,7 +84,8 @@ def test_compiled_run_logs_the_eager_runs_losses(objective, precision, tiny_bert
     assert "loss" in losses and len(losses) >= 2
     for step in eager:
         for k in losses:
-            assert compiled[step][k] == pytest.approx(eager[step][k], rel=TOLERANCE[precision], abs=1e-6), \
+            rel = TOLERANCE[precision] if step == 1 else LATER_STEPS[precision]
+            assert compiled[step][k] == pytest.approx(eager[step][k], rel=rel, abs=1e-6), \
                 (objective, precision, step, k)
     assert torch._dynamo.utils.counters["graph_break"] == {}, dict(torch._dynamo.utils.counters["graph_break"])
     rec = compiled[3]

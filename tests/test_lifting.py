@@ -65,7 +65,7 @@ def run(mx, tok_path):
         opt.zero_grad()
         updated = sum(not torch.equal(before[n], p) for n, p in model.named_parameters())
         after = model(batch)["loss"].item()
-        result = {k: float(v.detach()) for k, v in out.items()}
+        result = {k: float(v.detach()) for k, v in out.items() if v.dim() == 0}
         result.update(loss_after_step=after, params=len(before), params_with_grad=with_grad, params_updated=updated,
                       batch_shape=list(batch["input_ids"].shape), decoder_passes=int(batch["dec_input_ids"].shape[1]))
         return result
