@@ -86,6 +86,7 @@ def test_a_trained_models_submission_is_validated_and_read_by_mteb(trained, tmp_
     start = sub / "results" / "sentence-transformers__all-MiniLM-L6-v2" / mteb.get_model_meta(MINILM).revision
     assert sorted(p.relative_to(sub).as_posix() for p in sub.rglob("*") if p.is_file()) == sorted([
         "README.md", "submission.json", "model_meta/local__ft.py",
+        "mock_run/local__ft.md", "mock_run/sentence-transformers__all-MiniLM-L6-v2.md",  # mteb.mock_run's reports
         *(f"{f.relative_to(sub).as_posix()}/{n}" for f in (folder, start)
           for n in ("SciFact.json", "model_meta.json", "run_settings.jsonl"))])
 
